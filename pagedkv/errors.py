@@ -1,0 +1,121 @@
+"""The pagedkv error taxonomy.
+
+Messages are API: an invalid-argument message always reads
+``"<argument>: expected <what was expected>, got <what was got>"`` so that callers
+and tests can match on it. Every error raised by pagedkv derives from
+:class:`PagedKVError`, and each also derives from the builtin a caller would expect
+(``MemoryError``, ``KeyError``, ``ValueError``, ``TypeError``, ``RuntimeError``).
+"""
+from __future__ import annotations
+
+__all__ = [
+    "PagedKVError",
+    "OutOfBlocksError",
+    "SequenceNotFoundError",
+    "SequenceExistsError",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "ShapeError",
+    "DTypeError",
+    "DeviceError",
+    "CacheBusyError",
+    "KernelCompileError",
+    "KernelUnavailableError",
+    "PrefillCancelledError",
+    "ModelUnavailableError",
+    "InternalError",
+    "expected",
+]
+
+
+def expected(argument: str, what: str, got: object) -> str:
+    """Format the standard invalid-argument message."""
+    return f"{argument}: expected {what}, got {got}"
+
+
+class PagedKVError(Exception):
+    """Base class of every error pagedkv raises."""
+
+
+class OutOfBlocksError(PagedKVError, MemoryError):
+    """Capacity ran out. Carries the blocks needed and the blocks free."""
+
+    def __init__(self, needed: int, free: int, what: str = "allocation"):
+        self.needed = int(needed)
+        self.free = int(free)
+        super().__init__(
+            f"out of KV blocks: {what} needs {self.needed} block(s), "
+            f"{self.free} free"
+        )
+
+
+class SequenceNotFoundError(PagedKVError, KeyError):
+    """An operation named a sequence the cache does not hold."""
+
+    def __init__(self, seq_id: object, argument: str = "seq_id"):
+        self.seq_id = seq_id
+        super().__init__(f"{argument}: expected a live sequence id, got {seq_id!r} (unknown)")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class SequenceExistsError(PagedKVError, ValueError):
+    """add/fork named a sequence id that is already live."""
+
+    def __init__(self, seq_id: object, argument: str = "seq_id"):
+        self.seq_id = seq_id
+        super().__init__(f"{argument}: expected a new sequence id, got {seq_id!r} (already live)")
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """A value is out of range or inconsistent with the cache's state."""
+
+
+class InvalidBlockError(InvalidArgumentError):
+    """A block id is out of range, or its state forbids the operation (double free)."""
+
+
+class ShapeError(InvalidArgumentError):
+    """A tensor or array has the wrong shape."""
+
+
+class DTypeError(PagedKVError, TypeError):
+    """A tensor or array has the wrong dtype (pagedkv never casts silently)."""
+
+
+class DeviceError(PagedKVError, ValueError):
+    """A tensor lives on the wrong device."""
+
+
+class CacheBusyError(PagedKVError, RuntimeError):
+    """The operation needs an idle cache (no sequence holds blocks)."""
+
+
+class KernelCompileError(PagedKVError, RuntimeError):
+    """NVRTC rejected a kernel. Carries the compile log and the kernel file name."""
+
+    def __init__(self, filename: str, log: str, options: object = None):
+        self.filename = filename
+        self.log = log
+        self.options = options
+        super().__init__(f"NVRTC failed to compile {filename}:\n{log}")
+
+
+class KernelUnavailableError(PagedKVError, RuntimeError):
+    """The CUDA path was requested but cannot run here (no GPU, no cuda-python)."""
+
+
+class PrefillCancelledError(PagedKVError):
+    """A chunked prefill was cancelled; its committed chunks stay cached."""
+
+
+class ModelUnavailableError(PagedKVError, RuntimeError):
+    """The test model could not be found or fetched; the message says how to get it."""
+
+
+class InternalError(PagedKVError, RuntimeError):
+    """An internal invariant broke. This is a bug in pagedkv: please report it."""
+
+    def __init__(self, what: str):
+        super().__init__(f"internal invariant broken (this is a bug in pagedkv): {what}")

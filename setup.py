@@ -1,0 +1,61 @@
+"""Build the Cython extensions: every .pyx under pagedkv/ becomes one extension module.
+
+The CUDA sources in the top-level cuda/ folder ship inside the wheel as the package
+``pagedkv._cuda_src`` so that ``importlib.resources`` finds them after a non-editable
+install.
+"""
+from pathlib import Path
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+ROOT = Path(__file__).parent
+
+COMPILER_DIRECTIVES = {
+    "language_level": 3,
+    "boundscheck": False,
+    "wraparound": False,
+    "cdivision": True,
+    "initializedcheck": False,
+    "nonecheck": False,
+    "embedsignature": True,
+}
+
+
+def extensions():
+    exts = []
+    for pyx in sorted(ROOT.glob("pagedkv/**/*.pyx")):
+        rel = pyx.relative_to(ROOT).with_suffix("")
+        exts.append(
+            Extension(
+                ".".join(rel.parts),
+                [str(pyx.relative_to(ROOT))],
+                include_dirs=[np.get_include(), str(pyx.parent)],
+                define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+                extra_compile_args=["-O3", "-fno-strict-aliasing"],
+            )
+        )
+    return cythonize(exts, compiler_directives=COMPILER_DIRECTIVES, quiet=True)
+
+
+setup(
+    packages=[
+        "pagedkv",
+        "pagedkv._core",
+        "pagedkv.ops",
+        "pagedkv.kernels",
+        "pagedkv.integrations",
+        "pagedkv.compat",
+        "pagedkv._cuda_src",
+    ],
+    package_dir={"pagedkv._cuda_src": "cuda"},
+    package_data={
+        "pagedkv": ["py.typed", "*.pyi"],
+        "pagedkv._core": ["*.pxd", "*.pyi", "*.h"],
+        "pagedkv.ops": ["*.pyi"],
+        "pagedkv._cuda_src": ["*.cu", "*.cuh", "*.h"],
+    },
+    ext_modules=extensions(),
+    zip_safe=False,
+)
