@@ -1,0 +1,451 @@
+"""CacheConfig: the model shape, block geometry, dtypes and options of one KV cache.
+
+torch is optional here (the bookkeeping core needs only numpy): dtypes are held as
+canonical names (``"float16"``, ``"fp8_e4m3"``, ...), and torch is imported only when a
+torch dtype is passed in or asked for (:attr:`CacheConfig.torch_dtype`).
+"""
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from pagedkv.errors import DTypeError, InvalidArgumentError, expected
+
+__all__ = [
+    "CacheConfig",
+    "MODEL_DTYPE_NAMES",
+    "KV_DTYPE_NAMES",
+    "EVICTION_POLICIES",
+    "parse_bytes",
+    "format_bytes",
+    "dtype_name",
+    "kv_dtype_name",
+]
+
+#: canonical model dtype name -> bytes per element
+MODEL_DTYPE_NAMES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: canonical quantized kv dtype name -> bytes per element
+KV_DTYPE_NAMES: Dict[str, int] = {"fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+EVICTION_POLICIES = ("lru", "priority", "adaptive", "frequency")
+LAYOUTS = ("NHD", "HND")
+
+_DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+_KV_ALIASES = {
+    "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
+    "int8": "int8",
+}
+_SCALE_BYTES = 4  # float32 scale (and int8 zero point) per (token, head, K/V)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Union[int, str], name: str = "memory_budget") -> int:
+    """Parse a byte count: an int, or a string like ``"4GiB"``, ``"512MB"``, ``"1.5 G"``.
+
+    ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` are powers of 1024; ``KB/MB/GB/TB``
+    are powers of 1000. Fractions round down to whole bytes.
+    """
+    if isinstance(value, bool):
+        raise InvalidArgumentError(expected(name, "a byte count (int or a string like '4GiB')", repr(value)))
+    if isinstance(value, numbers.Integral):
+        n = int(value)
+    elif isinstance(value, str):
+        m = _BYTES_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise InvalidArgumentError(
+                expected(name, "a byte count like '4GiB', '512MB' or '1073741824'", repr(value))
+            )
+        n = int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) else int(m.group(1)) * _UNITS[unit]
+    else:
+        raise InvalidArgumentError(expected(name, "a byte count (int or a string like '4GiB')", repr(value)))
+    if n <= 0:
+        raise InvalidArgumentError(expected(name, "a positive byte count", repr(value)))
+    return n
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable binary size, e.g. ``'4.00 GiB'``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _torch_dtype_name(value: Any) -> Optional[str]:
+    """The name of a torch dtype (``torch.float16`` -> ``"float16"``), or None if not one."""
+    if type(value).__name__ != "dtype" or type(value).__module__ != "torch":
+        return None
+    return str(value).replace("torch.", "")
+
+
+def dtype_name(value: Any, name: str = "dtype") -> str:
+    """Canonical model dtype name of a torch dtype or alias string."""
+    raw = _torch_dtype_name(value)
+    if raw is None and isinstance(value, str):
+        raw = value.lower()
+    canon = _DTYPE_ALIASES.get(raw) if raw is not None else None
+    if canon is None:
+        raise DTypeError(expected(name, "float32/fp32, float16/fp16 or bfloat16/bf16", repr(value)))
+    return canon
+
+
+def kv_dtype_name(value: Any, dtype: str, name: str = "kv_dtype") -> Optional[str]:
+    """Canonical kv dtype: None when it equals the model dtype, else a quantized name."""
+    if value is None:
+        return None
+    raw = _torch_dtype_name(value)
+    if raw is None and isinstance(value, str):
+        raw = value.lower()
+    if raw is not None and _DTYPE_ALIASES.get(raw) == dtype:
+        return None
+    canon = _KV_ALIASES.get(raw) if raw is not None else None
+    if canon is None:
+        raise DTypeError(
+            expected(name, f"None, the model dtype ({dtype}), or one of fp8_e4m3/fp8, fp8_e5m2, int8", repr(value))
+        )
+    return canon
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        raise InvalidArgumentError(expected(name, f"an int >= {minimum}", repr(value)))
+    return int(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(expected(name, "True or False", repr(value)))
+    return value
+
+
+def _device_name(value: Any) -> str:
+    text = str(value) if type(value).__name__ == "device" else value
+    if not isinstance(text, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise InvalidArgumentError(expected("device", "'cpu', 'cuda' or 'cuda:N'", repr(value)))
+    return text
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Everything needed to size and allocate one paged KV cache.
+
+    Exactly one of ``num_blocks`` and ``memory_budget`` is given. A budget (bytes, or a
+    string like ``"4GiB"``) counts the device arena: data plus, for quantized
+    ``kv_dtype``, the float32 scale (and int8 zero-point) arenas.
+
+    After validation, ``dtype`` holds a canonical name (``"float16"``), ``kv_dtype`` is
+    ``None`` (store in ``dtype``) or a quantized name (``"fp8_e4m3"``, ``"fp8_e5m2"``,
+    ``"int8"``), ``memory_budget`` is an int and ``device`` a string.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_attention_heads: Optional[int] = None
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    memory_budget: Optional[Union[int, str]] = None
+    dtype: Any = "float16"
+    kv_dtype: Any = None
+    device: Any = "cpu"
+    layout: str = "NHD"
+    # bookkeeping options (semantics live in the manager and the core)
+    enable_prefix_caching: bool = True
+    eviction: str = "lru"
+    priority_classes: int = 3
+    low_watermark: float = 0.05
+    high_watermark: float = 0.15
+    hash_seed: Optional[int] = None
+    host_num_blocks: int = 0
+    shuffle_free_blocks: Optional[int] = None
+    enable_kv_events: bool = False
+    _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        put("num_layers", _check_int("num_layers", self.num_layers, 1))
+        put("num_kv_heads", _check_int("num_kv_heads", self.num_kv_heads, 1))
+        put("head_dim", _check_int("head_dim", self.head_dim, 1))
+        if self.num_attention_heads is not None:
+            nh = _check_int("num_attention_heads", self.num_attention_heads, 1)
+            if nh % self.num_kv_heads:
+                raise InvalidArgumentError(
+                    expected("num_attention_heads", f"a multiple of num_kv_heads ({self.num_kv_heads})", nh)
+                )
+            put("num_attention_heads", nh)
+        put("block_size", _check_int("block_size", self.block_size, 1))
+        put("dtype", dtype_name(self.dtype))
+        put("kv_dtype", kv_dtype_name(self.kv_dtype, self.dtype))
+        put("device", _device_name(self.device))
+        if self.layout not in LAYOUTS:
+            raise InvalidArgumentError(expected("layout", "'NHD' or 'HND'", repr(self.layout)))
+        self._validate_options(put)
+        if (self.num_blocks is None) == (self.memory_budget is None):
+            raise InvalidArgumentError(
+                expected(
+                    "num_blocks",
+                    "exactly one of num_blocks or memory_budget",
+                    "both" if self.num_blocks is not None else "neither",
+                )
+            )
+        if self.num_blocks is not None:
+            put("num_blocks", _check_int("num_blocks", self.num_blocks, 1))
+            put("_resolved_blocks", self.num_blocks)
+        else:
+            budget = parse_bytes(self.memory_budget)
+            put("memory_budget", budget)
+            blocks = budget // self.bytes_per_block
+            if blocks < 1:
+                raise InvalidArgumentError(
+                    expected(
+                        "memory_budget",
+                        f"at least one block ({self.bytes_per_block} bytes)",
+                        f"{budget} bytes",
+                    )
+                )
+            put("_resolved_blocks", blocks)
+
+    def _validate_options(self, put) -> None:
+        put("enable_prefix_caching", _check_bool("enable_prefix_caching", self.enable_prefix_caching))
+        put("enable_kv_events", _check_bool("enable_kv_events", self.enable_kv_events))
+        if self.eviction not in EVICTION_POLICIES:
+            raise InvalidArgumentError(expected("eviction", "one of " + ", ".join(EVICTION_POLICIES), repr(self.eviction)))
+        put("priority_classes", _check_int("priority_classes", self.priority_classes, 1))
+        for name in ("low_watermark", "high_watermark"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= float(v) <= 1.0:
+                raise InvalidArgumentError(expected(name, "a fraction in [0, 1]", repr(v)))
+            put(name, float(v))
+        if self.low_watermark > self.high_watermark:
+            raise InvalidArgumentError(
+                expected("low_watermark", f"<= high_watermark ({self.high_watermark})", self.low_watermark)
+            )
+        if self.hash_seed is not None:
+            seed = _check_int("hash_seed", self.hash_seed, 0)
+            if seed >= 2**64:
+                raise InvalidArgumentError(expected("hash_seed", "an int in [0, 2**64)", seed))
+            put("hash_seed", seed)
+        put("host_num_blocks", _check_int("host_num_blocks", self.host_num_blocks, 0))
+        if self.shuffle_free_blocks is not None:
+            put("shuffle_free_blocks", _check_int("shuffle_free_blocks", self.shuffle_free_blocks, 0))
+
+    # -- derived sizes ------------------------------------------------------------
+
+    @property
+    def quantized(self) -> bool:
+        """True when K/V are stored quantized (fp8 or int8) with scale arenas."""
+        return self.kv_dtype is not None
+
+    @property
+    def cache_dtype(self) -> str:
+        """Name of the element type stored in the data arena."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes per stored K/V element."""
+        return KV_DTYPE_NAMES[self.kv_dtype] if self.quantized else MODEL_DTYPE_NAMES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token across all layers, K and V, including quantization scales."""
+        per_head = self.head_dim * self.element_bytes
+        if self.quantized:
+            per_head += _SCALE_BYTES * (2 if self.kv_dtype == "int8" else 1)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block (``block_size`` tokens) across all layers."""
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def resolved_num_blocks(self) -> int:
+        """``num_blocks``, or the number of whole blocks that fit ``memory_budget``."""
+        return self._resolved_blocks
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the device arenas (data plus scales)."""
+        return self.resolved_num_blocks * self.bytes_per_block
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the cache: ``resolved_num_blocks * block_size``."""
+        return self.resolved_num_blocks * self.block_size
+
+    @property
+    def kv_cache_shape(self) -> Tuple[int, int, int, int, int]:
+        """Per-layer data shape: NHD ``[NB, 2, bs, H, D]``, HND ``[NB, 2, H, bs, D]``."""
+        return self.layer_shape(self.resolved_num_blocks)
+
+    @property
+    def arena_shape(self) -> Tuple[int, ...]:
+        """All-layer data arena shape: ``[num_layers] + kv_cache_shape``."""
+        return (self.num_layers,) + self.kv_cache_shape
+
+    @property
+    def scale_arena_shape(self) -> Optional[Tuple[int, ...]]:
+        """Scale (and int8 zero) arena shape: ``arena_shape`` without ``head_dim``; None unquantized."""
+        return self.arena_shape[:-1] if self.quantized else None
+
+    def layer_shape(self, num_blocks: int) -> Tuple[int, int, int, int, int]:
+        """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too)."""
+        bs, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens (``ceil(num_tokens / block_size)``)."""
+        n = _check_int("num_tokens", num_tokens, 0)
+        return -(-n // self.block_size)
+
+    # -- torch views ---------------------------------------------------------------
+
+    @property
+    def torch_dtype(self):
+        """The model dtype as a torch dtype (imports torch)."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def torch_cache_dtype(self):
+        """The data arena's torch dtype (imports torch)."""
+        import torch
+
+        names = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"}
+        return getattr(torch, names.get(self.cache_dtype, self.cache_dtype))
+
+    # -- construction from a model config -----------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: Any, **overrides: Any) -> "CacheConfig":
+        """Build a config from a Hugging Face model config.
+
+        Args:
+            config: a ``transformers`` config object, a plain dict, or a path to a
+                ``config.json`` (or to a directory holding one). Multimodal configs use
+                their language model's ``text_config`` (also ``llm_config``,
+                ``language_config``).
+            overrides: any CacheConfig field (``num_blocks`` or ``memory_budget`` is
+                required; ``dtype``, ``kv_dtype``, ... as usual). They win over values
+                read from ``config``.
+
+        Reads ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``
+        (absent or None: MHA, so ``num_attention_heads``) and ``head_dim`` (absent or
+        None: ``hidden_size // num_attention_heads``).
+        """
+        src = _text_config(_as_mapping(config))
+        get = lambda *names: _first(src, names)  # noqa: E731
+        layers = get("num_hidden_layers", "n_layer", "num_layers")
+        heads = get("num_attention_heads", "n_head")
+        for label, val in (("num_hidden_layers", layers), ("num_attention_heads", heads)):
+            if val is None:
+                raise InvalidArgumentError(expected("config", f"a '{label}' field", _keys(src)))
+        kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv")
+        if kv_heads is None:
+            kv_heads = heads
+        head_dim = get("head_dim")
+        if head_dim is None:
+            hidden = get("hidden_size", "n_embd", "d_model")
+            if hidden is None:
+                raise InvalidArgumentError(expected("config", "a 'head_dim' or 'hidden_size' field", _keys(src)))
+            head_dim = int(hidden) // int(heads)
+        values = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads)
+        names = {f.name for f in fields(cls) if f.init}
+        for key in overrides:
+            if key not in names:
+                raise InvalidArgumentError(expected("overrides", "CacheConfig field names", repr(key)))
+        values.update(overrides)
+        return cls(**values)
+
+
+def _as_mapping(config: Any) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise InvalidArgumentError(expected("config", "a readable config.json", f"{path!r} ({e.strerror})")) from None
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(expected("config", "a JSON object", f"{path!r} ({e})")) from None
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(expected("config", "a JSON object", f"{type(data).__name__} in {path!r}"))
+        return data
+    if hasattr(config, "to_dict"):  # transformers.PretrainedConfig
+        return _ObjectView(config)
+    raise InvalidArgumentError(
+        expected("config", "a transformers config, a dict or a path to config.json", type(config).__name__)
+    )
+
+
+class _ObjectView(Mapping):
+    """Read a transformers config by attribute, so its ``attribute_map`` aliases work."""
+
+    def __init__(self, obj: Any):
+        self._obj = obj
+        self._keys = list(obj.to_dict())
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            value = getattr(self._obj, key)
+        except AttributeError:
+            raise KeyError(key) from None
+        return _ObjectView(value) if hasattr(value, "to_dict") and not isinstance(value, Mapping) else value
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+_TEXT_KEYS = ("text_config", "llm_config", "language_config")
+
+
+def _text_config(src: Mapping[str, Any]) -> Mapping[str, Any]:
+    # A multimodal config nests its language model; the KV cache belongs to that model.
+    for key in _TEXT_KEYS:
+        sub = src.get(key)
+        if sub is not None:
+            return _as_mapping(sub) if not isinstance(sub, Mapping) else sub
+    return src
+
+
+def _first(src: Mapping[str, Any], names) -> Any:
+    for name in names:
+        value = src.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _keys(src: Mapping[str, Any]) -> str:
+    keys = sorted(str(k) for k in src)
+    shown = ", ".join(keys[:12]) + (", ..." if len(keys) > 12 else "")
+    return f"keys [{shown}]"
+
