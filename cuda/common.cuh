@@ -1,0 +1,294 @@
+// common.cuh - shared helpers of the pagedkv kernels.
+//
+// Everything here is plain CUDA C++ that NVRTC compiles without any system or
+// toolkit header, and that g++ compiles through emulate.h (PAGEDKV_EMULATE). The
+// number conversions are written out in integer arithmetic instead of using
+// cuda_fp16.h / cuda_fp8.h: those headers do not build with a host compiler from
+// the pip wheels, and one implementation on both sides means the host emulation
+// tests the very code the GPU runs. tests/test_kernels_emulated.py proves each
+// conversion against torch's casts over every input that matters.
+#pragma once
+
+#ifdef PAGEDKV_EMULATE
+#include "emulate.h"
+#endif
+
+typedef long long pkv_i64;
+typedef unsigned int pkv_u32;
+typedef unsigned short pkv_u16;
+typedef unsigned char pkv_u8;
+
+// ---------------------------------------------------------------------------
+// 64-bit grid-stride indices. Every kernel is a 2-D loop nest: "rows" (tokens,
+// table entries, block pairs, planes) stride over y, "columns" (chunks inside a
+// row) over x. Counters and offsets are 64-bit so no product overflows.
+
+__device__ __forceinline__ pkv_i64 pkv_row_begin() {
+  return (pkv_i64)blockIdx.y * blockDim.y + threadIdx.y;
+}
+__device__ __forceinline__ pkv_i64 pkv_row_step() { return (pkv_i64)gridDim.y * blockDim.y; }
+__device__ __forceinline__ pkv_i64 pkv_col_begin() {
+  return (pkv_i64)blockIdx.x * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ pkv_i64 pkv_col_step() { return (pkv_i64)gridDim.x * blockDim.x; }
+
+// a / b for a >= 0, b > 0. A 64-bit division costs several times a 32-bit one on
+// the GPU, and the operands almost always fit in 32 bits.
+__device__ __forceinline__ pkv_i64 pkv_div(pkv_i64 a, pkv_i64 b) {
+  if (((a | b) >> 31) == 0) return (pkv_i64)((pkv_u32)a / (pkv_u32)b);
+  return a / b;
+}
+
+// ---------------------------------------------------------------------------
+// Layouts. A (token, head) "row" of a per-layer view: NHD [NB, 2, bs, H, .],
+// HND [NB, 2, H, bs, .]. The index is in rows; multiply by the row length (head
+// dim, or 1 for the scale/zero views) for an element offset.
+
+#define PKV_NHD 0
+#define PKV_HND 1
+
+template <int LAYOUT>
+__device__ __forceinline__ pkv_i64 pkv_row_index(pkv_i64 block, pkv_i64 kv, pkv_i64 offset,
+                                                 pkv_i64 head, pkv_i64 block_size,
+                                                 pkv_i64 num_heads) {
+  if (LAYOUT == PKV_NHD) return ((block * 2 + kv) * block_size + offset) * num_heads + head;
+  return ((block * 2 + kv) * num_heads + head) * block_size + offset;
+}
+
+// ---------------------------------------------------------------------------
+// Copy units ("chunks"): a 16-byte vector when sizes and pointers allow it (the
+// launcher checks), else one element of 4, 2 or 1 bytes.
+
+typedef uint4 pkv_v16;
+typedef pkv_u32 pkv_e4;
+typedef pkv_u16 pkv_e2;
+typedef pkv_u8 pkv_e1;
+
+template <typename C>
+__device__ __forceinline__ C pkv_zero_chunk() {
+  return C(0);
+}
+template <>
+__device__ __forceinline__ pkv_v16 pkv_zero_chunk<pkv_v16>() {
+  return make_uint4(0u, 0u, 0u, 0u);
+}
+
+// ---------------------------------------------------------------------------
+// float bits
+
+__device__ __forceinline__ bool pkv_isnan(float x) {
+  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u;
+}
+__device__ __forceinline__ bool pkv_isfinite(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+__device__ __forceinline__ float pkv_fabs(float x) {
+  return __uint_as_float(__float_as_uint(x) & 0x7fffffffu);
+}
+// max/min that propagate NaN like torch.amax/amin (fmaxf/fminf would drop it).
+__device__ __forceinline__ float pkv_max_nan(float acc, float x) {
+  return (x > acc || pkv_isnan(x)) ? x : acc;
+}
+__device__ __forceinline__ float pkv_min_nan(float acc, float x) {
+  return (x < acc || pkv_isnan(x)) ? x : acc;
+}
+
+// ---------------------------------------------------------------------------
+// Model dtypes: float32, float16 and bfloat16 (the 16-bit ones as raw bits).
+
+struct pkv_f16 {
+  pkv_u16 bits;
+};
+struct pkv_bf16 {
+  pkv_u16 bits;
+};
+
+__device__ __forceinline__ float pkv_f16_to_f32(pkv_u16 h) {
+  const pkv_u32 sign = (pkv_u32)(h & 0x8000u) << 16;
+  const pkv_u32 exp = (h >> 10) & 0x1fu;
+  const pkv_u32 mant = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float32
+    const float v = (float)mant * 5.9604644775390625e-8f;
+    return __uint_as_float(__float_as_uint(v) | sign);
+  }
+  if (exp == 31) return __uint_as_float(sign | 0x7f800000u | (mant << 13));  // inf/NaN
+  return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// Round to nearest even; NaN -> quiet NaN 0x7e00 with the sign (as torch's scalar cast).
+__device__ __forceinline__ pkv_u16 pkv_f32_to_f16(float f) {
+  const pkv_u32 u = __float_as_uint(f);
+  const pkv_u32 sign = (u >> 16) & 0x8000u;
+  const pkv_u32 a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (pkv_u16)(sign | 0x7e00u);
+  if (a >= 0x47800000u) return (pkv_u16)(sign | 0x7c00u);  // >= 65536: inf
+  if (a >= 0x38800000u) {  // normal result (>= 2^-14); a carry may round up to inf
+    const pkv_u32 r = (a + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    return (pkv_u16)(sign | (r - (112u << 10)));
+  }
+  // subnormal result: rint(|f| * 2^24) in [0, 1024]; 1024 encodes 2^-14 exactly.
+  const float scaled = __uint_as_float(a) * 16777216.0f;
+  return (pkv_u16)(sign | (pkv_u32)rintf(scaled));
+}
+
+__device__ __forceinline__ float pkv_bf16_to_f32(pkv_u16 b) {
+  return __uint_as_float((pkv_u32)b << 16);
+}
+
+// Round to nearest even; NaN -> 0x7fc0 (as torch's scalar cast).
+__device__ __forceinline__ pkv_u16 pkv_f32_to_bf16(float f) {
+  const pkv_u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (pkv_u16)0x7fc0u;
+  return (pkv_u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+struct pkv_dtype;
+template <>
+struct pkv_dtype<float> {
+  __device__ __forceinline__ static float to_f32(float x) { return x; }
+  __device__ __forceinline__ static float from_f32(float x) { return x; }
+};
+template <>
+struct pkv_dtype<pkv_f16> {
+  __device__ __forceinline__ static float to_f32(pkv_f16 x) { return pkv_f16_to_f32(x.bits); }
+  __device__ __forceinline__ static pkv_f16 from_f32(float x) {
+    pkv_f16 r;
+    r.bits = pkv_f32_to_f16(x);
+    return r;
+  }
+};
+template <>
+struct pkv_dtype<pkv_bf16> {
+  __device__ __forceinline__ static float to_f32(pkv_bf16 x) { return pkv_bf16_to_f32(x.bits); }
+  __device__ __forceinline__ static pkv_bf16 from_f32(float x) {
+    pkv_bf16 r;
+    r.bits = pkv_f32_to_bf16(x);
+    return r;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// fp8 (OCP e4m3fn and e5m2) conversions.
+//
+// float -> fp8 saturates: it equals torch's cast of clamp(x, -FMAX, FMAX), and
+// cuda_fp8.h's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...): round to nearest
+// even, |x| beyond FMAX (inf included) -> +-FMAX, NaN -> 0x7f with x's sign.
+
+#define PKV_Q_E4M3 0
+#define PKV_Q_E5M2 1
+#define PKV_Q_INT8 2
+
+__device__ __forceinline__ pkv_u8 pkv_f32_to_e4m3(float f) {
+  const pkv_u32 u = __float_as_uint(f);
+  const pkv_u32 sign = (u >> 24) & 0x80u;
+  const pkv_u32 a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (pkv_u8)(sign | 0x7fu);
+  if (a >= 0x43e00000u) return (pkv_u8)(sign | 0x7eu);  // >= 448
+  if (a >= 0x3c800000u) {  // normal result (>= 2^-6); rounding stays <= 448
+    const pkv_u32 r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+    return (pkv_u8)(sign | (r - (120u << 3)));
+  }
+  // subnormal result: rint(|f| * 2^9) in [0, 8]; 8 encodes 2^-6 exactly.
+  const float scaled = __uint_as_float(a) * 512.0f;
+  return (pkv_u8)(sign | (pkv_u32)rintf(scaled));
+}
+
+__device__ __forceinline__ pkv_u8 pkv_f32_to_e5m2(float f) {
+  const pkv_u32 u = __float_as_uint(f);
+  const pkv_u32 sign = (u >> 24) & 0x80u;
+  const pkv_u32 a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (pkv_u8)(sign | 0x7fu);
+  if (a >= 0x47600000u) return (pkv_u8)(sign | 0x7bu);  // >= 57344
+  if (a >= 0x38800000u) {  // normal result (>= 2^-14); rounding stays <= 57344
+    const pkv_u32 r = (a + 0xfffffu + ((a >> 21) & 1u)) >> 21;
+    return (pkv_u8)(sign | (r - (112u << 2)));
+  }
+  // subnormal result: rint(|f| * 2^16) in [0, 4]; 4 encodes 2^-14 exactly.
+  const float scaled = __uint_as_float(a) * 65536.0f;
+  return (pkv_u8)(sign | (pkv_u32)rintf(scaled));
+}
+
+__device__ __forceinline__ float pkv_e4m3_to_f32(pkv_u8 q) {
+  const pkv_u32 sign = (pkv_u32)(q & 0x80u) << 24;
+  const pkv_u32 exp = (q >> 3) & 0xfu;
+  const pkv_u32 mant = q & 0x7u;
+  if (exp == 15 && mant == 7) return __uint_as_float(sign | 0x7fc00000u);  // the only NaN
+  if (exp == 0) {  // subnormal: mant * 2^-9
+    const float v = (float)mant * 0.001953125f;
+    return __uint_as_float(__float_as_uint(v) | sign);
+  }
+  return __uint_as_float(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
+// e5m2 is the upper byte of an IEEE half.
+__device__ __forceinline__ float pkv_e5m2_to_f32(pkv_u8 q) {
+  return pkv_f16_to_f32((pkv_u16)((pkv_u32)q << 8));
+}
+
+template <int Q>
+__device__ __forceinline__ float pkv_fp8_max() {
+  return Q == PKV_Q_E4M3 ? 448.0f : 57344.0f;
+}
+template <int Q>
+__device__ __forceinline__ pkv_u8 pkv_f32_to_fp8(float f) {
+  return Q == PKV_Q_E4M3 ? pkv_f32_to_e4m3(f) : pkv_f32_to_e5m2(f);
+}
+template <int Q>
+__device__ __forceinline__ float pkv_fp8_to_f32(pkv_u8 q) {
+  return Q == PKV_Q_E4M3 ? pkv_e4m3_to_f32(q) : pkv_e5m2_to_f32(q);
+}
+
+// ---------------------------------------------------------------------------
+// Quantization of one (token, head) row of head_dim values; the arithmetic of
+// pagedkv/quant.py, one rounding per step (explicit _rn operations: no FMA).
+
+__device__ __forceinline__ float pkv_fix_scale(float s) {
+  return (s == 0.0f || !pkv_isfinite(s)) ? 1.0f : s;
+}
+
+template <typename T, int Q>
+__device__ __forceinline__ void pkv_quantize_row(const T* __restrict__ x, pkv_i64 n,
+                                                 pkv_u8* __restrict__ q,
+                                                 float* __restrict__ scale,
+                                                 float* __restrict__ zero) {
+  if (Q == PKV_Q_INT8) {
+    float mn = pkv_dtype<T>::to_f32(x[0]);
+    float mx = mn;
+    for (pkv_i64 d = 1; d < n; ++d) {
+      const float v = pkv_dtype<T>::to_f32(x[d]);
+      mn = pkv_min_nan(mn, v);
+      mx = pkv_max_nan(mx, v);
+    }
+    const float s = pkv_fix_scale(__fdiv_rn(__fsub_rn(mx, mn), 255.0f));
+    for (pkv_i64 d = 0; d < n; ++d) {
+      float v = __fdiv_rn(__fsub_rn(pkv_dtype<T>::to_f32(x[d]), mn), s);
+      if (pkv_isnan(v)) v = 0.0f;  // the defined result for NaN input: code -128
+      v = rintf(v);
+      v = v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v);
+      q[d] = (pkv_u8)(signed char)((int)v - 128);
+    }
+    *scale = s;
+    *zero = mn;
+  } else {
+    float amax = pkv_fabs(pkv_dtype<T>::to_f32(x[0]));
+    for (pkv_i64 d = 1; d < n; ++d) amax = pkv_max_nan(amax, pkv_fabs(pkv_dtype<T>::to_f32(x[d])));
+    const float s = pkv_fix_scale(__fdiv_rn(amax, pkv_fp8_max<Q>()));
+    for (pkv_i64 d = 0; d < n; ++d) {
+      const float v = pkv_dtype<T>::to_f32(x[d]);
+      // A NaN keeps its own sign bit (a GPU division would return the canonical
+      // NaN), so the code matches torch on the CPU: 0x7f or 0xff.
+      q[d] = pkv_f32_to_fp8<Q>(pkv_isnan(v) ? v : __fdiv_rn(v, s));
+    }
+    *scale = s;
+  }
+}
+
+template <int Q>
+__device__ __forceinline__ float pkv_dequantize(pkv_u8 q, float scale, float zero) {
+  if (Q == PKV_Q_INT8) {
+    const float c = (float)((int)(signed char)q + 128);
+    return __fadd_rn(__fmul_rn(c, scale), zero);
+  }
+  return __fmul_rn(pkv_fp8_to_f32<Q>(q), scale);
+}

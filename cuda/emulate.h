@@ -1,0 +1,94 @@
+// emulate.h - build the pagedkv .cu kernels with a host C++ compiler.
+//
+// The kernels are plain CUDA C++: grid-stride loops, no shared memory, no
+// barriers, no warp intrinsics. This header maps the few CUDA names they use
+// onto host C++ so that g++ compiles the unchanged sources into a shared library
+// that pagedkv.kernels.emulation drives through ctypes. pkv_emu::launch() runs a
+// kernel over its whole grid, one (block, thread) at a time; that is exact for
+// these kernels because every output element is written by exactly one thread.
+//
+// Build with -ffp-contract=off (and no -ffast-math) so each float operation
+// rounds once, as __fdiv_rn/__fmul_rn/__fadd_rn do on the device.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <utility>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __restrict__ __restrict
+
+struct pkv_emu_dim3 {
+  unsigned int x, y, z;
+};
+
+// One set per host thread, so independent emulated launches may run in parallel.
+inline thread_local pkv_emu_dim3 threadIdx;
+inline thread_local pkv_emu_dim3 blockIdx;
+inline thread_local pkv_emu_dim3 blockDim;
+inline thread_local pkv_emu_dim3 gridDim;
+
+// The CUDA vector types the kernels use, with the device alignment.
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned int x, y;
+};
+
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
+  return uint4{x, y, z, w};
+}
+
+inline unsigned int __float_as_uint(float f) {
+  unsigned int u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float __uint_as_float(unsigned int u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round-to-nearest-even single operations; with -ffp-contract=off plain operators
+// are exactly that on x86-64 (SSE arithmetic, default rounding mode).
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+
+namespace pkv_emu {
+
+template <typename... A, std::size_t... I>
+inline void call(void (*kernel)(A...), void** argv, std::index_sequence<I...>) {
+  // argv[i] points at the i-th argument, exactly as cuLaunchKernel's kernelParams.
+  kernel(*static_cast<A*>(argv[I])...);
+}
+
+// dims = {grid.x, grid.y, grid.z, block.x, block.y, block.z}.
+template <typename... A>
+inline void launch(void (*kernel)(A...), const unsigned int* dims, void** argv) {
+  gridDim = pkv_emu_dim3{dims[0], dims[1], dims[2]};
+  blockDim = pkv_emu_dim3{dims[3], dims[4], dims[5]};
+  for (unsigned int bz = 0; bz < gridDim.z; ++bz)
+    for (unsigned int by = 0; by < gridDim.y; ++by)
+      for (unsigned int bx = 0; bx < gridDim.x; ++bx)
+        for (unsigned int tz = 0; tz < blockDim.z; ++tz)
+          for (unsigned int ty = 0; ty < blockDim.y; ++ty)
+            for (unsigned int tx = 0; tx < blockDim.x; ++tx) {
+              blockIdx = pkv_emu_dim3{bx, by, bz};
+              threadIdx = pkv_emu_dim3{tx, ty, tz};
+              call(kernel, argv, std::index_sequence_for<A...>{});
+            }
+}
+
+}  // namespace pkv_emu

@@ -1,0 +1,199 @@
+// gather_kv.cu - read the K/V of a batch of sequences into contiguous
+// [num_tokens, H, D] tensors, in token order (sequence 0's tokens first).
+//
+// Rows (y) are block-table entries, columns (x) the chunks of the up to
+// block_size tokens one entry holds, so a table lookup is amortised over a whole
+// block. The output position of sequence b starts at seq_ends[b] - seq_lens[b]
+// (seq_ends: the launcher's inclusive int64 prefix sum of seq_lens). Entries past
+// ceil(seq_lens[b] / block_size) are padding and are never read. The launcher
+// cannot read device-resident tables without a sync, so the kernel guards
+// itself: a block id outside [0, num_blocks) yields zeros, and nothing is written
+// outside [0, total_tokens).
+//
+// Entry points (pagedkv/kernels/sources.py lists the same names):
+//   pkv_gather_{csr,pad}_{nhd,hnd}_{v16,e4,e2}                     plain copy
+//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8}_to_{f32,f16,bf16}  dequantizing
+// csr: indptr [B + 1] + indices [nnz]; pad: block_table [B, width], row-major.
+#include "common.cuh"
+
+#define PKV_TABLE_CSR 0
+#define PKV_TABLE_PAD 1
+
+// Map table entry j to (sequence, logical block in it, physical block id).
+template <int TABLE>
+__device__ __forceinline__ bool pkv_locate(pkv_i64 j, const int* __restrict__ table,
+                                           const int* __restrict__ indptr, pkv_i64 batch,
+                                           pkv_i64 width, pkv_i64* seq, pkv_i64* logical,
+                                           pkv_i64* block) {
+  if (TABLE == PKV_TABLE_PAD) {
+    *seq = pkv_div(j, width);
+    *logical = j - *seq * width;
+  } else {
+    // The last sequence whose range starts at or before j; j must lie inside it.
+    if (batch <= 0 || indptr[0] > j) return false;
+    pkv_i64 lo = 0, hi = batch - 1;
+    while (lo < hi) {
+      const pkv_i64 mid = lo + (hi - lo + 1) / 2;
+      if (indptr[mid] <= j) lo = mid; else hi = mid - 1;
+    }
+    if (j >= indptr[lo + 1]) return false;
+    *seq = lo;
+    *logical = j - indptr[lo];
+  }
+  *block = table[j];
+  return true;
+}
+
+// The tokens one table entry contributes: [out_begin, out_begin + count) of the
+// output, read from offsets [0, count) of the entry's block.
+struct pkv_entry {
+  pkv_i64 block;
+  pkv_i64 out_begin;
+  pkv_i64 count;
+  bool valid_block;
+};
+
+template <int TABLE>
+__device__ __forceinline__ bool pkv_entry_at(pkv_i64 j, const int* __restrict__ table,
+                                             const int* __restrict__ indptr,
+                                             const int* __restrict__ seq_lens,
+                                             const pkv_i64* __restrict__ seq_ends,
+                                             pkv_i64 batch, pkv_i64 width, pkv_i64 num_blocks,
+                                             pkv_i64 block_size, pkv_entry* e) {
+  pkv_i64 seq, logical;
+  if (!pkv_locate<TABLE>(j, table, indptr, batch, width, &seq, &logical, &e->block)) return false;
+  const pkv_i64 len = seq_lens[seq];
+  const pkv_i64 first = logical * block_size;
+  if (first >= len) return false;  // padding entry (or a non-positive length)
+  e->count = len - first < block_size ? len - first : block_size;
+  e->out_begin = seq_ends[seq] - len + first;
+  e->valid_block = e->block >= 0 && e->block < num_blocks;
+  return true;
+}
+
+template <typename C, int LAYOUT, int TABLE>
+__device__ __forceinline__ void pkv_gather_copy(
+    const C* __restrict__ kv, C* __restrict__ out_key, C* __restrict__ out_value,
+    const int* __restrict__ table, const int* __restrict__ indptr,
+    const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
+    pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
+    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_chunks) {
+  const pkv_i64 row_chunks = num_heads * head_chunks;
+  const pkv_i64 out_chunks = total_tokens * row_chunks;
+  for (pkv_i64 j = pkv_row_begin(); j < num_entries; j += pkv_row_step()) {
+    pkv_entry e;
+    if (!pkv_entry_at<TABLE>(j, table, indptr, seq_lens, seq_ends, batch, width, num_blocks,
+                             block_size, &e))
+      continue;
+    const pkv_i64 n = e.count * row_chunks;
+    for (pkv_i64 i = pkv_col_begin(); i < n; i += pkv_col_step()) {
+      const pkv_i64 dst = e.out_begin * row_chunks + i;
+      if (dst < 0 || dst >= out_chunks) continue;
+      C k = pkv_zero_chunk<C>(), v = pkv_zero_chunk<C>();
+      if (e.valid_block) {
+        pkv_i64 k_src, v_src;
+        if (LAYOUT == PKV_NHD) {  // the block's [count, H, Dc] run is contiguous
+          k_src = (e.block * 2 + 0) * block_size * row_chunks + i;
+          v_src = (e.block * 2 + 1) * block_size * row_chunks + i;
+        } else {
+          const pkv_i64 offset = pkv_div(i, row_chunks);
+          const pkv_i64 r = i - offset * row_chunks;
+          const pkv_i64 h = pkv_div(r, head_chunks);
+          const pkv_i64 c = r - h * head_chunks;
+          k_src = pkv_row_index<LAYOUT>(e.block, 0, offset, h, block_size, num_heads) * head_chunks + c;
+          v_src = pkv_row_index<LAYOUT>(e.block, 1, offset, h, block_size, num_heads) * head_chunks + c;
+        }
+        k = kv[k_src];
+        v = kv[v_src];
+      }
+      out_key[dst] = k;
+      out_value[dst] = v;
+    }
+  }
+}
+
+template <int Q, typename O, int LAYOUT, int TABLE>
+__device__ __forceinline__ void pkv_gather_dequant(
+    const pkv_u8* __restrict__ kv, const float* __restrict__ scale,
+    const float* __restrict__ zero, O* __restrict__ out_key, O* __restrict__ out_value,
+    const int* __restrict__ table, const int* __restrict__ indptr,
+    const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
+    pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
+    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim) {
+  const pkv_i64 row_elems = num_heads * head_dim;
+  const pkv_i64 out_elems = total_tokens * row_elems;
+  for (pkv_i64 j = pkv_row_begin(); j < num_entries; j += pkv_row_step()) {
+    pkv_entry e;
+    if (!pkv_entry_at<TABLE>(j, table, indptr, seq_lens, seq_ends, batch, width, num_blocks,
+                             block_size, &e))
+      continue;
+    const pkv_i64 n = e.count * row_elems;
+    for (pkv_i64 i = pkv_col_begin(); i < n; i += pkv_col_step()) {
+      const pkv_i64 dst = e.out_begin * row_elems + i;
+      if (dst < 0 || dst >= out_elems) continue;
+      float k = 0.0f, v = 0.0f;
+      if (e.valid_block) {
+        const pkv_i64 row = pkv_div(i, head_dim);  // offset * H + head
+        const pkv_i64 d = i - row * head_dim;
+        const pkv_i64 offset = pkv_div(row, num_heads);
+        const pkv_i64 h = row - offset * num_heads;
+        const pkv_i64 k_row = pkv_row_index<LAYOUT>(e.block, 0, offset, h, block_size, num_heads);
+        const pkv_i64 v_row = pkv_row_index<LAYOUT>(e.block, 1, offset, h, block_size, num_heads);
+        const float k_zero = Q == PKV_Q_INT8 ? zero[k_row] : 0.0f;
+        const float v_zero = Q == PKV_Q_INT8 ? zero[v_row] : 0.0f;
+        k = pkv_dequantize<Q>(kv[k_row * head_dim + d], scale[k_row], k_zero);
+        v = pkv_dequantize<Q>(kv[v_row * head_dim + d], scale[v_row], v_zero);
+      }
+      out_key[dst] = pkv_dtype<O>::from_f32(k);
+      out_value[dst] = pkv_dtype<O>::from_f32(v);
+    }
+  }
+}
+
+#define PKV_GATHER_TABLE_PARAMS                                                              \
+  const int* __restrict__ table, const int* __restrict__ indptr,                             \
+      const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch, \
+      pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,          \
+      pkv_i64 block_size, pkv_i64 num_heads
+#define PKV_GATHER_TABLE_ARGS                                                              \
+  table, indptr, seq_lens, seq_ends, batch, num_entries, width, total_tokens, num_blocks, \
+      block_size, num_heads
+
+#define PKV_GATHER_COPY(NAME, C, LAYOUT, TABLE)                                              \
+  extern "C" __global__ void NAME(const C* __restrict__ kv, C* __restrict__ out_key,         \
+                                  C* __restrict__ out_value, PKV_GATHER_TABLE_PARAMS,        \
+                                  pkv_i64 head_chunks) {                                     \
+    pkv_gather_copy<C, LAYOUT, TABLE>(kv, out_key, out_value, PKV_GATHER_TABLE_ARGS,         \
+                                      head_chunks);                                          \
+  }
+
+#define PKV_GATHER_DEQUANT(NAME, Q, O, LAYOUT, TABLE)                                        \
+  extern "C" __global__ void NAME(const pkv_u8* __restrict__ kv,                             \
+                                  const float* __restrict__ scale,                           \
+                                  const float* __restrict__ zero, O* __restrict__ out_key,   \
+                                  O* __restrict__ out_value, PKV_GATHER_TABLE_PARAMS,        \
+                                  pkv_i64 head_dim) {                                        \
+    pkv_gather_dequant<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,             \
+                                            PKV_GATHER_TABLE_ARGS, head_dim);                \
+  }
+
+#define PKV_GATHER_COPY_ALL(T, TABLE, L, LAYOUT)                               \
+  PKV_GATHER_COPY(pkv_gather_##T##_##L##_v16, pkv_v16, LAYOUT, TABLE)         \
+  PKV_GATHER_COPY(pkv_gather_##T##_##L##_e4, pkv_e4, LAYOUT, TABLE)           \
+  PKV_GATHER_COPY(pkv_gather_##T##_##L##_e2, pkv_e2, LAYOUT, TABLE)
+
+#define PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, QN, Q)                                    \
+  PKV_GATHER_DEQUANT(pkv_gather_##T##_##L##_##QN##_to_f32, Q, float, LAYOUT, TABLE)        \
+  PKV_GATHER_DEQUANT(pkv_gather_##T##_##L##_##QN##_to_f16, Q, pkv_f16, LAYOUT, TABLE)      \
+  PKV_GATHER_DEQUANT(pkv_gather_##T##_##L##_##QN##_to_bf16, Q, pkv_bf16, LAYOUT, TABLE)
+
+#define PKV_GATHER_ALL(T, TABLE, L, LAYOUT)                       \
+  PKV_GATHER_COPY_ALL(T, TABLE, L, LAYOUT)                        \
+  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, e4m3, PKV_Q_E4M3)     \
+  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, e5m2, PKV_Q_E5M2)     \
+  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, int8, PKV_Q_INT8)
+
+PKV_GATHER_ALL(csr, PKV_TABLE_CSR, nhd, PKV_NHD)
+PKV_GATHER_ALL(csr, PKV_TABLE_CSR, hnd, PKV_HND)
+PKV_GATHER_ALL(pad, PKV_TABLE_PAD, nhd, PKV_NHD)
+PKV_GATHER_ALL(pad, PKV_TABLE_PAD, hnd, PKV_HND)
