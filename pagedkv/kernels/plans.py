@@ -1,0 +1,396 @@
+"""Launch plans: validation, variant choice and kernel arguments.
+
+A plan function checks its inputs (the reference's structural checks first, so
+every backend raises the same messages, then what the kernels add: contiguity,
+unit last-dim strides, element alignment), picks the kernel variant (16-byte
+vectors when every size and pointer allows, else per element), and returns
+:class:`Launch` records. The CUDA launchers (:mod:`pagedkv.kernels.ops`) and the
+host emulation (:mod:`pagedkv.kernels.emulation`) run the very same records, so
+the emulation tests cover this module too. Plans never touch a device stream
+themselves: the caller wraps them in the launch stream's context, which is where
+the few helper tensors (uploaded pairs, prefix sums, outputs) are made.
+
+Index *values* that live on a GPU (slots, block tables, pairs) are not read here:
+that would cost a device sync per call. The kernels guard every access instead, so
+a bad id is skipped (writes, copies) or reads as zeros (gathers), and never touches
+memory outside the tensors. Pairs given on the CPU are checked like the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError, expected
+from pagedkv.kernels import sources
+from pagedkv.ops import reference as ref
+
+__all__ = [
+    "Launch",
+    "launch_dims",
+    "check_dims",
+    "as_tensor",
+    "plan_write_kv",
+    "plan_gather",
+    "plan_copy_blocks",
+    "plan_swap_blocks",
+    "plan_convert_layout",
+]
+
+THREADS = 256  # per CTA: enough to hide latency, small enough to fill every SM
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_Y = 65535
+
+_MODEL_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_QUANT_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.int8: "int8"}
+_CHUNK_NAMES = {16: "v16", 4: "e4", 2: "e2", 1: "e1"}
+
+Arg = Tuple[str, int]  # ("ptr" | "i64", value)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: source file, entry point, dims and typed arguments.
+
+    ``keep`` holds helper tensors the arguments point into, so they outlive the plan.
+    """
+
+    source: str
+    kernel: str
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    args: Tuple[Arg, ...]
+    keep: Tuple[object, ...] = field(default=(), compare=False, repr=False)
+
+    def pack_args(self):
+        """``(argv, values)``: a ``void*[]`` pointing at each argument's C value, in
+        cuLaunchKernel's ``kernelParams`` form; keep ``values`` alive while in use."""
+        values = [_CTYPES[kind](value) for kind, value in self.args]
+        argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        return argv, values
+
+
+_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64}
+
+
+def check_dims(grid: Sequence[int], block: Sequence[int]) -> None:
+    """Reject launch dims a GPU would refuse (the emulation enforces them too)."""
+    gx, gy, gz = grid
+    bx, by, bz = block
+    if not (1 <= gx <= MAX_GRID_X and 1 <= gy <= MAX_GRID_Y and 1 <= gz <= MAX_GRID_Y):
+        raise InvalidArgumentError(expected("grid", f"1 <= x <= {MAX_GRID_X}, 1 <= y, z <= {MAX_GRID_Y}", tuple(grid)))
+    if not (1 <= bx <= 1024 and 1 <= by <= 1024 and 1 <= bz <= 64 and bx * by * bz <= 1024):
+        raise InvalidArgumentError(expected("block", "at most 1024 threads (x, y <= 1024, z <= 64)", tuple(block)))
+
+
+def launch_dims(rows: int, cols: int, threads: int = THREADS):
+    """(grid, block) for a rows x cols grid-stride loop nest: x covers a row's
+    columns (rounded up to a power of two), y packs as many rows as fill the CTA.
+    Grids are capped at the hardware limits; the loops stride over the rest."""
+    bx = 1
+    while bx < cols and bx < threads:
+        bx *= 2
+    by = max(1, threads // bx)
+    while by > 1 and by // 2 >= rows:
+        by //= 2
+    gx = min(max(1, -(-cols // bx)), MAX_GRID_X)
+    gy = min(max(1, -(-rows // by)), MAX_GRID_Y)
+    return (gx, gy, 1), (bx, by, 1)
+
+
+def _launch(source: str, kernel: str, rows: int, cols: int, args: Sequence[Arg], keep=()) -> Launch:
+    grid, block = launch_dims(rows, cols)
+    return Launch(source, kernel, grid, block, tuple(args), tuple(keep))
+
+
+def as_tensor(x: object) -> object:
+    """A torch view of any DLPack tensor (zero-copy); other objects pass through for
+    the checks to reject."""
+    if isinstance(x, torch.Tensor) or x is None or not hasattr(x, "__dlpack__"):
+        return x
+    return torch.from_dlpack(x)
+
+
+# ----------------------------------------------------------------------------------
+# checks the kernels add to the reference's
+
+
+def _check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {tuple(t.stride())}"))
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """[num_tokens, H, D] inputs may have any token/head strides, but D is dense."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise InvalidArgumentError(expected(name, "unit stride in the last dim (head_dim)", f"strides {tuple(t.stride())}"))
+
+
+def _check_aligned(name: str, t: torch.Tensor) -> None:
+    if t.data_ptr() % t.element_size():
+        raise InvalidArgumentError(
+            expected(name, f"a data pointer aligned to its {t.element_size()}-byte elements", hex(t.data_ptr()))
+        )
+
+
+def _vector_ok(byte_sizes: Sequence[int], tensors: Sequence[torch.Tensor]) -> bool:
+    return all(b % 16 == 0 for b in byte_sizes) and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _chunk_for(nbytes: int, *ptrs: int) -> int:
+    """The widest copy unit that divides ``nbytes`` and every pointer."""
+    for c in (16, 4, 2, 1):
+        if nbytes % c == 0 and all(p % c == 0 for p in ptrs):
+            return c
+    return 1  # unreachable: 1 divides everything
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Arg:
+    return ("ptr", 0 if t is None else t.data_ptr())
+
+
+def _i64(v: int) -> Arg:
+    return ("i64", int(v))
+
+
+# ----------------------------------------------------------------------------------
+# write_kv
+
+
+def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None) -> List[Launch]:
+    """Plan :func:`pagedkv.ops.reference.write_kv` (same arguments)."""
+    geo = ref.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
+    _check_contiguous("kv_layer", kv_layer)
+    if geo.quantized:
+        _check_contiguous("kv_scale", kv_scale)
+        if kv_zero is not None:
+            _check_contiguous("kv_zero", kv_zero)
+        if geo.head_dim == 0:
+            raise ShapeError(expected("key", "a non-empty head_dim for a quantized kv_layer", tuple(key.shape)))
+    for name, t in (("key", key), ("value", value)):
+        _check_rows(name, t)
+        _check_aligned(name, t)
+    tokens, heads, dim = key.shape
+    if tokens == 0 or heads == 0 or dim == 0:
+        return []
+    slots = slot_mapping.contiguous()
+    lo = layout.lower()
+    tail = [_i64(tokens), _i64(geo.num_blocks * geo.block_size), _i64(geo.block_size), _i64(heads)]
+    if geo.quantized:
+        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[kv_layer.dtype])
+        args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key), _ptr(value), _ptr(slots)]
+        args += tail + [_i64(dim)]
+        args += [_i64(key.stride(0)), _i64(key.stride(1)), _i64(value.stride(0)), _i64(value.stride(1))]
+        return [_launch("write_kv.cu", name, tokens, heads, args, (slots,))]
+    elt = key.element_size()
+    strides = [key.stride(0), key.stride(1), value.stride(0), value.stride(1)]
+    unit = 16 if _vector_ok([dim * elt] + [s * elt for s in strides], [kv_layer, key, value]) else elt
+    per = unit // elt  # elements per copy unit
+    name = sources.write_kv_name(lo, chunk=_CHUNK_NAMES[unit])
+    head_chunks = dim // per
+    args = [_ptr(kv_layer), _ptr(key), _ptr(value), _ptr(slots)] + tail + [_i64(head_chunks)]
+    args += [_i64(s // per) for s in strides]
+    return [_launch("write_kv.cu", name, tokens, heads * head_chunks, args, (slots,))]
+
+
+# ----------------------------------------------------------------------------------
+# gather_kv / gather_kv_padded
+
+
+def plan_gather(
+    kv_layer,
+    seq_lens,
+    *,
+    indptr=None,
+    indices=None,
+    block_table=None,
+    layout="NHD",
+    out_dtype=None,
+    kv_scale=None,
+    kv_zero=None,
+    out_key=None,
+    out_value=None,
+):
+    """Plan a CSR (``indptr``/``indices``) or padded (``block_table``) gather.
+
+    Returns ``(launches, out_key, out_value)``; the outputs are allocated here when
+    not given. Without given outputs the total token count is ``seq_lens.sum()``,
+    which syncs when ``seq_lens`` is on a GPU; pass ``out_key``/``out_value`` to
+    avoid that.
+    """
+    geo, out_dtype = ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    device = kv_layer.device
+    if block_table is None:
+        batch = ref.check_csr(indptr, indices, seq_lens, device)
+        table, kind, width, entries = indices, "csr", 0, indices.shape[0]
+    else:
+        batch = ref.check_padded(block_table, seq_lens, device)
+        table, kind, width = block_table, "pad", block_table.shape[1]
+        entries = batch * width
+    _check_contiguous("kv_layer", kv_layer)
+    if geo.quantized:
+        _check_contiguous("kv_scale", kv_scale)
+        if kv_zero is not None:
+            _check_contiguous("kv_zero", kv_zero)
+    if out_key is None and out_value is None:
+        total = int(seq_lens.sum())
+    else:
+        given = out_key if isinstance(out_key, torch.Tensor) else out_value
+        total = given.shape[0] if isinstance(given, torch.Tensor) and given.dim() >= 1 else 0
+    heads, dim = geo.num_heads, geo.head_dim
+    if ref.check_out(out_key, out_value, total, geo, out_dtype, device):
+        _check_aligned("out_key", out_key)
+        _check_aligned("out_value", out_value)
+    else:
+        out_key = torch.empty((total, heads, dim), dtype=out_dtype, device=device)
+        out_value = torch.empty((total, heads, dim), dtype=out_dtype, device=device)
+    if total == 0 or entries == 0 or heads * dim == 0:
+        return [], out_key, out_value
+    table = table.contiguous()
+    indptr_c = indptr.contiguous() if indptr is not None else None
+    lens = seq_lens.contiguous()
+    seq_ends = torch.cumsum(lens, 0, dtype=torch.int64)  # inclusive; starts = ends - lens
+    table_args = [_ptr(table), _ptr(indptr_c), _ptr(lens), _ptr(seq_ends), _i64(batch), _i64(entries)]
+    table_args += [_i64(width), _i64(total), _i64(geo.num_blocks), _i64(geo.block_size), _i64(heads)]
+    keep = (table, indptr_c, lens, seq_ends)
+    lo = layout.lower()
+    if geo.quantized:
+        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[kv_layer.dtype], out_type=_MODEL_NAMES[out_dtype])
+        args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
+        args += table_args + [_i64(dim)]
+        return [_launch("gather_kv.cu", name, entries, geo.block_size * heads * dim, args, keep)], out_key, out_value
+    elt = kv_layer.element_size()
+    unit = 16 if _vector_ok([dim * elt], [kv_layer, out_key, out_value]) else elt
+    head_chunks = dim * elt // unit
+    name = sources.gather_name(kind, lo, chunk=_CHUNK_NAMES[unit])
+    args = [_ptr(kv_layer), _ptr(out_key), _ptr(out_value)] + table_args + [_i64(head_chunks)]
+    cols = geo.block_size * heads * head_chunks
+    return [_launch("gather_kv.cu", name, entries, cols, args, keep)], out_key, out_value
+
+
+# ----------------------------------------------------------------------------------
+# copy_blocks / swap_blocks
+
+
+def _check_pair_values(pairs: torch.Tensor, src_blocks: int, dst_blocks: int, dst_not_src: bool) -> None:
+    """The reference's value checks of host-resident pairs (same messages)."""
+    rows = pairs.tolist()
+    src = [r[0] for r in rows]
+    dst = [r[1] for r in rows]
+    ref.check_block_ids("pairs", src, src_blocks, where="src row ")
+    ref.check_block_ids("pairs", dst, dst_blocks, where="dst row ")
+    seen = set()
+    for i, d in enumerate(dst):
+        if d in seen:
+            raise InvalidBlockError(expected("pairs", "distinct dst block ids", f"{d} twice (row {i})"))
+        seen.add(d)
+    if dst_not_src:
+        srcs = set(src)
+        for i, d in enumerate(dst):
+            if d in srcs:
+                raise InvalidBlockError(expected("pairs", "dst ids that are not also src ids", f"{d} (row {i})"))
+
+
+def _block_copy(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> Optional[Launch]:
+    layers, src_blocks = src.shape[0], src.shape[1]
+    block_bytes = math.prod(src.shape[2:]) * src.element_size()
+    num_pairs = pairs.shape[0]
+    if layers == 0 or block_bytes == 0 or num_pairs == 0:
+        return None
+    unit = _chunk_for(block_bytes, src.data_ptr(), dst.data_ptr())
+    index = "i64" if pairs.dtype == torch.int64 else "i32"
+    name = sources.copy_blocks_name(_CHUNK_NAMES[unit], index)
+    args = [_ptr(src), _ptr(dst), _ptr(pairs), _i64(num_pairs), _i64(layers)]
+    args += [_i64(block_bytes // unit), _i64(src_blocks), _i64(dst.shape[1])]
+    return _launch("copy_blocks.cu", name, num_pairs * layers, block_bytes // unit, args, (pairs,))
+
+
+def plan_copy_blocks(arenas, pairs) -> List[Launch]:
+    """Plan :func:`pagedkv.ops.reference.copy_blocks`: one launch per arena."""
+    arenas = ref.check_arenas("arenas", arenas)
+    device = arenas[0].device
+    pairs = ref.check_pairs(pairs, device)
+    for i, a in enumerate(arenas):
+        _check_contiguous(f"arenas[{i}]", a)
+    if pairs.device.type == "cpu":
+        _check_pair_values(pairs, arenas[0].shape[1], arenas[0].shape[1], dst_not_src=True)
+    pairs = pairs.to(device).contiguous()
+    launches = [_block_copy(a, a, pairs) for a in arenas]
+    return [x for x in launches if x is not None]
+
+
+def plan_swap_blocks(src_arenas, dst_arenas, pairs, *, launch_device: Optional[torch.device] = None) -> List[Launch]:
+    """Plan :func:`pagedkv.ops.reference.swap_blocks`: one launch per arena pair.
+
+    With ``launch_device`` (the CUDA path) every arena must live on that device or
+    in pinned host memory, which the kernel reads or writes in place.
+    """
+    srcs = ref.check_arenas("src_arenas", src_arenas)
+    dsts = ref.check_arenas("dst_arenas", dst_arenas)
+    if len(srcs) != len(dsts):
+        raise InvalidArgumentError(expected("dst_arenas", f"{len(srcs)} tensors (as src_arenas)", len(dsts)))
+    for i, (s, d) in enumerate(zip(srcs, dsts)):
+        if s.dtype != d.dtype:
+            raise DTypeError(expected(f"dst_arenas[{i}]", f"dtype {s.dtype} (as src_arenas[{i}])", d.dtype))
+        if s.dim() != d.dim() or s.shape[0] != d.shape[0] or s.shape[2:] != d.shape[2:]:
+            want = (s.shape[0], "num_blocks") + tuple(s.shape[2:])
+            raise ShapeError(expected(f"dst_arenas[{i}]", f"shape {want} (as src_arenas[{i}])", tuple(d.shape)))
+    pairs = ref.check_pairs(pairs, srcs[0].device, dsts[0].device)
+    for name, group in (("src_arenas", srcs), ("dst_arenas", dsts)):
+        for i, a in enumerate(group):
+            if launch_device is not None and a.device != launch_device:
+                if a.device.type != "cpu":
+                    raise DeviceError(expected(f"{name}[{i}]", f"device {launch_device} or pinned host memory", a.device))
+                if not a.is_pinned():
+                    raise DeviceError(
+                        expected(f"{name}[{i}]", "pinned host memory (tensor.pin_memory())", "pageable host memory")
+                    )
+            _check_contiguous(f"{name}[{i}]", a)
+    if pairs.device.type == "cpu":
+        shared = any(s.device == d.device and s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+                     for s, d in zip(srcs, dsts))
+        _check_pair_values(pairs, srcs[0].shape[1], dsts[0].shape[1], dst_not_src=shared)
+    pairs = pairs.to(launch_device if launch_device is not None else pairs.device).contiguous()
+    launches = [_block_copy(s, d, pairs) for s, d in zip(srcs, dsts)]
+    return [x for x in launches if x is not None]
+
+
+# ----------------------------------------------------------------------------------
+# convert_layout
+
+
+def plan_convert_layout(arena, src_layout, dst_layout, *, scale=False):
+    """Plan :func:`pagedkv.ops.reference.convert_layout`; returns ``(launches, out)``."""
+    ref.check_layout(src_layout, "src_layout")
+    ref.check_layout(dst_layout, "dst_layout")
+    if not isinstance(arena, torch.Tensor):
+        raise DTypeError(expected("arena", "a torch.Tensor", type(arena).__name__))
+    ndims = (4, 5) if scale else (5, 6)
+    kv_dim = arena.dim() - (3 if scale else 4)
+    if arena.dim() not in ndims or arena.shape[kv_dim] != 2:
+        what = "scale arena [L, NB, 2, a, b] or layer [NB, 2, a, b]" if scale else (
+            "arena [L, NB, 2, a, b, D] or layer [NB, 2, a, b, D]"
+        )
+        raise ShapeError(expected("arena", what, tuple(arena.shape)))
+    _check_contiguous("arena", arena)
+    shape = list(arena.shape)
+    row = 1 if scale else shape[-1]
+    a_len, b_len = (shape[-2], shape[-1]) if scale else (shape[-3], shape[-2])
+    planes = math.prod(shape[: kv_dim + 1])
+    if src_layout == dst_layout:  # a copy: the same walk with one-long middle dims
+        planes, a_len, b_len = planes * a_len * b_len, 1, 1
+    else:
+        i = len(shape) - (2 if scale else 3)
+        shape[i], shape[i + 1] = shape[i + 1], shape[i]
+    out = torch.empty(shape, dtype=arena.dtype, device=arena.device)
+    row_bytes = row * arena.element_size()
+    if out.numel() == 0:
+        return [], out
+    unit = _chunk_for(row_bytes, arena.data_ptr(), out.data_ptr())
+    row_chunks = row_bytes // unit
+    args = [_ptr(arena), _ptr(out), _i64(planes), _i64(a_len), _i64(b_len), _i64(row_chunks)]
+    name = sources.transpose_name(_CHUNK_NAMES[unit])
+    return [_launch("convert_layout.cu", name, planes * b_len, a_len * row_chunks, args)], out

@@ -1,0 +1,143 @@
+"""Kernel sources and the entry points each one defines.
+
+The ``.cu``/``.cuh``/``.h`` files live in the top-level ``cuda/`` folder, which the
+wheel installs as the package data ``pagedkv._cuda_src``; they are read through
+:mod:`importlib.resources` so a non-editable install finds them. A source tree that
+was never installed (``PYTHONPATH=repo``) has no ``pagedkv._cuda_src`` package, so
+there the repo's ``cuda/`` folder is used.
+
+Entry-point names are generated here from the same variant axes the ``.cu`` macros
+expand; the compile tests check that the two agree in both directions.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Tuple
+
+from pagedkv.errors import InvalidArgumentError, expected
+
+__all__ = [
+    "KernelSource",
+    "SOURCE_FILES",
+    "LAYOUTS",
+    "CHUNKS",
+    "MODEL_TYPES",
+    "QUANT_TYPES",
+    "TABLES",
+    "load",
+    "entry_points",
+    "write_kv_name",
+    "gather_name",
+    "copy_blocks_name",
+    "transpose_name",
+]
+
+SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu")
+
+#: variant axes, in the spelling of the entry-point names
+LAYOUTS = ("nhd", "hnd")
+CHUNKS = {"v16": 16, "e4": 4, "e2": 2, "e1": 1}  # copy unit -> bytes
+MODEL_TYPES = ("f32", "f16", "bf16")
+QUANT_TYPES = ("e4m3", "e5m2", "int8")
+TABLES = ("csr", "pad")
+INDEX_TYPES = ("i32", "i64")
+
+_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One translation unit: its file name, text and every quoted header it pulls in
+    (transitively), as ``{include name: bytes}``."""
+
+    name: str
+    text: bytes
+    headers: Dict[str, bytes] = field(default_factory=dict)
+
+    def all_bytes(self) -> bytes:
+        """Everything that determines the compiled code, in a stable order."""
+        parts = [self.name.encode(), b"\0", self.text]
+        for hname in sorted(self.headers):
+            parts += [b"\0", hname.encode(), b"\0", self.headers[hname]]
+        return b"".join(parts)
+
+
+def _source_root():
+    try:
+        return importlib.resources.files("pagedkv._cuda_src")
+    except ModuleNotFoundError:
+        # Uninstalled source tree: the package maps to the repo's cuda/ folder.
+        root = Path(__file__).resolve().parents[2] / "cuda"
+        if not root.is_dir():
+            raise
+        return root
+
+
+@functools.lru_cache(maxsize=None)
+def _read(name: str) -> bytes:
+    return _source_root().joinpath(name).read_bytes()
+
+
+def load(name: str) -> KernelSource:
+    """The packaged source ``name`` (e.g. ``"write_kv.cu"``) with its headers."""
+    if name not in SOURCE_FILES:
+        raise InvalidArgumentError(expected("name", f"one of {', '.join(SOURCE_FILES)}", repr(name)))
+    text = _read(name)
+    headers: Dict[str, bytes] = {}
+    pending = [text]
+    while pending:
+        for inc in _INCLUDE.findall(pending.pop()):
+            hname = inc.decode()
+            if hname not in headers:
+                headers[hname] = _read(hname)
+                pending.append(headers[hname])
+    return KernelSource(name, text, headers)
+
+
+def write_kv_name(layout: str, chunk: str = "", in_type: str = "", quant: str = "") -> str:
+    """``pkv_write_kv_{layout}_{chunk}`` or ``pkv_write_kv_{layout}_{in}_to_{quant}``."""
+    if quant:
+        return f"pkv_write_kv_{layout}_{in_type}_to_{quant}"
+    return f"pkv_write_kv_{layout}_{chunk}"
+
+
+def gather_name(table: str, layout: str, chunk: str = "", quant: str = "", out_type: str = "") -> str:
+    """``pkv_gather_{table}_{layout}_{chunk}`` or ``..._{quant}_to_{out}``."""
+    if quant:
+        return f"pkv_gather_{table}_{layout}_{quant}_to_{out_type}"
+    return f"pkv_gather_{table}_{layout}_{chunk}"
+
+
+def copy_blocks_name(chunk: str, index_type: str) -> str:
+    return f"pkv_copy_blocks_{chunk}_{index_type}"
+
+
+def transpose_name(chunk: str) -> str:
+    return f"pkv_transpose_{chunk}"
+
+
+_COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
+
+
+@functools.lru_cache(maxsize=None)
+def entry_points() -> Dict[str, Tuple[str, ...]]:
+    """``{source file: every extern "C" kernel it defines}``."""
+    write = [write_kv_name(lo, chunk=c) for lo in LAYOUTS for c in _COPY_CHUNKS_MODEL]
+    write += [write_kv_name(lo, in_type=t, quant=q) for lo in LAYOUTS for t in MODEL_TYPES for q in QUANT_TYPES]
+    gather = []
+    for tb in TABLES:
+        for lo in LAYOUTS:
+            gather += [gather_name(tb, lo, chunk=c) for c in _COPY_CHUNKS_MODEL]
+            gather += [gather_name(tb, lo, quant=q, out_type=o) for q in QUANT_TYPES for o in MODEL_TYPES]
+    copy = [copy_blocks_name(c, i) for c in CHUNKS for i in INDEX_TYPES]
+    transpose = [transpose_name(c) for c in CHUNKS]
+    return {
+        "write_kv.cu": tuple(write),
+        "gather_kv.cu": tuple(gather),
+        "copy_blocks.cu": tuple(copy),
+        "convert_layout.cu": tuple(transpose),
+    }
