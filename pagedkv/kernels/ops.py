@@ -1,0 +1,193 @@
+"""CUDA launchers of the KV data ops, with the signatures of
+:mod:`pagedkv.ops.reference` plus a keyword-only ``stream``.
+
+Each launcher validates first (device, dtype, shape, strides, alignment: typed
+errors, never a silent cast; see :mod:`pagedkv.kernels.plans`), then launches on
+the caller's stream: ``stream=None`` means torch's current stream on the tensors'
+device; else a ``torch.cuda.Stream``, a raw ``cudaStream_t`` handle (int) or any
+object with ``__cuda_stream__`` (e.g. a ``cuda.core`` Stream). Helper tensors
+(outputs, uploaded pairs, prefix sums) are made on that stream too, so the caching
+allocator orders their reuse after the kernels. Inputs may be any DLPack tensor;
+they are viewed as torch tensors without a copy.
+
+Values of index tensors that live on the GPU are not checked (that would sync);
+the kernels skip or zero-fill out-of-range ids instead of touching other memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+
+from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, expected
+from pagedkv.kernels import build, driver, plans
+from pagedkv.kernels.plans import as_tensor
+
+__all__ = ["write_kv", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks", "convert_layout"]
+
+
+def _require_cuda(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise DTypeError(expected(name, "a torch.Tensor or a DLPack tensor", type(t).__name__))
+    if t.device.type != "cuda":
+        raise DeviceError(expected(name, "a CUDA tensor", t.device))
+    return t
+
+
+def _torch_stream(stream: object, device: torch.device) -> torch.cuda.Stream:
+    if stream is None:
+        return torch.cuda.current_stream(device)
+    if isinstance(stream, torch.cuda.Stream):
+        if stream.device != device:
+            raise DeviceError(expected("stream", f"a stream of {device}", stream.device))
+        return stream
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return torch.cuda.ExternalStream(stream, device=device)
+    if hasattr(stream, "__cuda_stream__"):
+        _, handle = stream.__cuda_stream__()
+        return torch.cuda.ExternalStream(int(handle), device=device)
+    raise InvalidArgumentError(
+        expected("stream", "None, a torch.cuda.Stream, an int handle or an object with __cuda_stream__",
+                 type(stream).__name__)
+    )
+
+
+@contextlib.contextmanager
+def _on_stream(device: torch.device, stream: object) -> Iterator[torch.cuda.Stream]:
+    ts = _torch_stream(stream, device)
+    with torch.cuda.device(device), torch.cuda.stream(ts):
+        yield ts
+
+
+def _run(launches: List[plans.Launch], ts: torch.cuda.Stream, device: torch.device) -> None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for ln in launches:
+        plans.check_dims(ln.grid, ln.block)
+        module = build.build_and_load(ln.source, index)
+        driver.make_current(index)
+        argv, values = ln.pack_args()
+        driver.launch(module.function(ln.kernel), ln.grid, ln.block, ts.cuda_stream, ctypes.addressof(argv))
+        del values  # cuLaunchKernel has copied the parameters
+
+
+def write_kv(
+    kv_layer,
+    slot_mapping,
+    key,
+    value,
+    *,
+    layout: str = "NHD",
+    kv_scale=None,
+    kv_zero=None,
+    stream=None,
+) -> None:
+    """Store one layer's new K/V tokens into their slots (reshape-and-cache).
+
+    Args:
+        kv_layer: contiguous per-layer view, NHD ``[NB, 2, bs, H, D]`` or HND
+            ``[NB, 2, H, bs, D]``, model dtype or fp8/int8 storage.
+        slot_mapping: ``[num_tokens]`` int64 on the same device; negative = skip.
+        key, value: ``[num_tokens, H, D]``, any token/head strides, dense head_dim.
+        kv_scale, kv_zero: quantized storage only, contiguous float32 views.
+        stream: see the module docstring.
+    """
+    kv_layer, slot_mapping, key, value, kv_scale, kv_zero = map(
+        as_tensor, (kv_layer, slot_mapping, key, value, kv_scale, kv_zero)
+    )
+    _require_cuda("kv_layer", kv_layer)
+    with _on_stream(kv_layer.device, stream) as ts:
+        launches = plans.plan_write_kv(
+            kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero
+        )
+        _run(launches, ts, kv_layer.device)
+
+
+def _gather(kv_layer, seq_lens, stream, **kw) -> Tuple[torch.Tensor, torch.Tensor]:
+    kv_layer = _require_cuda("kv_layer", as_tensor(kv_layer))
+    kw = {k: as_tensor(v) if k not in ("layout", "out_dtype") else v for k, v in kw.items()}
+    with _on_stream(kv_layer.device, stream) as ts:
+        launches, out_key, out_value = plans.plan_gather(kv_layer, as_tensor(seq_lens), **kw)
+        _run(launches, ts, kv_layer.device)
+    return out_key, out_value
+
+
+def gather_kv(
+    kv_layer,
+    indptr,
+    indices,
+    seq_lens,
+    *,
+    layout: str = "NHD",
+    out_dtype: Optional[torch.dtype] = None,
+    kv_scale=None,
+    kv_zero=None,
+    out_key=None,
+    out_value=None,
+    stream=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K/V of a batch of sequences as contiguous ``[sum(seq_lens), H, D]`` tensors in
+    token order, from CSR block tables (int32 ``indptr [B + 1]``, ``indices [nnz]``,
+    ``seq_lens [B]``, all on the arena's device). Dequantizes fp8/int8 storage into
+    ``out_dtype``. Without ``out_key``/``out_value`` the output size is read from
+    ``seq_lens`` (a device sync); pass them to stay sync-free.
+    """
+    return _gather(kv_layer, seq_lens, stream, indptr=indptr, indices=indices, layout=layout, out_dtype=out_dtype,
+                   kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+
+
+def gather_kv_padded(
+    kv_layer,
+    block_table,
+    seq_lens,
+    *,
+    layout: str = "NHD",
+    out_dtype: Optional[torch.dtype] = None,
+    kv_scale=None,
+    kv_zero=None,
+    out_key=None,
+    out_value=None,
+    stream=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table."""
+    return _gather(kv_layer, seq_lens, stream, block_table=block_table, layout=layout, out_dtype=out_dtype,
+                   kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+
+
+def _tensors(arenas) -> list:
+    return [as_tensor(a) for a in arenas] if isinstance(arenas, (list, tuple)) else [as_tensor(arenas)]
+
+
+def copy_blocks(arenas, pairs, *, stream=None) -> None:
+    """Copy whole blocks of every layer inside each arena (data, scale, zero): one
+    launch per arena. ``pairs [P, 2]`` (src, dst) int32/int64 on the CPU (checked
+    like the reference, then uploaded) or on the arenas' device (not read)."""
+    arenas = _tensors(arenas)
+    device = _require_cuda("arenas[0]", arenas[0]).device
+    with _on_stream(device, stream) as ts:
+        launches = plans.plan_copy_blocks(arenas, as_tensor(pairs))
+        _run(launches, ts, device)
+
+
+def swap_blocks(src_arenas, dst_arenas, pairs, *, stream=None) -> None:
+    """Copy blocks between a device arena set and a pinned host arena set (either
+    direction) with one kernel per arena that reads/writes the pinned memory in
+    place: no per-block memcpy calls, and ordered on ``stream``."""
+    srcs, dsts = _tensors(src_arenas), _tensors(dst_arenas)
+    side = next((t for t in (srcs[0], dsts[0]) if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+    if side is None:
+        got = srcs[0].device if isinstance(srcs[0], torch.Tensor) else type(srcs[0]).__name__
+        raise DeviceError(expected("src_arenas", "a CUDA tensor on one side of the swap", got))
+    with _on_stream(side.device, stream) as ts:
+        launches = plans.plan_swap_blocks(srcs, dsts, as_tensor(pairs), launch_device=side.device)
+        _run(launches, ts, side.device)
+
+
+def convert_layout(arena, src_layout: str, dst_layout: str, *, scale: bool = False, stream=None) -> torch.Tensor:
+    """A new contiguous tensor holding ``arena`` in ``dst_layout`` (see the reference)."""
+    arena = _require_cuda("arena", as_tensor(arena))
+    with _on_stream(arena.device, stream) as ts:
+        launches, out = plans.plan_convert_layout(arena, src_layout, dst_layout, scale=scale)
+        _run(launches, ts, arena.device)
+    return out
