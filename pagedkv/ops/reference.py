@@ -57,6 +57,12 @@ __all__ = [
     "check_pairs",
     "check_arenas",
     "check_block_ids",
+    "validate_copy_blocks",
+    "validate_swap_blocks",
+    "slot_error",
+    "indptr_error",
+    "seq_len_error",
+    "block_id_error",
 ]
 
 LAYOUTS = ("NHD", "HND")
@@ -294,24 +300,52 @@ def check_pairs(pairs: object, *devices: torch.device) -> torch.Tensor:
 # value checks (reference implementation reads the index tensors)
 
 
+def slot_error(value: int, index: int, num_slots: int) -> InvalidArgumentError:
+    """The error for an out-of-range slot (shared so every backend says the same)."""
+    return InvalidArgumentError(
+        expected(
+            "slot_mapping",
+            f"slots < {num_slots} (num_blocks * block_size), or negative to skip",
+            f"{value} at index {index}",
+        )
+    )
+
+
+def indptr_error(b: int, lo: int, hi: int, nnz: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        expected("indptr", f"non-decreasing offsets in [0, {nnz}]", f"indptr[{b}:{b + 2}] = [{lo}, {hi}]")
+    )
+
+
+def seq_len_error(b: int, n: int, num_blocks: int, bs: int, padded: bool) -> InvalidArgumentError:
+    what = "(max_blocks * block_size)" if padded else f"({num_blocks} blocks)"
+    return InvalidArgumentError(expected("seq_lens", f"0 <= seq_lens[{b}] <= {num_blocks * bs} {what}", n))
+
+
+def block_id_error(name: str, value: int, num_blocks: int, where: str) -> InvalidBlockError:
+    return InvalidBlockError(expected(name, f"block ids in [0, {num_blocks})", f"{value} at {where}"))
+
+
+def csr_block_where(b: int, j: int) -> str:
+    return f"sequence {b}, block {j}"
+
+
+def padded_block_where(b: int, j: int) -> str:
+    return f"row {b}, column {j}"
+
+
 def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
     bad = (slot_mapping >= num_slots).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
-        raise InvalidArgumentError(
-            expected(
-                "slot_mapping",
-                f"slots < {num_slots} (num_blocks * block_size), or negative to skip",
-                f"{int(slot_mapping[i])} at index {i}",
-            )
-        )
+        raise slot_error(int(slot_mapping[i]), i, num_slots)
 
 
-def check_block_ids(name: str, ids: Sequence[int], num_blocks: int, where: str = "") -> None:
+def check_block_ids(name: str, ids: Sequence[int], num_blocks: int, where=lambda i: f"row {i}") -> None:
     """Raise InvalidBlockError naming the first id outside ``[0, num_blocks)``."""
     for i, b in enumerate(ids):
         if b < 0 or b >= num_blocks:
-            raise InvalidBlockError(expected(name, f"block ids in [0, {num_blocks})", f"{b} at {where}{i}"))
+            raise block_id_error(name, b, num_blocks, where(i))
 
 
 def _csr_token_index(indptr, indices, seq_lens, bs: int, nb: int):
@@ -324,15 +358,11 @@ def _csr_token_index(indptr, indices, seq_lens, bs: int, nb: int):
     for b, n in enumerate(lens):
         lo, hi = ptr[b], ptr[b + 1]
         if not 0 <= lo <= hi <= nnz:
-            raise InvalidArgumentError(
-                expected("indptr", f"non-decreasing offsets in [0, {nnz}]", f"indptr[{b}:{b + 2}] = [{lo}, {hi}]")
-            )
+            raise indptr_error(b, lo, hi, nnz)
         if n < 0 or n > (hi - lo) * bs:
-            raise InvalidArgumentError(
-                expected("seq_lens", f"0 <= seq_lens[{b}] <= {(hi - lo) * bs} ({hi - lo} blocks)", n)
-            )
+            raise seq_len_error(b, n, hi - lo, bs, padded=False)
         need = idx[lo : lo + -(-n // bs)]
-        check_block_ids("indices", need, nb, where=f"sequence {b}, block ")
+        check_block_ids("indices", need, nb, where=lambda j, b=b: csr_block_where(b, j))
         blocks.append(need)
     return _token_index(blocks, lens, bs)
 
@@ -344,11 +374,9 @@ def _padded_token_index(block_table, seq_lens, bs: int, nb: int):
     blocks: List[List[int]] = []
     for b, n in enumerate(lens):
         if n < 0 or n > width * bs:
-            raise InvalidArgumentError(
-                expected("seq_lens", f"0 <= seq_lens[{b}] <= {width * bs} (max_blocks * block_size)", n)
-            )
+            raise seq_len_error(b, n, width, bs, padded=True)
         need = rows[b][: -(-n // bs)]
-        check_block_ids("block_table", need, nb, where=f"row {b}, column ")
+        check_block_ids("block_table", need, nb, where=lambda j, b=b: padded_block_where(b, j))
         blocks.append(need)
     return _token_index(blocks, lens, bs)
 
@@ -513,6 +541,26 @@ def _check_distinct_dst(dst: List[int]) -> None:
         seen.add(d)
 
 
+def _check_dst_not_src(src: List[int], dst: List[int]) -> None:
+    srcs = set(src)
+    for i, d in enumerate(dst):
+        if d in srcs:
+            raise InvalidBlockError(expected("pairs", "dst ids that are not also src ids", f"{d} (row {i})"))
+
+
+def validate_copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> Tuple[List[torch.Tensor], List[int], List[int]]:
+    """All checks of :func:`copy_blocks`; returns (arenas as a list, src ids, dst ids)."""
+    arenas = check_arenas("arenas", arenas)
+    pairs = check_pairs(pairs, arenas[0].device)
+    nb = arenas[0].shape[1]
+    src, dst = _pair_lists(pairs)
+    check_block_ids("pairs", src, nb, where=lambda i: f"src row {i}")
+    check_block_ids("pairs", dst, nb, where=lambda i: f"dst row {i}")
+    _check_distinct_dst(dst)
+    _check_dst_not_src(src, dst)
+    return arenas, src, dst
+
+
 def copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> None:
     """Copy whole blocks inside arenas, across all layers (copy-on-write, fork).
 
@@ -522,17 +570,7 @@ def copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> None:
         pairs: ``[P, 2]`` int64 or int32 (src, dst) block ids. dst ids are distinct and
             no dst is also a src in the same call, so the copies are order-free.
     """
-    arenas = check_arenas("arenas", arenas)
-    pairs = check_pairs(pairs, arenas[0].device)
-    nb = arenas[0].shape[1]
-    src, dst = _pair_lists(pairs)
-    check_block_ids("pairs", src, nb, where="src row ")
-    check_block_ids("pairs", dst, nb, where="dst row ")
-    _check_distinct_dst(dst)
-    srcs = set(src)
-    for i, d in enumerate(dst):
-        if d in srcs:
-            raise InvalidBlockError(expected("pairs", "dst ids that are not also src ids", f"{d} (row {i})"))
+    arenas, src, dst = validate_copy_blocks(arenas, pairs)
     if not src:
         return
     device = arenas[0].device
@@ -543,16 +581,10 @@ def copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> None:
         a.index_copy_(1, d, a.index_select(1, s))
 
 
-def swap_blocks(src_arenas: Arenas, dst_arenas: Arenas, pairs: torch.Tensor) -> None:
-    """Copy blocks from one set of arenas to another (device <-> host offload).
-
-    Args:
-        src_arenas, dst_arenas: matching lists of all-layer tensors; ``src_arenas[i]`` and
-            ``dst_arenas[i]`` agree in dtype and in every dim but ``num_blocks`` (dim 1).
-            The two sides may live on different devices.
-        pairs: ``[P, 2]`` int64 or int32 (src block in ``src_arenas``, dst block in
-            ``dst_arenas``); dst ids are distinct.
-    """
+def validate_swap_blocks(
+    src_arenas: Arenas, dst_arenas: Arenas, pairs: torch.Tensor
+) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[int], List[int]]:
+    """All checks of :func:`swap_blocks`; returns (src list, dst list, src ids, dst ids)."""
     srcs = check_arenas("src_arenas", src_arenas)
     dsts = check_arenas("dst_arenas", dst_arenas)
     if len(srcs) != len(dsts):
@@ -565,14 +597,25 @@ def swap_blocks(src_arenas: Arenas, dst_arenas: Arenas, pairs: torch.Tensor) -> 
             raise ShapeError(expected(f"dst_arenas[{i}]", f"shape {want} (as src_arenas[{i}])", tuple(d.shape)))
     pairs = check_pairs(pairs, srcs[0].device, dsts[0].device)
     src, dst = _pair_lists(pairs)
-    check_block_ids("pairs", src, srcs[0].shape[1], where="src row ")
-    check_block_ids("pairs", dst, dsts[0].shape[1], where="dst row ")
+    check_block_ids("pairs", src, srcs[0].shape[1], where=lambda i: f"src row {i}")
+    check_block_ids("pairs", dst, dsts[0].shape[1], where=lambda i: f"dst row {i}")
     _check_distinct_dst(dst)
     if any(_overlaps(s, d) for s, d in zip(srcs, dsts)):
-        srcset = set(src)
-        for i, d in enumerate(dst):
-            if d in srcset:
-                raise InvalidBlockError(expected("pairs", "dst ids that are not also src ids", f"{d} (row {i})"))
+        _check_dst_not_src(src, dst)
+    return srcs, dsts, src, dst
+
+
+def swap_blocks(src_arenas: Arenas, dst_arenas: Arenas, pairs: torch.Tensor) -> None:
+    """Copy blocks from one set of arenas to another (device <-> host offload).
+
+    Args:
+        src_arenas, dst_arenas: matching lists of all-layer tensors; ``src_arenas[i]`` and
+            ``dst_arenas[i]`` agree in dtype and in every dim but ``num_blocks`` (dim 1).
+            The two sides may live on different devices.
+        pairs: ``[P, 2]`` int64 or int32 (src block in ``src_arenas``, dst block in
+            ``dst_arenas``); dst ids are distinct.
+    """
+    srcs, dsts, src, dst = validate_swap_blocks(src_arenas, dst_arenas, pairs)
     if not src:
         return
     si = torch.tensor(src, dtype=torch.int64, device=srcs[0].device)
