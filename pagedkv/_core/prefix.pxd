@@ -1,0 +1,61 @@
+# Prefix index: chained block hash -> block, with the exact tokens kept for verification.
+from pagedkv._core._types cimport (block_id_t, token_t, hash_t, int8_t, uint8_t, int32_t,
+                                   uint32_t, int64_t, uint64_t)
+
+cdef extern from "pkv_hash.h" nogil:
+    uint64_t pkv_hash_bytes(const void* data, size_t length, uint64_t seed)
+    uint64_t pkv_hash_block(const int32_t* tokens, int32_t ntokens, uint64_t parent, uint64_t ns_hash)
+    uint64_t pkv_hash_block_weak(const int32_t* tokens, int32_t ntokens, uint64_t parent, uint64_t ns_hash)
+
+cdef enum:
+    EV_STORED = 1
+    EV_REMOVED = 2
+    EV_CLEARED = 3
+
+cdef struct EventBuf:
+    uint8_t* kind        # EV_* per record
+    uint64_t* hash       # block hash (0 for EV_CLEARED)
+    uint64_t* parent     # parent block hash; for a first block, the namespace root
+    int32_t* ns          # interned namespace id
+    int32_t* block       # block id
+    int64_t n            # records held, <= cap
+    int64_t cap
+
+
+cdef class PrefixIndex:
+    cdef readonly int32_t block_size     # tokens per block, >= 1
+    cdef readonly int32_t num_blocks     # blocks the index can describe
+    cdef readonly uint64_t root          # root hash: per-process secret, or derived from a fixed seed
+    cdef readonly bint weak_hash         # tests only: 4-valued hash that collides constantly
+    # open addressing (linear probing, backward-shift deletion); capacity = mask + 1
+    cdef uint64_t* keys
+    cdef int32_t* vals                   # block id; -1 marks an empty slot
+    cdef uint64_t mask
+    cdef readonly int32_t num_cached     # registered blocks
+    # per block, valid while registered[b]
+    cdef uint8_t* registered
+    cdef uint64_t* block_hash
+    cdef uint64_t* parent_hash
+    cdef token_t* block_tokens           # [num_blocks * block_size]
+    cdef int32_t* block_ns               # interned namespace id (0 = default namespace)
+    cdef block_id_t* parent_block        # registered block holding the previous block; -1 for the first
+    cdef uint32_t* parent_gen            # gen[parent_block] when this block was registered
+    cdef uint32_t* gen                   # bumped whenever the block's registration ends
+    cdef readonly int64_t num_collisions # inserts refused because another block owns the hash
+    cdef readonly bint events_enabled   # record KV events for drain_events()
+    cdef EventBuf ev
+
+    cdef hash_t hash_block(self, const token_t* toks, hash_t parent, uint64_t ns_hash) noexcept nogil
+    cdef hash_t first_parent(self, uint64_t ns_hash) noexcept nogil
+    cdef block_id_t find(self, hash_t h) noexcept nogil
+    cdef bint matches(self, block_id_t b, const token_t* toks, int32_t ns,
+                      block_id_t parent, uint32_t pgen) noexcept nogil
+    cdef bint canon_valid(self, block_id_t b, uint32_t g) noexcept nogil
+    cdef int insert(self, block_id_t b, hash_t h, hash_t parent_h, const token_t* toks,
+                    int32_t ns, block_id_t parent, uint32_t pgen) except -1 nogil
+    cdef void remove_block(self, block_id_t b) noexcept nogil
+    cdef int32_t lookup(self, const token_t* toks, int64_t ntok, int32_t ns, uint64_t ns_hash,
+                        block_id_t* out_blocks, hash_t* out_last_hash, int32_t max_blocks) noexcept nogil
+    cdef int clear(self) except -1 nogil
+    cdef int push_event(self, uint8_t kind, uint64_t h, uint64_t parent, int32_t ns,
+                        block_id_t b) except -1 nogil
