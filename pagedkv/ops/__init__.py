@@ -1,1 +1,196 @@
-"""pagedkv.ops."""
+"""KV data ops, dispatched to a backend.
+
+Every function has the signature of its :mod:`pagedkv.ops.reference` twin plus a
+keyword ``backend``:
+
+- ``"auto"`` (default): the CUDA kernels (:mod:`pagedkv.kernels.ops`) when the
+  arena is on a CUDA device (for :func:`swap_blocks`, when either side is); the fast
+  CPU ops (:mod:`pagedkv.ops.cpu`) for CPU tensors; the torch reference otherwise
+  (or, with a warning, when the CPU ops are not built);
+- ``"cuda"``, ``"cpu"``, ``"reference"``: force one.
+
+A CUDA path that cannot run raises :class:`~pagedkv.errors.KernelUnavailableError`;
+there is no silent fallback from a GPU tensor to the slow reference.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from types import ModuleType
+from typing import Optional, Tuple
+
+import torch
+
+from pagedkv.errors import InvalidArgumentError, KernelUnavailableError, expected
+from pagedkv.ops import cpu as _cpu_ops
+from pagedkv.ops import reference
+
+__all__ = [
+    "BACKENDS",
+    "write_kv",
+    "gather_kv",
+    "gather_kv_padded",
+    "copy_blocks",
+    "swap_blocks",
+    "convert_layout",
+    "resolve_backend",
+]
+
+BACKENDS = ("auto", "cpu", "cuda", "reference")
+
+_log = logging.getLogger("pagedkv.ops")
+_cpu_missing_warned = False
+
+
+def _cuda_module() -> ModuleType:
+    try:
+        return importlib.import_module("pagedkv.kernels.ops")
+    except Exception as e:  # ImportError, or a driver/cuda-python failure at import
+        raise KernelUnavailableError(
+            f"the CUDA kernels (pagedkv.kernels.ops) cannot be loaded: {type(e).__name__}: {e}. "
+            "Install the 'cuda' extra (cuda-python with NVRTC) or move the tensors to the CPU"
+        ) from e
+
+
+# The fast CPU module when its loops are built, for the per-call fast path.
+_CPU: Optional[ModuleType] = _cpu_ops if _cpu_ops.AVAILABLE else None
+_Tensor = torch.Tensor
+
+
+def resolve_backend(backend: str, *devices: torch.device) -> str:
+    """The concrete backend (``"cuda"``, ``"cpu"`` or ``"reference"``) for tensors on ``devices``."""
+    global _cpu_missing_warned
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(expected("backend", "one of " + ", ".join(map(repr, BACKENDS)), repr(backend)))
+    if backend != "auto":
+        return backend
+    if any(d.type == "cuda" for d in devices):
+        return "cuda"
+    if all(d.type == "cpu" for d in devices):
+        if _CPU is not None:
+            return "cpu"
+        if not _cpu_missing_warned:
+            _cpu_missing_warned = True
+            msg = "pagedkv.ops: the fast CPU ops are not built; using the (slow) torch reference"
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            _log.warning(msg)
+    return "reference"
+
+
+def _impl(name: str, backend: str, *devices: torch.device):
+    chosen = resolve_backend(backend, *devices)
+    if chosen == "reference":
+        return getattr(reference, name)
+    if chosen == "cpu":
+        return getattr(_cpu_ops, name)  # raises KernelUnavailableError itself when not built
+    module = _cuda_module()
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise KernelUnavailableError(f"the CUDA kernels provide no {name}()")
+    return fn
+
+
+_NOT_A_TENSOR = torch.device("meta")
+
+
+def _device(t: object) -> torch.device:
+    # a non-tensor goes to the reference, whose checks name the problem
+    return t.device if isinstance(t, torch.Tensor) else _NOT_A_TENSOR
+
+
+def _first_device(arenas: object) -> torch.device:
+    if isinstance(arenas, (list, tuple)) and arenas:
+        return _device(arenas[0])
+    return _device(arenas)
+
+
+def _cpu_fast(backend: str, t: object) -> bool:
+    return _CPU is not None and backend == "auto" and type(t) is _Tensor and t.is_cpu
+
+
+def write_kv(
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    kv_scale: Optional[torch.Tensor] = None,
+    kv_zero: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> None:
+    """Store new K/V tokens at their slots; see :func:`pagedkv.ops.reference.write_kv`."""
+    if _cpu_fast(backend, kv_layer):
+        _CPU.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero)
+        return
+    fn = _impl("write_kv", backend, _device(kv_layer))
+    fn(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero)
+
+
+def gather_kv(
+    kv_layer: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    out_dtype: Optional[torch.dtype] = None,
+    kv_scale: Optional[torch.Tensor] = None,
+    kv_zero: Optional[torch.Tensor] = None,
+    out_key: Optional[torch.Tensor] = None,
+    out_value: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Read K/V of a batch (CSR block tables); see :func:`pagedkv.ops.reference.gather_kv`."""
+    fn = _CPU.gather_kv if _cpu_fast(backend, kv_layer) else _impl("gather_kv", backend, _device(kv_layer))
+    return fn(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
+              kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+
+
+def gather_kv_padded(
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    out_dtype: Optional[torch.dtype] = None,
+    kv_scale: Optional[torch.Tensor] = None,
+    kv_zero: Optional[torch.Tensor] = None,
+    out_key: Optional[torch.Tensor] = None,
+    out_value: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Read K/V of a batch (padded block table); see :func:`pagedkv.ops.reference.gather_kv_padded`."""
+    if _cpu_fast(backend, kv_layer):
+        fn = _CPU.gather_kv_padded
+    else:
+        fn = _impl("gather_kv_padded", backend, _device(kv_layer))
+    return fn(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
+              kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+
+
+def _as_list(arenas: object) -> object:
+    return [arenas] if isinstance(arenas, torch.Tensor) else arenas
+
+
+def copy_blocks(arenas, pairs: torch.Tensor, *, backend: str = "auto") -> None:
+    """Copy whole blocks across all layers; see :func:`pagedkv.ops.reference.copy_blocks`."""
+    arenas = _as_list(arenas)
+    fn = _impl("copy_blocks", backend, _first_device(arenas))
+    fn(arenas, pairs)
+
+
+def swap_blocks(src_arenas, dst_arenas, pairs: torch.Tensor, *, backend: str = "auto") -> None:
+    """Copy blocks between two sets of arenas; see :func:`pagedkv.ops.reference.swap_blocks`."""
+    src_arenas, dst_arenas = _as_list(src_arenas), _as_list(dst_arenas)
+    fn = _impl("swap_blocks", backend, _first_device(src_arenas), _first_device(dst_arenas))
+    fn(src_arenas, dst_arenas, pairs)
+
+
+def convert_layout(
+    arena: torch.Tensor, src_layout: str, dst_layout: str, *, scale: bool = False, backend: str = "auto"
+) -> torch.Tensor:
+    """A contiguous copy in the other layout; see :func:`pagedkv.ops.reference.convert_layout`."""
+    fn = _impl("convert_layout", backend, _device(arena))
+    return fn(arena, src_layout, dst_layout, scale=scale)
