@@ -149,6 +149,84 @@ def _c_contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _fast_layer(kv_layer, layout, out_dtype, kv_scale, kv_zero):
+    """``(nb, bs, h, d, dtype)`` when the arena side plainly passes every check, else None."""
+    if type(kv_layer) is not _T or kv_scale is not None or kv_zero is not None:
+        return None
+    ls = kv_layer.shape
+    dt = kv_layer.dtype
+    if not (len(ls) == 5 and ls[1] == 2 and dt in _FAST_DTYPES and (out_dtype is None or out_dtype == dt)
+            and kv_layer.is_cpu and kv_layer.is_contiguous()):
+        return None
+    if layout == "NHD":
+        return ls[0], ls[2], ls[3], ls[4], dt
+    if layout == "HND":
+        return ls[0], ls[3], ls[2], ls[4], dt
+    return None
+
+
+def _fast_index(t) -> bool:
+    return type(t) is _T and t.dtype == _I32 and t.is_cpu and t.dim() == 1 and t.is_contiguous()
+
+
+def _fast_outputs(out_key, out_value, total, h, d, dt):
+    """Outputs to fill: new ones, or the given ones when they plainly pass; else None."""
+    if out_key is None and out_value is None:
+        return torch.empty((total, h, d), dtype=dt), torch.empty((total, h, d), dtype=dt)
+    if type(out_key) is not _T or type(out_value) is not _T:
+        return None
+    shape = (total, h, d)
+    for t in (out_key, out_value):
+        if not (t.shape == shape and t.dtype == dt and t.is_cpu and t.is_contiguous()):
+            return None
+    if total and out_key.data_ptr() == out_value.data_ptr():
+        return None
+    return out_key, out_value
+
+
+def _fast_gather_csr(kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero, out_key, out_value):
+    geo = _fast_layer(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    if geo is None or not (_fast_index(indptr) and _fast_index(indices) and _fast_index(seq_lens)):
+        return None
+    batch = seq_lens.shape[0]
+    if indptr.shape[0] != batch + 1:
+        return None
+    nb, bs, h, d, dt = geo
+    nnz = indices.shape[0]
+    code, b, a, z = _c.validate_csr(indptr.data_ptr(), indices.data_ptr(), seq_lens.data_ptr(), batch, nnz, bs, nb)
+    if code != _OK:
+        _raise_table_error(code, b, a, z, False, bs, nb, nnz)
+    outs = _fast_outputs(out_key, out_value, a, h, d, dt)
+    if outs is None:
+        return None
+    es = kv_layer.element_size()
+    _c.gather_csr(kv_layer.data_ptr(), indptr.data_ptr(), indices.data_ptr(), seq_lens.data_ptr(), batch, a,
+                  outs[0].data_ptr(), outs[1].data_ptr(), bs, h, d * es, layout == "HND")
+    return outs
+
+
+def _fast_gather_padded(kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero, out_key, out_value):
+    geo = _fast_layer(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    if geo is None or not _fast_index(seq_lens) or type(block_table) is not _T:
+        return None
+    ts = block_table.shape
+    batch = seq_lens.shape[0]
+    if not (len(ts) == 2 and ts[0] == batch and block_table.dtype == _I32 and block_table.is_cpu
+            and block_table.is_contiguous()):
+        return None
+    nb, bs, h, d, dt = geo
+    code, b, a, z = _c.validate_padded(block_table.data_ptr(), seq_lens.data_ptr(), batch, ts[1], bs, nb)
+    if code != _OK:
+        _raise_table_error(code, b, a, z, True, bs, nb)
+    outs = _fast_outputs(out_key, out_value, a, h, d, dt)
+    if outs is None:
+        return None
+    es = kv_layer.element_size()
+    _c.gather_padded(kv_layer.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(), batch, ts[1], a,
+                     outs[0].data_ptr(), outs[1].data_ptr(), bs, h, d * es, layout == "HND")
+    return outs
+
+
 def gather_kv(
     kv_layer: torch.Tensor,
     indptr: torch.Tensor,
@@ -163,6 +241,11 @@ def gather_kv(
     out_value: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv` on CPU tensors."""
+    if _c is not None:
+        outs = _fast_gather_csr(kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
+                                out_key, out_value)
+        if outs is not None:
+            return outs
     c = _loops()
     geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     batch = _ref.check_csr(indptr, indices, seq_lens, kv_layer.device)
@@ -196,6 +279,11 @@ def gather_kv_padded(
     out_value: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv_padded` on CPU tensors."""
+    if _c is not None:
+        outs = _fast_gather_padded(kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
+                                   out_key, out_value)
+        if outs is not None:
+            return outs
     c = _loops()
     geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     batch = _ref.check_padded(block_table, seq_lens, kv_layer.device)

@@ -1,0 +1,193 @@
+"""Microbenchmark of the fast CPU ops against memcpy and torch advanced indexing.
+
+Prints one JSON object per line and figure:
+
+- ``write_kv``: one decode step of 256 sequences (one new token each) into a per-layer
+  arena where every sequence owns its own scattered blocks; each timed call is the
+  next decode step, so it writes fresh rows as an engine would.
+- ``gather_kv``: one 4,096-token sequence whose 256 blocks are scattered over the
+  arena, into preallocated outputs (the engine path); ``gather_kv_alloc`` lets the op
+  allocate its outputs.
+
+Each figure carries the op's median ns per call and GB/s (bytes of K and V moved),
+and two torch memcpy baselines of the same bytes (``dst.copy_(src)``, same process,
+same thread settings):
+
+- ``memcpy``: the copy's destination (write) or source (gather) walks a buffer as
+  large as the arena, so it is as cache-cold as the op's own arena side;
+- ``memcpy_hot``: the same two buffers every call (they stay in cache; a bound no
+  op that touches an arena larger than the cache can reach).
+
+``ratio`` is ``memcpy_ns / op_ns`` (1.0 = memcpy speed) and ``ratio_hot`` likewise;
+``pass`` is ``ratio >= 0.5``. ``index_ns`` is the torch advanced-indexing version
+(what the reference does) and ``speedup_vs_index`` the op's gain over it.
+
+Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+import pagedkv.ops as ops
+from pagedkv.ops import cpu as cpu_ops
+
+SHAPES = [("smollm2", 3, 64), ("8x128", 8, 128)]
+DTYPES = [torch.float16, torch.float32]
+BLOCK_SIZE = 16
+
+
+def median_ns(fn: Callable[[int], object], iters: int, repeats: int) -> float:
+    """Median over ``repeats`` runs of the mean ns per call; ``fn(i)`` is call number i."""
+    for i in range(max(3, iters // 4)):  # warm-up
+        fn(i)
+    runs = []
+    step = 0
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            fn(step)
+            step += 1
+        runs.append((time.perf_counter_ns() - t0) / iters)
+    return statistics.median(runs)
+
+
+class ChunkPool:
+    """An arena-sized byte buffer cut into chunks of ``nbytes``, walked in a scattered order."""
+
+    def __init__(self, total_bytes: int, nbytes: int, dtype: torch.dtype):
+        elems = nbytes // torch.empty((), dtype=dtype).element_size()
+        self.count = max(2, total_bytes // nbytes)
+        self.buf = torch.ones(self.count, elems, dtype=dtype)
+        self.order = torch.randperm(self.count).tolist()
+
+    def chunk(self, i: int) -> torch.Tensor:
+        return self.buf[self.order[i % self.count]]
+
+
+def figure(kind: str, label: str, dtype: torch.dtype, nbytes: int, op_ns: float, copy_ns: float,
+           hot_ns: float, index_ns: float, **extra) -> Dict[str, object]:
+    return {
+        "figure": kind,
+        "shape": label,
+        "dtype": str(dtype).replace("torch.", ""),
+        **extra,
+        "bytes": nbytes,
+        "op_ns": round(op_ns),
+        "op_gbps": round(nbytes / op_ns, 2),
+        "memcpy_ns": round(copy_ns),
+        "memcpy_gbps": round(nbytes / copy_ns, 2),
+        "ratio": round(copy_ns / op_ns, 3),
+        "memcpy_hot_ns": round(hot_ns),
+        "ratio_hot": round(hot_ns / op_ns, 3),
+        "index_ns": round(index_ns),
+        "speedup_vs_index": round(index_ns / op_ns, 2),
+        "pass": copy_ns / op_ns >= 0.5,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def bench_write(label, h, d, dtype, num_seqs, blocks_per_seq, steps, iters, repeats) -> Dict[str, object]:
+    nb = num_seqs * blocks_per_seq
+    layer = torch.ones(nb, 2, BLOCK_SIZE, h, d, dtype=dtype)  # touched: no first-write page faults
+    owner = torch.randperm(nb).view(num_seqs, blocks_per_seq)  # sequence b's blocks, scattered
+    # decode step s writes token s of every sequence
+    slot_steps = [
+        (owner[:, s // BLOCK_SIZE] * BLOCK_SIZE + s % BLOCK_SIZE).to(torch.int64).contiguous()
+        for s in range(steps)
+    ]
+    key = torch.randn(num_seqs, h, d).to(dtype)
+    value = torch.randn(num_seqs, h, d).to(dtype)
+    nbytes = 2 * key.numel() * key.element_size()
+
+    op_ns = median_ns(lambda i: ops.write_kv(layer, slot_steps[i % steps], key, value), iters, repeats)
+
+    src = torch.cat([key, value]).view(-1)
+    pool = ChunkPool(layer.numel() * layer.element_size(), nbytes, dtype)
+    copy_ns = median_ns(lambda i: pool.chunk(i).copy_(src), iters, repeats)
+    hot = torch.empty_like(src)
+    hot_ns = median_ns(lambda i: hot.copy_(src), iters, repeats)
+
+    idx = [(s // BLOCK_SIZE, s % BLOCK_SIZE) for s in slot_steps]
+
+    def index_write(i):
+        blk, off = idx[i % steps]
+        layer[blk, 0, off] = key
+        layer[blk, 1, off] = value
+
+    index_ns = median_ns(index_write, max(1, iters // 4), repeats)
+    return figure("write_kv", label, dtype, nbytes, op_ns, copy_ns, hot_ns, index_ns,
+                  tokens=num_seqs, arena_bytes=layer.numel() * layer.element_size())
+
+
+def bench_gather(label, h, d, dtype, seq_tokens, num_tables, iters, repeats, alloc) -> Dict[str, object]:
+    blocks = seq_tokens // BLOCK_SIZE
+    nb = blocks * num_tables
+    layer = torch.randn(nb, 2, BLOCK_SIZE, h, d).to(dtype)
+    perm = torch.randperm(nb).to(torch.int32)
+    tables = [perm[t * blocks:(t + 1) * blocks].contiguous() for t in range(num_tables)]  # disjoint, scattered
+    indptr = torch.tensor([0, blocks], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_tokens], dtype=torch.int32)
+    out_k = torch.empty(seq_tokens, h, d, dtype=dtype)
+    out_v = torch.empty(seq_tokens, h, d, dtype=dtype)
+    nbytes = 2 * out_k.numel() * out_k.element_size()
+
+    if alloc:
+        def op(i):
+            ops.gather_kv(layer, indptr, tables[i % num_tables], seq_lens)
+    else:
+        def op(i):
+            ops.gather_kv(layer, indptr, tables[i % num_tables], seq_lens, out_key=out_k, out_value=out_v)
+    op_ns = median_ns(op, iters, repeats)
+
+    dst = torch.cat([out_k, out_v]).view(-1)
+    pool = ChunkPool(layer.numel() * layer.element_size(), nbytes, dtype)
+    copy_ns = median_ns(lambda i: dst.copy_(pool.chunk(i)), iters, repeats)
+    src = torch.empty_like(dst)
+    hot_ns = median_ns(lambda i: dst.copy_(src), iters, repeats)
+
+    tok = torch.arange(seq_tokens)
+    idx = [(t.to(torch.int64).repeat_interleave(BLOCK_SIZE), tok % BLOCK_SIZE) for t in tables]
+
+    def index_gather(i):
+        blk, off = idx[i % num_tables]
+        return layer[blk, 0, off], layer[blk, 1, off]
+
+    index_ns = median_ns(index_gather, max(1, iters // 4), repeats)
+    return figure("gather_kv_alloc" if alloc else "gather_kv", label, dtype, nbytes, op_ns, copy_ns, hot_ns,
+                  index_ns, tokens=seq_tokens, arena_bytes=layer.numel() * layer.element_size())
+
+
+def main(argv: List[str] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few iterations (CI)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (median)")
+    args = parser.parse_args(argv)
+    if not cpu_ops.AVAILABLE:
+        print(json.dumps({"error": "pagedkv.ops._cpu_copy is not built; timing the reference instead"}))
+    torch.manual_seed(0)
+    if args.smoke:
+        sizes = dict(num_seqs=8, blocks_per_seq=2, steps=4, seq_tokens=64, num_tables=2, iters=5, repeats=3)
+        shapes, dtypes = SHAPES[:1], DTYPES[:1]
+    else:
+        sizes = dict(num_seqs=256, blocks_per_seq=16, steps=256, seq_tokens=4096, num_tables=16, iters=200,
+                     repeats=7)
+        shapes, dtypes = SHAPES, DTYPES
+    repeats = args.repeats or sizes["repeats"]
+    for label, h, d in shapes:
+        for dtype in dtypes:
+            print(json.dumps(bench_write(label, h, d, dtype, sizes["num_seqs"], sizes["blocks_per_seq"],
+                                         sizes["steps"], sizes["iters"], repeats)), flush=True)
+            for alloc in (False, True):
+                print(json.dumps(bench_gather(label, h, d, dtype, sizes["seq_tokens"], sizes["num_tables"],
+                                              max(1, sizes["iters"] // 10), repeats, alloc)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
