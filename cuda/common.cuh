@@ -111,16 +111,20 @@ __device__ __forceinline__ float pkv_f16_to_f32(pkv_u16 h) {
     const float v = (float)mant * 5.9604644775390625e-8f;
     return __uint_as_float(__float_as_uint(v) | sign);
   }
-  if (exp == 31) return __uint_as_float(sign | 0x7f800000u | (mant << 13));  // inf/NaN
+  if (exp == 31) {  // inf, or NaN made quiet (as torch and the hardware do)
+    return __uint_as_float(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
+  }
   return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
-// Round to nearest even; NaN -> quiet NaN 0x7e00 with the sign (as torch's scalar cast).
+// Round to nearest even. A NaN stays a quiet NaN with its sign and top payload
+// bits (x86 F16C's rule, which torch's CPU cast follows); NaN payloads are not part
+// of pagedkv's contract (torch's own CPU and CUDA casts differ there).
 __device__ __forceinline__ pkv_u16 pkv_f32_to_f16(float f) {
   const pkv_u32 u = __float_as_uint(f);
   const pkv_u32 sign = (u >> 16) & 0x8000u;
   const pkv_u32 a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (pkv_u16)(sign | 0x7e00u);
+  if (a > 0x7f800000u) return (pkv_u16)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
   if (a >= 0x47800000u) return (pkv_u16)(sign | 0x7c00u);  // >= 65536: inf
   if (a >= 0x38800000u) {  // normal result (>= 2^-14); a carry may round up to inf
     const pkv_u32 r = (a + 0xfffu + ((a >> 13) & 1u)) >> 13;
@@ -135,10 +139,11 @@ __device__ __forceinline__ float pkv_bf16_to_f32(pkv_u16 b) {
   return __uint_as_float((pkv_u32)b << 16);
 }
 
-// Round to nearest even; NaN -> 0x7fc0 (as torch's scalar cast).
+// Round to nearest even. A NaN is truncated and made quiet (sign and top payload
+// bits kept); see pkv_f32_to_f16 on NaN payloads.
 __device__ __forceinline__ pkv_u16 pkv_f32_to_bf16(float f) {
   const pkv_u32 u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (pkv_u16)0x7fc0u;
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (pkv_u16)((u >> 16) | 0x0040u);
   return (pkv_u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -213,7 +218,7 @@ __device__ __forceinline__ float pkv_e4m3_to_f32(pkv_u8 q) {
   const pkv_u32 sign = (pkv_u32)(q & 0x80u) << 24;
   const pkv_u32 exp = (q >> 3) & 0xfu;
   const pkv_u32 mant = q & 0x7u;
-  if (exp == 15 && mant == 7) return __uint_as_float(sign | 0x7fc00000u);  // the only NaN
+  if (exp == 15 && mant == 7) return __uint_as_float(sign | 0x7ff00000u);  // the only NaN (quiet)
   if (exp == 0) {  // subnormal: mant * 2^-9
     const float v = (float)mant * 0.001953125f;
     return __uint_as_float(__float_as_uint(v) | sign);

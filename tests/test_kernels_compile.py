@@ -32,25 +32,25 @@ ENTRY = re.compile(rb"\.(?:visible\s+)?\.?entry\s+(\w+)")
 TINY = b'extern "C" __global__ void pkv_tiny(int* p) { p[threadIdx.x] = 1; }\n'
 
 
-@pytest.fixture(scope="session")
-def session_cache(tmp_path_factory):
-    """All compiles of this module share one fresh cache dir (hermetic and reused)."""
-    path = tmp_path_factory.mktemp("kernel-cache")
+@contextlib.contextmanager
+def _cache_dir(path):
     old = os.environ.get("PAGEDKV_CACHE_DIR")
     os.environ["PAGEDKV_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("PAGEDKV_CACHE_DIR", None)
-    else:
-        os.environ["PAGEDKV_CACHE_DIR"] = old
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("PAGEDKV_CACHE_DIR", None)
+        else:
+            os.environ["PAGEDKV_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")
-def ptx(session_cache):
-    """(source, arch) -> PTX bytes. Everything is compiled on first use, two at a
-    time (NVRTC releases the GIL), biggest sources first."""
+def ptx(tmp_path_factory):
+    """(source, arch) -> PTX bytes. Everything is compiled up front into a fresh
+    cache dir, two at a time (NVRTC releases the GIL), so the run is hermetic."""
     jobs = [(s, a) for s in sources.SOURCE_FILES for a in ARCHS]
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with _cache_dir(tmp_path_factory.mktemp("kernel-cache")), ThreadPoolExecutor(max_workers=2) as pool:
         arts = pool.map(lambda job: build.build(job[0], CompileOptions(arch=job[1])), jobs)
         compiled = dict(zip(jobs, (a.data for a in arts)))
     return lambda source, arch: compiled[(source, arch)]
@@ -89,7 +89,7 @@ def test_quantization_math_is_not_contracted_into_fma(ptx, source):
     assert b"fma.rn.f32" not in ptx(source, "sm_90")
 
 
-def test_cubin_target_is_machine_code(session_cache):
+def test_cubin_target_is_machine_code(fresh_cache):
     art = build.build("convert_layout.cu", CompileOptions(arch="sm_90", target="cubin"))
     assert art.data[:4] == b"\x7fELF"
     assert art.target == "cubin"

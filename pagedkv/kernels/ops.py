@@ -164,6 +164,8 @@ def copy_blocks(arenas, pairs, *, stream=None) -> None:
     launch per arena. ``pairs [P, 2]`` (src, dst) int32/int64 on the CPU (checked
     like the reference, then uploaded) or on the arenas' device (not read)."""
     arenas = _tensors(arenas)
+    if not arenas:
+        plans.ref.check_arenas("arenas", arenas)  # raises the reference's error
     device = _require_cuda("arenas[0]", arenas[0]).device
     with _on_stream(device, stream) as ts:
         launches = plans.plan_copy_blocks(arenas, as_tensor(pairs))
@@ -175,6 +177,9 @@ def swap_blocks(src_arenas, dst_arenas, pairs, *, stream=None) -> None:
     direction) with one kernel per arena that reads/writes the pinned memory in
     place: no per-block memcpy calls, and ordered on ``stream``."""
     srcs, dsts = _tensors(src_arenas), _tensors(dst_arenas)
+    for label, group in (("src_arenas", srcs), ("dst_arenas", dsts)):
+        if not group:
+            plans.ref.check_arenas(label, group)  # raises the reference's error
     side = next((t for t in (srcs[0], dsts[0]) if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
     if side is None:
         got = srcs[0].device if isinstance(srcs[0], torch.Tensor) else type(srcs[0]).__name__

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError, expected
+from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.kernels import sources
 from pagedkv.ops import reference as ref
 
@@ -275,25 +275,6 @@ def plan_gather(
 # copy_blocks / swap_blocks
 
 
-def _check_pair_values(pairs: torch.Tensor, src_blocks: int, dst_blocks: int, dst_not_src: bool) -> None:
-    """The reference's value checks of host-resident pairs (same messages)."""
-    rows = pairs.tolist()
-    src = [r[0] for r in rows]
-    dst = [r[1] for r in rows]
-    ref.check_block_ids("pairs", src, src_blocks, where="src row ")
-    ref.check_block_ids("pairs", dst, dst_blocks, where="dst row ")
-    seen = set()
-    for i, d in enumerate(dst):
-        if d in seen:
-            raise InvalidBlockError(expected("pairs", "distinct dst block ids", f"{d} twice (row {i})"))
-        seen.add(d)
-    if dst_not_src:
-        srcs = set(src)
-        for i, d in enumerate(dst):
-            if d in srcs:
-                raise InvalidBlockError(expected("pairs", "dst ids that are not also src ids", f"{d} (row {i})"))
-
-
 def _block_copy(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> Optional[Launch]:
     layers, src_blocks = src.shape[0], src.shape[1]
     block_bytes = math.prod(src.shape[2:]) * src.element_size()
@@ -308,16 +289,27 @@ def _block_copy(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> Op
     return _launch("copy_blocks.cu", name, num_pairs * layers, block_bytes // unit, args, (pairs,))
 
 
+def _host_pairs(pairs: object) -> bool:
+    return isinstance(pairs, torch.Tensor) and pairs.device.type == "cpu"
+
+
+def _no_pairs(pairs: object) -> object:
+    """An empty stand-in for device pairs, so the reference validators run their
+    structural checks without reading (syncing on) the real ones."""
+    dtype = pairs.dtype if isinstance(pairs, torch.Tensor) else torch.int64
+    return torch.empty((0, 2), dtype=dtype)
+
+
 def plan_copy_blocks(arenas, pairs) -> List[Launch]:
     """Plan :func:`pagedkv.ops.reference.copy_blocks`: one launch per arena."""
-    arenas = ref.check_arenas("arenas", arenas)
-    device = arenas[0].device
-    pairs = ref.check_pairs(pairs, device)
+    if _host_pairs(pairs):
+        arenas, _, _ = ref.validate_copy_blocks(arenas, pairs)  # every check, same messages
+    else:
+        arenas, _, _ = ref.validate_copy_blocks(arenas, _no_pairs(pairs))
+        pairs = ref.check_pairs(pairs, arenas[0].device)
     for i, a in enumerate(arenas):
         _check_contiguous(f"arenas[{i}]", a)
-    if pairs.device.type == "cpu":
-        _check_pair_values(pairs, arenas[0].shape[1], arenas[0].shape[1], dst_not_src=True)
-    pairs = pairs.to(device).contiguous()
+    pairs = pairs.to(arenas[0].device).contiguous()
     launches = [_block_copy(a, a, pairs) for a in arenas]
     return [x for x in launches if x is not None]
 
@@ -328,17 +320,11 @@ def plan_swap_blocks(src_arenas, dst_arenas, pairs, *, launch_device: Optional[t
     With ``launch_device`` (the CUDA path) every arena must live on that device or
     in pinned host memory, which the kernel reads or writes in place.
     """
-    srcs = ref.check_arenas("src_arenas", src_arenas)
-    dsts = ref.check_arenas("dst_arenas", dst_arenas)
-    if len(srcs) != len(dsts):
-        raise InvalidArgumentError(expected("dst_arenas", f"{len(srcs)} tensors (as src_arenas)", len(dsts)))
-    for i, (s, d) in enumerate(zip(srcs, dsts)):
-        if s.dtype != d.dtype:
-            raise DTypeError(expected(f"dst_arenas[{i}]", f"dtype {s.dtype} (as src_arenas[{i}])", d.dtype))
-        if s.dim() != d.dim() or s.shape[0] != d.shape[0] or s.shape[2:] != d.shape[2:]:
-            want = (s.shape[0], "num_blocks") + tuple(s.shape[2:])
-            raise ShapeError(expected(f"dst_arenas[{i}]", f"shape {want} (as src_arenas[{i}])", tuple(d.shape)))
-    pairs = ref.check_pairs(pairs, srcs[0].device, dsts[0].device)
+    if _host_pairs(pairs):
+        srcs, dsts, _, _ = ref.validate_swap_blocks(src_arenas, dst_arenas, pairs)
+    else:
+        srcs, dsts, _, _ = ref.validate_swap_blocks(src_arenas, dst_arenas, _no_pairs(pairs))
+        pairs = ref.check_pairs(pairs, srcs[0].device, dsts[0].device)
     for name, group in (("src_arenas", srcs), ("dst_arenas", dsts)):
         for i, a in enumerate(group):
             if launch_device is not None and a.device != launch_device:
@@ -349,11 +335,7 @@ def plan_swap_blocks(src_arenas, dst_arenas, pairs, *, launch_device: Optional[t
                         expected(f"{name}[{i}]", "pinned host memory (tensor.pin_memory())", "pageable host memory")
                     )
             _check_contiguous(f"{name}[{i}]", a)
-    if pairs.device.type == "cpu":
-        shared = any(s.device == d.device and s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
-                     for s, d in zip(srcs, dsts))
-        _check_pair_values(pairs, srcs[0].shape[1], dsts[0].shape[1], dst_not_src=shared)
-    pairs = pairs.to(launch_device if launch_device is not None else pairs.device).contiguous()
+    pairs = pairs.to(launch_device if launch_device is not None else srcs[0].device).contiguous()
     launches = [_block_copy(s, d, pairs) for s, d in zip(srcs, dsts)]
     return [x for x in launches if x is not None]
 

@@ -1,0 +1,136 @@
+"""Bandwidth of the KV kernels against a plain device copy of the same bytes.
+
+For write_kv, gather_kv, copy_blocks (and, reported without a bar, the fp8 write,
+the dequantizing gather and a swap to pinned host memory) this prints one JSON line
+per figure: bytes moved (read + written), GPU time per call, GB/s, the GB/s of
+torch ``copy_`` (cudaMemcpy) moving the same bytes, and the fraction of it. The bar
+for the three main kernels is 80% of memcpy.
+
+Timing: a spin kernel (``torch.cuda._sleep``) holds the stream while the host
+queues all iterations, so CUDA events bracket GPU work only, not Python launch
+overhead. Without a GPU it prints one JSON line saying so and exits 0.
+
+    python benchmarks/kernels.py [--smoke] [--iters N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+BAR = 0.8
+
+
+def emit(**fields) -> None:
+    print(json.dumps({"benchmark": "kernels", **fields}), flush=True)
+
+
+def gpu_time_us(fn: Callable[[], object], iters: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the mean GPU time of ``iters`` back-to-back calls."""
+    fn()  # compile, load, warm caches
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(50_000_000)  # keep the GPU busy while the host queues the calls
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / iters)
+    return statistics.median(times)
+
+
+def memcpy_gbps(nbytes_read: int, iters: int) -> float:
+    """GB/s (read + written) of a device-to-device copy_ reading ``nbytes_read``."""
+    src = torch.empty(nbytes_read, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = gpu_time_us(lambda: dst.copy_(src), iters)
+    return 2 * nbytes_read / us / 1e3
+
+
+def report(op: str, variant: str, moved: int, us: float, baseline: float, bar: bool) -> None:
+    gbps = moved / us / 1e3
+    fields = dict(op=op, variant=variant, bytes_moved=moved, us_per_call=round(us, 2), GBps=round(gbps, 1),
+                  memcpy_GBps=round(baseline, 1), fraction_of_memcpy=round(gbps / baseline, 3))
+    if bar:
+        fields.update(bar=BAR, meets_bar=gbps / baseline >= BAR)
+    emit(**fields)
+
+
+def run(smoke: bool, iters: int) -> int:
+    from pagedkv.kernels import ops
+
+    dev = torch.device("cuda")
+    L, H, D, BS = (2, 2, 64, 16) if smoke else (32, 8, 128, 16)
+    T = 256 if smoke else 32768  # tokens per write / gather
+    NB = max(2 * T // BS, 64)
+    elt = 2
+    emit(event="device", name=torch.cuda.get_device_name(dev), smoke=smoke)
+
+    # write_kv: T tokens of K and V into random slots of one layer
+    layer = torch.zeros(NB, 2, BS, H, D, dtype=torch.float16, device=dev)
+    key = torch.randn(T, H, D, device=dev, dtype=torch.float16)
+    value = torch.randn_like(key)
+    slots = torch.randperm(NB * BS, device=dev)[:T]
+    moved = 4 * T * H * D * elt  # read K and V, write K and V
+    base = memcpy_gbps(moved // 2, iters)
+    report("write_kv", "fp16 NHD", moved, gpu_time_us(lambda: ops.write_kv(layer, slots, key, value), iters), base, True)
+
+    q = torch.zeros(NB, 2, BS, H, D, dtype=torch.float8_e4m3fn, device=dev)
+    s = torch.zeros(NB, 2, BS, H, device=dev)
+    us = gpu_time_us(lambda: ops.write_kv(q, slots, key, value, kv_scale=s), iters)
+    report("write_kv", "fp16 -> fp8_e4m3 NHD", 2 * T * H * (D * elt + D + 4), us, base, False)
+
+    # gather_kv: sequences of 512 tokens over shuffled blocks, outputs preallocated (no sync)
+    seq = 64 if smoke else 512
+    batch = T // seq
+    lens = torch.full((batch,), seq, dtype=torch.int32, device=dev)
+    indptr = torch.arange(0, batch * seq // BS + 1, seq // BS, dtype=torch.int32, device=dev)
+    indices = torch.randperm(NB, device=dev)[: batch * seq // BS].to(torch.int32)
+    out_k, out_v = torch.empty_like(key), torch.empty_like(value)
+    fn = lambda: ops.gather_kv(layer, indptr, indices, lens, out_key=out_k, out_value=out_v)  # noqa: E731
+    report("gather_kv", "fp16 NHD csr", moved, gpu_time_us(fn, iters), base, True)
+    fn = lambda: ops.gather_kv(q, indptr, indices, lens, out_dtype=torch.float16, kv_scale=s,  # noqa: E731
+                               out_key=out_k, out_value=out_v)
+    report("gather_kv", "fp8_e4m3 -> fp16 NHD csr", 2 * T * H * (D + 4 + D * elt), gpu_time_us(fn, iters), base, False)
+
+    # copy_blocks: P (src, dst) pairs across every layer of a whole arena
+    P = 16 if smoke else 256
+    arena = torch.zeros(L, 2 * P, 2, BS, H, D, dtype=torch.float16, device=dev)
+    pairs = torch.stack([torch.arange(P), torch.arange(P, 2 * P)], dim=1).to(dev)
+    block = 2 * BS * H * D * elt
+    moved = 2 * P * L * block
+    base = memcpy_gbps(moved // 2, iters)
+    report("copy_blocks", "fp16 NHD", moved, gpu_time_us(lambda: ops.copy_blocks([arena], pairs), iters), base, True)
+
+    # swap_blocks to pinned host memory, against a pinned D2H copy_ of the same bytes
+    host = torch.zeros(L, P, 2, BS, H, D, dtype=torch.float16).pin_memory()
+    out_pairs = torch.stack([torch.arange(P), torch.arange(P)], dim=1).to(dev)
+    staging = torch.empty(moved // 2, dtype=torch.uint8).pin_memory()
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+    d2h = 2 * (moved // 2) / gpu_time_us(lambda: staging.copy_(src, non_blocking=True), iters) / 1e3
+    us = gpu_time_us(lambda: ops.swap_blocks([arena], [host], out_pairs), iters)
+    report("swap_blocks", "fp16 device -> pinned host", moved, us, d2h, False)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, few iterations (CI)")
+    parser.add_argument("--iters", type=int, default=None, help="calls per timed run")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        emit(status="skipped", reason="no CUDA GPU present (torch.cuda.is_available() is False)", smoke=args.smoke)
+        return 0
+    return run(args.smoke, args.iters or (2 if args.smoke else 20))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
