@@ -1,4 +1,34 @@
-"""pagedkv: a paged KV-cache library for LLM inference engines."""
+"""pagedkv: a paged KV-cache library for LLM inference engines.
+
+The bookkeeping core (``pagedkv._core``) is Cython and needs only NumPy; the KV store,
+the data ops and the model integrations need torch (``pip install pagedkv[torch]``).
+"""
 from pagedkv.errors import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
+
+try:
+    from pagedkv._core.pool import BlockPool
+except ImportError as exc:  # pragma: no cover - depends on how pagedkv was imported
+    import os as _os
+
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    if _os.path.exists(_os.path.join(_here, "..", "setup.py")):
+        raise ImportError(
+            f"pagedkv is being imported from its source tree ({_here}) without compiled "
+            "extensions. Run from outside the checkout after `pip install .`, or build in "
+            "place with `python setup.py build_ext --inplace`."
+        ) from exc
+    raise
+
+from pagedkv._core.prefix import PrefixIndex  # noqa: E402
+from pagedkv._core.tables import BlockTables  # noqa: E402
+from pagedkv.cache import PagedKVCache  # noqa: E402
+from pagedkv.config import CacheConfig  # noqa: E402
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pagedkv.stats import CacheStats  # noqa: E402
+
+__all__ = [
+    "BlockPool", "PrefixIndex", "BlockTables", "PagedKVCache", "CacheConfig", "CacheStats",
+    "BlockStored", "BlockRemoved", "AllBlocksCleared", "__version__",
+]

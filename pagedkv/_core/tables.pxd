@@ -62,7 +62,7 @@ cdef class BlockTables:
     cdef int32_t new_row(self) except -1
     cdef int grow_blocks(self, SeqRow* row, int64_t need) except -1 nogil
     cdef int grow_tokens(self, SeqRow* row, int64_t need) except -1 nogil
-    cdef int32_t* rows_for(self, object keys_arr, int64_t m) except NULL
+    cdef int32_t* rows_for(self, object keys_arr, int64_t m, bint internal=*) except NULL
     cdef int push_copy(self, block_id_t src, block_id_t dst) except -1 nogil
     cdef void register_full_blocks(self, SeqRow* row) noexcept nogil
     cdef void release_row(self, SeqRow* row) noexcept nogil

@@ -215,8 +215,9 @@ cdef class BlockTables:
         row.cap_tokens = cap
         return 0
 
-    cdef int32_t* rows_for(self, object keys_arr, int64_t m) except NULL:
-        # Resolve keys to rows for one batch call; unknown and repeated keys raise.
+    cdef int32_t* rows_for(self, object keys_arr, int64_t m, bint internal=False) except NULL:
+        # Resolve keys to rows for one batch call; unknown and repeated keys raise, and
+        # so do negative keys unless internal (the manager keys non-int ids below 0).
         cdef cnp.ndarray ka = <cnp.ndarray>keys_arr
         cdef const int64_t* kp = <const int64_t*>cnp.PyArray_DATA(ka)
         cdef int64_t i, bad = -1
@@ -233,7 +234,7 @@ cdef class BlockTables:
         with nogil:
             for i in range(m):
                 r = self.find_row(kp[i])
-                if r < 0:
+                if r < 0 or (kp[i] < 0 and not internal):
                     err = ERR_NOT_FOUND
                     bad = i
                     break
@@ -396,11 +397,11 @@ cdef class BlockTables:
         self.num_seqs += 1
         return <int64_t>nhit * self.block_size
 
-    def remove(self, keys):
+    def remove(self, keys, bint internal=False):
         """Free sequences (int64 keys): their blocks return to the pool, tail first."""
         cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
         cdef int64_t m = cnp.PyArray_DIM(ka, 0), i
-        cdef int32_t* rp = self.rows_for(ka, m)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
         cdef SeqRow* row
         for i in range(m):
             row = &self.rows[rp[i]]
@@ -457,7 +458,7 @@ cdef class BlockTables:
             self.pool.incref(d.blocks[i])
         self.num_seqs += 1
 
-    def reserve(self, keys, counts):
+    def reserve(self, keys, counts, bint internal=False):
         """Slots for the next ``counts`` tokens of each sequence, concatenated (int64).
 
         All or nothing across the batch. New blocks are taken only at block
@@ -478,7 +479,7 @@ cdef class BlockTables:
             if cnp.PyArray_DIM(ca, 0) != m:
                 raise ShapeError(expected("num_tokens", f"{m} counts (one per sequence)", cnp.PyArray_DIM(ca, 0)))
             cp = <const int64_t*>cnp.PyArray_DATA(ca)
-        cdef int32_t* rp = self.rows_for(ka, m)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
         cdef SeqRow* row
         cdef int32_t bs = self.block_size, newb
         cdef int32_t* ref = self.pool.ref_cnt
@@ -521,7 +522,7 @@ cdef class BlockTables:
                 row.num_reserved += n
         return out
 
-    def commit(self, keys, counts, token_ids=None):
+    def commit(self, keys, counts, token_ids=None, bint internal=False):
         """Mark the next ``counts`` reserved tokens of each sequence as computed.
 
         ``token_ids`` (optional, int32, concatenated in batch order) are the ids of
@@ -543,7 +544,7 @@ cdef class BlockTables:
             if cnp.PyArray_DIM(ca, 0) != m:
                 raise ShapeError(expected("num_tokens", f"{m} counts (one per sequence)", cnp.PyArray_DIM(ca, 0)))
             cp = <const int64_t*>cnp.PyArray_DATA(ca)
-        cdef int32_t* rp = self.rows_for(ka, m)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
         cdef SeqRow* row
         for i in range(m):
             n = cp[i] if cp != NULL else scalar
@@ -635,11 +636,11 @@ cdef class BlockTables:
             row.block_cls[i] = <int8_t>priority
 
     # ---- Python API: exports ----------------------------------------------------------
-    def block_table(self, keys, int32_t pad=-1, width=None):
+    def block_table(self, keys, int32_t pad=-1, width=None, bint internal=False):
         """Padded ``[B, width]`` int32 block tables (width defaults to the longest)."""
         cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
         cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, j, w = 0
-        cdef int32_t* rp = self.rows_for(ka, m)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
         for i in range(m):
             if self.rows[rp[i]].num_blocks > w:
                 w = self.rows[rp[i]].num_blocks
@@ -659,14 +660,14 @@ cdef class BlockTables:
                     o[i, j] = pad
         return out
 
-    def csr(self, keys):
+    def csr(self, keys, bint internal=False):
         """FlashInfer's page table: ``(indptr, indices, last_page_len)``, all int32.
 
         Covers every reserved token; ``last_page_len`` is 0 for an empty sequence.
         """
         cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
         cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, nnz = 0
-        cdef int32_t* rp = self.rows_for(ka, m)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
         for i in range(m):
             nnz += self.rows[rp[i]].num_blocks
         cdef cnp.ndarray indptr = new_i32(m + 1), indices = new_i32(nnz), last = new_i32(m)
@@ -683,7 +684,7 @@ cdef class BlockTables:
                 lp[i] = <int32_t>(row.num_reserved - <int64_t>(row.num_blocks - 1) * self.block_size) if row.num_blocks else 0
         return indptr, indices, last
 
-    def slot_mapping(self, keys, starts, counts):
+    def slot_mapping(self, keys, starts, counts, bint internal=False):
         """int64 slots of positions ``[start, start + count)`` of each sequence, concatenated."""
         cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
         cdef cnp.ndarray sa = as_i64(starts, "starts"), ca = as_i64(counts, "counts")
@@ -692,7 +693,7 @@ cdef class BlockTables:
             raise ShapeError(expected("starts, counts", f"{m} entries each", f"{cnp.PyArray_DIM(sa, 0)}, {cnp.PyArray_DIM(ca, 0)}"))
         cdef const int64_t* sp = <const int64_t*>cnp.PyArray_DATA(sa)
         cdef const int64_t* cp = <const int64_t*>cnp.PyArray_DATA(ca)
-        cdef int32_t* rp = self.rows_for(ka, m)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
         cdef SeqRow* row
         for i in range(m):
             row = &self.rows[rp[i]]
@@ -712,11 +713,11 @@ cdef class BlockTables:
                     op += 1
         return out
 
-    def seq_lens(self, keys, bint computed=False):
+    def seq_lens(self, keys, bint computed=False, bint internal=False):
         """Tokens per sequence (int64): reserved (default) or committed."""
         cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
         cdef int64_t m = cnp.PyArray_DIM(ka, 0), i
-        cdef int32_t* rp = self.rows_for(ka, m)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
         cdef cnp.ndarray out = new_i64(m)
         cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
         for i in range(m):

@@ -1,0 +1,73 @@
+"""KV events: what a router needs to mirror which prefixes a cache holds.
+
+Enable with ``CacheConfig(enable_kv_events=True)`` and drain with
+:meth:`pagedkv.PagedKVCache.drain_events`. Consecutive stores of one chain (each
+block's parent is the previous block) are grouped into one :class:`BlockStored`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent", "events_from_records"]
+
+_STORED, _REMOVED, _CLEARED = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks became reusable. ``parent_block_hash`` is None for a chain that starts
+    at the root; ``namespace`` is ``(cache_salt, adapter_id)`` or None (default)."""
+
+    block_hashes: List[int]
+    parent_block_hash: Optional[int]
+    token_count: int
+    namespace: Optional[Tuple[Any, Any]]
+    block_ids: List[int]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks were evicted: their hashes no longer resolve."""
+
+    block_hashes: List[int]
+    block_ids: List[int]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The prefix cache was reset."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+def events_from_records(records, ns_names: Dict[int, Tuple[Any, Any]], block_size: int,
+                        root: int) -> List[KVEvent]:
+    kind, hashes, parents, ns, blocks = records
+    out: List[KVEvent] = []
+    for i in range(len(kind)):
+        k = int(kind[i])
+        h, p, n, b = int(hashes[i]), int(parents[i]), int(ns[i]), int(blocks[i])
+        if k == _CLEARED:
+            out.append(AllBlocksCleared())
+            continue
+        last = out[-1] if out else None
+        if k == _REMOVED:
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.append(h)
+                last.block_ids.append(b)
+            else:
+                out.append(BlockRemoved([h], [b]))
+            continue
+        namespace = ns_names.get(n)
+        namespace = None if namespace == (None, None) else namespace
+        if (isinstance(last, BlockStored) and last.block_hashes[-1] == p and last.namespace == namespace):
+            last.block_hashes.append(h)
+            last.block_ids.append(b)
+            object.__setattr__(last, "token_count", last.token_count + block_size)
+        else:
+            out.append(BlockStored([h], None if p == root else p, block_size, namespace, [b]))
+    return out

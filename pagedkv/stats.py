@@ -1,0 +1,110 @@
+"""Cache statistics and the block map (seeds 001 and 002)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from pagedkv.config import format_bytes
+
+__all__ = ["CacheStats", "render_block_map"]
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    total_blocks: int
+    allocated_blocks: int          # in use (ref_cnt >= 1)
+    free_blocks: int               # allocatable now: empty + evictable cached-free
+    empty_blocks: int              # free with no cached content
+    cached_free_blocks: int        # ref_cnt 0, holding a reusable prefix (pinned included)
+    pinned_blocks: int             # cached-free and pinned
+    active_sequences: int
+    total_tokens: int              # committed tokens over live sequences
+    utilization_pct: float         # allocated / total * 100
+    fragmentation: float           # unused slots in allocated blocks' partial tails / allocated slots
+    allocation_count: int          # blocks handed out, ever
+    deallocation_count: int        # references released, ever
+    eviction_count: int            # cached blocks whose content was dropped for reuse
+    query_tokens: int              # prompt tokens looked up in the prefix cache
+    hit_tokens: int                # of those, served from cached blocks
+    hit_rate: float
+    cow_copies: int                # copy-on-write block copies
+    bytes_per_block: int
+    bytes_in_use: int
+    bytes_free: int
+    swapped_sequences: int
+    host_blocks_in_use: int
+
+    @property
+    def is_full(self) -> bool:
+        return self.free_blocks == 0
+
+    @classmethod
+    def collect(cls, cache) -> "CacheStats":
+        pool, tables, cfg = cache.pool, cache.tables, cache.config
+        tokens, waste = tables.total_tokens()
+        used = pool.num_in_use_blocks
+        bpb = cfg.bytes_per_block
+        q, h = tables.num_query_tokens, tables.num_hit_tokens
+        host = cache._host
+        return cls(
+            total_blocks=pool.num_blocks,
+            allocated_blocks=used,
+            free_blocks=pool.num_free_blocks,
+            empty_blocks=pool.num_empty_blocks,
+            cached_free_blocks=pool.num_cached_free_blocks,
+            pinned_blocks=pool.num_pinned_free_blocks,
+            active_sequences=len(tables),
+            total_tokens=tokens,
+            utilization_pct=100.0 * used / pool.num_blocks,
+            fragmentation=(waste / (used * cfg.block_size)) if used else 0.0,
+            allocation_count=pool.num_allocations,
+            deallocation_count=pool.num_frees,
+            eviction_count=pool.num_evictions,
+            query_tokens=q,
+            hit_tokens=h,
+            hit_rate=(h / q) if q else 0.0,
+            cow_copies=tables.num_cow,
+            bytes_per_block=bpb,
+            bytes_in_use=used * bpb,
+            bytes_free=(pool.num_blocks - used) * bpb,
+            swapped_sequences=host.num_swapped if host is not None else 0,
+            host_blocks_in_use=host.pool.num_in_use_blocks if host is not None else 0,
+        )
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["is_full"] = self.is_full
+        return d
+
+    def describe(self) -> str:
+        return "\n".join([
+            f"Blocks: {self.allocated_blocks}/{self.total_blocks} in use ({self.utilization_pct:.1f}%), "
+            f"{self.free_blocks} allocatable ({self.empty_blocks} empty, {self.cached_free_blocks} cached-free, "
+            f"{self.pinned_blocks} pinned)",
+            f"Memory: {format_bytes(self.bytes_in_use)} in use, {format_bytes(self.bytes_free)} free "
+            f"({format_bytes(self.bytes_per_block)} per block)",
+            f"Sequences: {self.active_sequences} active, {self.total_tokens} tokens, "
+            f"fragmentation {self.fragmentation:.3f}",
+            f"Prefix cache: {self.hit_tokens}/{self.query_tokens} tokens hit ({100 * self.hit_rate:.1f}%), "
+            f"{self.eviction_count} evictions, {self.cow_copies} copy-on-write copies",
+            f"Counters: {self.allocation_count} blocks allocated, {self.deallocation_count} released",
+        ])
+
+
+_STATE_CHARS = np.frombuffer(b".#c", dtype=np.uint8)
+
+
+def render_block_map(pool, width: int = 64) -> str:
+    """One character per block: ``.`` free, ``#`` in use, ``+`` shared (ref_cnt > 1),
+    ``c`` cached-free, ``p`` pinned cached-free."""
+    states = pool.states()
+    chars = _STATE_CHARS[states].copy()
+    ref = np.asarray(pool.ref_cnt)
+    chars[ref > 1] = ord("+")
+    if pool.num_pinned_free_blocks:
+        for b in np.flatnonzero(states == 2).tolist():
+            if pool.pin_count(b):
+                chars[b] = ord("p")
+    text = chars.tobytes().decode()
+    return "\n".join(text[i:i + width] for i in range(0, len(text), width))
