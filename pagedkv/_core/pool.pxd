@@ -22,6 +22,7 @@ cdef class BlockPool:
 
     cdef int32_t num_free(self) noexcept nogil
     cdef void evict_block(self, block_id_t b) noexcept nogil
+    cdef void drop_content(self, block_id_t b) noexcept nogil
     cdef void alloc_into(self, block_id_t* out, int32_t n) noexcept nogil
     cdef void maybe_batch_evict(self) noexcept nogil
     cdef int64_t release_batch(self, const block_id_t* ids, int64_t n,

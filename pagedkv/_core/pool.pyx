@@ -84,6 +84,22 @@ cdef class BlockPool:
         if self.index is not None:
             self.index.remove_block(b)
 
+    cdef void drop_content(self, block_id_t b) noexcept nogil:
+        # Forget a block's cached content without allocating it (an orphaned prefix
+        # block being replaced). A cached-free block becomes plain free.
+        cdef BlockLists* L = &self.evictor.L
+        if not self.cached[b]:
+            return
+        if self.ref_cnt[b] == 0:
+            bl_unlink(L, b)
+            self.evict_block(b)
+            bl_push_front(L, EMPTY, b)
+        else:
+            self.cached[b] = 0
+            self.num_evictions += 1
+            if self.index is not None:
+                self.index.remove_block(b)
+
     cdef void alloc_into(self, block_id_t* out, int32_t n) noexcept nogil:
         # The caller has checked n <= num_free().
         cdef BlockLists* L = &self.evictor.L

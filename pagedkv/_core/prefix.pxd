@@ -50,6 +50,7 @@ cdef class PrefixIndex:
     cdef block_id_t find(self, hash_t h) noexcept nogil
     cdef bint matches(self, block_id_t b, const token_t* toks, int32_t ns,
                       block_id_t parent, uint32_t pgen) noexcept nogil
+    cdef bint is_orphan(self, block_id_t b) noexcept nogil
     cdef bint canon_valid(self, block_id_t b, uint32_t g) noexcept nogil
     cdef int insert(self, block_id_t b, hash_t h, hash_t parent_h, const token_t* toks,
                     int32_t ns, block_id_t parent, uint32_t pgen) except -1 nogil

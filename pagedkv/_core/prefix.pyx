@@ -114,6 +114,10 @@ cdef class PrefixIndex:
         return memcmp(self.block_tokens + <size_t>b * self.block_size, toks,
                       self.block_size * sizeof(token_t)) == 0
 
+    cdef bint is_orphan(self, block_id_t b) noexcept nogil:
+        # Registered, but its parent's registration ended since: unreachable by lookups.
+        return self.parent_block[b] >= 0 and not self.canon_valid(self.parent_block[b], self.parent_gen[b])
+
     cdef bint canon_valid(self, block_id_t b, uint32_t g) noexcept nogil:
         return b >= 0 and self.registered[b] and self.gen[b] == g
 

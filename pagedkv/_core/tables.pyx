@@ -296,9 +296,16 @@ cdef class BlockTables:
                 self.pool.cached[b] = 1
                 c = b
             elif c != b and not self.index.matches(c, toks, row.ns_id, parent, row.canon_gen):
-                self.index.num_collisions = self.index.num_collisions + 1
-                row.track = 0
-                return
+                if not self.index.is_orphan(c) or self.pool.pin_cnt[c]:
+                    self.index.num_collisions = self.index.num_collisions + 1
+                    row.track = 0
+                    return
+                # c holds this content chain's hash but hangs off an evicted parent, so
+                # no lookup can reach it: replace it with this sequence's block.
+                self.pool.drop_content(c)
+                self.index.insert(b, h, row.last_hash, toks, row.ns_id, parent, row.canon_gen)
+                self.pool.cached[b] = 1
+                c = b
             row.canon_block = c
             row.canon_gen = self.index.gen[c]
             row.last_hash = h
