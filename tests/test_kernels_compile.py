@@ -246,6 +246,17 @@ def test_two_processes_compile_a_kernel_once(fresh_cache):
     assert reports[0]["size"] == reports[1]["size"] > 0
 
 
+def test_unusable_cache_dir_warns_and_still_compiles(fresh_cache, monkeypatch):
+    blocker = fresh_cache / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(blocker))
+    before = build.stats.compiles
+    with pytest.warns(RuntimeWarning, match=r"kernel cache .*not-a-dir is unusable"):
+        art = build.build(KernelSource("tiny.cu", TINY), CompileOptions(arch="sm_80"))
+    assert b".entry pkv_tiny" in art.data
+    assert build.stats.compiles == before + 1
+
+
 def test_compile_error_carries_log_and_file_name(fresh_cache):
     broken = KernelSource("broken_kernel.cu", b'extern "C" __global__ void k() { this is not cuda; }\n')
     before = build.stats.compiles

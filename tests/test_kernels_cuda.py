@@ -102,11 +102,10 @@ def test_write_kv_quantized(ops, dtype, qdtype, layout, d):
     bufs = [torch.zeros(shape, dtype=qdtype), torch.zeros(shape[:-1])]
     bufs.append(torch.zeros(shape[:-1]) if qdtype == torch.int8 else None)
     k, v, dk, dv = inputs(57, d, dtype, "contiguous", gen)
-    k[0, 0] = 0
-    k[1, 1, 0] = float("inf")
+    k[1, 0] = 0  # scale 0 -> 1 (row 0 is padding: slots_for pads every fifth token)
+    k[2, 1, 0] = float("inf")
     dk = k.cuda()
     slots = slots_for(57, gen)
-    slots[:2] = torch.tensor([3, 4])
     want = [b.clone() if b is not None else None for b in bufs]
     ref.write_kv(want[0], slots, k, v, layout=layout, kv_scale=want[1], kv_zero=want[2])
     got = [b.cuda() if b is not None else None for b in bufs]
@@ -240,20 +239,15 @@ def test_launches_go_to_the_callers_stream_and_accept_dlpack(ops, how):
     layer = torch.zeros(shape_of("NHD", 128), dtype=torch.float16, device="cuda")
     k, v, dk, dv = inputs(200, 128, torch.float16, "contiguous", gen)
     slots = torch.arange(200)
+    dslots = slots.cuda()
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    side.wait_stream(torch.cuda.current_stream())  # the inputs above are ready
     stream = {"torch": side, "int": side.cuda_stream, "protocol": _Stream(side)}[how]
-    ops.write_kv(_DLPackOnly(layer), _DLPackOnly(slots.cuda()), _DLPackOnly(dk), _DLPackOnly(dv), stream=stream)
+    ops.write_kv(_DLPackOnly(layer), _DLPackOnly(dslots), _DLPackOnly(dk), _DLPackOnly(dv), stream=stream)
     side.synchronize()
     want = torch.zeros(shape_of("NHD", 128), dtype=torch.float16)
     ref.write_kv(want, slots, k, v)
     assert_same(layer, want)
-
-
-def test_cpu_tensors_are_refused(ops):
-    layer = torch.zeros(shape_of("NHD", 8))
-    with pytest.raises(DeviceError, match=r"kv_layer: expected a CUDA tensor, got cpu"):
-        ops.write_kv(layer, torch.tensor([0]), torch.zeros(1, H, 8), torch.zeros(1, H, 8))
 
 
 def test_bad_stream_is_refused(ops):

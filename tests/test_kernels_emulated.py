@@ -10,7 +10,6 @@ contract, are compared as "both NaN").
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -520,6 +519,54 @@ def test_empty_work_plans_no_launch():
     k = torch.zeros(0, H, 4)
     assert plans.plan_write_kv(layer, torch.zeros(0, dtype=torch.int64), k, k) == []
     assert plans.plan_copy_blocks([layer[None]], torch.zeros(0, 2, dtype=torch.int64)) == []
+
+
+# ----------------------------------------------------------------------------------
+# the CUDA launchers' first checks run (and must refuse) without a GPU
+
+
+class _HostDLPack:
+    """A foreign host tensor that only speaks DLPack."""
+
+    def __init__(self, t):
+        self._t = t
+
+    def __dlpack__(self, **kw):
+        return self._t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._t.__dlpack_device__()
+
+
+@pytest.mark.parametrize("wrap", [lambda t: t, _HostDLPack], ids=["torch", "dlpack"])
+def test_cuda_launchers_refuse_host_tensors_before_any_gpu_work(wrap):
+    from pagedkv.kernels import ops
+
+    layer = wrap(torch.zeros(layer_shape("NHD", NB, BS, H, 4)))
+    x = torch.zeros(1, H, 4)
+    calls = [
+        (lambda: ops.write_kv(layer, torch.tensor([0]), x, x), "kv_layer"),
+        (lambda: ops.gather_kv(layer, torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                               torch.zeros(0, dtype=torch.int32)), "kv_layer"),
+        (lambda: ops.gather_kv_padded(layer, torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)),
+         "kv_layer"),
+        (lambda: ops.copy_blocks([layer], torch.zeros(0, 2, dtype=torch.int64)), r"arenas\[0\]"),
+        (lambda: ops.convert_layout(layer, "NHD", "HND"), "arena"),
+    ]
+    for call, arg in calls:
+        with pytest.raises(DeviceError, match=rf"^{arg}: expected a CUDA tensor, got cpu$"):
+            call()
+    with pytest.raises(DeviceError, match=r"src_arenas: expected a CUDA tensor on one side of the swap, got cpu"):
+        ops.swap_blocks([layer], [layer], torch.zeros(0, 2, dtype=torch.int64))
+
+
+def test_cuda_launchers_refuse_non_tensors():
+    from pagedkv.kernels import ops
+
+    with pytest.raises(DTypeError, match=r"kv_layer: expected a torch.Tensor or a DLPack tensor, got list"):
+        ops.write_kv([1.0], torch.tensor([0]), None, None)
+    with pytest.raises(InvalidArgumentError, match=r"arenas: expected a tensor or a non-empty list of tensors"):
+        ops.copy_blocks([], torch.zeros(0, 2, dtype=torch.int64))
 
 
 # ----------------------------------------------------------------------------------

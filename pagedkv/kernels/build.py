@@ -222,25 +222,27 @@ def build(source: Union[str, KernelSource], options: CompileOptions) -> Artifact
 def _build_on_disk(source: KernelSource, options: CompileOptions, key: str) -> bytes:
     root = cache_dir()
     path = root / f"{key}.{options.target}"
+    data = None
     try:
         root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        warnings.warn(f"pagedkv: kernel cache {root} is unusable ({exc}); compiling without it", RuntimeWarning)
-        data = _compile(source, options)
-        stats.compiles += 1
-        return data
-    data = _read_entry(path)
-    if data is not None:
-        stats.disk_hits += 1
-        return data
-    with _file_lock(root / f"{key}.lock"):
         data = _read_entry(path)
-        if data is not None:  # another process compiled it while we waited
-            stats.recheck_hits += 1
+        if data is not None:
+            stats.disk_hits += 1
             return data
-        data = _compile(source, options)
-        stats.compiles += 1
-        _write_entry(path, data)
+        with _file_lock(root / f"{key}.lock"):
+            data = _read_entry(path)
+            if data is not None:  # another process compiled it while we waited
+                stats.recheck_hits += 1
+                return data
+            data = _compile(source, options)
+            stats.compiles += 1
+            _write_entry(path, data)
+            return data
+    except OSError as exc:  # an unusable cache must not stop a compile
+        warnings.warn(f"pagedkv: kernel cache {root} is unusable ({exc}); compiling without it", RuntimeWarning)
+        if data is None:
+            data = _compile(source, options)
+            stats.compiles += 1
         return data
 
 

@@ -8,7 +8,8 @@ device; else a ``torch.cuda.Stream``, a raw ``cudaStream_t`` handle (int) or any
 object with ``__cuda_stream__`` (e.g. a ``cuda.core`` Stream). Helper tensors
 (outputs, uploaded pairs, prefix sums) are made on that stream too, so the caching
 allocator orders their reuse after the kernels. Inputs may be any DLPack tensor;
-they are viewed as torch tensors without a copy.
+they are viewed as torch tensors without a copy, on the launch stream (so a
+producer's pending work is ordered before the kernels).
 
 Values of index tensors that live on the GPU are not checked (that would sync);
 the kernels skip or zero-fill out-of-range ids instead of touching other memory.
@@ -28,12 +29,25 @@ from pagedkv.kernels.plans import as_tensor
 __all__ = ["write_kv", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks", "convert_layout"]
 
 
-def _require_cuda(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise DTypeError(expected(name, "a torch.Tensor or a DLPack tensor", type(t).__name__))
-    if t.device.type != "cuda":
-        raise DeviceError(expected(name, "a CUDA tensor", t.device))
-    return t
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types that are GPU memory
+
+
+def _device_of(name: str, t: object) -> torch.device:
+    """The device of a torch tensor or of any DLPack tensor, without converting it
+    (the conversion must happen on the launch stream, see _on_stream)."""
+    if isinstance(t, torch.Tensor):
+        return t.device
+    if hasattr(t, "__dlpack_device__"):
+        kind, index = t.__dlpack_device__()
+        return torch.device("cuda", int(index)) if int(kind) in (_DL_CUDA, _DL_CUDA_MANAGED) else torch.device("cpu")
+    raise DTypeError(expected(name, "a torch.Tensor or a DLPack tensor", type(t).__name__))
+
+
+def _cuda_device(name: str, t: object) -> torch.device:
+    device = _device_of(name, t)
+    if device.type != "cuda":
+        raise DeviceError(expected(name, "a CUDA tensor", device))
+    return device
 
 
 def _torch_stream(stream: object, device: torch.device) -> torch.cuda.Stream:
@@ -93,23 +107,23 @@ def write_kv(
         kv_scale, kv_zero: quantized storage only, contiguous float32 views.
         stream: see the module docstring.
     """
-    kv_layer, slot_mapping, key, value, kv_scale, kv_zero = map(
-        as_tensor, (kv_layer, slot_mapping, key, value, kv_scale, kv_zero)
-    )
-    _require_cuda("kv_layer", kv_layer)
-    with _on_stream(kv_layer.device, stream) as ts:
+    device = _cuda_device("kv_layer", kv_layer)
+    with _on_stream(device, stream) as ts:
+        kv_layer, slot_mapping, key, value, kv_scale, kv_zero = map(
+            as_tensor, (kv_layer, slot_mapping, key, value, kv_scale, kv_zero)
+        )
         launches = plans.plan_write_kv(
             kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero
         )
-        _run(launches, ts, kv_layer.device)
+        _run(launches, ts, device)
 
 
 def _gather(kv_layer, seq_lens, stream, **kw) -> Tuple[torch.Tensor, torch.Tensor]:
-    kv_layer = _require_cuda("kv_layer", as_tensor(kv_layer))
-    kw = {k: as_tensor(v) if k not in ("layout", "out_dtype") else v for k, v in kw.items()}
-    with _on_stream(kv_layer.device, stream) as ts:
-        launches, out_key, out_value = plans.plan_gather(kv_layer, as_tensor(seq_lens), **kw)
-        _run(launches, ts, kv_layer.device)
+    device = _cuda_device("kv_layer", kv_layer)
+    with _on_stream(device, stream) as ts:
+        kw = {k: v if k in ("layout", "out_dtype") else as_tensor(v) for k, v in kw.items()}
+        launches, out_key, out_value = plans.plan_gather(as_tensor(kv_layer), as_tensor(seq_lens), **kw)
+        _run(launches, ts, device)
     return out_key, out_value
 
 
@@ -155,44 +169,46 @@ def gather_kv_padded(
                    kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)
 
 
-def _tensors(arenas) -> list:
-    return [as_tensor(a) for a in arenas] if isinstance(arenas, (list, tuple)) else [as_tensor(arenas)]
+def _listed(arenas) -> list:
+    return list(arenas) if isinstance(arenas, (list, tuple)) else [arenas]
 
 
 def copy_blocks(arenas, pairs, *, stream=None) -> None:
     """Copy whole blocks of every layer inside each arena (data, scale, zero): one
     launch per arena. ``pairs [P, 2]`` (src, dst) int32/int64 on the CPU (checked
     like the reference, then uploaded) or on the arenas' device (not read)."""
-    arenas = _tensors(arenas)
+    arenas = _listed(arenas)
     if not arenas:
         plans.ref.check_arenas("arenas", arenas)  # raises the reference's error
-    device = _require_cuda("arenas[0]", arenas[0]).device
+    device = _cuda_device("arenas[0]", arenas[0])
     with _on_stream(device, stream) as ts:
-        launches = plans.plan_copy_blocks(arenas, as_tensor(pairs))
+        launches = plans.plan_copy_blocks([as_tensor(a) for a in arenas], as_tensor(pairs))
         _run(launches, ts, device)
 
 
 def swap_blocks(src_arenas, dst_arenas, pairs, *, stream=None) -> None:
     """Copy blocks between a device arena set and a pinned host arena set (either
     direction) with one kernel per arena that reads/writes the pinned memory in
-    place: no per-block memcpy calls, and ordered on ``stream``."""
-    srcs, dsts = _tensors(src_arenas), _tensors(dst_arenas)
+    place: no per-block memcpy calls, and ordered on ``stream`` (synchronize it
+    before reading a host destination)."""
+    srcs, dsts = _listed(src_arenas), _listed(dst_arenas)
     for label, group in (("src_arenas", srcs), ("dst_arenas", dsts)):
         if not group:
             plans.ref.check_arenas(label, group)  # raises the reference's error
-    side = next((t for t in (srcs[0], dsts[0]) if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
-    if side is None:
-        got = srcs[0].device if isinstance(srcs[0], torch.Tensor) else type(srcs[0]).__name__
-        raise DeviceError(expected("src_arenas", "a CUDA tensor on one side of the swap", got))
-    with _on_stream(side.device, stream) as ts:
-        launches = plans.plan_swap_blocks(srcs, dsts, as_tensor(pairs), launch_device=side.device)
-        _run(launches, ts, side.device)
+    sides = [_device_of("src_arenas[0]", srcs[0]), _device_of("dst_arenas[0]", dsts[0])]
+    device = next((d for d in sides if d.type == "cuda"), None)
+    if device is None:
+        raise DeviceError(expected("src_arenas", "a CUDA tensor on one side of the swap", sides[0]))
+    with _on_stream(device, stream) as ts:
+        launches = plans.plan_swap_blocks([as_tensor(a) for a in srcs], [as_tensor(a) for a in dsts],
+                                          as_tensor(pairs), launch_device=device)
+        _run(launches, ts, device)
 
 
 def convert_layout(arena, src_layout: str, dst_layout: str, *, scale: bool = False, stream=None) -> torch.Tensor:
     """A new contiguous tensor holding ``arena`` in ``dst_layout`` (see the reference)."""
-    arena = _require_cuda("arena", as_tensor(arena))
-    with _on_stream(arena.device, stream) as ts:
-        launches, out = plans.plan_convert_layout(arena, src_layout, dst_layout, scale=scale)
-        _run(launches, ts, arena.device)
+    device = _cuda_device("arena", arena)
+    with _on_stream(device, stream) as ts:
+        launches, out = plans.plan_convert_layout(as_tensor(arena), src_layout, dst_layout, scale=scale)
+        _run(launches, ts, device)
     return out
