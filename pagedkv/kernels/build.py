@@ -95,7 +95,12 @@ def _nvrtc():
 @functools.lru_cache(maxsize=1)
 def nvrtc_version() -> Tuple[int, int]:
     nvrtc = _nvrtc()
-    err, major, minor = nvrtc.nvrtcVersion()
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as exc:  # the bindings load libnvrtc lazily and raise their own errors
+        raise KernelUnavailableError(
+            f'the NVRTC library cannot be loaded ({exc}): install the CUDA extra (pip install "pagedkv[cuda]")'
+        ) from exc
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:  # pragma: no cover
         raise KernelUnavailableError(f"nvrtcVersion failed: {err!r}")
     return int(major), int(minor)
