@@ -22,7 +22,7 @@ same thread settings):
 ``pass`` is ``ratio >= 0.5``. ``index_ns`` is the torch advanced-indexing version
 (what the reference does) and ``speedup_vs_index`` the op's gain over it.
 
-Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N]``.
+Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N] [--threads N]``.
 """
 from __future__ import annotations
 
@@ -42,19 +42,26 @@ DTYPES = [torch.float16, torch.float32]
 BLOCK_SIZE = 16
 
 
-def median_ns(fn: Callable[[int], object], iters: int, repeats: int) -> float:
-    """Median over ``repeats`` runs of the mean ns per call; ``fn(i)`` is call number i."""
-    for i in range(max(3, iters // 4)):  # warm-up
-        fn(i)
-    runs = []
-    step = 0
+def median_ns(fns: Dict[str, Callable[[int], object]], iters: Dict[str, int], repeats: int) -> Dict[str, float]:
+    """Median over ``repeats`` runs of the mean ns per call of each ``fns[name](i)``.
+
+    The runs of the functions interleave (op, memcpy, hot memcpy, op, ...), so load
+    from other processes on a shared machine hits them alike.
+    """
+    step = dict.fromkeys(fns, 0)
+    for name, fn in fns.items():  # warm-up
+        for i in range(max(3, iters[name] // 4)):
+            fn(i)
+    runs: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for _ in range(iters):
-            fn(step)
-            step += 1
-        runs.append((time.perf_counter_ns() - t0) / iters)
-    return statistics.median(runs)
+        for name, fn in fns.items():
+            n = iters[name]
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                fn(step[name])
+                step[name] += 1
+            runs[name].append((time.perf_counter_ns() - t0) / n)
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 class ChunkPool:
@@ -105,14 +112,9 @@ def bench_write(label, h, d, dtype, num_seqs, blocks_per_seq, steps, iters, repe
     value = torch.randn(num_seqs, h, d).to(dtype)
     nbytes = 2 * key.numel() * key.element_size()
 
-    op_ns = median_ns(lambda i: ops.write_kv(layer, slot_steps[i % steps], key, value), iters, repeats)
-
     src = torch.cat([key, value]).view(-1)
     pool = ChunkPool(layer.numel() * layer.element_size(), nbytes, dtype)
-    copy_ns = median_ns(lambda i: pool.chunk(i).copy_(src), iters, repeats)
     hot = torch.empty_like(src)
-    hot_ns = median_ns(lambda i: hot.copy_(src), iters, repeats)
-
     idx = [(s // BLOCK_SIZE, s % BLOCK_SIZE) for s in slot_steps]
 
     def index_write(i):
@@ -120,8 +122,17 @@ def bench_write(label, h, d, dtype, num_seqs, blocks_per_seq, steps, iters, repe
         layer[blk, 0, off] = key
         layer[blk, 1, off] = value
 
-    index_ns = median_ns(index_write, max(1, iters // 4), repeats)
-    return figure("write_kv", label, dtype, nbytes, op_ns, copy_ns, hot_ns, index_ns,
+    t = median_ns(
+        {
+            "op": lambda i: ops.write_kv(layer, slot_steps[i % steps], key, value),
+            "memcpy": lambda i: pool.chunk(i).copy_(src),
+            "hot": lambda i: hot.copy_(src),
+            "index": index_write,
+        },
+        {"op": iters, "memcpy": iters, "hot": iters, "index": max(1, iters // 4)},
+        repeats,
+    )
+    return figure("write_kv", label, dtype, nbytes, t["op"], t["memcpy"], t["hot"], t["index"],
                   tokens=num_seqs, arena_bytes=layer.numel() * layer.element_size())
 
 
@@ -143,14 +154,10 @@ def bench_gather(label, h, d, dtype, seq_tokens, num_tables, iters, repeats, all
     else:
         def op(i):
             ops.gather_kv(layer, indptr, tables[i % num_tables], seq_lens, out_key=out_k, out_value=out_v)
-    op_ns = median_ns(op, iters, repeats)
 
     dst = torch.cat([out_k, out_v]).view(-1)
     pool = ChunkPool(layer.numel() * layer.element_size(), nbytes, dtype)
-    copy_ns = median_ns(lambda i: dst.copy_(pool.chunk(i)), iters, repeats)
     src = torch.empty_like(dst)
-    hot_ns = median_ns(lambda i: dst.copy_(src), iters, repeats)
-
     tok = torch.arange(seq_tokens)
     idx = [(t.to(torch.int64).repeat_interleave(BLOCK_SIZE), tok % BLOCK_SIZE) for t in tables]
 
@@ -158,16 +165,24 @@ def bench_gather(label, h, d, dtype, seq_tokens, num_tables, iters, repeats, all
         blk, off = idx[i % num_tables]
         return layer[blk, 0, off], layer[blk, 1, off]
 
-    index_ns = median_ns(index_gather, max(1, iters // 4), repeats)
-    return figure("gather_kv_alloc" if alloc else "gather_kv", label, dtype, nbytes, op_ns, copy_ns, hot_ns,
-                  index_ns, tokens=seq_tokens, arena_bytes=layer.numel() * layer.element_size())
+    t = median_ns(
+        {"op": op, "memcpy": lambda i: dst.copy_(pool.chunk(i)), "hot": lambda i: dst.copy_(src),
+         "index": index_gather},
+        {"op": iters, "memcpy": iters, "hot": iters, "index": max(1, iters // 4)},
+        repeats,
+    )
+    return figure("gather_kv_alloc" if alloc else "gather_kv", label, dtype, nbytes, t["op"], t["memcpy"],
+                  t["hot"], t["index"], tokens=seq_tokens, arena_bytes=layer.numel() * layer.element_size())
 
 
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few iterations (CI)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (median)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (ops and memcpy alike)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not cpu_ops.AVAILABLE:
         print(json.dumps({"error": "pagedkv.ops._cpu_copy is not built; timing the reference instead"}))
     torch.manual_seed(0)
