@@ -43,7 +43,7 @@ from pagedkv._core.pool import BlockPool
 from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig as _PagedKVConfig
 from pagedkv.errors import (DeviceError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError,
-                            expected)
+                            SequenceNotFoundError, expected)
 
 __all__ = [
     "AllocatorOutOfBlocksError",
@@ -355,6 +355,8 @@ class KVCacheManager:
         """Grow a sequence by ``additional_tokens``; new blocks only at block boundaries."""
         additional_tokens = _check_count("additional_tokens", additional_tokens)
         with self._lock:
+            if seq_id not in self.cache:
+                raise SequenceNotFoundError(seq_id)
             self._grow(seq_id, additional_tokens, "extend_sequence")
 
     def fork_sequence(self, src_seq_id: int, dst_seq_id: int) -> BlockTable:
