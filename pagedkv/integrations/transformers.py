@@ -1,0 +1,437 @@
+"""A transformers ``Cache`` whose keys and values live in a :class:`~pagedkv.cache.PagedKVCache`.
+
+Usage with ``generate``::
+
+    kv = PagedKVCache(CacheConfig.from_hf_config(model.config, num_blocks=512, dtype=torch.float32))
+    with PagedCache(kv) as cache:
+        cache.admit(input_ids, attention_mask)          # optional: prefix hits, padding
+        out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache)
+
+How it maps the batch onto the paged cache
+------------------------------------------
+Each batch row is one sequence of the ``PagedKVCache``. transformers works on a
+rectangle of *columns*: a row with ``p`` left-padding columns holds its sequence's
+token ``j`` in column ``p + j``. The cache keeps that picture: ``get_seq_length()`` is
+the number of columns already cached, and :meth:`PagedCache.update` returns K/V
+shaped ``[batch, kv_heads, columns, head_dim]``, with zeros in padding columns (the
+attention mask hides them; zeros rather than garbage, because ``0 * NaN`` would leak
+through the softmax).
+
+Per forward pass, layer 0 plans the step once: one ``reserve`` for all rows gives the
+slots of the new tokens (padding columns and tokens whose KV a prefix hit already
+provides get slot ``-1``, which the store skips), and the CSR page table of every row
+is taken for the gathers. Every layer then writes only its new K/V and gathers the
+history from the blocks; the last layer commits the step. Nothing is concatenated:
+the history is read from the paged arena, never re-copied into a growing tensor.
+
+Prefix sharing: :meth:`PagedCache.admit` registers the prompts before ``generate``
+runs. When the ``PagedKVCache`` already holds a prompt's leading full blocks (from an
+earlier request with the same prefix and ``cache_salt``), ``get_seq_length()`` reports
+them as cached and ``generate`` feeds only the remaining columns to the model.
+
+Versions: written against transformers 5.x (tested with 5.23). The 4.56/4.57 cache
+protocol differs in signatures only (``update(k, v, layer_idx, cache_kwargs)``,
+``get_mask_sizes(cache_position, layer_idx)``, ``get_max_cache_shape``, absolute
+``crop``); those spellings are accepted too. Before 4.56 (no ``CacheLayerMixin``)
+the import fails with a clear error.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from pagedkv.cache import PagedKVCache
+from pagedkv.errors import InternalError, InvalidArgumentError, ShapeError, expected
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as exc:  # pragma: no cover - transformers < 4.56
+    raise ImportError(
+        "pagedkv.integrations.transformers needs transformers >= 4.56 (the layered Cache API); "
+        f"importing transformers.cache_utils.CacheLayerMixin failed: {exc}"
+    ) from exc
+
+__all__ = ["PagedCache", "PagedLayer"]
+
+_serial = itertools.count()
+
+
+class PagedLayer(CacheLayerMixin):
+    """One model layer's view of a :class:`PagedCache`; all state lives in the parent."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    # generate/export may pre-allocate layers with fake tensors; a paged layer has
+    # nothing to pre-allocate, so early_initialization must skip it.
+    supports_early_init = False
+
+    def __init__(self, parent: "PagedCache", layer_idx: int):
+        super().__init__()
+        self.parent = parent
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states, value_states=None) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.parent.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length, *args) -> tuple:
+        return self.parent.get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.parent.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers 4.56/4.57 name
+        return -1
+
+    def reset(self) -> None:
+        self.parent.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.parent.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.parent.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.parent.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        self.parent.batch_select_indices(indices)
+
+    def offload(self):  # the arena is the cache's; nothing per layer to move
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class _StepPlan:
+    """What layer 0 decided for one forward pass; every layer reuses it."""
+
+    __slots__ = ("q", "write_slots", "n_new", "new_mask", "indptr", "indices", "lens", "dest", "columns")
+
+    def __init__(self, q, write_slots, n_new, new_mask, indptr, indices, lens, dest, columns):
+        self.q = q                      # new columns in this pass
+        self.write_slots = write_slots  # int64 [B*q], -1 = do not write
+        self.n_new = n_new              # int64 [B], tokens reserved (committed after the last layer)
+        self.new_mask = new_mask        # bool [B, q], which new columns are new tokens
+        self.indptr = indptr            # CSR page table of the rows, for the gathers
+        self.indices = indices
+        self.lens = lens                # int32 [B], tokens per row after this pass
+        self.dest = dest                # None, or int64 rows of the padded output per gathered token
+        self.columns = columns          # columns after this pass
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` backed by a :class:`PagedKVCache`.
+
+    Args:
+        kv: the paged cache. Several ``PagedCache`` objects may share one (e.g. one
+            per ``generate`` call), which is what makes prefix sharing work.
+        cache_salt: the prefix-cache namespace of the sequences this object admits.
+
+    Rows are admitted by :meth:`admit` (prompt ids known: prefix hits, left padding),
+    chosen by :meth:`select` (an engine's continuous batching), or created on the
+    first forward pass (prompt ids unknown: no prefix reuse, no padding skipped).
+    :meth:`release` (or leaving a ``with`` block) frees the sequences; their full
+    blocks stay in the prefix cache.
+    """
+
+    def __init__(self, kv: PagedKVCache, *, cache_salt: Optional[str] = None):
+        if not isinstance(kv, PagedKVCache):
+            raise InvalidArgumentError(expected("kv", "a PagedKVCache", type(kv).__name__))
+        if kv.store is None:
+            raise InvalidArgumentError(expected("kv", "a PagedKVCache with a KV store (allocate_store=True)",
+                                                "a bookkeeping-only cache"))
+        self.kv = kv
+        self.cache_salt = cache_salt
+        self.num_layers = kv.config.num_layers
+        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        self._clear_rows()
+        self.forward_tokens = 0   # new tokens written, all forwards (prefix hits excluded)
+
+    # ---- rows ------------------------------------------------------------------
+    def _clear_rows(self) -> None:
+        self.seq_ids: list = []
+        self._owned: set = set()
+        self._pads = np.zeros(0, dtype=np.int64)
+        self._columns = 0
+        self._plan: Optional[_StepPlan] = None
+        self._input_ids: Optional[torch.Tensor] = None
+        self._fresh = False  # admitted, no forward pass yet
+
+    def _new_id(self):
+        return ("pagedkv.hf", next(_serial))
+
+    def admit(self, input_ids, attention_mask=None, *, seq_ids: Optional[Sequence[Any]] = None,
+              cache_salt: Optional[str] = None, adapter_id: Any = None) -> np.ndarray:
+        """Admit a batch of left-padded prompts ``[B, T]``; returns the cached tokens per row.
+
+        Call it before ``generate`` with the same ``input_ids``/``attention_mask``.
+        The cached (prefix-hit) tokens are skipped by ``generate`` where every row has
+        them; a row's hit tokens beyond that common point are recomputed by the model
+        but not written again.
+        """
+        if self.seq_ids:
+            raise InvalidArgumentError(expected("admit", "a PagedCache without rows (call release() first)",
+                                                f"{len(self.seq_ids)} rows"))
+        ids = torch.as_tensor(input_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise ShapeError(expected("input_ids", "a [batch, tokens] tensor", tuple(ids.shape)))
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ShapeError(expected("attention_mask", f"shape {tuple(ids.shape)}", tuple(mask.shape)))
+        mask = mask.to("cpu", torch.bool)
+        pads = (~mask).long().cumprod(dim=1).sum(dim=1)  # leading padding columns
+        real = mask.sum(dim=1)
+        for b in range(ids.shape[0]):
+            if int(pads[b]) + int(real[b]) != ids.shape[1]:
+                raise InvalidArgumentError(expected(
+                    "attention_mask", "left padding (every row: zeros, then ones)", f"row {b}: {mask[b].int().tolist()}"))
+            if int(real[b]) == 0:
+                raise InvalidArgumentError(expected("attention_mask", "at least one real token per row", f"row {b} empty"))
+        if seq_ids is None:
+            seq_ids = [self._new_id() for _ in range(ids.shape[0])]
+        elif len(seq_ids) != ids.shape[0]:
+            raise ShapeError(expected("seq_ids", f"{ids.shape[0]} ids (one per row)", len(seq_ids)))
+        salt = self.cache_salt if cache_salt is None else cache_salt
+        hits = np.zeros(ids.shape[0], dtype=np.int64)
+        added = []
+        try:
+            for b, sid in enumerate(seq_ids):
+                tokens = ids[b, int(pads[b]):].to("cpu")
+                hits[b] = self.kv.add_sequence(sid, tokens, cache_salt=salt, adapter_id=adapter_id)
+                added.append(sid)
+        except BaseException:
+            if added:
+                self.kv.free(added)  # all or nothing
+            raise
+        self.seq_ids = list(seq_ids)
+        self._owned = set(self.seq_ids)
+        self._pads = pads.numpy().astype(np.int64)
+        # Skip the columns that are cached (or padding) in every row.
+        self._columns = int((self._pads + hits).min())
+        self._fresh = True
+        return hits
+
+    def select(self, seq_ids: Sequence[Any], num_new_tokens: int = 1):
+        """Make the next forward pass run over ``seq_ids`` (live sequences of ``kv``).
+
+        For an engine that batches its own running sequences (continuous batching):
+        rows are right-aligned on their committed tokens. Returns
+        ``(attention_mask, position_ids)`` for a forward of ``num_new_tokens`` new
+        tokens per row. The sequences stay owned by the caller.
+        """
+        if self._plan is not None:
+            raise InvalidArgumentError(expected("select", "no forward pass in progress", "a pending step"))
+        seq_ids = list(seq_ids)
+        if not seq_ids:
+            raise InvalidArgumentError(expected("seq_ids", "at least one sequence", "none"))
+        n = self.kv.seq_lens(seq_ids, computed=True).astype(np.int64)
+        reserved = self.kv.seq_lens(seq_ids).astype(np.int64)
+        if (n != reserved).any():
+            raise InvalidArgumentError(expected("seq_ids", "sequences with no reserved, uncommitted tokens",
+                                                f"{int((reserved - n).sum())} pending"))
+        longest = int(n.max())
+        self.seq_ids = seq_ids
+        self._owned = set()
+        self._pads = longest - n
+        self._columns = longest
+        q = int(num_new_tokens)
+        width = longest + q
+        cols = torch.arange(width)
+        pads = torch.from_numpy(self._pads)
+        attention_mask = (cols[None, :] >= pads[:, None]).long()
+        position_ids = torch.from_numpy(n)[:, None] + torch.arange(q)[None, :]
+        return attention_mask, position_ids
+
+    def set_input_ids(self, input_ids) -> None:
+        """Token ids ``[B, q]`` of the next forward pass, so that the committed tokens
+        are known and their full blocks become reusable prefixes. Optional."""
+        self._input_ids = torch.as_tensor(input_ids)
+
+    def release(self) -> None:
+        """Free the sequences this object admitted (their full blocks stay cached)."""
+        owned = [s for s in self.seq_ids if s in self._owned]
+        self._clear_rows()
+        if owned:
+            self.kv.free(owned)
+
+    def __enter__(self) -> "PagedCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    # ---- the transformers Cache protocol ------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple:
+        # 5.x passes the query length; 4.56/4.57 pass cache_position.
+        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self._columns + q, 0
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Write this pass's K/V ``[B, H, q, D]`` of ``layer_idx``; return ``[B, H, columns, D]``."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise InvalidArgumentError(expected("layer_idx", f"an int in [0, {self.num_layers})", layer_idx))
+        if layer_idx == 0:
+            self._plan_step(key_states)
+        plan = self._plan
+        if plan is None:
+            raise InvalidArgumentError(expected("layer_idx", "0 first in every forward pass", layer_idx))
+        B, H, q, D = key_states.shape
+        if q != plan.q or B != len(self.seq_ids):
+            raise ShapeError(expected("key_states", f"[{len(self.seq_ids)}, H, {plan.q}, D] as at layer 0",
+                                      tuple(key_states.shape)))
+        # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
+        self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
+                      value_states.transpose(1, 2).reshape(B * q, H, D))
+        k, v = self.kv.store.gather(layer_idx, plan.indptr, plan.indices, plan.lens)
+        if plan.dest is None:  # no padding: the packed rows are the rectangle
+            keys = k.view(B, plan.columns, H, D)
+            values = v.view(B, plan.columns, H, D)
+        else:
+            keys = k.new_zeros(B * plan.columns, H, D).index_copy_(0, plan.dest, k).view(B, plan.columns, H, D)
+            values = v.new_zeros(B * plan.columns, H, D).index_copy_(0, plan.dest, v).view(B, plan.columns, H, D)
+        self.layers[layer_idx].is_initialized = True
+        if layer_idx == self.num_layers - 1:
+            self._finish_step()
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def _plan_step(self, key_states) -> None:
+        if self._plan is not None:
+            raise InvalidArgumentError(expected(
+                "forward", f"the previous forward pass to reach layer {self.num_layers - 1}",
+                "a pass that stopped early (call release())"))
+        B, _, q, _ = key_states.shape
+        if not self.seq_ids:  # first pass without admit(): rows with unknown prompts
+            ids = [self._new_id() for _ in range(B)]
+            for i, sid in enumerate(ids):
+                try:
+                    self.kv.add_sequence(sid, cache_salt=self.cache_salt)
+                except BaseException:
+                    if i:
+                        self.kv.free(ids[:i])
+                    raise
+            self.seq_ids, self._owned = ids, set(ids)
+            self._pads = np.zeros(B, dtype=np.int64)
+            self._columns = 0
+        if self._fresh and B != len(self.seq_ids) and B % len(self.seq_ids) == 0:
+            # generate() repeats each prompt for num_return_sequences / num_beams
+            # before the first forward; mirror that with forks (shared prefix blocks).
+            self.batch_repeat_interleave(B // len(self.seq_ids))
+        self._fresh = False
+        if B != len(self.seq_ids):
+            raise ShapeError(expected("key_states", f"batch {len(self.seq_ids)} (the cache's rows)", B))
+        kv, rows = self.kv, self.seq_ids
+        have = kv.seq_lens(rows, computed=True).astype(np.int64)
+        positions = self._columns + np.arange(q)[None, :] - self._pads[:, None]   # [B, q]
+        new_mask = positions >= have[:, None]
+        n_new = new_mask.sum(axis=1).astype(np.int64)
+        slots = kv.reserve(rows, n_new)
+        write_slots = np.full((B, q), -1, dtype=np.int64)
+        write_slots[new_mask] = slots  # row-major: each row's new tokens are its last columns
+        columns = self._columns + q
+        lens = kv.seq_lens(rows).astype(np.int64)
+        if (lens != columns - self._pads).any():
+            raise InternalError(f"row lengths {lens.tolist()} disagree with columns {columns} - pads "
+                                f"{self._pads.tolist()}")
+        indptr, indices, _ = kv.page_table_csr(rows)
+        dest = None
+        if self._pads.any():
+            dest = np.concatenate([b * columns + np.arange(self._pads[b], columns) for b in range(B)])
+            dest = torch.from_numpy(dest)
+        device = kv.store.device
+        self._plan = _StepPlan(
+            q, torch.from_numpy(write_slots.reshape(-1)).to(device), n_new, new_mask,
+            torch.from_numpy(indptr).to(device), torch.from_numpy(indices).to(device),
+            torch.from_numpy(lens.astype(np.int32)).to(device),
+            None if dest is None else dest.to(device), columns)
+
+    def _finish_step(self) -> None:
+        plan, self._plan = self._plan, None
+        token_ids = None
+        if self._input_ids is not None and tuple(self._input_ids.shape) == tuple(plan.new_mask.shape):
+            token_ids = self._input_ids.cpu().numpy()[plan.new_mask]
+        self._input_ids = None
+        self.kv.commit(self.seq_ids, plan.n_new, token_ids)
+        self._columns = plan.columns
+        self.forward_tokens += int(plan.n_new.sum())
+
+    # ---- batch reshaping (beam search, num_return_sequences) ------------------------
+    def _replace_rows(self, order: Sequence[int]) -> None:
+        """Rows become ``[old_row[i] for i in order]``; duplicates are forks (shared blocks)."""
+        if self._plan is not None:
+            raise InvalidArgumentError(expected("reorder", "no forward pass in progress", "a pending step"))
+        old = self.seq_ids
+        new_ids = []
+        try:
+            for i in order:
+                sid = self._new_id()
+                self.kv.fork(old[i], sid)
+                new_ids.append(sid)
+        except BaseException:
+            if new_ids:
+                self.kv.free(new_ids)
+            raise
+        owned = [s for s in old if s in self._owned]
+        if owned:
+            self.kv.free(owned)
+        self._pads = self._pads[np.asarray(order, dtype=np.int64)]
+        self.seq_ids, self._owned = new_ids, set(new_ids)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.seq_ids:
+            self._replace_rows([i for i in range(len(self.seq_ids)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices) -> None:
+        if self.seq_ids:
+            self._replace_rows([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
+
+    def reorder_cache(self, beam_idx) -> None:
+        if self.seq_ids:
+            self._replace_rows([int(i) for i in torch.as_tensor(beam_idx).reshape(-1).tolist()])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # 5.x: a negative count to drop; 4.x also allows an absolute length.
+        n = int(tokens_to_remove)
+        if n == 0 or (n > 0 and n >= self._columns):
+            return
+        raise InvalidArgumentError(expected(
+            "tokens_to_remove", "0 (a paged cache cannot drop committed tokens)", tokens_to_remove))
+
+    def reset(self) -> None:
+        self.release()
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"PagedCache(rows={len(self.seq_ids)}, columns={self._columns}, kv={self.kv!r})"
