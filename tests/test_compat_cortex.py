@@ -1,0 +1,201 @@
+"""pagedkv.compat.cortex (seed 002): contiguous runs, zero-copy views, stats and dumps."""
+import io
+
+import pytest
+import torch
+
+from pagedkv.compat.cortex import INVALID_HANDLE, KVBlockAllocator, KVCache, KVHandle
+from pagedkv.config import CacheConfig
+from pagedkv.errors import InvalidArgumentError, InvalidBlockError, SequenceExistsError, SequenceNotFoundError
+
+L, H, D, BS = 2, 3, 4, 4
+
+
+def alloc_state(a):
+    return a.block_map(), a.used_blocks(), dict(a._runs)
+
+
+# ---- KVBlockAllocator ------------------------------------------------------------------
+def test_first_fit_reuses_the_first_hole_that_fits():
+    a = KVBlockAllocator(12)
+    h1, h2, h3 = a.allocate(3), a.allocate(2), a.allocate(4)
+    assert [(h.start_block_index, h.num_blocks) for h in (h1, h2, h3)] == [(0, 3), (3, 2), (5, 4)]
+    a.free(h2)
+    assert a.allocate(3) == KVHandle(9, 3)   # the 2-block hole is too small
+    assert a.allocate(1) == KVHandle(3, 1)   # first fit: the hole
+    assert (a.used_blocks(), a.free_blocks(), a.total_blocks()) == (11, 1, 12)
+
+
+def test_no_contiguous_run_fails_fast_and_changes_nothing():
+    a = KVBlockAllocator(6)
+    hs = [a.allocate(1) for _ in range(6)]
+    a.free(hs[1])
+    a.free(hs[3])
+    a.free(hs[5])
+    before = alloc_state(a)
+    handle = a.allocate(2)               # 3 blocks free, none adjacent
+    assert handle is INVALID_HANDLE and not handle.is_valid
+    assert alloc_state(a) == before
+
+
+def test_fragmentation_is_one_minus_largest_run_over_free():
+    a = KVBlockAllocator(10)
+    assert a.fragmentation() == 0.0
+    hs = [a.allocate(2) for _ in range(5)]
+    assert a.fragmentation() == 0.0 and a.largest_free_run() == 0   # nothing free
+    a.free(hs[0])
+    a.free(hs[2])
+    a.free(hs[3])                        # free runs: [0, 2) and [4, 8)
+    assert a.largest_free_run() == 4
+    assert a.fragmentation() == pytest.approx(1 - 4 / 6)
+
+
+def test_free_validates_the_handle():
+    a = KVBlockAllocator(8)
+    h = a.allocate(3)
+    with pytest.raises(InvalidBlockError, match=r"handle: expected a live handle from allocate\(\) \(double free\?\), got KVHandle\(start_block_index=0, num_blocks=2\)"):
+        a.free(KVHandle(0, 2))           # not the run that was handed out
+    a.free(h)
+    before = alloc_state(a)
+    with pytest.raises(InvalidBlockError, match="double free"):
+        a.free(h)
+    with pytest.raises(InvalidBlockError, match="double free"):
+        a.free(INVALID_HANDLE)
+    with pytest.raises(InvalidArgumentError, match=r"handle: expected a KVHandle, got tuple"):
+        a.free((0, 3))
+    with pytest.raises(InvalidArgumentError, match=r"blocks_needed: expected an int >= 1, got 0"):
+        a.allocate(0)
+    assert alloc_state(a) == before
+
+
+def test_block_map_dump():
+    a = KVBlockAllocator(10)
+    a.allocate(3)
+    h = a.allocate(2)
+    a.allocate(1)
+    a.free(h)
+    out = io.StringIO()
+    a.dump_block_map(out)
+    assert out.getvalue() == (
+        "KVBlockAllocator State:\n"
+        "  Total blocks: 10\n"
+        "  Used: 4 Free: 6\n"
+        "  Fragmentation: 0.33\n"
+        "  Block map (. = free, X = used):\n"
+        "    XXX..X....\n")
+    assert a.block_map(width=4).splitlines()[-3:] == ["    XXX.", "    .X..", "    .."]
+
+
+# ---- KVCache ---------------------------------------------------------------------------------
+@pytest.fixture
+def cache():
+    return KVCache(L, H, D, BS, max_total_tokens=10 * BS + 3, dtype="float32")
+
+
+def test_allocate_for_takes_one_run(cache):
+    assert cache.config.num_blocks == 10          # max_total_tokens rounds down to whole blocks
+    assert cache.allocate_for("a", 9)             # 3 blocks
+    assert cache.allocate_for("b", 4)             # 1 block
+    assert (cache.used_tokens("a"), cache.capacity("a"), cache.used_tokens("b")) == (9, 12, 4)
+    assert cache.get_num_allocated_sequences() == 2 and cache.allocator.used_blocks() == 4
+    with pytest.raises(SequenceExistsError, match=r"request_id: expected a new sequence id, got 'a' \(already live\)"):
+        cache.allocate_for("a", 1)
+    assert cache.used_tokens("a") == 9
+
+
+def test_allocate_for_fails_without_a_contiguous_run(cache):
+    for i in range(10):
+        assert cache.allocate_for(i, BS)
+    for i in (0, 2, 4, 6, 8):
+        cache.free_for(i)
+    state = cache.cache_stats()
+    assert not cache.allocate_for("long", 2 * BS)  # 5 free blocks, no two adjacent
+    assert cache.cache_stats() == state and cache.get_fragmentation() == pytest.approx(0.8)
+    assert cache.allocate_for("short", BS)
+
+
+def test_views_are_zero_copy_over_the_run(cache):
+    cache.allocate_for("x", 2)
+    cache.allocate_for("a", 6)                    # blocks [1, 3): spans two blocks
+    k = cache.get_k_view("a", 1)
+    assert k.shape == (H, 6, D)
+    assert k.untyped_storage().data_ptr() == cache.k.untyped_storage().data_ptr()
+    assert k.data_ptr() == cache.k[1, 0, BS].data_ptr()
+    k.copy_(torch.arange(H * 6 * D, dtype=torch.float32).reshape(H, 6, D))
+    v = cache.get_v_view("a", 1)
+    v.fill_(-1.0)
+    # The arena sees the writes at block * block_size + offset, per (layer, head).
+    assert torch.equal(cache.k[1, 2, BS + 5], k[2, 5]) and cache.k[1, :, :BS].abs().sum() == 0
+    assert cache.k[0].abs().sum() == 0 and cache.v[1, :, BS:BS + 6].eq(-1).all()
+    assert torch.equal(cache.get_k_view("a", 1), k)
+
+
+def test_append_token_grows_the_view_until_the_run_is_full(cache):
+    cache.allocate_for("a", 6)                    # 2 blocks: capacity 8
+    assert cache.get_token_offset_in_block("a") == 6 % BS
+    assert cache.append_token("a")
+    cache.get_k_view("a", 0)[:, -1] = 7.0         # the new token's K
+    assert cache.k[0, :, 6].eq(7.0).all()
+    assert cache.append_token("a") and cache.get_token_offset_in_block("a") == 0
+    assert not cache.append_token("a")            # fail fast at capacity
+    assert cache.used_tokens("a") == 8 and cache.get_k_view("a", 0).shape == (H, 8, D)
+
+
+def test_free_for_releases_and_unknown_requests(cache):
+    cache.allocate_for("a", 5)
+    assert cache.free_for("a") is True and cache.free_for("a") is False
+    assert cache.allocator.used_blocks() == 0
+    for call in (lambda: cache.get_k_view("a", 0), lambda: cache.used_tokens("a"),
+                 lambda: cache.append_token("a"), lambda: cache.get_token_offset_in_block("a")):
+        with pytest.raises(SequenceNotFoundError, match=r"request_id: expected a live sequence id, got 'a' \(unknown\)"):
+            call()
+
+
+def test_argument_validation(cache):
+    cache.allocate_for("a", 1)
+    with pytest.raises(InvalidArgumentError, match=r"layer: expected an int in \[0, 2\), got 2"):
+        cache.get_v_view("a", 2)
+    with pytest.raises(InvalidArgumentError, match=r"initial_tokens: expected an int >= 1, got 0"):
+        cache.allocate_for("b", 0)
+    with pytest.raises(InvalidArgumentError, match=r"max_total_tokens: expected an int >= 4, got 3"):
+        KVCache(L, H, D, BS, 3)
+    with pytest.raises(InvalidArgumentError, match=r"num_layers: expected an int >= 1, got 0"):
+        KVCache(0, H, D, BS, 64)
+
+
+def test_bytes_and_full(cache):
+    per_block = 2 * L * H * BS * D * 4
+    assert cache.config.bytes_per_block == per_block
+    assert (cache.get_total_allocated(), cache.get_total_free()) == (0, 10 * per_block)
+    assert cache.allocate_for("a", 10 * BS)
+    assert cache.is_full() and cache.get_total_allocated() == 10 * per_block and cache.get_total_free() == 0
+    assert not cache.allocate_for("b", 1)
+
+
+def test_dump_cache_stats(cache):
+    cache.allocate_for("req_001", 8)
+    cache.allocate_for("req_002", 3)
+    out = io.StringIO()
+    cache.dump_cache_stats(out)
+    mib = 2 * L * H * BS * D * 4 / 2**20
+    assert out.getvalue() == (
+        "=== KVCache Statistics ===\n"
+        "Configuration:\n"
+        f"  Layers: {L}, Heads: {H}, HeadDim: {D}\n"
+        f"  BlockSize: {BS}, TotalBlocks: 10\n"
+        "\n"
+        "Allocation State:\n"
+        "  Allocated sequences: 2\n"
+        f"  Total allocated: {3 * mib:.2f} MB\n"
+        f"  Total free: {7 * mib:.2f} MB\n"
+        "  Fragmentation: 0.00\n"
+        "\n"
+        "Sequences:\n"
+        "  req_001: 8/8 tokens, blocks [0, +2]\n"
+        "  req_002: 3/4 tokens, blocks [2, +1]\n")
+
+
+def test_from_pagedkv_config():
+    cfg = CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=5, dtype="bfloat16")
+    c = KVCache.from_config(cfg)
+    assert c.k.shape == (L, H, 5 * BS, D) and c.k.dtype == torch.bfloat16 and c.config.num_blocks == 5
