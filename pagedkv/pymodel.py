@@ -269,10 +269,14 @@ class PyTables:
         return row
 
     def _rows(self, keys) -> List[_Row]:
-        keys = list(keys)
-        if len(set(keys)) != len(keys):
-            raise InvalidArgumentError(expected("seq_ids", "each sequence at most once per call", "a repeat"))
-        return [self._row(k) for k in keys]
+        seen = set()
+        rows = []
+        for k in keys:      # in order: the first unknown or repeated key decides the error
+            rows.append(self._row(k))
+            if k in seen:
+                raise InvalidArgumentError(expected("seq_ids", "each sequence at most once per call", "a repeat"))
+            seen.add(k)
+        return rows
 
     def match(self, tokens, ns: int = 0, max_blocks: Optional[int] = None) -> List[int]:
         hits: List[int] = []

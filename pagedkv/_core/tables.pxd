@@ -33,6 +33,7 @@ cdef class BlockTables:
     cdef readonly BlockPool pool
     cdef readonly PrefixIndex index        # None when prefix caching is off
     cdef readonly int32_t block_size       # tokens per block, >= 1
+    cdef int32_t bs_shift                  # log2(block_size) when a power of two, else -1
     cdef readonly int32_t recent_blocks    # priority policy: trailing blocks counted as "recent"
     cdef SeqRow* rows
     cdef int32_t num_rows                  # rows ever created (live or on the free-row stack)

@@ -48,6 +48,20 @@ cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
     return (a + b - 1) // b
 
 
+# Block arithmetic without integer division when block_size is a power of two (a 64-bit
+# divide costs tens of cycles; a decode step does a few per sequence).
+cdef inline int64_t blk_of(int64_t p, int32_t bs, int32_t shift) noexcept nogil:
+    return (p >> shift) if shift >= 0 else p // bs
+
+
+cdef inline int64_t off_of(int64_t p, int32_t bs, int32_t shift) noexcept nogil:
+    return (p & (bs - 1)) if shift >= 0 else p % bs
+
+
+cdef inline int64_t nblocks_for(int64_t n, int32_t bs, int32_t shift) noexcept nogil:
+    return ((n + bs - 1) >> shift) if shift >= 0 else (n + bs - 1) // bs
+
+
 cdef class BlockTables:
     def __cinit__(self, BlockPool pool, int32_t block_size, PrefixIndex index=None,
                   int32_t recent_blocks=4):
@@ -63,6 +77,9 @@ cdef class BlockTables:
         self.pool = pool
         self.index = index
         self.block_size = block_size
+        self.bs_shift = -1
+        if block_size & (block_size - 1) == 0:
+            self.bs_shift = block_size.bit_length() - 1
         self.recent_blocks = recent_blocks
         self.cap_rows = 16
         self.rows = <SeqRow*>malloc(self.cap_rows * sizeof(SeqRow))
@@ -488,18 +505,19 @@ cdef class BlockTables:
             cp = <const int64_t*>cnp.PyArray_DATA(ca)
         cdef int32_t* rp = self.rows_for(ka, m, internal)
         cdef SeqRow* row
-        cdef int32_t bs = self.block_size, newb
+        cdef int32_t bs = self.block_size, newb, sh = self.bs_shift
         cdef int32_t* ref = self.pool.ref_cnt
         for i in range(m):
             n = cp[i] if cp != NULL else scalar
             if n < 0:
                 raise InvalidArgumentError(expected("num_tokens", "counts >= 0", f"{n} at index {i}"))
             row = &self.rows[rp[i]]
-            newb = <int32_t>(cdiv(row.num_reserved + n, bs) - row.num_blocks)
+            newb = <int32_t>(nblocks_for(row.num_reserved + n, bs, sh) - row.num_blocks)
             need += newb
-            if n and row.num_reserved % bs and ref[row.blocks[row.num_blocks - 1]] > 1:
+            if n and off_of(row.num_reserved, bs, sh) and ref[row.blocks[row.num_blocks - 1]] > 1:
                 need += 1
-            self.grow_blocks(row, row.num_blocks + newb)
+            if row.num_blocks + newb > row.cap_blocks:
+                self.grow_blocks(row, row.num_blocks + newb)
             total += n
         if need > self.pool.num_free():
             raise OutOfBlocksError(need, self.pool.num_free(), "reserve")
@@ -513,18 +531,18 @@ cdef class BlockTables:
                 if n == 0:
                     continue
                 row = &self.rows[rp[i]]
-                if row.num_reserved % bs and ref[row.blocks[row.num_blocks - 1]] > 1:
+                if off_of(row.num_reserved, bs, sh) and ref[row.blocks[row.num_blocks - 1]] > 1:
                     self.pool.alloc_into(&nb_, 1)
                     self.push_copy(row.blocks[row.num_blocks - 1], nb_)
                     self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
                     row.blocks[row.num_blocks - 1] = nb_
-                newb = <int32_t>(cdiv(row.num_reserved + n, bs) - row.num_blocks)
+                newb = <int32_t>(nblocks_for(row.num_reserved + n, bs, sh) - row.num_blocks)
                 if newb:
                     self.pool.alloc_into(row.blocks + row.num_blocks, newb)
                     row.num_blocks += newb
                 blocks = row.blocks
                 for p in range(row.num_reserved, row.num_reserved + n):
-                    op[0] = <int64_t>blocks[p // bs] * bs + p % bs
+                    op[0] = <int64_t>blocks[blk_of(p, bs, sh)] * bs + off_of(p, bs, sh)
                     op += 1
                 row.num_reserved += n
         return out
@@ -575,7 +593,7 @@ cdef class BlockTables:
                         raise InvalidArgumentError(expected(
                             "token_ids", f"id {row.tokens[p]} at position {p} of sequence {row.key} (already known)",
                             tp[off + p - row.num_computed]))
-                if row.num_computed + n > row.num_known:
+                if row.num_computed + n > row.cap_tokens:
                     self.grow_tokens(row, row.num_computed + n)
                 off += n
         with nogil:
@@ -585,14 +603,15 @@ cdef class BlockTables:
                 row = &self.rows[rp[i]]
                 if tp != NULL and row.num_computed + n > row.num_known:
                     if row.num_known >= row.num_computed:
-                        p = row.num_known - row.num_computed
-                        memcpy(row.tokens + row.num_known, tp + off + p, (n - p) * sizeof(token_t))
+                        for p in range(row.num_known - row.num_computed, n):
+                            row.tokens[row.num_computed + p] = tp[off + p]
                         row.num_known = row.num_computed + n
                 row.num_computed += n
                 off += n
                 if row.num_computed > row.num_known:
                     row.track = 0
-                if self.index is not None and row.track:
+                if (row.track and self.index is not None
+                        and <int64_t>(row.num_hashed + 1) * self.block_size <= row.num_computed):
                     self.register_full_blocks(row)
 
     def take_copies(self):
@@ -711,12 +730,12 @@ cdef class BlockTables:
             total += cp[i]
         cdef cnp.ndarray out = new_i64(total)
         cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
-        cdef int32_t bs = self.block_size
+        cdef int32_t bs = self.block_size, sh = self.bs_shift
         with nogil:
             for i in range(m):
                 row = &self.rows[rp[i]]
                 for p in range(sp[i], sp[i] + cp[i]):
-                    op[0] = <int64_t>row.blocks[p // bs] * bs + p % bs
+                    op[0] = <int64_t>row.blocks[blk_of(p, bs, sh)] * bs + off_of(p, bs, sh)
                     op += 1
         return out
 

@@ -1,0 +1,298 @@
+"""Bookkeeping microbenchmarks: W1 allocate/free, W2 decode churn, W3 shared-prompt
+admission, and block hashing. Prints one JSON object per line and figure.
+
+Every figure is the median of ``--repeats`` runs after a warm-up run, and each is
+compared with a baseline measured in the same process:
+
+- W1: a plain-Python ``deque`` allocator, and the pure-Python model of the core
+  (:mod:`pagedkv.pymodel`), driven by the same loop;
+- W2/W3: the pure-Python model (pool + tables + content-keyed prefix index) on the
+  same operation trace (at a reduced size, reported per op);
+- hashing: Python's ``hashlib.sha256`` over the same token bytes (what vLLM's
+  default prefix hash does).
+
+Usage: ``python benchmarks/core.py [--smoke] [--repeats N] [--only W1,W2,W3,hash]``.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # idle BLAS threads spin and skew timings
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+from collections import deque
+
+import numpy as np
+
+from pagedkv import CacheConfig, PagedKVCache
+from pagedkv._core.pool import BlockPool
+from pagedkv._core.prefix import PrefixIndex
+from pagedkv.pymodel import PyBlockPool, PyTables
+
+
+def emit(**fields):
+    print(json.dumps(fields), flush=True)
+
+
+def median_of(fn, repeats):
+    fn()  # warm-up
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        fn()
+        runs.append(time.perf_counter_ns() - t0)
+    return statistics.median(runs)
+
+
+# ---- W1 ---------------------------------------------------------------------------------
+class DequeAllocator:
+    """The plain-Python baseline: a deque of free ids and a ref-count list."""
+
+    def __init__(self, n):
+        self.free_ids = deque(range(n))
+        self.ref = [0] * n
+
+    def allocate(self, n):
+        if n > len(self.free_ids):
+            raise MemoryError
+        out = [self.free_ids.popleft() for _ in range(n)]
+        for b in out:
+            self.ref[b] = 1
+        return out
+
+    def free(self, ids):
+        for b in ids:
+            self.ref[b] -= 1
+            if not self.ref[b]:
+                self.free_ids.appendleft(b)
+
+
+def w1_loop(pool, seqs, per_seq):
+    def run():
+        alloc, free = pool.allocate, pool.free
+        for _ in range(seqs):
+            free(alloc(per_seq))
+    return run
+
+
+def w1(args):
+    blocks, per_seq = 65536, 32
+    seqs = 2000 if args.smoke else 200_000
+    ns = median_of(w1_loop(BlockPool(blocks), seqs, per_seq), args.repeats)
+    per_block = ns / (seqs * per_seq)
+    base = median_of(w1_loop(DequeAllocator(blocks), seqs, per_seq), args.repeats)
+    emit(bench="W1", impl="pagedkv.BlockPool", api="allocate(32)+free per sequence", blocks=blocks,
+         sequences=seqs, ns_per_block=round(per_block, 2), bar_ns=10.0, **{"pass": per_block <= 10.0})
+    emit(bench="W1", impl="python-deque", sequences=seqs, ns_per_block=round(base / (seqs * per_seq), 2),
+         ratio_vs_pagedkv=round(base / ns, 1))
+
+    # The engine's shape: one crossing per scheduler step for 256 sequences.
+    batch = 256
+    steps = max(1, seqs // batch)
+    pool = BlockPool(blocks)
+    counts = np.full(batch, per_seq, dtype=np.int32)
+
+    def batched():
+        alloc, free = pool.allocate_many, pool.free
+        for _ in range(steps):
+            free(alloc(counts)[1])
+    nsb = median_of(batched, args.repeats)
+    pb = nsb / (steps * batch * per_seq)
+    emit(bench="W1", impl="pagedkv.BlockPool", api="allocate_many(256 x 32)+free per step", blocks=blocks,
+         sequences=steps * batch, ns_per_block=round(pb, 2), bar_ns=10.0, **{"pass": pb <= 10.0})
+
+
+# ---- W2 ---------------------------------------------------------------------------------
+def w2_trace(seed, live, steps):
+    """The request stream: (prompt tokens, output length) drawn up front, so that the
+    timed loop measures bookkeeping, not the random number generator."""
+    rng = np.random.default_rng(seed)
+    n = live + live * steps // 256 + 64        # mean output 512: ~live/512 finish per step
+    lens = rng.integers(64, 2049, n)
+    outs = rng.geometric(1 / 512, n)
+    # prompts are windows of one long random stream at distinct-ish offsets, so they
+    # share no prefix (no accidental cache hits), without drawing n fresh prompts
+    pool = rng.integers(0, 32000, 1 << 22, dtype=np.int32)
+    starts = rng.integers(0, (1 << 22) - 2048, n)
+    state = {"i": 0}
+
+    def new_request():
+        i = state["i"] % n
+        state["i"] += 1
+        return pool[starts[i]:starts[i] + lens[i]], int(outs[i])
+    return rng, new_request
+
+
+def w2_run_pagedkv(prefix, live, steps, seed=0):
+    cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=65536,
+                      enable_prefix_caching=prefix)
+    cache = PagedKVCache(cfg, allocate_store=False)
+    rng, new_request = w2_trace(seed, live, steps)
+    vocab = 32000
+    ids = np.arange(live, dtype=np.int64)
+    remaining = np.zeros(live, dtype=np.int64)
+    next_id = live
+
+    def admit(slot):
+        nonlocal next_id
+        prompt, out = new_request()
+        plen = len(prompt)
+        sid = next_id
+        next_id += 1
+        cached = cache.add_sequence(sid, prompt)
+        cache.reserve(sid, plen - cached)
+        cache.commit(sid, plen - cached)
+        ids[slot] = sid
+        remaining[slot] = out
+
+    for s in range(live):
+        ids[s] = -1
+        admit(s)
+    tokens = rng.integers(0, vocab, (steps, live), dtype=np.int32)
+    t0 = time.perf_counter_ns()
+    for step in range(steps):
+        cache.reserve(ids, 1)
+        cache.commit(ids, 1, tokens[step])
+        remaining -= 1
+        done = np.flatnonzero(remaining <= 0)
+        if done.size:
+            cache.free(ids[done])
+            for slot in done.tolist():
+                admit(slot)
+    dt = time.perf_counter_ns() - t0
+    cache.check_invariants()
+    return dt / (steps * live), cache.stats()
+
+
+def w2_run_model(prefix, live, steps, seed=0):
+    pool = PyBlockPool(65536)
+    tables = PyTables(pool, 16, prefix=prefix)
+    rng, new_request = w2_trace(seed, live, steps)
+    ids = list(range(live))
+    remaining = [0] * live
+    next_id = [live]
+
+    def admit(slot):
+        prompt, out = new_request()
+        prompt = prompt.tolist()
+        plen = len(prompt)
+        sid = next_id[0]
+        next_id[0] += 1
+        cached = tables.add(sid, prompt)
+        tables.reserve([sid], plen - cached)
+        tables.commit([sid], plen - cached)
+        ids[slot] = sid
+        remaining[slot] = out
+
+    for s in range(live):
+        admit(s)
+    tokens = rng.integers(0, 32000, (steps, live)).tolist()
+    t0 = time.perf_counter_ns()
+    for step in range(steps):
+        tables.reserve(ids, 1)
+        tables.commit(ids, 1, tokens[step])
+        for slot in range(live):
+            remaining[slot] -= 1
+            if remaining[slot] <= 0:
+                tables.remove([ids[slot]])
+                admit(slot)
+    return (time.perf_counter_ns() - t0) / (steps * live)
+
+
+def w2(args):
+    live = 256
+    steps = 200 if args.smoke else 20_000
+    for prefix, bar in ((False, 20.0), (True, 60.0)):
+        runs = [w2_run_pagedkv(prefix, live, steps, seed=0) for _ in range(max(1, args.repeats // 2))]
+        ns = statistics.median(r[0] for r in runs)
+        st = runs[-1][1]
+        model_steps = max(20, steps // 100)
+        model = w2_run_model(prefix, live, model_steps)
+        emit(bench="W2", prefix_caching=prefix, live_sequences=live, steps=steps,
+             ns_per_token_step=round(ns, 2), bar_ns=bar, **{"pass": ns <= bar},
+             model_ns_per_token_step=round(model, 1), ratio_vs_model=round(model / ns, 1),
+             evictions=st.eviction_count, allocations=st.allocation_count)
+
+
+# ---- W3 ---------------------------------------------------------------------------------
+def w3(args):
+    requests = 50 if args.smoke else 1000
+    system = np.arange(1024, dtype=np.int32) + 5
+    rng = np.random.default_rng(3)
+    uniques = [rng.integers(2000, 30000, 256, dtype=np.int32) for _ in range(requests)]
+    prompts = [np.concatenate([system, u]) for u in uniques]
+
+    def run_pagedkv():
+        cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=8192)
+        cache = PagedKVCache(cfg, allocate_store=False)
+        t0 = time.perf_counter_ns()
+        for i, p in enumerate(prompts):
+            cached = cache.add_sequence(i, p)
+            cache.reserve(i, len(p) - cached)
+            cache.commit(i, len(p) - cached)
+            cache.free(i)
+        return time.perf_counter_ns() - t0, cache.stats()
+
+    run_pagedkv()
+    runs = [run_pagedkv() for _ in range(args.repeats)]
+    ns = statistics.median(r[0] for r in runs)
+    st = runs[-1][1]
+    us = ns / requests / 1000
+
+    def run_model():
+        tables = PyTables(PyBlockPool(8192), 16)
+        lists = [p.tolist() for p in prompts]
+        t0 = time.perf_counter_ns()
+        for i, p in enumerate(lists):
+            cached = tables.add(i, p)
+            tables.reserve([i], len(p) - cached)
+            tables.commit([i], len(p) - cached)
+            tables.remove([i])
+        return time.perf_counter_ns() - t0
+    model_us = run_model() / requests / 1000
+    emit(bench="W3", requests=requests, prompt_tokens=1280, shared_prefix=1024, us_per_request=round(us, 2),
+         hit_rate=round(st.hit_rate, 4), bar_us=10.0, **{"pass": us <= 10.0},
+         model_us_per_request=round(model_us, 1), ratio_vs_model=round(model_us / us, 1))
+
+
+# ---- hashing ----------------------------------------------------------------------------
+def hashing(args):
+    n_tokens = 1 << (16 if args.smoke else 22)
+    tokens = np.random.default_rng(0).integers(0, 150000, n_tokens, dtype=np.int32)
+    index = PrefixIndex(16, 1, hash_seed=1)
+    ns = median_of(lambda: index.hash_tokens(tokens), args.repeats)
+    rate = n_tokens / (ns / 1e9)
+    raw = tokens.tobytes()
+    sub = raw[: len(raw) // 16]
+
+    def sha():
+        parent = b""
+        for i in range(0, len(sub), 64):
+            parent = hashlib.sha256(parent + sub[i:i + 64]).digest()
+    ns_sha = median_of(sha, max(1, args.repeats // 2))
+    sha_rate = (len(sub) // 4) / (ns_sha / 1e9)
+    emit(bench="hash", impl="pagedkv chained block hash (16-token blocks)", tokens=n_tokens,
+         tokens_per_s=round(rate), bar_tokens_per_s=300e6, **{"pass": rate >= 300e6})
+    emit(bench="hash", impl="hashlib.sha256 chained (same blocks)", tokens=len(sub) // 4,
+         tokens_per_s=round(sha_rate), ratio_vs_pagedkv=round(rate / sha_rate, 1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", default="W1,W2,W3,hash")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.repeats = min(args.repeats, 2)
+    todo = {"W1": w1, "W2": w2, "W3": w3, "hash": hashing}
+    for name in args.only.split(","):
+        todo[name](args)
+
+
+if __name__ == "__main__":
+    main()
