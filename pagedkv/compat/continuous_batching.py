@@ -1,0 +1,337 @@
+"""Seed 000 (``ContinuousBatchKVCacheManager``) on a :class:`~pagedkv.cache.PagedKVCache`.
+
+A request is a sequence of the cache; a page is a block (``page_size_tokens`` must
+equal the cache's ``block_size``). Allocating reserves whole pages for the request
+(``initial_pages_per_request`` at least, ``max_pages_per_request`` at most), all or
+nothing: the seed's allocate-then-roll-back loop is one ``reserve`` call that either
+succeeds or changes nothing. The engine then writes and reads KV through the cache
+(``slot_mapping``, ``write``, ``gather``, ``page_table_csr``...).
+
+Byte counts follow the seed: ``pages * page_size_bytes`` with ``page_size_bytes =
+page_size_tokens * cache_block_size_bytes``. ``KVCacheConfiguration.for_cache`` sets
+``cache_block_size_bytes`` to the cache's real bytes per token (the seed's default
+1 KiB is a placeholder).
+
+``compact_cache`` is real (the seed left a placeholder): when compaction is enabled
+and utilization is below target, blocks of this manager's requests move down into the
+lowest free blocks, highest first, with their KV copied (see
+:meth:`ContinuousBatchKVCacheManager.compact_cache` for the rules and the limits of
+doing it through the cache's public API).
+
+Thread safety: a lock serialises the manager's calls; compaction also holds the
+cache's lock, so no other user of the cache can allocate in the middle of it.
+"""
+from __future__ import annotations
+
+import numbers
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import ClassVar, Dict, Hashable, List, Optional, Tuple
+
+import numpy as np
+
+from pagedkv.cache import PagedKVCache
+from pagedkv.errors import (InternalError, InvalidArgumentError, OutOfBlocksError, SequenceExistsError,
+                            expected)
+
+__all__ = ["KVCacheConfiguration", "CachePage", "CacheAllocation", "ContinuousBatchKVCacheManager"]
+
+RequestId = Hashable
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise InvalidArgumentError(expected(name, f"an int >= {minimum}", repr(value)))
+    return int(value)
+
+
+@dataclass(frozen=True)
+class KVCacheConfiguration:
+    """The seed's configuration record, with its defaults."""
+
+    page_size_tokens: int = 16
+    initial_pages_per_request: int = 16      # 256 tokens at first
+    max_pages_per_request: int = 256         # 4096 tokens at most
+    cache_block_size_bytes: int = 1024       # bytes per token slot
+    target_utilization: float = 0.85         # compact only below this (0-1)
+    enable_compaction: bool = True
+
+    DEFAULT: ClassVar["KVCacheConfiguration"]
+
+    def __post_init__(self) -> None:
+        _check_int("page_size_tokens", self.page_size_tokens, 1)
+        _check_int("initial_pages_per_request", self.initial_pages_per_request, 0)
+        _check_int("max_pages_per_request", self.max_pages_per_request, 1)
+        _check_int("cache_block_size_bytes", self.cache_block_size_bytes, 1)
+        t = self.target_utilization
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0.0 <= t <= 1.0:
+            raise InvalidArgumentError(expected("target_utilization", "a fraction in [0, 1]", repr(t)))
+        if not isinstance(self.enable_compaction, bool):
+            raise InvalidArgumentError(expected("enable_compaction", "True or False", repr(self.enable_compaction)))
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_tokens * self.cache_block_size_bytes
+
+    @classmethod
+    def for_cache(cls, cache: PagedKVCache, **overrides) -> "KVCacheConfiguration":
+        """The seed's defaults with pages sized to ``cache``: ``page_size_tokens`` is
+        its block size and ``cache_block_size_bytes`` its real bytes per token."""
+        values = dict(page_size_tokens=cache.config.block_size,
+                      cache_block_size_bytes=cache.config.bytes_per_token)
+        values.update(overrides)
+        return cls(**values)
+
+
+KVCacheConfiguration.DEFAULT = KVCacheConfiguration()
+
+
+@dataclass(frozen=True)
+class CachePage:
+    page_index: int
+    start_token: int
+    token_count: int
+    block_index: int
+
+    @property
+    def end_token(self) -> int:
+        return self.start_token + self.token_count
+
+
+@dataclass(frozen=True)
+class CacheAllocation:
+    """A snapshot of one request's pages (block indices as of the call)."""
+
+    request_id: RequestId
+    pages: Tuple[CachePage, ...]
+    total_tokens_allocated: int
+    total_bytes_allocated: int
+    allocated_time: datetime
+
+    @property
+    def page_count(self) -> int:
+        return len(self.pages)
+
+    @property
+    def age(self) -> timedelta:
+        return datetime.now(timezone.utc) - self.allocated_time
+
+
+class ContinuousBatchKVCacheManager:
+    """Per-request KV pages for a continuous-batching scheduler (see the module docstring).
+
+    Args:
+        paged_cache: the cache the pages come from. Requests are its sequences; other
+            sequences in it are left alone.
+        config: defaults to :meth:`KVCacheConfiguration.for_cache`.
+    """
+
+    def __init__(self, paged_cache: PagedKVCache, config: Optional[KVCacheConfiguration] = None):
+        if not isinstance(paged_cache, PagedKVCache):
+            raise InvalidArgumentError(expected("paged_cache", "a PagedKVCache", type(paged_cache).__name__))
+        self.cache = paged_cache
+        self._lock = threading.RLock()
+        self._allocated_at: Dict[RequestId, datetime] = {}
+        self.config = KVCacheConfiguration.for_cache(paged_cache) if config is None else config
+
+    @property
+    def config(self) -> KVCacheConfiguration:
+        return self._config
+
+    @config.setter
+    def config(self, config: KVCacheConfiguration) -> None:
+        """Replace the configuration (later calls use it; existing pages stay)."""
+        if not isinstance(config, KVCacheConfiguration):
+            raise InvalidArgumentError(expected("config", "a KVCacheConfiguration", type(config).__name__))
+        bs = self.cache.config.block_size
+        if config.page_size_tokens != bs:
+            raise InvalidArgumentError(expected("config.page_size_tokens", f"the cache's block_size ({bs})",
+                                                config.page_size_tokens))
+        with self._lock:
+            self._config = config
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _pages(self, request_id: RequestId) -> int:
+        return -(-self.cache.num_reserved(request_id) // self._config.page_size_tokens)
+
+    def _reserve_pages(self, request_id: RequestId, pages: int) -> None:
+        """Reserve up to ``pages`` whole pages (all or nothing)."""
+        bs = self._config.page_size_tokens
+        self.cache.reserve([request_id], [pages * bs - self.cache.num_reserved(request_id)])
+
+    # ---- the seed's API ----------------------------------------------------------------
+    def allocate_cache(self, request_id: RequestId, max_tokens: int) -> int:
+        """Pages for up to ``max_tokens`` tokens (at least ``initial_pages_per_request``,
+        at most ``max_pages_per_request``); returns the bytes allocated.
+
+        All or nothing: on :class:`OutOfBlocksError` the request is not admitted and
+        the cache is as it was.
+        """
+        max_tokens = _check_int("max_tokens", max_tokens, 0)
+        with self._lock:
+            c = self._config
+            pages = min(max(c.initial_pages_per_request, -(-max_tokens // c.page_size_tokens)),
+                        c.max_pages_per_request)
+            if request_id in self._allocated_at or request_id in self.cache:
+                raise SequenceExistsError(request_id, "request_id")
+            self.cache.add_sequence(request_id)
+            try:
+                self._reserve_pages(request_id, pages)
+            except BaseException:
+                self.cache.free([request_id])
+                raise
+            self._allocated_at[request_id] = datetime.now(timezone.utc)
+            return pages * c.page_size_bytes
+
+    def release_cache(self, request_id: RequestId) -> bool:
+        """Free a request's pages; False (nothing done) for an unknown request."""
+        with self._lock:
+            if self._allocated_at.pop(request_id, None) is None:
+                return False
+            self.cache.free([request_id])
+            return True
+
+    def get_current_usage_bytes(self) -> int:
+        """Bytes allocated over all of this manager's requests."""
+        with self._lock:
+            pages = sum(self._pages(r) for r in self._allocated_at)
+            return pages * self._config.page_size_bytes
+
+    def try_extend_cache(self, request_id: RequestId, additional_tokens: int) -> bool:
+        """Add pages for ``additional_tokens`` more tokens, capped at
+        ``max_pages_per_request``. False, with nothing changed, for an unknown request,
+        a request already at the cap, a zero extension, or too few free blocks."""
+        additional_tokens = _check_int("additional_tokens", additional_tokens, 0)
+        with self._lock:
+            if request_id not in self._allocated_at:
+                return False
+            c = self._config
+            have = self._pages(request_id)
+            add = min(-(-additional_tokens // c.page_size_tokens), c.max_pages_per_request - have)
+            if add <= 0:
+                return False
+            try:
+                self._reserve_pages(request_id, have + add)
+            except OutOfBlocksError:
+                return False
+            return True
+
+    def get_allocation(self, request_id: RequestId) -> Optional[CacheAllocation]:
+        """The request's pages now, or None for an unknown request."""
+        with self._lock:
+            at = self._allocated_at.get(request_id)
+            if at is None:
+                return None
+            c = self._config
+            blocks = self.cache.block_table(request_id).tolist()
+            pages = tuple(CachePage(i, i * c.page_size_tokens, c.page_size_tokens, b) for i, b in enumerate(blocks))
+            return CacheAllocation(request_id, pages, len(pages) * c.page_size_tokens,
+                                   len(pages) * c.page_size_bytes, at)
+
+    def requests(self) -> List[RequestId]:
+        with self._lock:
+            return list(self._allocated_at)
+
+    def utilization(self) -> float:
+        """Blocks in use / total blocks (the seed's ``CalculateFragmentationUtilization``)."""
+        pool = self.cache.pool
+        return pool.num_in_use_blocks / pool.num_blocks
+
+    # ---- compaction ----------------------------------------------------------------------
+    def compact_cache(self) -> np.ndarray:
+        """Defragment: move this manager's blocks down into the lowest free blocks.
+
+        Runs only when ``enable_compaction`` is set and :meth:`utilization` is below
+        ``target_utilization`` (the seed's rule). Pairs the highest movable blocks with
+        the lowest free (empty) blocks while that lowers them, copies their KV across
+        all layers, and rewrites the requests' block tables. Returns the ``[P, 2]``
+        int32 (src, dst) moves; with a bookkeeping-only cache (no store) nothing is
+        copied, and the caller must copy these pairs before the cache allocates again.
+
+        A request is movable only if it is exactly as this manager admitted it, so
+        that re-creating its table loses nothing: every block private (``ref_cnt`` 1,
+        no fork or prefix sharing) and not a cached prefix, no token ids known, the
+        default namespace and priority. Its reserved and committed token counts are
+        preserved. Other requests and sequences stay where they are.
+
+        Done through the cache's public API, pending a core call that remaps a table
+        (see the compat package docstring): the moved requests are freed and re-added,
+        with their final blocks first in the free queue, so the pool's allocation and
+        free counters also count these moves.
+        """
+        with self._lock:
+            c = self._config
+            if not c.enable_compaction or self.utilization() >= c.target_utilization:
+                return np.empty((0, 2), dtype=np.int32)
+            with self.cache._lock:   # atomic for every user of the cache, not only this manager
+                return self._defragment()
+
+    def _movable(self) -> List[RequestId]:
+        pool, tables = self.cache.pool, self.cache.tables
+        ref = pool.ref_cnt
+        out = []
+        for rid in self._allocated_at:
+            if rid not in self.cache:            # swapped out to the host tier
+                continue
+            blocks = self.cache.block_table(rid)
+            info = tables.info(self.cache._key(rid))
+            if (len(blocks) and (ref[blocks] == 1).all() and not any(pool.is_cached(int(b)) for b in blocks)
+                    and info["num_known"] == 0 and info["namespace"] == 0 and info["priority"] == -1):
+                out.append(rid)
+        return out
+
+    def _defragment(self) -> np.ndarray:
+        cache, pool = self.cache, self.cache.pool
+        tables = {rid: cache.block_table(rid) for rid in self._movable()}
+        holes = np.flatnonzero(pool.states() == 0)                       # free, no content; ascending
+        cands = sorted(((int(b), rid, i) for rid, t in tables.items() for i, b in enumerate(t.tolist())),
+                       reverse=True)                                      # highest block first
+        moves = []
+        for hole, (block, rid, i) in zip(holes.tolist(), cands):
+            if hole >= block:
+                break
+            tables[rid][i] = hole
+            moves.append((block, hole))
+        if not moves:
+            return np.empty((0, 2), dtype=np.int32)
+        pairs = np.asarray(moves, dtype=np.int32)
+        moved = {rid: t for rid, t in tables.items() if np.isin(t, pairs[:, 1]).any()}
+        counts = {rid: (cache.num_reserved(rid), cache.num_tokens(rid)) for rid in moved}
+        if cache.store is not None:
+            cache.copy_blocks(pairs)           # into free blocks: nothing else can take them (cache lock held)
+        cache.free(list(moved))
+        self._queue_first(np.concatenate(list(moved.values())))
+        for rid, table in moved.items():       # reserve takes the queue front, in order
+            reserved, committed = counts[rid]
+            cache.add_sequence(rid)
+            cache.reserve([rid], [reserved])
+            if committed:
+                cache.commit([rid], [committed])
+            if not np.array_equal(cache.block_table(rid), table):
+                raise InternalError(f"compaction of request {rid!r} got blocks "
+                                    f"{cache.block_table(rid).tolist()}, expected {table.tolist()}")
+        return pairs
+
+    def _queue_first(self, blocks: np.ndarray) -> None:
+        """Put free ``blocks`` at the front of the pool's free queue, in this order.
+
+        ``free`` queues content-free blocks at the front in the order given, so take
+        the queue's prefix up to the last of them and give it back reordered. They are
+        all content-free and the EMPTY list comes first, so no cached prefix is evicted
+        to serve this (the adaptive policy may still run its low-watermark batch, as
+        after any allocation).
+        """
+        pool = self.cache.pool
+        queue = pool.free_block_queue()
+        where = np.full(pool.num_blocks, -1, dtype=np.int64)
+        where[queue] = np.arange(len(queue))
+        if (where[blocks] < 0).any():
+            raise InternalError(f"compaction: blocks {blocks[where[blocks] < 0].tolist()} are not free")
+        head = pool.allocate(int(where[blocks].max()) + 1)
+        rest = head[~np.isin(head, blocks)]
+        pool.free(np.concatenate([blocks, rest]).astype(np.int32))
+
+    def __repr__(self) -> str:
+        return f"ContinuousBatchKVCacheManager(requests={len(self._allocated_at)}, cache={self.cache!r})"
+
