@@ -127,7 +127,7 @@ def w2_trace(seed, live, steps):
     return rng, new_request
 
 
-def w2_run_pagedkv(prefix, live, steps, seed=0):
+def w2_run_pagedkv(prefix, live, steps, seed=0, fused=True):
     cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=65536,
                       enable_prefix_caching=prefix)
     cache = PagedKVCache(cfg, allocate_store=False)
@@ -155,8 +155,11 @@ def w2_run_pagedkv(prefix, live, steps, seed=0):
     tokens = rng.integers(0, vocab, (steps, live), dtype=np.int32)
     t0 = time.perf_counter_ns()
     for step in range(steps):
-        cache.reserve(ids, 1)
-        cache.commit(ids, 1, tokens[step])
+        if fused:
+            cache.advance(ids, tokens[step])
+        else:
+            cache.reserve(ids, 1)
+            cache.commit(ids, 1, tokens[step])
         remaining -= 1
         done = np.flatnonzero(remaining <= 0)
         if done.size:
@@ -206,13 +209,14 @@ def w2_run_model(prefix, live, steps, seed=0):
 def w2(args):
     live = 256
     steps = 200 if args.smoke else 20_000
-    for prefix, bar in ((False, 20.0), (True, 60.0)):
-        runs = [w2_run_pagedkv(prefix, live, steps, seed=0) for _ in range(max(1, args.repeats // 2))]
+    for (prefix, bar), fused in [((False, 20.0), True), ((False, 20.0), False), ((True, 60.0), True), ((True, 60.0), False)]:
+        runs = [w2_run_pagedkv(prefix, live, steps, seed=0, fused=fused) for _ in range(max(1, args.repeats // 2))]
         ns = statistics.median(r[0] for r in runs)
         st = runs[-1][1]
         model_steps = max(20, steps // 100)
         model = w2_run_model(prefix, live, model_steps)
-        emit(bench="W2", prefix_caching=prefix, live_sequences=live, steps=steps,
+        emit(bench="W2", api="advance(ids, tokens)" if fused else "reserve(ids, 1) + commit(ids, 1, tokens)",
+             prefix_caching=prefix, live_sequences=live, steps=steps,
              ns_per_token_step=round(ns, 2), bar_ns=bar, **{"pass": ns <= bar},
              model_ns_per_token_step=round(model, 1), ratio_vs_model=round(model / ns, 1),
              evictions=st.eviction_count, allocations=st.allocation_count)

@@ -369,6 +369,43 @@ class PyTables:
             if self.prefix and row.track:
                 self._register(row)
 
+    def advance(self, keys, token_ids) -> List[int]:
+        keys = list(keys)
+        token_ids = [int(t) for t in token_ids]
+        if len(token_ids) != len(keys):
+            raise InvalidArgumentError(expected("token_ids", f"{len(keys)} ids", len(token_ids)))
+        rows = self._rows(keys)
+        need = 0
+        for row, t in zip(rows, token_ids):
+            c = row.reserved
+            if c < len(row.tokens) and row.tokens[c] != t:
+                raise InvalidArgumentError(expected("token_ids", "ids matching the known tokens", "a mismatch"))
+            if c % self.bs == 0 or self.pool.ref[row.blocks[-1]] > 1:
+                need += 1
+        if need > self.pool.num_free_blocks:
+            raise OutOfBlocksError(need, self.pool.num_free_blocks, "advance")
+        slots = []
+        for row, t in zip(rows, token_ids):
+            c = row.reserved
+            if row.computed < c:
+                row.computed = c
+                if c > len(row.tokens):
+                    row.track = False
+                elif self.prefix and row.track:
+                    self._register(row)
+            if c == len(row.tokens):
+                row.tokens.append(t)
+            if c % self.bs == 0:
+                row.blocks += self.pool.allocate(1)
+            elif self.pool.ref[row.blocks[-1]] > 1:
+                nb = self.pool.allocate(1)[0]
+                self.copies.append((row.blocks[-1], nb))
+                self.pool.free([row.blocks[-1]])
+                row.blocks[-1] = nb
+            slots.append(row.blocks[-1] * self.bs + c % self.bs)
+            row.reserved = c + 1
+        return slots
+
     def _register(self, row: _Row) -> None:
         bs = self.bs
         while row.track and (row.hashed + 1) * bs <= row.computed:

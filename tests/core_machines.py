@@ -252,6 +252,49 @@ class TablesMachine(RuleBasedStateMachine):
                 self.pending[k].append((a[off + j], before_res[k] + j))
             off += n
 
+    @rule(data=st.data())
+    def advance(self, data):
+        if not self.seq_tokens:
+            return
+        keys = data.draw(st.lists(st.sampled_from(self.keys()), unique=True, min_size=1, max_size=4))
+        before = {k: (self.tables.num_computed(k), self.tables.num_reserved(k)) for k in keys}
+        ids = []
+        for k in keys:
+            pos = before[k][1]
+            toks = self.seq_tokens[k]
+            known = self.tables.tokens(k).tolist()
+            ids.append(known[pos] if pos < len(known) else (toks[pos] if pos < len(toks) else 1))
+        # the previous step's KV is written before the step advances
+        for k in keys:
+            known = self.tables.tokens(k).tolist()
+            for slot, pos in self.pending[k]:
+                self.kv[slot] = (self.seq_ns[k], tuple(known[:pos + 1])) if pos < len(known) else ("unknown", slot, pos)
+        a, b, err = self.same(lambda: self.tables.advance(np.array(keys, np.int64), np.array(ids, np.int32)).tolist(),
+                              lambda: self.model.advance(keys, ids))
+        if err is not None:
+            return
+        for k in keys:
+            self.pending[k] = []
+        copies = self.tables.take_copies().tolist()
+        if not self.weak:
+            assert a == b, "advance slots differ"
+            assert [tuple(c) for c in copies] == self.model.copies
+            self.model.copies.clear()
+        bs = self.block_size
+        for src, dst in copies:
+            for o in range(bs):
+                if src * bs + o in self.kv:
+                    self.kv[dst * bs + o] = self.kv[src * bs + o]
+                else:
+                    self.kv.pop(dst * bs + o, None)
+        for k, slot in zip(keys, a):
+            self.pending[k].append((slot, before[k][1]))
+            toks = self.seq_tokens[k]
+            pos = before[k][1]
+            if pos >= len(toks):
+                toks += [1] * (pos + 1 - len(toks))
+            toks[pos] = ids[keys.index(k)]
+
     @rule(data=st.data(), with_ids=st.booleans())
     def commit(self, data, with_ids):
         live = [k for k in self.keys() if self.tables.num_reserved(k) > self.tables.num_computed(k)]

@@ -5,28 +5,30 @@ from pagedkv._core.pool cimport BlockPool
 from pagedkv._core.prefix cimport PrefixIndex
 
 cdef struct SeqRow:
+    # hot fields first: a decode step touches only the first cache line
     seq_key_t key            # the sequence's key (user int id or an interned key)
+    int64_t stamp            # last batch call that touched the row (duplicate detection)
+    int64_t num_reserved     # tokens holding a slot
+    int64_t num_computed     # tokens whose KV is committed, <= num_reserved
     block_id_t* blocks       # block table; append-only but for copy-on-write of the last partial block
-    int8_t* block_cls        # per-block eviction class set by set_priority; NULL or -1 = default rule
     int32_t num_blocks       # == ceil(num_reserved / block_size)
     int32_t cap_blocks       # capacity of blocks / block_cls
-    token_t* tokens          # known token ids: the prompt, then committed decode inputs
     int64_t num_known        # token ids known, >= 0
     int64_t cap_tokens       # capacity of tokens
-    int64_t prompt_len       # tokens given at admission (prefix-class blocks for the priority policy)
-    int64_t num_computed     # tokens whose KV is committed, <= num_reserved
-    int64_t num_reserved     # tokens holding a slot
+    token_t* tokens          # known token ids: the prompt, then committed decode inputs
+    uint8_t track            # 1 while every committed token id is known (blocks can be registered)
+    uint8_t live             # 1 while the row holds a sequence
+    int8_t priority          # eviction class of all its blocks; -1 = seed 004's default rule
     int32_t num_hashed       # full blocks already offered to the prefix index
+    # cold fields
+    int8_t* block_cls        # per-block eviction class set by set_priority; NULL or -1 = default rule
+    int64_t prompt_len       # tokens given at admission (prefix-class blocks for the priority policy)
     int32_t num_prefix_hit   # blocks reused from the prefix cache at admission
     hash_t last_hash         # chained hash of block num_hashed-1 (the root when 0)
     block_id_t canon_block   # registered block with the content of block num_hashed-1; -1 = none
     uint32_t canon_gen       # generation of canon_block when it was taken
     int32_t ns_id            # interned namespace id (0 = default)
     uint64_t ns_hash         # namespace hash mixed into every block hash
-    int8_t priority          # eviction class of all its blocks; -1 = seed 004's default rule
-    uint8_t track            # 1 while every committed token id is known (blocks can be registered)
-    uint8_t live             # 1 while the row holds a sequence
-    int64_t stamp            # last batch call that touched the row (duplicate detection)
 
 
 cdef class BlockTables:
@@ -48,6 +50,7 @@ cdef class BlockTables:
     cdef int64_t stamp
     cdef int32_t* scratch_rows             # per-call row indices, grown on demand
     cdef int64_t scratch_cap
+    cdef int64_t hint_len                  # entries of scratch_rows valid as hints for the next call
     cdef int32_t* copies                   # pending copy-on-write pairs (src, dst), flattened
     cdef int64_t num_copies
     cdef int64_t cap_copies
@@ -67,4 +70,6 @@ cdef class BlockTables:
     cdef int push_copy(self, block_id_t src, block_id_t dst) except -1 nogil
     cdef void register_full_blocks(self, SeqRow* row) noexcept nogil
     cdef void release_row(self, SeqRow* row) noexcept nogil
+    cdef int commit_one(self, const int32_t* rp, int64_t m, const token_t* tp) except -1
+    cdef object reserve_one(self, const int32_t* rp, int64_t m)
     cdef int8_t block_class(self, SeqRow* row, int32_t i) noexcept nogil

@@ -235,38 +235,54 @@ cdef class BlockTables:
     cdef int32_t* rows_for(self, object keys_arr, int64_t m, bint internal=False) except NULL:
         # Resolve keys to rows for one batch call; unknown and repeated keys raise, and
         # so do negative keys unless internal (the manager keys non-int ids below 0).
+        # The previous call's rows are tried first: a scheduler passes the same batch
+        # to reserve and commit, and mostly the same batch step after step, so most
+        # keys resolve with one compare instead of a hash-table probe.
         cdef cnp.ndarray ka = <cnp.ndarray>keys_arr
         cdef const int64_t* kp = <const int64_t*>cnp.PyArray_DATA(ka)
-        cdef int64_t i, bad = -1
+        cdef int64_t i, bad = -1, hints
         cdef int32_t r
         cdef int err = ERR_NONE
+        cdef int32_t* out
+        cdef SeqRow* rows
+        cdef int64_t stamp
+        cdef int64_t key
         if m > self.scratch_cap:
             c_free(self.scratch_rows)
+            self.hint_len = 0
             self.scratch_rows = <int32_t*>malloc(max(m, 64) * sizeof(int32_t))
             if self.scratch_rows == NULL:
                 self.scratch_cap = 0
                 raise MemoryError("cannot allocate a batch buffer")
             self.scratch_cap = max(m, 64)
         self.stamp += 1
+        stamp = self.stamp
+        out = self.scratch_rows
+        rows = self.rows
+        hints = self.hint_len if self.hint_len < m else m
         with nogil:
             for i in range(m):
-                r = self.find_row(kp[i])
-                if r < 0 or (kp[i] < 0 and not internal):
+                key = kp[i]
+                r = out[i] if i < hints else -1
+                if r < 0 or r >= self.num_rows or rows[r].key != key or not rows[r].live:
+                    r = self.find_row(key)
+                if r < 0 or (key < 0 and not internal):
                     err = ERR_NOT_FOUND
                     bad = i
                     break
-                if self.rows[r].stamp == self.stamp:
+                if rows[r].stamp == stamp:
                     err = ERR_DUPLICATE
                     bad = i
                     break
-                self.rows[r].stamp = self.stamp
-                self.scratch_rows[i] = r
+                rows[r].stamp = stamp
+                out[i] = r
+        self.hint_len = m if bad < 0 else bad
         if err == ERR_NOT_FOUND:
             raise SequenceNotFoundError(kp[bad], "seq_ids")
         if err == ERR_DUPLICATE:
             raise InvalidArgumentError(expected("seq_ids", "each sequence at most once per call",
                                                 f"{kp[bad]} repeated at index {bad}"))
-        return self.scratch_rows
+        return out
 
     cdef int push_copy(self, block_id_t src, block_id_t dst) except -1 nogil:
         cdef int64_t cap
@@ -507,6 +523,8 @@ cdef class BlockTables:
         cdef SeqRow* row
         cdef int32_t bs = self.block_size, newb, sh = self.bs_shift
         cdef int32_t* ref = self.pool.ref_cnt
+        if cp == NULL and scalar == 1:
+            return self.reserve_one(rp, m)
         for i in range(m):
             n = cp[i] if cp != NULL else scalar
             if n < 0:
@@ -547,6 +565,43 @@ cdef class BlockTables:
                 row.num_reserved += n
         return out
 
+    cdef object reserve_one(self, const int32_t* rp, int64_t m):
+        # The decode step: one token for each of m sequences. Same semantics as the
+        # general path, specialised because it runs every step for every sequence.
+        cdef SeqRow* rows = self.rows
+        cdef SeqRow* row
+        cdef int32_t* ref = self.pool.ref_cnt
+        cdef int32_t bs = self.block_size, sh = self.bs_shift
+        cdef int64_t i, need = 0, off
+        cdef block_id_t nb_
+        for i in range(m):
+            row = &rows[rp[i]]
+            if off_of(row.num_reserved, bs, sh) == 0:
+                need += 1
+                if row.num_blocks + 1 > row.cap_blocks:
+                    self.grow_blocks(row, row.num_blocks + 1)
+            elif ref[row.blocks[row.num_blocks - 1]] > 1:
+                need += 1
+        if need > self.pool.num_free():
+            raise OutOfBlocksError(need, self.pool.num_free(), "reserve")
+        cdef cnp.ndarray out = new_i64(m)
+        cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
+        with nogil:
+            for i in range(m):
+                row = &rows[rp[i]]
+                off = off_of(row.num_reserved, bs, sh)
+                if off == 0:
+                    self.pool.alloc_into(row.blocks + row.num_blocks, 1)
+                    row.num_blocks += 1
+                elif ref[row.blocks[row.num_blocks - 1]] > 1:
+                    self.pool.alloc_into(&nb_, 1)
+                    self.push_copy(row.blocks[row.num_blocks - 1], nb_)
+                    self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
+                    row.blocks[row.num_blocks - 1] = nb_
+                op[i] = <int64_t>row.blocks[row.num_blocks - 1] * bs + off
+                row.num_reserved += 1
+        return out
+
     def commit(self, keys, counts, token_ids=None, bint internal=False):
         """Mark the next ``counts`` reserved tokens of each sequence as computed.
 
@@ -571,6 +626,14 @@ cdef class BlockTables:
             cp = <const int64_t*>cnp.PyArray_DATA(ca)
         cdef int32_t* rp = self.rows_for(ka, m, internal)
         cdef SeqRow* row
+        if cp == NULL and scalar == 1:
+            if token_ids is not None:
+                ta = as_i32(token_ids, "token_ids")
+                if cnp.PyArray_DIM(ta, 0) != m:
+                    raise ShapeError(expected("token_ids", f"{m} ids (the sum of num_tokens)", cnp.PyArray_DIM(ta, 0)))
+                tp = <const token_t*>cnp.PyArray_DATA(ta)
+            self.commit_one(rp, m, tp)
+            return
         for i in range(m):
             n = cp[i] if cp != NULL else scalar
             row = &self.rows[rp[i]]
@@ -613,6 +676,107 @@ cdef class BlockTables:
                 if (row.track and self.index is not None
                         and <int64_t>(row.num_hashed + 1) * self.block_size <= row.num_computed):
                     self.register_full_blocks(row)
+
+    def advance(self, keys, token_ids, bint internal=False):
+        """One decode step in one crossing: commit every reserved token of each sequence
+        (the previous step's KV is written), then reserve one slot for its next token,
+        whose id is ``token_ids[i]`` (int32). Returns the int64 slots. All or nothing.
+        """
+        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
+        cdef cnp.ndarray ta = as_i32(token_ids, "token_ids")
+        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, c
+        if cnp.PyArray_DIM(ta, 0) != m:
+            raise ShapeError(expected("token_ids", f"{m} ids (one per sequence)", cnp.PyArray_DIM(ta, 0)))
+        cdef const token_t* tp = <const token_t*>cnp.PyArray_DATA(ta)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef SeqRow* rows = self.rows
+        cdef SeqRow* row
+        cdef int32_t bs = self.block_size, sh = self.bs_shift
+        cdef int32_t* ref = self.pool.ref_cnt
+        cdef int64_t need = 0, off
+        cdef bint indexed = self.index is not None
+        cdef block_id_t nb_
+        for i in range(m):
+            row = &rows[rp[i]]
+            c = row.num_reserved
+            if c < row.num_known and row.tokens[c] != tp[i]:
+                raise InvalidArgumentError(expected(
+                    "token_ids", f"id {row.tokens[c]} at position {c} of sequence {row.key} (already known)", tp[i]))
+            if c >= row.cap_tokens:
+                self.grow_tokens(row, c + 1)
+            if off_of(c, bs, sh) == 0:
+                need += 1
+                if row.num_blocks + 1 > row.cap_blocks:
+                    self.grow_blocks(row, row.num_blocks + 1)
+            elif ref[row.blocks[row.num_blocks - 1]] > 1:
+                need += 1
+        if need > self.pool.num_free():
+            raise OutOfBlocksError(need, self.pool.num_free(), "advance")
+        cdef cnp.ndarray out = new_i64(m)
+        cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
+        with nogil:
+            for i in range(m):
+                row = &rows[rp[i]]
+                c = row.num_reserved
+                if row.num_computed < c:       # commit the previous step
+                    row.num_computed = c
+                    if c > row.num_known:
+                        row.track = 0
+                    elif (indexed and row.track
+                            and <int64_t>(row.num_hashed + 1) * bs <= c):
+                        self.register_full_blocks(row)
+                if c == row.num_known:         # record the new token's id
+                    row.tokens[c] = tp[i]
+                    row.num_known = c + 1
+                off = off_of(c, bs, sh)
+                if off == 0:
+                    self.pool.alloc_into(row.blocks + row.num_blocks, 1)
+                    row.num_blocks += 1
+                elif ref[row.blocks[row.num_blocks - 1]] > 1:
+                    self.pool.alloc_into(&nb_, 1)
+                    self.push_copy(row.blocks[row.num_blocks - 1], nb_)
+                    self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
+                    row.blocks[row.num_blocks - 1] = nb_
+                op[i] = <int64_t>row.blocks[row.num_blocks - 1] * bs + off
+                row.num_reserved = c + 1
+        return out
+
+    cdef int commit_one(self, const int32_t* rp, int64_t m, const token_t* tp) except -1:
+        # The decode step: one committed token per sequence (see commit()).
+        cdef SeqRow* rows = self.rows
+        cdef SeqRow* row
+        cdef int64_t i, c
+        cdef int32_t mask = self.block_size - 1 if self.bs_shift >= 0 else -1
+        cdef bint indexed = self.index is not None
+        for i in range(m):
+            row = &rows[rp[i]]
+            c = row.num_computed
+            if c >= row.num_reserved:
+                raise InvalidArgumentError(expected(
+                    "num_tokens", f"at most 0 (reserved, not yet committed) for sequence {row.key}",
+                    f"1 at index {i}"))
+            if tp != NULL:
+                if c < row.num_known:
+                    if row.tokens[c] != tp[i]:
+                        raise InvalidArgumentError(expected(
+                            "token_ids", f"id {row.tokens[c]} at position {c} of sequence {row.key} (already known)",
+                            tp[i]))
+                elif c >= row.cap_tokens:
+                    self.grow_tokens(row, c + 1)
+        with nogil:
+            for i in range(m):
+                row = &rows[rp[i]]
+                c = row.num_computed
+                if c == row.num_known and tp != NULL:
+                    row.tokens[c] = tp[i]
+                    row.num_known = c + 1
+                c += 1
+                row.num_computed = c
+                if c > row.num_known:
+                    row.track = 0
+                elif indexed and row.track and (((c & mask) == 0) if mask >= 0 else (c % self.block_size == 0)):
+                    self.register_full_blocks(row)
+        return 0
 
     def take_copies(self):
         """Pending copy-on-write pairs as an int32 ``[P, 2]`` array of (src, dst); clears them.
