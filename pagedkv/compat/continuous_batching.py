@@ -258,7 +258,11 @@ class ContinuousBatchKVCacheManager:
         Done through the cache's public API, pending a core call that remaps a table
         (see the compat package docstring): the moved requests are freed and re-added,
         with their final blocks first in the free queue, so the pool's allocation and
-        free counters also count these moves.
+        free counters also count these moves. The cache's lock is held throughout, but
+        its unlocked queries (``block_table``, ``num_tokens``...) called from another
+        thread meanwhile may find a moved request briefly absent: read a request's
+        state through this manager, or not while it compacts. Slots taken before a
+        compaction are stale after it.
         """
         with self._lock:
             c = self._config
