@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 #: subcommand name -> module implementing it
 SUBCOMMANDS: Dict[str, str] = {
     "plan": "pagedkv.planner",
+    "demo": "pagedkv.demo",
 }
 
 

@@ -1,8 +1,8 @@
 """Shared fixtures and helpers for the real-model tests (SmolLM2-135M-Instruct).
 
-Import the fixtures into a test module's namespace so pytest sees them::
+Import the fixtures into a test module's namespace so pytest sees them (the shared
+``conftest.py`` puts ``tests/`` on ``sys.path``)::
 
-    sys.path.insert(0, str(Path(__file__).parent))
     from model_fixtures import smollm2  # noqa: F401
 
 The model comes from :mod:`pagedkv.models`. Without network and cache the tests

@@ -14,8 +14,7 @@ import torch
 import pagedkv.models as models
 from pagedkv.errors import ModelUnavailableError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from model_fixtures import smollm2  # noqa: E402,F401
+from model_fixtures import smollm2  # noqa: F401  (tests/ is on sys.path via conftest)
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
 

@@ -6,9 +6,6 @@ the arena, paged attention must reproduce DynamicCache's greedy ids and logits
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -19,9 +16,8 @@ from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, ShapeError
 from pagedkv.integrations.transformers import PagedCache
 
-sys.path.insert(0, str(Path(__file__).parent))
-from model_fixtures import (PROMPTS, SYSTEM_PROMPT, chat_ids, perplexity_ids,  # noqa: E402
-                            prefill_decode_logits, sliding_window_perplexity, smollm2, tiny)  # noqa: F401
+from model_fixtures import (PROMPTS, chat_ids, perplexity_ids, prefill_decode_logits,  # noqa: F401
+                            sliding_window_perplexity, smollm2, tiny)
 
 BLOCK = 16
 

@@ -1,0 +1,306 @@
+"""``pagedkv demo``: a chat server in miniature, with continuous batching over a paged cache.
+
+Eight chat requests (the default) share one system prompt and arrive a few engine
+steps apart. Each engine step:
+
+1. **admission**: arrived requests join while blocks last. ``add_sequence`` reports
+   the prompt tokens already cached (the shared system prompt, after the first
+   request), and only the rest is prefilled, one forward per new request;
+2. **decode**: one batched forward computes the next token of every running
+   request. Rows of different lengths are right-aligned in one rectangle with a
+   padding mask (:meth:`PagedCache.select`); each layer reads its K/V straight from
+   the blocks. That costs a few padding columns per row, and for a batch this
+   small it is cheaper than one attention call per sequence;
+3. **completion**: a request that emits end-of-turn or reaches its token budget is
+   freed at once; its full blocks stay in the prefix cache.
+
+Then it prints every request (prompt, answer, tokens, latency) and a summary:
+throughput, prefix hit rate, blocks and bytes in use against a contiguous
+max-length allocation per request, and the block map at peak use.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import List
+
+from pagedkv.errors import OutOfBlocksError
+
+HELP = "serve concurrent chat requests with continuous batching over a paged KV cache"
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant for a systems programming team. Answer in one or two "
+    "short sentences, be concrete and accurate, and do not repeat the question."
+)
+USER_PROMPTS = [
+    "What is a KV cache in a transformer?",
+    "Why do operating systems use paging?",
+    "Name a sorting algorithm with O(n log n) worst case.",
+    "What does a mutex protect against?",
+    "What is the capital of Japan?",
+    "Explain copy-on-write in one sentence.",
+    "What is the difference between a process and a thread?",
+    "Give one tip for writing fast Python code.",
+    "What is a hash collision?",
+    "Why is cache locality important for performance?",
+    "What does LRU stand for?",
+    "What is a race condition?",
+]
+
+
+@dataclass
+class Request:
+    rid: int
+    user: str
+    prompt_ids: List[int]
+    max_new_tokens: int
+    arrival_step: int
+    admitted_step: int = -1
+    arrived_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    cached_tokens: int = 0
+    output_ids: List[int] = field(default_factory=list)
+
+
+@dataclass
+class DemoResult:
+    requests: List[Request]
+    wall_s: float
+    generated_tokens: int
+    decode_steps: int
+    max_batch_seen: int
+    peak_blocks: int
+    peak_bytes: int
+    peak_block_map: str
+    hit_rate: float
+    contiguous_bytes: int       # requests x max context x bytes/token
+    contiguous_tight_bytes: int  # requests x (prompt + max_new_tokens) x bytes/token
+    kv: object
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                   help="SmolLM2-135M-Instruct (fetched once) or a tiny random Llama (offline)")
+    p.add_argument("--requests", type=int, default=8, help="chat requests to serve (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="token budget of the longest answer")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks in the arena (default 256)")
+    p.add_argument("--kv-dtype", default=None, help="KV storage: model dtype (default), fp8, fp8_e5m2 or int8")
+    p.add_argument("--max-batch", type=int, default=8, help="most requests decoding at once")
+    p.add_argument("--arrival-gap", type=int, default=2, help="engine steps between request arrivals")
+    p.add_argument("--seed", type=int, default=0, help="free-list shuffle seed (blocks out of order)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _chat_ids(tokenizer, user: str) -> List[int]:
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys") and "input_ids" in ids:  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def make_requests(tokenizer, n: int, max_new_tokens: int, arrival_gap: int) -> List[Request]:
+    """``n`` requests cycling through the prompts, with varied answer budgets."""
+    out = []
+    for i in range(n):
+        user = USER_PROMPTS[i % len(USER_PROMPTS)]
+        budget = max(1, max_new_tokens - (i % 3) * max_new_tokens // 4)
+        out.append(Request(i, user, _chat_ids(tokenizer, user), budget, i * arrival_gap))
+    return out
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.last = total, enabled, 0.0
+
+    def update(self, done: int, running: int, tokens: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self.last < 0.1):
+            return
+        self.last = now
+        width = 30
+        fill = width * done // max(1, self.total)
+        sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} done, "
+                         f"{running} running, {tokens} tokens")
+        sys.stderr.flush()
+        if force:
+            sys.stderr.write("\n")
+
+
+def serve(model, tokenizer, requests: List[Request], kv, *, max_batch: int = 8,
+          progress: bool = False) -> DemoResult:
+    """Run the engine loop until every request is answered; frees everything it admits."""
+    import torch
+
+    from pagedkv.integrations.transformers import PagedCache
+
+    eos = {int(tokenizer.eos_token_id)}
+    cache = PagedCache(kv)
+    pending = deque(sorted(requests, key=lambda r: r.arrival_step))
+    waiting: deque = deque()
+    running: List[Request] = []
+    bar = _Progress(len(requests), progress)
+    step = steps = generated = max_batch_seen = 0
+    peak_blocks, peak_map = -1, ""
+    done = 0
+    start = time.perf_counter()
+
+    def emit(req: Request, logits_row) -> bool:
+        """Append the greedy token; True when the request is complete."""
+        tok = int(logits_row.argmax())
+        req.output_ids.append(tok)
+        if len(req.output_ids) == 1:
+            req.first_token_at = time.perf_counter()
+        return tok in eos or len(req.output_ids) >= req.max_new_tokens
+
+    def finish(req: Request) -> None:
+        nonlocal done
+        req.finished_at = time.perf_counter()
+        kv.free(req.rid)
+        done += 1
+
+    with torch.no_grad():
+        while pending or waiting or running:
+            while pending and pending[0].arrival_step <= step:
+                req = pending.popleft()
+                req.arrived_at = time.perf_counter()
+                waiting.append(req)
+            # admission: prefill arrived requests while the batch and the blocks allow
+            while waiting and len(running) < max_batch:
+                req = waiting[0]
+                # No preemption here, so admit only what can run to completion: the
+                # new request's worst case (less its cached prefix) plus the growth
+                # the running requests may still need.
+                need = _blocks_needed(kv, len(req.prompt_ids) + req.max_new_tokens,
+                                      kv.match_prefix(req.prompt_ids))
+                owed = sum(_blocks_needed(kv, len(r.prompt_ids) + r.max_new_tokens,
+                                          len(kv.block_table(r.rid)) * kv.config.block_size) for r in running)
+                if not kv.has_available_blocks(need + owed):
+                    if not running:
+                        raise OutOfBlocksError(need, kv.stats().free_blocks, f"request {req.rid}")
+                    break  # wait for a running request to finish and free its blocks
+                waiting.popleft()
+                req.admitted_step = step
+                req.cached_tokens = kv.add_sequence(req.rid, req.prompt_ids)
+                rest = torch.tensor([req.prompt_ids[req.cached_tokens:]])
+                mask, pos = cache.select([req.rid], rest.shape[1])
+                cache.set_input_ids(rest)
+                logits = model(rest, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                               logits_to_keep=1).logits
+                generated += 1
+                if emit(req, logits[0, -1]):
+                    finish(req)
+                else:
+                    running.append(req)
+            # decode: one batched forward over every running request
+            if running:
+                ids = torch.tensor([[r.output_ids[-1]] for r in running])
+                mask, pos = cache.select([r.rid for r in running], 1)
+                cache.set_input_ids(ids)
+                logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
+                max_batch_seen = max(max_batch_seen, len(running))
+                steps += 1
+                generated += len(running)
+                used = kv.stats().allocated_blocks
+                if used > peak_blocks:
+                    peak_blocks, peak_map = used, kv.dump_block_map()
+                still = []
+                for i, req in enumerate(running):
+                    if emit(req, logits[i, -1]):
+                        finish(req)
+                    else:
+                        still.append(req)
+                running = still
+            step += 1
+            bar.update(done, len(running), generated)
+    wall = time.perf_counter() - start
+    bar.update(done, 0, generated, force=True)
+    stats = kv.stats()
+    bpt = kv.config.bytes_per_token
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    return DemoResult(
+        requests=list(requests), wall_s=wall, generated_tokens=generated, decode_steps=steps,
+        max_batch_seen=max_batch_seen, peak_blocks=max(peak_blocks, 0),
+        peak_bytes=max(peak_blocks, 0) * kv.config.bytes_per_block, peak_block_map=peak_map,
+        hit_rate=stats.hit_rate, contiguous_bytes=len(requests) * context * bpt,
+        contiguous_tight_bytes=sum(len(r.prompt_ids) + r.max_new_tokens for r in requests) * bpt, kv=kv)
+
+
+def _blocks_needed(kv, total_tokens: int, have_tokens: int) -> int:
+    """Blocks still to allocate for a sequence of ``total_tokens`` holding ``have_tokens``'s blocks."""
+    bs = kv.config.block_size
+    return max(0, kv.config.blocks_for_tokens(total_tokens) - have_tokens // bs)
+
+
+def _load(name: str):
+    if name == "tiny":
+        from pagedkv.models import tiny_llama
+
+        return tiny_llama(seed=0)
+    from pagedkv.models import load_smollm2
+
+    return load_smollm2()
+
+
+def build_kv(model, args):
+    import torch
+
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.config import CacheConfig
+
+    cfg = CacheConfig.from_hf_config(model.config, num_blocks=args.num_blocks, block_size=args.block_size,
+                                     dtype=torch.float32, kv_dtype=args.kv_dtype, shuffle_free_blocks=args.seed)
+    return PagedKVCache(cfg)
+
+
+def report(result: DemoResult, tokenizer, out=None) -> None:
+    from pagedkv.config import format_bytes
+
+    out = sys.stdout if out is None else out  # looked up late, so captured stdout works
+
+    def short(text: str, n: int) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= n else text[: n - 3] + "..."
+
+    kv = result.kv
+    print(f"system prompt: {short(SYSTEM_PROMPT, 100)}", file=out)
+    for r in result.requests:
+        answer = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        print(f"\n[{r.rid}] user: {short(r.user, 100)}", file=out)
+        print(f"    answer: {short(answer, 300)}", file=out)
+        print(f"    prompt {len(r.prompt_ids)} tokens ({r.cached_tokens} from the prefix cache), "
+              f"{len(r.output_ids)} generated, first token {1000 * (r.first_token_at - r.arrived_at):.0f} ms, "
+              f"latency {r.finished_at - r.arrived_at:.2f} s", file=out)
+    c = kv.config
+    print("\n=== summary ===", file=out)
+    print(f"requests          {len(result.requests)}, {result.decode_steps} batched decode steps, "
+          f"up to {result.max_batch_seen} at once", file=out)
+    print(f"throughput        {result.generated_tokens} tokens in {result.wall_s:.2f} s = "
+          f"{result.generated_tokens / max(result.wall_s, 1e-9):.1f} tokens/s", file=out)
+    print(f"prefix hit rate   {100 * result.hit_rate:.1f}% of prompt tokens", file=out)
+    print(f"kv storage        {c.cache_dtype}, block size {c.block_size}, {c.resolved_num_blocks} blocks "
+          f"({format_bytes(c.total_bytes)} arena)", file=out)
+    print(f"blocks used       {result.peak_blocks} at peak = {format_bytes(result.peak_bytes)}", file=out)
+    print(f"contiguous        {format_bytes(result.contiguous_bytes)} for {len(result.requests)} x max context; "
+          f"{format_bytes(result.contiguous_tight_bytes)} for prompt + max new tokens each", file=out)
+    if result.contiguous_bytes:
+        print(f"paged / contiguous {100 * result.peak_bytes / result.contiguous_bytes:.2f}% (max context), "
+              f"{100 * result.peak_bytes / max(1, result.contiguous_tight_bytes):.1f}% (tight)", file=out)
+    print("block map at peak (. free  # in use  + shared  c cached  p pinned):", file=out)
+    print(result.peak_block_map, file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer = _load(args.model)
+    kv = build_kv(model, args)
+    requests = make_requests(tokenizer, args.requests, args.max_new_tokens, args.arrival_gap)
+    result = serve(model, tokenizer, requests, kv, max_batch=args.max_batch,
+                   progress=not args.no_progress and sys.stderr.isatty())
+    report(result, tokenizer)
+    kv.check_invariants()
+    return 0
