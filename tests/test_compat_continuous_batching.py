@@ -105,6 +105,10 @@ def test_duplicate_and_invalid_requests():
             m.allocate_cache(rid, 4)
     with pytest.raises(InvalidArgumentError, match=r"max_tokens: expected an int >= 0, got -1"):
         m.allocate_cache("c", -1)
+    for call in (lambda: m.allocate_cache(["c"], 4), lambda: m.release_cache(["a"]),
+                 lambda: m.try_extend_cache(["a"], 4), lambda: m.get_allocation(["a"])):
+        with pytest.raises(InvalidArgumentError, match=r"request_id: expected a hashable id, got list"):
+            call()
     assert snapshot(m) == before
 
 

@@ -157,6 +157,11 @@ def test_argument_validation(cache):
         cache.get_v_view("a", 2)
     with pytest.raises(InvalidArgumentError, match=r"initial_tokens: expected an int >= 1, got 0"):
         cache.allocate_for("b", 0)
+    for call in (lambda: cache.allocate_for(["b"], 1), lambda: cache.free_for(["a"]),
+                 lambda: cache.get_k_view(["a"], 0), lambda: cache.append_token(["a"])):
+        with pytest.raises(InvalidArgumentError, match=r"request_id: expected a hashable id, got list"):
+            call()
+    assert cache.used_tokens("a") == 1 and cache.get_num_allocated_sequences() == 1
     with pytest.raises(InvalidArgumentError, match=r"max_total_tokens: expected an int >= 4, got 3"):
         KVCache(L, H, D, BS, 3)
     with pytest.raises(InvalidArgumentError, match=r"num_layers: expected an int >= 1, got 0"):

@@ -93,8 +93,10 @@ def test_block_ids_are_validated():
             a.free(bad)
     with pytest.raises(InvalidArgumentError, match=r"n: expected an int >= 0, got -1"):
         a.allocate_n(-1)
-    with pytest.raises(InvalidArgumentError, match=r"num_blocks: expected an int >= 1, got 0"):
-        BlockAllocator(0)
+    for bad in (0, -3, 2.0):
+        with pytest.raises(InvalidArgumentError, match=rf"num_blocks: expected an int >= 1, got {bad}"):
+            BlockAllocator(bad)
+    assert BlockAllocator(np.int64(3)).num_free == 3
     assert a.allocate_n(0) == [] and a.num_free == 4
 
 

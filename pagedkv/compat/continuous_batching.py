@@ -40,6 +40,14 @@ __all__ = ["KVCacheConfiguration", "CachePage", "CacheAllocation", "ContinuousBa
 RequestId = Hashable
 
 
+def _request(request_id: object) -> RequestId:
+    try:
+        hash(request_id)
+    except TypeError:
+        raise InvalidArgumentError(expected("request_id", "a hashable id", type(request_id).__name__)) from None
+    return request_id
+
+
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise InvalidArgumentError(expected(name, f"an int >= {minimum}", repr(value)))
@@ -168,6 +176,7 @@ class ContinuousBatchKVCacheManager:
         All or nothing: on :class:`OutOfBlocksError` the request is not admitted and
         the cache is as it was.
         """
+        request_id = _request(request_id)
         max_tokens = _check_int("max_tokens", max_tokens, 0)
         with self._lock:
             c = self._config
@@ -186,6 +195,7 @@ class ContinuousBatchKVCacheManager:
 
     def release_cache(self, request_id: RequestId) -> bool:
         """Free a request's pages; False (nothing done) for an unknown request."""
+        request_id = _request(request_id)
         with self._lock:
             if self._allocated_at.pop(request_id, None) is None:
                 return False
@@ -202,6 +212,7 @@ class ContinuousBatchKVCacheManager:
         """Add pages for ``additional_tokens`` more tokens, capped at
         ``max_pages_per_request``. False, with nothing changed, for an unknown request,
         a request already at the cap, a zero extension, or too few free blocks."""
+        request_id = _request(request_id)
         additional_tokens = _check_int("additional_tokens", additional_tokens, 0)
         with self._lock:
             if request_id not in self._allocated_at:
@@ -219,6 +230,7 @@ class ContinuousBatchKVCacheManager:
 
     def get_allocation(self, request_id: RequestId) -> Optional[CacheAllocation]:
         """The request's pages now, or None for an unknown request."""
+        request_id = _request(request_id)
         with self._lock:
             at = self._allocated_at.get(request_id)
             if at is None:

@@ -70,6 +70,14 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
+def _request(request_id: object) -> Hashable:
+    try:
+        hash(request_id)
+    except TypeError:
+        raise InvalidArgumentError(expected("request_id", "a hashable id", type(request_id).__name__)) from None
+    return request_id
+
+
 def _free_runs(used: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Starts and lengths of the maximal runs of free blocks, in block order."""
     edges = np.diff(np.concatenate(([0], (~used).view(np.int8), [0])))
@@ -198,6 +206,7 @@ class KVCache:
     # ---- lifecycle -------------------------------------------------------------------
     def allocate_for(self, request_id: Hashable, initial_tokens: int) -> bool:
         """One run for ``initial_tokens`` tokens; False (nothing allocated) when no run fits."""
+        request_id = _request(request_id)
         initial_tokens = _check_int("initial_tokens", initial_tokens, 1)
         blocks = -(-initial_tokens // self.block_size)
         with self._lock:
@@ -211,6 +220,7 @@ class KVCache:
 
     def free_for(self, request_id: Hashable) -> bool:
         """Release a request's run; False for an unknown request."""
+        request_id = _request(request_id)
         with self._lock:
             entry = self._sequences.pop(request_id, None)
             if entry is None:
@@ -219,7 +229,7 @@ class KVCache:
             return True
 
     def _entry(self, request_id: Hashable) -> _Entry:
-        entry = self._sequences.get(request_id)
+        entry = self._sequences.get(_request(request_id))
         if entry is None:
             raise SequenceNotFoundError(request_id, "request_id")
         return entry

@@ -63,9 +63,9 @@ class UnallocatedBlockError(InvalidBlockError, RuntimeError):
     """A block that is not allocated was freed or shared; also the seed's ``RuntimeError``."""
 
 
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise InvalidArgumentError(expected(name, "an int >= 0", repr(value)))
+def _check_count(name: str, value: object, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InvalidArgumentError(expected(name, f"an int >= {minimum}", repr(value)))
     return int(value)
 
 
@@ -123,9 +123,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InvalidArgumentError(expected("num_blocks", "an int >= 1", repr(num_blocks)))
-        self._init(BlockPool(num_blocks), threading.RLock(), owner=None)
+        self._init(BlockPool(_check_count("num_blocks", num_blocks, 1)), threading.RLock(), owner=None)
 
     @classmethod
     def _view(cls, pool: BlockPool, lock, owner: str) -> "BlockAllocator":
