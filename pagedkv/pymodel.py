@@ -321,7 +321,7 @@ class PyTables:
             if n < 0:
                 raise InvalidArgumentError(expected("num_tokens", "counts >= 0", n))
             need += -(-(row.reserved + n) // self.bs) - len(row.blocks)
-            if n and row.reserved % self.bs and self.pool.ref[row.blocks[-1]] > 1:
+            if n and row.reserved % self.bs and self._must_copy(row.blocks[-1]):
                 need += 1
         if need > self.pool.num_free_blocks:
             raise OutOfBlocksError(need, self.pool.num_free_blocks, "reserve")
@@ -329,7 +329,7 @@ class PyTables:
         for row, n in zip(rows, counts):
             if not n:
                 continue
-            if row.reserved % self.bs and self.pool.ref[row.blocks[-1]] > 1:
+            if row.reserved % self.bs and self._must_copy(row.blocks[-1]):
                 nb = self.pool.allocate(1)[0]
                 self.copies.append((row.blocks[-1], nb))
                 self.pool.free([row.blocks[-1]])
@@ -380,7 +380,7 @@ class PyTables:
             c = row.reserved
             if c < len(row.tokens) and row.tokens[c] != t:
                 raise InvalidArgumentError(expected("token_ids", "ids matching the known tokens", "a mismatch"))
-            if c % self.bs == 0 or self.pool.ref[row.blocks[-1]] > 1:
+            if c % self.bs == 0 or self._must_copy(row.blocks[-1]):
                 need += 1
         if need > self.pool.num_free_blocks:
             raise OutOfBlocksError(need, self.pool.num_free_blocks, "advance")
@@ -397,7 +397,7 @@ class PyTables:
                 row.tokens.append(t)
             if c % self.bs == 0:
                 row.blocks += self.pool.allocate(1)
-            elif self.pool.ref[row.blocks[-1]] > 1:
+            elif self._must_copy(row.blocks[-1]):
                 nb = self.pool.allocate(1)[0]
                 self.copies.append((row.blocks[-1], nb))
                 self.pool.free([row.blocks[-1]])
@@ -405,6 +405,9 @@ class PyTables:
             slots.append(row.blocks[-1] * self.bs + c % self.bs)
             row.reserved = c + 1
         return slots
+
+    def _must_copy(self, b: int) -> bool:
+        return self.pool.ref[b] > 1 or self.pool.cached[b]
 
     def _register(self, row: _Row) -> None:
         bs = self.bs

@@ -58,6 +58,14 @@ cdef inline int64_t off_of(int64_t p, int32_t bs, int32_t shift) noexcept nogil:
     return (p & (bs - 1)) if shift >= 0 else p % bs
 
 
+cdef inline bint must_copy(const int32_t* ref, const uint8_t* cached, block_id_t last) noexcept nogil:
+    # Copy-on-write before writing into a partially filled last block that another
+    # sequence also references, or that is registered in the prefix index: a fork can
+    # share a block its parent later fills and registers, and registered KV is
+    # immutable (a later prefix hit must find exactly what was registered).
+    return ref[last] > 1 or cached[last]
+
+
 cdef inline int64_t nblocks_for(int64_t n, int32_t bs, int32_t shift) noexcept nogil:
     return ((n + bs - 1) >> shift) if shift >= 0 else (n + bs - 1) // bs
 
@@ -532,7 +540,7 @@ cdef class BlockTables:
             row = &self.rows[rp[i]]
             newb = <int32_t>(nblocks_for(row.num_reserved + n, bs, sh) - row.num_blocks)
             need += newb
-            if n and off_of(row.num_reserved, bs, sh) and ref[row.blocks[row.num_blocks - 1]] > 1:
+            if n and off_of(row.num_reserved, bs, sh) and must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
                 need += 1
             if row.num_blocks + newb > row.cap_blocks:
                 self.grow_blocks(row, row.num_blocks + newb)
@@ -549,7 +557,7 @@ cdef class BlockTables:
                 if n == 0:
                     continue
                 row = &self.rows[rp[i]]
-                if off_of(row.num_reserved, bs, sh) and ref[row.blocks[row.num_blocks - 1]] > 1:
+                if off_of(row.num_reserved, bs, sh) and must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
                     self.pool.alloc_into(&nb_, 1)
                     self.push_copy(row.blocks[row.num_blocks - 1], nb_)
                     self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
@@ -580,7 +588,7 @@ cdef class BlockTables:
                 need += 1
                 if row.num_blocks + 1 > row.cap_blocks:
                     self.grow_blocks(row, row.num_blocks + 1)
-            elif ref[row.blocks[row.num_blocks - 1]] > 1:
+            elif must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
                 need += 1
         if need > self.pool.num_free():
             raise OutOfBlocksError(need, self.pool.num_free(), "reserve")
@@ -593,7 +601,7 @@ cdef class BlockTables:
                 if off == 0:
                     self.pool.alloc_into(row.blocks + row.num_blocks, 1)
                     row.num_blocks += 1
-                elif ref[row.blocks[row.num_blocks - 1]] > 1:
+                elif must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
                     self.pool.alloc_into(&nb_, 1)
                     self.push_copy(row.blocks[row.num_blocks - 1], nb_)
                     self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
@@ -708,7 +716,7 @@ cdef class BlockTables:
                 need += 1
                 if row.num_blocks + 1 > row.cap_blocks:
                     self.grow_blocks(row, row.num_blocks + 1)
-            elif ref[row.blocks[row.num_blocks - 1]] > 1:
+            elif must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
                 need += 1
         if need > self.pool.num_free():
             raise OutOfBlocksError(need, self.pool.num_free(), "advance")
@@ -732,7 +740,7 @@ cdef class BlockTables:
                 if off == 0:
                     self.pool.alloc_into(row.blocks + row.num_blocks, 1)
                     row.num_blocks += 1
-                elif ref[row.blocks[row.num_blocks - 1]] > 1:
+                elif must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
                     self.pool.alloc_into(&nb_, 1)
                     self.push_copy(row.blocks[row.num_blocks - 1], nb_)
                     self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
