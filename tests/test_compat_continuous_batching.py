@@ -241,3 +241,21 @@ def test_compaction_without_a_store_returns_the_copies_owed():
     pairs = m.compact_cache()
     assert pairs.tolist() == [[2, 0]] and sorted(m.cache.block_table("b").tolist()) == [0, 1]
     m.cache.check_invariants()
+
+
+def test_swapped_out_requests_hold_no_device_pages():
+    cache = make_cache(host_num_blocks=8)
+    m = ContinuousBatchKVCacheManager(cache, KVCacheConfiguration.for_cache(cache, initial_pages_per_request=1))
+    pb = m.config.page_size_bytes
+    m.allocate_cache("a", 3 * BS)
+    m.allocate_cache("b", BS)
+    cache.commit(["a"], [BS + 1])
+    cache.swap_out("a")
+    assert m.get_current_usage_bytes() == pb and m.get_allocation("a").pages == ()
+    assert not m.try_extend_cache("a", BS)
+    m.release_cache("b")
+    assert m.compact_cache().shape == (0, 2)        # a swapped request is not moved
+    cache.swap_in("a")                              # back with its committed tokens' pages
+    assert m.get_allocation("a").page_count == 2 and m.get_current_usage_bytes() == 2 * pb
+    assert m.release_cache("a") and cache.pool.num_free_blocks == NB
+    cache.check_invariants()

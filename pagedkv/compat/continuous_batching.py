@@ -18,6 +18,10 @@ lowest free blocks, highest first, with their KV copied (see
 :meth:`ContinuousBatchKVCacheManager.compact_cache` for the rules and the limits of
 doing it through the cache's public API).
 
+A request swapped out through the cache's host tier holds no device pages (its
+allocation lists none, it cannot be extended) until it is swapped back in, with the
+pages of its committed tokens (the host tier keeps those).
+
 Thread safety: a lock serialises the manager's calls; compaction also holds the
 cache's lock, so no other user of the cache can allocate in the middle of it.
 """
@@ -161,6 +165,8 @@ class ContinuousBatchKVCacheManager:
 
     # ---- helpers ---------------------------------------------------------------------
     def _pages(self, request_id: RequestId) -> int:
+        if request_id not in self.cache:   # swapped out to the host tier: no device pages
+            return 0
         return -(-self.cache.num_reserved(request_id) // self._config.page_size_tokens)
 
     def _reserve_pages(self, request_id: RequestId, pages: int) -> None:
@@ -215,7 +221,7 @@ class ContinuousBatchKVCacheManager:
         request_id = _request(request_id)
         additional_tokens = _check_int("additional_tokens", additional_tokens, 0)
         with self._lock:
-            if request_id not in self._allocated_at:
+            if request_id not in self._allocated_at or request_id not in self.cache:
                 return False
             c = self._config
             have = self._pages(request_id)
@@ -236,7 +242,7 @@ class ContinuousBatchKVCacheManager:
             if at is None:
                 return None
             c = self._config
-            blocks = self.cache.block_table(request_id).tolist()
+            blocks = self.cache.block_table(request_id).tolist() if request_id in self.cache else []
             pages = tuple(CachePage(i, i * c.page_size_tokens, c.page_size_tokens, b) for i, b in enumerate(blocks))
             return CacheAllocation(request_id, pages, len(pages) * c.page_size_tokens,
                                    len(pages) * c.page_size_bytes, at)
