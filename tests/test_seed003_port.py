@@ -19,7 +19,8 @@ The tests are the seed's, verbatim, except for these changes:
    block. The comment now says so. (Then 26 + 20 = 46 tokens need 3 blocks, as
    asserted.)
 
-Nothing else changed. In particular ``test_allocation_failure`` still expects
+Nothing else changed, apart from this docstring, which replaces the seed's one-line
+"Test KV Cache Implementation". In particular ``test_allocation_failure`` still expects
 ``RuntimeError``: the adapter raises ``AllocatorOutOfBlocksError``, which is both
 pagedkv's ``OutOfBlocksError`` (a ``MemoryError``) and a ``RuntimeError``.
 
