@@ -110,7 +110,7 @@ class PyBlockPool:
             self.hits[b] = 0
             out.append(b)
         self.num_allocations += n
-        if self.policy == "adaptive" and len(self.lists[EMPTY]) < self.low:
+        if n and self.policy == "adaptive" and len(self.lists[EMPTY]) < self.low:
             while len(self.lists[EMPTY]) < self.high:
                 lst = next((k for k in range(1, len(self.lists)) if self.lists[k]), None)
                 if lst is None:

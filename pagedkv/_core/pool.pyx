@@ -135,7 +135,7 @@ cdef class BlockPool:
             out[i] = b
         self.num_in_use_blocks += n
         self.num_allocations += n
-        if self.evictor.policy == POLICY_ADAPTIVE:
+        if n and self.evictor.policy == POLICY_ADAPTIVE:
             self.maybe_batch_evict()
 
     cdef void maybe_batch_evict(self) noexcept nogil:
