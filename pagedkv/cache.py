@@ -165,15 +165,16 @@ class PagedKVCache:
                                      or not 0 <= priority <= 127):
             raise InvalidArgumentError(expected("priority", "None or an int in [0, 127]", repr(priority)))
         with self._lock:
-            fresh = not (type(seq_id) is int) and seq_id not in self._keys
+            mark = self._next_key
             key = self._key(seq_id, create=True)
+            fresh = self._next_key != mark          # interned just now: forget it on failure
             try:
                 if key in self.tables or (self._host is not None and self._host.holds(key)):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
                 return self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
             except BaseException:
-                if fresh and key < 0:
+                if fresh:
                     self._forget(key)
                 raise
 
@@ -253,8 +254,9 @@ class PagedKVCache:
         """``dst`` shares all of ``src``'s committed KV by reference (beam search, n > 1)."""
         with self._lock:
             sk = self._key(src, argument="src")
-            fresh = not (type(dst) is int) and dst not in self._keys
+            mark = self._next_key
             dk = self._key(dst, create=True, argument="dst")
+            fresh = self._next_key != mark
             try:
                 if dk in self.tables or (self._host is not None and self._host.holds(dk)):
                     raise SequenceExistsError(dst, "dst")
