@@ -22,7 +22,6 @@ work; other ids are interned to private negative keys.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -31,12 +30,12 @@ from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex, hash_bytes
 from pagedkv._core.tables import BlockTables
 from pagedkv.config import CacheConfig, format_bytes
-from pagedkv.errors import (InvalidArgumentError, OutOfBlocksError, SequenceExistsError,
+from pagedkv.errors import (InvalidArgumentError, SequenceExistsError,
                             SequenceNotFoundError, expected)
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.stats import CacheStats, render_block_map
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "as_token_ids"]
 
 SeqId = Hashable
 SeqIds = Union[SeqId, Sequence[SeqId], np.ndarray]
@@ -160,7 +159,7 @@ class PagedKVCache:
         """
         tokens = None
         if prompt_token_ids is not None:
-            tokens = _as_tokens(prompt_token_ids)
+            tokens = as_token_ids(prompt_token_ids)
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
                                      or not 0 <= priority <= 127):
             raise InvalidArgumentError(expected("priority", "None or an int in [0, 127]", repr(priority)))
@@ -209,7 +208,7 @@ class PagedKVCache:
         ``commit`` + ``reserve(…, 1)`` fused: half the crossings and lookups.
         """
         keys, internal = self._batch(seq_ids)
-        token_ids = _as_tokens(token_ids)
+        token_ids = as_token_ids(token_ids)
         with self._lock:
             slots = self.tables.advance(keys, token_ids, internal=internal)
             if self.tables.num_pending_copies:
@@ -246,9 +245,23 @@ class PagedKVCache:
         if not (type(num_tokens) is int or type(num_tokens) is np.ndarray):
             num_tokens = _as_counts(num_tokens)
         if token_ids is not None:
-            token_ids = _as_tokens(token_ids)
+            token_ids = as_token_ids(token_ids)
         with self._lock:
             self.tables.commit(keys, num_tokens, token_ids, internal=internal)
+
+    def unreserve(self, seq_ids: SeqIds, num_tokens=None) -> None:
+        """Give back reserved, uncommitted tokens (all when ``num_tokens`` is None), e.g.
+        after a failed forward pass; blocks left covering no token are released."""
+        keys, internal = self._batch(seq_ids)
+        if num_tokens is not None and not (type(num_tokens) is np.ndarray):
+            num_tokens = _as_counts(np.broadcast_to(num_tokens, (len(keys),)) if np.ndim(num_tokens) == 0
+                                    else num_tokens)
+        with self._lock:
+            self.tables.unreserve(keys, num_tokens, internal=internal)
+
+    def num_blocks(self, seq_id: SeqId) -> int:
+        """Blocks the sequence holds (``ceil(num_reserved / block_size)``)."""
+        return -(-self.num_reserved(seq_id) // self.config.block_size)
 
     def fork(self, src: SeqId, dst: SeqId) -> None:
         """``dst`` shares all of ``src``'s committed KV by reference (beam search, n > 1)."""
@@ -337,7 +350,7 @@ class PagedKVCache:
         """Tokens of ``token_ids`` a new sequence would find cached now (no side effects)."""
         if self.index is None:
             return 0
-        tokens = _as_tokens(token_ids)
+        tokens = as_token_ids(token_ids)
         with self._lock:
             ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
             return len(self.index.match(tokens, ns_id, ns_hash)) * self.config.block_size
@@ -371,7 +384,7 @@ class PagedKVCache:
     def _prefix_blocks(self, token_ids, cache_salt, adapter_id) -> np.ndarray:
         if self.index is None:
             raise InvalidArgumentError(expected("config.enable_prefix_caching", "True to pin prefixes", False))
-        tokens = _as_tokens(token_ids)
+        tokens = as_token_ids(token_ids)
         with self._lock:
             ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
             return self.index.match(tokens, ns_id, ns_hash)
@@ -407,13 +420,18 @@ class PagedKVCache:
         store = self._require_store()
         store.write(layer, _slots_tensor(slot_mapping, store.device), key, value)
 
-    def gather(self, seq_id: SeqId, layer: int):
-        """Contiguous K and V ``[num_reserved, num_kv_heads, head_dim]`` in token order."""
-        k, v, _ = self.gather_batch([seq_id], layer)
+    def gather(self, seq_id: SeqId, layer: int, num_tokens: Optional[int] = None):
+        """Contiguous K and V ``[n, num_kv_heads, head_dim]`` in token order: the first
+        ``num_tokens`` tokens, by default every token holding a slot (committed plus
+        reserved this step)."""
+        k, v, _ = self.gather_batch([seq_id], layer, None if num_tokens is None else [num_tokens])
         return k, v
 
-    def gather_batch(self, seq_ids: SeqIds, layer: int):
-        """K, V ``[sum(lens), H, D]`` of many sequences, and ``cu_seqlens`` (int64 ``[B+1]``)."""
+    def gather_batch(self, seq_ids: SeqIds, layer: int, num_tokens=None):
+        """K, V ``[sum(lens), H, D]`` of many sequences, and ``cu_seqlens`` (int64 ``[B+1]``).
+
+        ``num_tokens`` (optional, one per sequence) gathers only each sequence's first
+        tokens; by default all reserved tokens."""
         import torch
 
         store = self._require_store()
@@ -421,6 +439,12 @@ class PagedKVCache:
         with self._lock:
             indptr, indices, _ = self.tables.csr(keys, internal=internal)
             lens = self.tables.seq_lens(keys, internal=internal)
+        if num_tokens is not None:
+            want = _as_counts(num_tokens)
+            if want.shape != lens.shape or (want < 0).any() or (want > lens).any():
+                raise InvalidArgumentError(expected(
+                    "num_tokens", f"{len(lens)} counts within the reserved lengths {lens.tolist()}", want.tolist()))
+            lens = want
         dev = store.device
         k, v = store.gather(layer, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
                             torch.from_numpy(lens.astype(np.int32)).to(dev))
@@ -501,7 +525,8 @@ class PagedKVCache:
                 f"arena={format_bytes(c.total_bytes)})")
 
 
-def _as_tokens(token_ids) -> np.ndarray:
+def as_token_ids(token_ids) -> np.ndarray:
+    """Token ids as a flat int32 array (lists, arrays, tensors); typed errors otherwise."""
     if type(token_ids) is np.ndarray and token_ids.dtype == np.int32 and token_ids.ndim == 1:
         return token_ids
     try:

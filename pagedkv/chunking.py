@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from pagedkv.config import parse_bytes
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError, expected
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PrefillMemoryError, expected
 
 __all__ = [
     "ChunkState",
@@ -49,23 +49,6 @@ __all__ = [
 #: Seed 004: "chunk size SHALL be between 512 and 2048 tokens".
 DEFAULT_MIN_TOKENS = 512
 DEFAULT_MAX_TOKENS = 2048
-
-
-class PrefillMemoryError(PagedKVError, MemoryError):
-    """Even the smallest allowed chunk's activations exceed the memory headroom.
-
-    Carries ``needed_bytes`` (estimate for ``chunk_tokens`` tokens at ``context``),
-    ``available_bytes`` (the headroom) and ``chunk_tokens``.
-    """
-
-    def __init__(self, needed_bytes: int, available_bytes: int, chunk_tokens: int, context: int):
-        self.needed_bytes = int(needed_bytes)
-        self.available_bytes = int(available_bytes)
-        self.chunk_tokens = int(chunk_tokens)
-        self.context = int(context)
-        super().__init__(expected(
-            "memory headroom", f"room for a prefill chunk of {chunk_tokens} token(s) at context {context} "
-            f"({needed_bytes} bytes of activations)", f"{available_bytes} bytes"))
 
 
 @dataclass(frozen=True)

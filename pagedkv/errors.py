@@ -22,6 +22,7 @@ __all__ = [
     "KernelCompileError",
     "KernelUnavailableError",
     "PrefillCancelledError",
+    "PrefillMemoryError",
     "ModelUnavailableError",
     "InternalError",
     "expected",
@@ -108,6 +109,23 @@ class KernelUnavailableError(PagedKVError, RuntimeError):
 
 class PrefillCancelledError(PagedKVError):
     """A chunked prefill was cancelled; its committed chunks stay cached."""
+
+
+class PrefillMemoryError(PagedKVError, MemoryError):
+    """Even the smallest allowed chunk's activations exceed the memory headroom.
+
+    Carries ``needed_bytes`` (estimate for ``chunk_tokens`` tokens at ``context``),
+    ``available_bytes`` (the headroom) and ``chunk_tokens``.
+    """
+
+    def __init__(self, needed_bytes: int, available_bytes: int, chunk_tokens: int, context: int):
+        self.needed_bytes = int(needed_bytes)
+        self.available_bytes = int(available_bytes)
+        self.chunk_tokens = int(chunk_tokens)
+        self.context = int(context)
+        super().__init__(expected(
+            "memory headroom", f"room for a prefill chunk of {chunk_tokens} token(s) at context {context} "
+            f"({needed_bytes} bytes of activations)", f"{available_bytes} bytes"))
 
 
 class ModelUnavailableError(PagedKVError, RuntimeError):

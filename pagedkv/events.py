@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-import numpy as np
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent", "events_from_records"]
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Hashable, Iterable, Optional, Tuple
 
 import numpy as np
 
-from pagedkv.cache import PagedKVCache, _as_tokens
+from pagedkv.cache import PagedKVCache, as_token_ids
 from pagedkv.chunking import ChunkPolicy, ChunkState
 from pagedkv.errors import InvalidArgumentError, PrefillCancelledError, expected
 
@@ -200,7 +200,7 @@ class ChunkedPrefill:
         elif not callable(getattr(policy, "next_chunk_size", None)):
             raise InvalidArgumentError(expected("policy", "a ChunkPolicy (an object with next_chunk_size(state))",
                                                 type(policy).__name__))
-        prompt = _as_tokens(prompt_token_ids)
+        prompt = as_token_ids(prompt_token_ids)
         if prompt is prompt_token_ids:
             prompt = prompt.copy()  # the caller's array may change while chunks still read it
         prompt.flags.writeable = False  # chunk.token_ids are views of it

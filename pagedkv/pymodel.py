@@ -406,6 +406,20 @@ class PyTables:
             row.reserved = c + 1
         return slots
 
+    def unreserve(self, keys, counts=None) -> None:
+        keys = list(keys)
+        rows = self._rows(keys)
+        counts = [r.reserved - r.computed for r in rows] if counts is None else [int(c) for c in counts]
+        for row, n in zip(rows, counts):
+            if not 0 <= n <= row.reserved - row.computed:
+                raise InvalidArgumentError(expected("num_tokens", "at most the uncommitted tokens", n))
+        for row, n in zip(rows, counts):
+            row.reserved -= n
+            keep = -(-row.reserved // self.bs)
+            if keep < len(row.blocks):
+                self.pool.free(row.blocks[keep:])
+                del row.blocks[keep:]
+
     def _must_copy(self, b: int) -> bool:
         return self.pool.ref[b] > 1 or self.pool.cached[b]
 

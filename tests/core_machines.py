@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
@@ -327,6 +327,19 @@ class TablesMachine(RuleBasedStateMachine):
                 toks = self.seq_tokens[k]
                 while len(toks) < self.tables.num_computed(k):
                     toks.append(1)
+
+    @rule(data=st.data())
+    def unreserve(self, data):
+        if not self.seq_tokens:
+            return
+        keys = data.draw(st.lists(st.sampled_from(self.keys()), unique=True, min_size=1, max_size=3))
+        counts = [data.draw(st.integers(0, self.tables.num_reserved(k) - self.tables.num_computed(k) + 1)) for k in keys]
+        _, _, err = self.same(lambda: self.tables.unreserve(np.array(keys, np.int64), np.array(counts, np.int64)),
+                              lambda: self.model.unreserve(keys, counts))
+        if err is None:
+            for k, n in zip(keys, counts):
+                if n:
+                    del self.pending[k][-n:]
 
     @rule(data=st.data())
     def fork(self, data):

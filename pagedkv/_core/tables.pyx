@@ -749,6 +749,37 @@ cdef class BlockTables:
                 row.num_reserved = c + 1
         return out
 
+    def unreserve(self, keys, counts=None, bint internal=False):
+        """Give back reserved, uncommitted tokens (all of them when ``counts`` is None),
+        e.g. after a failed forward pass. Blocks no longer covering a reserved token are
+        released. Committed tokens are never touched."""
+        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
+        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, n, keep
+        cdef cnp.ndarray ca = None
+        cdef const int64_t* cp = NULL
+        if counts is not None:
+            ca = as_i64(counts, "num_tokens")
+            if cnp.PyArray_DIM(ca, 0) != m:
+                raise ShapeError(expected("num_tokens", f"{m} counts (one per sequence)", cnp.PyArray_DIM(ca, 0)))
+            cp = <const int64_t*>cnp.PyArray_DATA(ca)
+        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef SeqRow* row
+        for i in range(m):
+            row = &self.rows[rp[i]]
+            n = cp[i] if cp != NULL else row.num_reserved - row.num_computed
+            if n < 0 or n > row.num_reserved - row.num_computed:
+                raise InvalidArgumentError(expected(
+                    "num_tokens", f"0..{row.num_reserved - row.num_computed} (reserved, uncommitted) for sequence {row.key}",
+                    f"{n} at index {i}"))
+        for i in range(m):
+            row = &self.rows[rp[i]]
+            n = cp[i] if cp != NULL else row.num_reserved - row.num_computed
+            row.num_reserved -= n
+            keep = nblocks_for(row.num_reserved, self.block_size, self.bs_shift)
+            if keep < row.num_blocks:
+                self.pool.release_batch(row.blocks + keep, row.num_blocks - keep, NULL, 0)
+                row.num_blocks = <int32_t>keep
+
     cdef int commit_one(self, const int32_t* rp, int64_t m, const token_t* tp) except -1:
         # The decode step: one committed token per sequence (see commit()).
         cdef SeqRow* rows = self.rows
