@@ -188,8 +188,8 @@ def load_smollm2(dtype=None, *, from_gguf: bool = False):
     Reading the GGUF through transformers takes ~30 s here (its reader walks the
     49k-token vocabulary field by field, several times), so the first load also
     writes the dequantized weights and the tokenizer as a plain transformers folder
-    next to the GGUF (``SmolLM2-135M-Instruct.Q4_1.hf/``, 517 MB), and later loads
-    read that in under a second. ``from_gguf=True`` always reads the GGUF.
+    next to the GGUF (``SmolLM2-135M-Instruct.Q4_1.hf-tf5/``, 517 MB, one per
+    transformers major version), and later loads read that in under a second. ``from_gguf=True`` always reads the GGUF.
     """
     import torch
 
@@ -199,7 +199,7 @@ def load_smollm2(dtype=None, *, from_gguf: bool = False):
         if key not in _loaded:
             # The weights are local: never let the hub client reach the network.
             os.environ["HF_HUB_OFFLINE"] = "1"
-            converted = model_dir() / _CONVERTED
+            converted = model_dir() / _converted_name()
             if not from_gguf and (converted / _CONVERTED_MARKER).is_file():
                 model, tokenizer = _from_pretrained(converted, dtype)
             else:
@@ -211,8 +211,17 @@ def load_smollm2(dtype=None, *, from_gguf: bool = False):
         return _loaded[key]
 
 
-_CONVERTED = "SmolLM2-135M-Instruct.Q4_1.hf"
 _CONVERTED_MARKER = "pagedkv-source.txt"
+
+
+def _converted_name() -> str:
+    """The converted folder's name, per transformers major version: a config saved by
+    one major version may not be read the same by another (transformers 5 writes
+    ``rope_parameters`` where 4.x reads ``rope_theta``)."""
+    import transformers
+
+    major = transformers.__version__.split(".")[0]
+    return f"SmolLM2-135M-Instruct.Q4_1.hf-tf{major}"
 
 
 def _from_pretrained(folder: Path, dtype, **kwargs):
@@ -220,6 +229,12 @@ def _from_pretrained(folder: Path, dtype, **kwargs):
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True, **kwargs)
+    # transformers 5 reads the GGUF's padding token (= end of text); 4.57 leaves it
+    # unset. Pin it so that batching code sees the same tokenizer on both.
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval(), tokenizer
 
 
@@ -237,7 +252,7 @@ def _write_converted(model, tokenizer, dest: Path) -> None:
         return  # keep the converted copy exact: only a float32 load is saved
     tmp = None
     try:
-        with _file_lock(dest.with_name(_CONVERTED + ".lock")):
+        with _file_lock(dest.with_name(dest.name + ".lock")):
             if (dest / _CONVERTED_MARKER).is_file():
                 return
             # save_pretrained refuses models that carry a GGUF quantization config,
@@ -249,7 +264,7 @@ def _write_converted(model, tokenizer, dest: Path) -> None:
                 clean = type(model)(config)
             clean.load_state_dict(model.state_dict(), assign=True)
             clean.tie_weights()
-            tmp = Path(tempfile.mkdtemp(prefix=_CONVERTED + ".", dir=dest.parent))
+            tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
             clean.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
             os.chmod(tmp, 0o755)
