@@ -11,9 +11,10 @@ An engine calls it at four points:
   reusable prefixes);
 - **completion**: :meth:`free`.
 
-Thread safety: one re-entrant lock in the manager serialises every mutation; the core
-relies on the GIL (it never releases it while mutating). Reads of the store that race
-with writes of the same slots are the caller's business, as with any KV cache.
+Thread safety: one re-entrant lock in the manager serialises every call, queries
+included, because the core's batch loops release the GIL while they mutate. The core
+classes used directly are not thread-safe. Reads of the store that race with writes of
+the same slots are the caller's business, as with any KV cache.
 
 Sequence ids may be any hashable. Non-negative ints address the core directly, so a
 batch call given an int64 NumPy array crosses into Cython once with no per-id Python
@@ -80,6 +81,7 @@ class PagedKVCache:
         self._next_key = -1
         self._namespaces: Dict[Tuple[Any, Any], Tuple[int, int]] = {(None, None): (0, 0)}
         self._ns_names: Dict[int, Tuple[Any, Any]] = {0: (None, None)}
+        self._one = np.zeros(1, dtype=np.int64)
         self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
         self._host = None
         if config.host_num_blocks:
@@ -115,7 +117,11 @@ class PagedKVCache:
             keys = np.fromiter((self._key(s, argument="seq_ids") for s in seq_ids), dtype=np.int64,
                                count=len(seq_ids))
             return keys, True
-        return np.array([self._key(seq_ids)], dtype=np.int64), True
+        # A single id: reuse one scratch array (callers hold the lock) instead of
+        # building a NumPy array per call.
+        one = self._one
+        one[0] = self._key(seq_ids)
+        return one, True
 
     def _seq_id(self, key: int) -> SeqId:
         return self._names.get(key, key) if key < 0 else key
@@ -190,10 +196,10 @@ class PagedKVCache:
         partially filled last block (after :meth:`fork`) is copied first, so the write
         never touches another sequence's KV.
         """
-        keys, internal = self._batch(seq_ids)
         if not (type(num_tokens) is int or type(num_tokens) is np.ndarray):
             num_tokens = _as_counts(num_tokens)
         with self._lock:
+            keys, internal = self._batch(seq_ids)
             slots = self.tables.reserve(keys, num_tokens, internal=internal)
             if self.tables.num_pending_copies:
                 self._copy_on_write()
@@ -207,9 +213,9 @@ class PagedKVCache:
         full blocks can be registered for prefix reuse. Returns the int64 slots. This is
         ``commit`` + ``reserve(…, 1)`` fused: half the crossings and lookups.
         """
-        keys, internal = self._batch(seq_ids)
         token_ids = as_token_ids(token_ids)
         with self._lock:
+            keys, internal = self._batch(seq_ids)
             slots = self.tables.advance(keys, token_ids, internal=internal)
             if self.tables.num_pending_copies:
                 self._copy_on_write()
@@ -241,22 +247,21 @@ class PagedKVCache:
         known yet, e.g. a decode step's inputs; prompt tokens are known from admission.
         Blocks that became full are registered for prefix reuse.
         """
-        keys, internal = self._batch(seq_ids)
         if not (type(num_tokens) is int or type(num_tokens) is np.ndarray):
             num_tokens = _as_counts(num_tokens)
         if token_ids is not None:
             token_ids = as_token_ids(token_ids)
         with self._lock:
+            keys, internal = self._batch(seq_ids)
             self.tables.commit(keys, num_tokens, token_ids, internal=internal)
 
     def unreserve(self, seq_ids: SeqIds, num_tokens=None) -> None:
         """Give back reserved, uncommitted tokens (all when ``num_tokens`` is None), e.g.
         after a failed forward pass; blocks left covering no token are released."""
-        keys, internal = self._batch(seq_ids)
-        if num_tokens is not None and not (type(num_tokens) is np.ndarray):
-            num_tokens = _as_counts(np.broadcast_to(num_tokens, (len(keys),)) if np.ndim(num_tokens) == 0
-                                    else num_tokens)
         with self._lock:
+            keys, internal = self._batch(seq_ids)
+            if num_tokens is not None and not (type(num_tokens) is np.ndarray):
+                num_tokens = _as_counts(np.full(len(keys), num_tokens) if np.ndim(num_tokens) == 0 else num_tokens)
             self.tables.unreserve(keys, num_tokens, internal=internal)
 
     def num_blocks(self, seq_id: SeqId) -> int:
@@ -281,8 +286,8 @@ class PagedKVCache:
 
     def free(self, seq_ids: SeqIds) -> None:
         """Release sequences. Their full blocks stay cached (findable) until evicted."""
-        keys, internal = self._batch(seq_ids)
         with self._lock:
+            keys, internal = self._batch(seq_ids)
             if self._host is not None and self._host.num_swapped:
                 swapped = np.fromiter((self._host.holds(k) for k in keys.tolist()), dtype=bool, count=len(keys))
                 if swapped.any():
@@ -296,54 +301,76 @@ class PagedKVCache:
                     if k < 0:
                         self._forget(k)
 
-    # ---- queries ------------------------------------------------------------------
+    # ---- queries (under the lock: the core's batch loops run without the GIL) -------
     def __contains__(self, seq_id: SeqId) -> bool:
-        try:
-            return self._key(seq_id) in self.tables
-        except (SequenceNotFoundError, InvalidArgumentError):
-            return False
+        with self._lock:
+            try:
+                return self._key(seq_id) in self.tables
+            except (SequenceNotFoundError, InvalidArgumentError):
+                return False
 
     def __len__(self) -> int:
         return len(self.tables)
 
     def sequences(self) -> List[SeqId]:
         """Live sequence ids (device-resident)."""
-        return [self._seq_id(k) for k in self.tables.keys().tolist()]
+        with self._lock:
+            return [self._seq_id(k) for k in self.tables.keys().tolist()]
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Committed tokens of a sequence."""
-        return self.tables.num_computed(self._key(seq_id))
+        with self._lock:
+            return self.tables.num_computed(self._key(seq_id))
 
     def num_reserved(self, seq_id: SeqId) -> int:
         """Tokens holding a slot (committed plus reserved this step)."""
-        return self.tables.num_reserved(self._key(seq_id))
+        with self._lock:
+            return self.tables.num_reserved(self._key(seq_id))
 
     def token_ids(self, seq_id: SeqId) -> np.ndarray:
-        return self.tables.tokens(self._key(seq_id))
+        with self._lock:
+            return self.tables.tokens(self._key(seq_id))
+
+    def sequence_info(self, seq_id: SeqId) -> dict:
+        """Counts, prefix-hit blocks, priority and namespace of one sequence."""
+        with self._lock:
+            info = self.tables.info(self._key(seq_id))
+            info["namespace"] = self._ns_names[info["namespace"]]
+            return info
 
     def block_table(self, seq_id: SeqId) -> np.ndarray:
         """The sequence's physical blocks in token order (int32)."""
-        return self.tables.blocks(self._key(seq_id))
+        with self._lock:
+            return self.tables.blocks(self._key(seq_id))
 
     def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: Optional[int] = None) -> np.ndarray:
         """Padded ``[B, width]`` int32 block tables."""
-        keys, internal = self._batch(seq_ids)
-        return self.tables.block_table(keys, pad, width, internal=internal)
+        with self._lock:
+            keys, internal = self._batch(seq_ids)
+            return self.tables.block_table(keys, pad, width, internal=internal)
 
     def page_table_csr(self, seq_ids: SeqIds) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's ``(indptr, indices, last_page_len)``, int32, over reserved tokens."""
-        keys, internal = self._batch(seq_ids)
-        return self.tables.csr(keys, internal=internal)
+        with self._lock:
+            keys, internal = self._batch(seq_ids)
+            return self.tables.csr(keys, internal=internal)
 
     def seq_lens(self, seq_ids: SeqIds, computed: bool = False) -> np.ndarray:
-        keys, internal = self._batch(seq_ids)
-        return self.tables.seq_lens(keys, computed, internal=internal)
+        with self._lock:
+            keys, internal = self._batch(seq_ids)
+            return self.tables.seq_lens(keys, computed, internal=internal)
 
     def slot_mapping(self, seq_id: SeqId, start: int, count: int) -> np.ndarray:
         """int64 slots of positions ``[start, start + count)`` (must be reserved)."""
-        k = self._key(seq_id)
-        return self.tables.slot_mapping(np.array([k], np.int64), np.array([start], np.int64),
-                                        np.array([count], np.int64), internal=True)
+        with self._lock:
+            k = self._key(seq_id)
+            return self.tables.slot_mapping(np.array([k], np.int64), np.array([start], np.int64),
+                                            np.array([count], np.int64), internal=True)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The manager's lock, for callers composing several calls atomically."""
+        return self._lock
 
     def match_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
@@ -357,7 +384,8 @@ class PagedKVCache:
 
     def has_available_blocks(self, n: int = 1) -> bool:
         """Whether ``n`` blocks can be allocated now (free or evictable)."""
-        return self.pool.num_free_blocks >= n
+        with self._lock:
+            return self.pool.num_free_blocks >= n
 
     def can_allocate(self, num_tokens: int) -> bool:
         return self.has_available_blocks(self.config.blocks_for_tokens(num_tokens))
@@ -435,8 +463,8 @@ class PagedKVCache:
         import torch
 
         store = self._require_store()
-        keys, internal = self._batch(seq_ids)
         with self._lock:
+            keys, internal = self._batch(seq_ids)
             indptr, indices, _ = self.tables.csr(keys, internal=internal)
             lens = self.tables.seq_lens(keys, internal=internal)
         if num_tokens is not None:

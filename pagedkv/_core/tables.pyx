@@ -11,9 +11,14 @@ Batch calls take int64 key arrays and do the whole batch in one crossing. Each
 validates everything first (unknown or repeated keys, counts, capacity) and then
 applies, so a failed call changes nothing.
 
-Block tables are append-only while a sequence lives, with one exception:
-copy-on-write swaps a shared, partially filled last block for a private copy before
-the first write into it (``take_copies`` hands the (src, dst) pairs to the KV store).
+Block tables are append-only while a sequence lives, with two exceptions:
+copy-on-write swaps a shared (or registered), partially filled last block for a private
+copy before the first write into it (``take_copies`` hands the (src, dst) pairs to the
+KV store), and ``unreserve`` drops blocks that cover only reserved, uncommitted tokens.
+
+Negative keys are reserved for the manager's interned (non-int) ids: batch calls reject
+them unless ``internal=True``. The batch loops run without the GIL, so the class is not
+thread-safe on its own; :class:`pagedkv.PagedKVCache` serialises calls with a lock.
 """
 cimport numpy as cnp
 from libc.stdlib cimport malloc, realloc, free as c_free
