@@ -174,10 +174,12 @@ class PagedKVCache:
             key = self._key(seq_id, create=True)
             fresh = self._next_key != mark          # interned just now: forget it on failure
             try:
-                if key in self.tables or (self._host is not None and self._host.holds(key)):
+                if self._host is not None and self._host.holds(key):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
                 return self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+            except SequenceExistsError:
+                raise SequenceExistsError(seq_id) from None   # name the caller's id, not the key
             except BaseException:
                 if fresh:
                     self._forget(key)
