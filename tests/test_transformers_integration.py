@@ -308,6 +308,16 @@ def test_admit_twice_and_crop_are_refused(tiny):
     assert_all_free(kv)
 
 
+def test_select_refuses_to_orphan_admitted_rows(tiny):
+    model, tok = tiny
+    kv = make_kv(model, num_blocks=8, block_size=4)
+    with PagedCache(kv) as cache:
+        cache.admit(torch.tensor([tok.encode("ab")]))
+        with pytest.raises(InvalidArgumentError, match="select: expected a PagedCache without admitted rows"):
+            cache.select(cache.seq_ids)
+    assert_all_free(kv)
+
+
 def test_batch_mismatch_is_a_shape_error(tiny):
     model, tok = tiny
     kv = make_kv(model, num_blocks=16, block_size=4)

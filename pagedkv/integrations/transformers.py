@@ -235,6 +235,9 @@ class PagedCache(Cache):
         """
         if self._plan is not None:
             raise InvalidArgumentError(expected("select", "no forward pass in progress", "a pending step"))
+        if self._owned:  # they would be orphaned: nothing would free them
+            raise InvalidArgumentError(expected("select", "a PagedCache without admitted rows (call release() first)",
+                                                f"{len(self._owned)} admitted rows"))
         seq_ids = list(seq_ids)
         if not seq_ids:
             raise InvalidArgumentError(expected("seq_ids", "at least one sequence", "none"))
