@@ -97,7 +97,7 @@ def test_quantized_kv_runs(tiny):
 @pytest.mark.slow
 def test_smollm2_demo_answers_like_greedy_generate(smollm2):
     model, tok = smollm2
-    result, kv = run_serve(model, tok, requests=8, max_new_tokens=40, block_size=16, num_blocks=256,
+    result, kv = run_serve(model, tok, requests=5, max_new_tokens=24, block_size=16, num_blocks=256,
                            max_batch=8, arrival_gap=2)
     answers = {r.rid: tok.decode(r.output_ids, skip_special_tokens=True) for r in result.requests}
     assert "Tokyo" in answers[4]
@@ -109,5 +109,6 @@ def test_smollm2_demo_answers_like_greedy_generate(smollm2):
         ref = reference_greedy(model, req)
         n = next((i for i, (a, b) in enumerate(zip(req.output_ids, ref)) if a != b), len(ref))
         agree.append(n / len(ref))
+    print("greedy agreement per request:", agree)
     assert sum(agree) / len(agree) > 0.9, agree
     assert len(kv) == 0
