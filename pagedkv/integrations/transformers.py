@@ -29,11 +29,11 @@ runs. When the ``PagedKVCache`` already holds a prompt's leading full blocks (fr
 earlier request with the same prefix and ``cache_salt``), ``get_seq_length()`` reports
 them as cached and ``generate`` feeds only the remaining columns to the model.
 
-Versions: written against transformers 5.x (tested with 5.23). The 4.56/4.57 cache
-protocol differs in signatures only (``update(k, v, layer_idx, cache_kwargs)``,
+Versions: tested with transformers 5.23.0 and 4.57.1. The 4.56/4.57 cache protocol
+differs in signatures only (``update(k, v, layer_idx, cache_kwargs)``,
 ``get_mask_sizes(cache_position, layer_idx)``, ``get_max_cache_shape``, absolute
-``crop``); those spellings are accepted too. Before 4.56 (no ``CacheLayerMixin``)
-the import fails with a clear error.
+``crop``, no ``get_query_offset``); both spellings are accepted. Before 4.56 (no
+``CacheLayerMixin``) the import fails with a clear error.
 """
 from __future__ import annotations
 
