@@ -189,7 +189,8 @@ def load_smollm2(dtype=None, *, from_gguf: bool = False):
     49k-token vocabulary field by field, several times), so the first load also
     writes the dequantized weights and the tokenizer as a plain transformers folder
     next to the GGUF (``SmolLM2-135M-Instruct.Q4_1.hf-tf5/``, 517 MB, one per
-    transformers major version), and later loads read that in under a second. ``from_gguf=True`` always reads the GGUF.
+    transformers major version), and later loads read that in under a second.
+    ``from_gguf=True`` always reads the GGUF.
     """
     import torch
 

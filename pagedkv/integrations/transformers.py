@@ -197,10 +197,11 @@ class PagedCache(Cache):
         real = mask.sum(dim=1)
         for b in range(ids.shape[0]):
             if int(pads[b]) + int(real[b]) != ids.shape[1]:
-                raise InvalidArgumentError(expected(
-                    "attention_mask", "left padding (every row: zeros, then ones)", f"row {b}: {mask[b].int().tolist()}"))
+                raise InvalidArgumentError(expected("attention_mask", "left padding (every row: zeros, then ones)",
+                                                    f"row {b}: {mask[b].int().tolist()}"))
             if int(real[b]) == 0:
-                raise InvalidArgumentError(expected("attention_mask", "at least one real token per row", f"row {b} empty"))
+                raise InvalidArgumentError(expected("attention_mask", "at least one real token per row",
+                                                    f"row {b} empty"))
         if seq_ids is None:
             seq_ids = [self._new_id() for _ in range(ids.shape[0])]
         elif len(seq_ids) != ids.shape[0]:
