@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import List
 
-from pagedkv.errors import OutOfBlocksError
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError, expected
 
 HELP = "serve concurrent chat requests with continuous batching over a paged KV cache"
 
@@ -296,11 +296,21 @@ def report(result: DemoResult, tokenizer, out=None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = _load(args.model)
-    kv = build_kv(model, args)
-    requests = make_requests(tokenizer, args.requests, args.max_new_tokens, args.arrival_gap)
-    result = serve(model, tokenizer, requests, kv, max_batch=args.max_batch,
-                   progress=not args.no_progress and sys.stderr.isatty())
+    """Execute ``pagedkv demo``; returns the exit status (2 on a pagedkv error)."""
+    try:
+        for name in ("requests", "max_new_tokens", "max_batch"):
+            if getattr(args, name) < 1:
+                raise InvalidArgumentError(expected("--" + name.replace("_", "-"), "an int >= 1", getattr(args, name)))
+        if args.arrival_gap < 0:
+            raise InvalidArgumentError(expected("--arrival-gap", "an int >= 0", args.arrival_gap))
+        model, tokenizer = _load(args.model)
+        kv = build_kv(model, args)
+        requests = make_requests(tokenizer, args.requests, args.max_new_tokens, args.arrival_gap)
+        result = serve(model, tokenizer, requests, kv, max_batch=args.max_batch,
+                       progress=not args.no_progress and sys.stderr.isatty())
+    except PagedKVError as e:
+        print(f"pagedkv demo: error: {e}", file=sys.stderr)
+        return 2
     report(result, tokenizer)
     kv.check_invariants()
     return 0

@@ -53,6 +53,18 @@ def test_tiny_demo_prints_requests_and_summary(capsys):
         assert key in out, key
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-dtype", "fp4"], "kv_dtype: expected None, the model dtype (float32), or one of"),
+    (["--block-size", "0"], "block_size: expected an int >= 1, got 0"),
+    (["--requests", "0"], "--requests: expected an int >= 1, got 0"),
+    (["--num-blocks", "2"], "out of KV blocks: request 0 needs"),
+])
+def test_bad_options_exit_2_with_the_message(argv, message, capsys):
+    assert main(["demo", "--model", "tiny", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv demo: error: ") and message in err, err
+
+
 def test_continuous_batching_matches_each_request_alone(tiny):
     model, tok = tiny
     result, kv = run_serve(model, tok, requests=6, max_new_tokens=10, block_size=4, num_blocks=256, max_batch=4)
