@@ -81,7 +81,6 @@ class PagedKVCache:
         self._next_key = -1
         self._namespaces: Dict[Tuple[Any, Any], Tuple[int, int]] = {(None, None): (0, 0)}
         self._ns_names: Dict[int, Tuple[Any, Any]] = {0: (None, None)}
-        self._one = np.zeros(1, dtype=np.int64)
         self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
         self._host = None
         if config.host_num_blocks:
@@ -90,8 +89,10 @@ class PagedKVCache:
             self._host = HostTier(self, config.host_num_blocks)
 
     # ---- ids ----------------------------------------------------------------------
-    def _key(self, seq_id: SeqId, *, create: bool = False, argument: str = "seq_id") -> int:
-        if type(seq_id) is int or (isinstance(seq_id, (int, np.integer)) and not isinstance(seq_id, bool)):
+    def _key(self, seq_id: SeqId, create: bool = False, argument: str = "seq_id") -> int:
+        if type(seq_id) is int and 0 <= seq_id <= _INT64_MAX:
+            return seq_id
+        if isinstance(seq_id, (int, np.integer)) and not isinstance(seq_id, bool):
             k = int(seq_id)
             if not 0 <= k <= _INT64_MAX:
                 raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", k))
@@ -109,19 +110,19 @@ class PagedKVCache:
             self._names[k] = seq_id
         return k
 
-    def _batch(self, seq_ids: SeqIds) -> Tuple[np.ndarray, bool]:
-        """int64 keys for a batch call, and whether they may be interned (negative)."""
-        if type(seq_ids) is np.ndarray and seq_ids.dtype == np.int64:
+    def _batch(self, seq_ids: SeqIds) -> Tuple[Union[int, np.ndarray], bool]:
+        """Keys for a batch call (an int64 array, or one int), and whether they may be
+        interned (negative)."""
+        t = type(seq_ids)
+        if t is int and 0 <= seq_ids <= _INT64_MAX:
+            return seq_ids, False                # a lone int goes to the core as is
+        if t is np.ndarray and seq_ids.dtype == np.int64:
             return seq_ids, False   # int ids, straight to the core (it rejects negatives)
         if isinstance(seq_ids, (list, tuple, np.ndarray, range)):
             keys = np.fromiter((self._key(s, argument="seq_ids") for s in seq_ids), dtype=np.int64,
                                count=len(seq_ids))
             return keys, True
-        # A single id: reuse one scratch array (callers hold the lock) instead of
-        # building a NumPy array per call.
-        one = self._one
-        one[0] = self._key(seq_ids)
-        return one, True
+        return self._key(seq_ids), True          # one id: the core takes a Python int
 
     def _seq_id(self, key: int) -> SeqId:
         return self._names.get(key, key) if key < 0 else key
@@ -171,7 +172,7 @@ class PagedKVCache:
             raise InvalidArgumentError(expected("priority", "None or an int in [0, 127]", repr(priority)))
         with self._lock:
             mark = self._next_key
-            key = self._key(seq_id, create=True)
+            key = self._key(seq_id, True)
             fresh = self._next_key != mark          # interned just now: forget it on failure
             try:
                 if self._host is not None and self._host.holds(key):
@@ -263,7 +264,8 @@ class PagedKVCache:
         with self._lock:
             keys, internal = self._batch(seq_ids)
             if num_tokens is not None and not (type(num_tokens) is np.ndarray):
-                num_tokens = _as_counts(np.full(len(keys), num_tokens) if np.ndim(num_tokens) == 0 else num_tokens)
+                n = 1 if type(keys) is int else len(keys)
+                num_tokens = _as_counts(np.full(n, num_tokens) if np.ndim(num_tokens) == 0 else num_tokens)
             self.tables.unreserve(keys, num_tokens, internal=internal)
 
     def num_blocks(self, seq_id: SeqId) -> int:
@@ -275,7 +277,7 @@ class PagedKVCache:
         with self._lock:
             sk = self._key(src, argument="src")
             mark = self._next_key
-            dk = self._key(dst, create=True, argument="dst")
+            dk = self._key(dst, True, "dst")
             fresh = self._next_key != mark
             try:
                 if dk in self.tables or (self._host is not None and self._host.holds(dk)):
@@ -290,6 +292,13 @@ class PagedKVCache:
         """Release sequences. Their full blocks stay cached (findable) until evicted."""
         with self._lock:
             keys, internal = self._batch(seq_ids)
+            if type(keys) is int and (self._host is None or not self._host.num_swapped):
+                self.tables.remove(keys, internal=internal)
+                if keys < 0:
+                    self._forget(keys)
+                return
+            if type(keys) is int:
+                keys = np.array([keys], dtype=np.int64)
             if self._host is not None and self._host.num_swapped:
                 swapped = np.fromiter((self._host.holds(k) for k in keys.tolist()), dtype=bool, count=len(keys))
                 if swapped.any():

@@ -48,6 +48,9 @@ cdef class BlockTables:
     cdef int32_t* map_vals                 # row index; -1 = empty slot
     cdef uint64_t map_mask
     cdef int64_t stamp
+    cdef int64_t single_key                # the key of a call given one int key
+    cdef const int64_t* kp                 # keys of the current batch call (prep_keys)
+    cdef object keys_holder                # keeps the current call's key array alive
     cdef int32_t* scratch_rows             # per-call row indices, grown on demand
     cdef int64_t scratch_cap
     cdef int64_t hint_len                  # entries of scratch_rows valid as hints for the next call
@@ -66,7 +69,8 @@ cdef class BlockTables:
     cdef int32_t new_row(self) except -1
     cdef int grow_blocks(self, SeqRow* row, int64_t need) except -1 nogil
     cdef int grow_tokens(self, SeqRow* row, int64_t need) except -1 nogil
-    cdef int32_t* rows_for(self, object keys_arr, int64_t m, bint internal=*) except NULL
+    cdef int64_t prep_keys(self, object keys) except -1
+    cdef int32_t* rows_for(self, int64_t m, bint internal=*) except NULL
     cdef int push_copy(self, block_id_t src, block_id_t dst) except -1 nogil
     cdef void register_full_blocks(self, SeqRow* row) noexcept nogil
     cdef void release_row(self, SeqRow* row) noexcept nogil

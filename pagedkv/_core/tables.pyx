@@ -245,14 +245,28 @@ cdef class BlockTables:
         row.cap_tokens = cap
         return 0
 
-    cdef int32_t* rows_for(self, object keys_arr, int64_t m, bint internal=False) except NULL:
-        # Resolve keys to rows for one batch call; unknown and repeated keys raise, and
-        # so do negative keys unless internal (the manager keys non-int ids below 0).
+    cdef int64_t prep_keys(self, object keys) except -1:
+        # Point self.kp at the call's keys: a lone int needs no array at all.
+        cdef cnp.ndarray a
+        if type(keys) is int:
+            if not -2**63 <= keys < 2**63:
+                raise InvalidArgumentError(expected("seq_ids", "int64 keys", keys))
+            self.single_key = keys
+            self.kp = &self.single_key
+            return 1
+        a = as_i64(keys, "seq_ids")
+        self.keys_holder = a
+        self.kp = <const int64_t*>cnp.PyArray_DATA(a)
+        return cnp.PyArray_DIM(a, 0)
+
+    cdef int32_t* rows_for(self, int64_t m, bint internal=False) except NULL:
+        # Resolve the keys prepared by prep_keys to rows for one batch call; unknown and
+        # repeated keys raise, and so do negative keys unless internal (the manager keys
+        # non-int ids below 0).
         # The previous call's rows are tried first: a scheduler passes the same batch
         # to reserve and commit, and mostly the same batch step after step, so most
         # keys resolve with one compare instead of a hash-table probe.
-        cdef cnp.ndarray ka = <cnp.ndarray>keys_arr
-        cdef const int64_t* kp = <const int64_t*>cnp.PyArray_DATA(ka)
+        cdef const int64_t* kp = self.kp
         cdef int64_t i, bad = -1, hints
         cdef int32_t r
         cdef int err = ERR_NONE
@@ -452,9 +466,8 @@ cdef class BlockTables:
 
     def remove(self, keys, bint internal=False):
         """Free sequences (int64 keys): their blocks return to the pool, tail first."""
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int64_t m = self.prep_keys(keys), i
+        cdef int32_t* rp = self.rows_for(m, internal)
         cdef SeqRow* row
         for i in range(m):
             row = &self.rows[rp[i]]
@@ -518,8 +531,7 @@ cdef class BlockTables:
         boundaries; a shared partial last block is first swapped for a private copy
         (see ``take_copies``).
         """
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, n, p, total = 0, need = 0
+        cdef int64_t m = self.prep_keys(keys), i, n, p, total = 0, need = 0
         cdef int64_t scalar = 0
         cdef const int64_t* cp = NULL
         cdef cnp.ndarray ca
@@ -532,7 +544,7 @@ cdef class BlockTables:
             if cnp.PyArray_DIM(ca, 0) != m:
                 raise ShapeError(expected("num_tokens", f"{m} counts (one per sequence)", cnp.PyArray_DIM(ca, 0)))
             cp = <const int64_t*>cnp.PyArray_DATA(ca)
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int32_t* rp = self.rows_for(m, internal)
         cdef SeqRow* row
         cdef int32_t bs = self.block_size, newb, sh = self.bs_shift
         cdef int32_t* ref = self.pool.ref_cnt
@@ -623,8 +635,7 @@ cdef class BlockTables:
         sequence whose committed tokens outrun its known ids stops registering blocks.
         Blocks that became full are registered in the prefix index.
         """
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, n, total = 0, scalar = 0, p, off
+        cdef int64_t m = self.prep_keys(keys), i, n, total = 0, scalar = 0, p, off
         cdef const int64_t* cp = NULL
         cdef cnp.ndarray ca, ta
         cdef const token_t* tp = NULL
@@ -637,7 +648,7 @@ cdef class BlockTables:
             if cnp.PyArray_DIM(ca, 0) != m:
                 raise ShapeError(expected("num_tokens", f"{m} counts (one per sequence)", cnp.PyArray_DIM(ca, 0)))
             cp = <const int64_t*>cnp.PyArray_DATA(ca)
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int32_t* rp = self.rows_for(m, internal)
         cdef SeqRow* row
         if cp == NULL and scalar == 1:
             if token_ids is not None:
@@ -695,13 +706,12 @@ cdef class BlockTables:
         (the previous step's KV is written), then reserve one slot for its next token,
         whose id is ``token_ids[i]`` (int32). Returns the int64 slots. All or nothing.
         """
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
         cdef cnp.ndarray ta = as_i32(token_ids, "token_ids")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, c
+        cdef int64_t m = self.prep_keys(keys), i, c
         if cnp.PyArray_DIM(ta, 0) != m:
             raise ShapeError(expected("token_ids", f"{m} ids (one per sequence)", cnp.PyArray_DIM(ta, 0)))
         cdef const token_t* tp = <const token_t*>cnp.PyArray_DATA(ta)
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int32_t* rp = self.rows_for(m, internal)
         cdef SeqRow* rows = self.rows
         cdef SeqRow* row
         cdef int32_t bs = self.block_size, sh = self.bs_shift
@@ -758,8 +768,7 @@ cdef class BlockTables:
         """Give back reserved, uncommitted tokens (all of them when ``counts`` is None),
         e.g. after a failed forward pass. Blocks no longer covering a reserved token are
         released. Committed tokens are never touched."""
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, n, keep
+        cdef int64_t m = self.prep_keys(keys), i, n, keep
         cdef cnp.ndarray ca = None
         cdef const int64_t* cp = NULL
         if counts is not None:
@@ -767,7 +776,7 @@ cdef class BlockTables:
             if cnp.PyArray_DIM(ca, 0) != m:
                 raise ShapeError(expected("num_tokens", f"{m} counts (one per sequence)", cnp.PyArray_DIM(ca, 0)))
             cp = <const int64_t*>cnp.PyArray_DATA(ca)
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int32_t* rp = self.rows_for(m, internal)
         cdef SeqRow* row
         for i in range(m):
             row = &self.rows[rp[i]]
@@ -872,9 +881,8 @@ cdef class BlockTables:
     # ---- Python API: exports ----------------------------------------------------------
     def block_table(self, keys, int32_t pad=-1, width=None, bint internal=False):
         """Padded ``[B, width]`` int32 block tables (width defaults to the longest)."""
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, j, w = 0
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int64_t m = self.prep_keys(keys), i, j, w = 0
+        cdef int32_t* rp = self.rows_for(m, internal)
         for i in range(m):
             if self.rows[rp[i]].num_blocks > w:
                 w = self.rows[rp[i]].num_blocks
@@ -899,9 +907,8 @@ cdef class BlockTables:
 
         Covers every reserved token; ``last_page_len`` is 0 for an empty sequence.
         """
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, nnz = 0
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int64_t m = self.prep_keys(keys), i, nnz = 0
+        cdef int32_t* rp = self.rows_for(m, internal)
         for i in range(m):
             nnz += self.rows[rp[i]].num_blocks
         cdef cnp.ndarray indptr = new_i32(m + 1), indices = new_i32(nnz), last = new_i32(m)
@@ -920,14 +927,13 @@ cdef class BlockTables:
 
     def slot_mapping(self, keys, starts, counts, bint internal=False):
         """int64 slots of positions ``[start, start + count)`` of each sequence, concatenated."""
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
         cdef cnp.ndarray sa = as_i64(starts, "starts"), ca = as_i64(counts, "counts")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i, p, total = 0
+        cdef int64_t m = self.prep_keys(keys), i, p, total = 0
         if cnp.PyArray_DIM(sa, 0) != m or cnp.PyArray_DIM(ca, 0) != m:
             raise ShapeError(expected("starts, counts", f"{m} entries each", f"{cnp.PyArray_DIM(sa, 0)}, {cnp.PyArray_DIM(ca, 0)}"))
         cdef const int64_t* sp = <const int64_t*>cnp.PyArray_DATA(sa)
         cdef const int64_t* cp = <const int64_t*>cnp.PyArray_DATA(ca)
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int32_t* rp = self.rows_for(m, internal)
         cdef SeqRow* row
         for i in range(m):
             row = &self.rows[rp[i]]
@@ -949,9 +955,8 @@ cdef class BlockTables:
 
     def seq_lens(self, keys, bint computed=False, bint internal=False):
         """Tokens per sequence (int64): reserved (default) or committed."""
-        cdef cnp.ndarray ka = as_i64(keys, "seq_ids")
-        cdef int64_t m = cnp.PyArray_DIM(ka, 0), i
-        cdef int32_t* rp = self.rows_for(ka, m, internal)
+        cdef int64_t m = self.prep_keys(keys), i
+        cdef int32_t* rp = self.rows_for(m, internal)
         cdef cnp.ndarray out = new_i64(m)
         cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
         for i in range(m):
