@@ -127,32 +127,44 @@ def w2_trace(seed, live, steps):
     return rng, new_request
 
 
+def w2_schedule(live, steps, seed):
+    """The whole W2 trace, drawn before timing: the requests (prompt, output length) and,
+    per step, which live slots finish. The timed loop then only calls pagedkv."""
+    _, new_request = w2_trace(seed, live, steps)
+    requests, finishing = [], []
+    remaining = np.zeros(live, dtype=np.int64)
+    for s in range(live):
+        requests.append(new_request())
+        remaining[s] = requests[-1][1]
+    for _ in range(steps):
+        remaining -= 1
+        done = np.flatnonzero(remaining <= 0)
+        finishing.append(done)
+        for slot in done.tolist():
+            requests.append(new_request())
+            remaining[slot] = requests[-1][1]
+    return requests, finishing
+
+
 def w2_run_pagedkv(prefix, live, steps, seed=0, fused=True):
     cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=65536,
                       enable_prefix_caching=prefix)
     cache = PagedKVCache(cfg, allocate_store=False)
-    rng, new_request = w2_trace(seed, live, steps)
-    vocab = 32000
+    requests, finishing = w2_schedule(live, steps, seed)
+    tokens = np.random.default_rng(seed + 1).integers(0, 32000, (steps, live), dtype=np.int32)
     ids = np.arange(live, dtype=np.int64)
-    remaining = np.zeros(live, dtype=np.int64)
-    next_id = live
+    nxt = iter(range(len(requests)))
 
     def admit(slot):
-        nonlocal next_id
-        prompt, out = new_request()
-        plen = len(prompt)
-        sid = next_id
-        next_id += 1
-        cached = cache.add_sequence(sid, prompt)
-        cache.reserve(sid, plen - cached)
-        cache.commit(sid, plen - cached)
-        ids[slot] = sid
-        remaining[slot] = out
+        r = next(nxt)
+        prompt = requests[r][0]
+        cached = cache.add_sequence(r, prompt)
+        cache.reserve(r, len(prompt) - cached)
+        cache.commit(r, len(prompt) - cached)
+        ids[slot] = r
 
     for s in range(live):
-        ids[s] = -1
         admit(s)
-    tokens = rng.integers(0, vocab, (steps, live), dtype=np.int32)
     t0 = time.perf_counter_ns()
     for step in range(steps):
         if fused:
@@ -160,8 +172,7 @@ def w2_run_pagedkv(prefix, live, steps, seed=0, fused=True):
         else:
             cache.reserve(ids, 1)
             cache.commit(ids, 1, tokens[step])
-        remaining -= 1
-        done = np.flatnonzero(remaining <= 0)
+        done = finishing[step]
         if done.size:
             cache.free(ids[done])
             for slot in done.tolist():
