@@ -204,3 +204,20 @@ def test_states_partition_the_pool():
     st = pool.states()
     assert st.tolist() == [2, 1, 1, 1, 0, 0]
     assert pool.num_empty_blocks + pool.num_in_use_blocks + pool.num_cached_free_blocks == 6
+
+
+def test_result_arrays_are_recycled_only_once_the_caller_dropped_them():
+    pool = BlockPool(64)
+    kept = pool.allocate(4)
+    view = pool.allocate(4)[:2]               # a view keeps its base alive
+    exported = memoryview(pool.allocate(4))   # so does a buffer export
+    snapshot = (kept.tolist(), view.tolist(), exported.tolist())
+    for _ in range(10):                       # many more results of the same size
+        pool.free(pool.allocate(4))
+    assert (kept.tolist(), view.tolist(), exported.tolist()) == snapshot
+    reshaped = pool.allocate(4)
+    reshaped.shape = (2, 2)                   # reassigned in place, then dropped
+    del reshaped
+    got = pool.allocate(4)
+    assert got.shape == (4,) and got.dtype == np.int32 and got.flags.writeable
+    assert len(set(got.tolist()) & set(kept.tolist() + view.tolist() + exported.tolist())) == 0

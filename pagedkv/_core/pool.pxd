@@ -2,6 +2,11 @@
 from pagedkv._core._types cimport block_id_t, int8_t, uint8_t, int32_t, int64_t
 from pagedkv._core.evict cimport Evictor
 from pagedkv._core.prefix cimport PrefixIndex
+from cpython.object cimport PyObject
+cimport numpy as cnp
+
+cdef enum:
+    RESULT_RING = 4    # recent allocate() results kept for reuse once callers drop them
 
 cdef class BlockPool:
     cdef readonly int32_t num_blocks       # blocks in the pool, >= 1
@@ -19,8 +24,11 @@ cdef class BlockPool:
     cdef readonly int64_t num_touches      # references added by touch, ever
     cdef readonly int64_t num_evictions    # cached blocks whose content was dropped for reuse
     cdef object _ref_view                  # read-only NumPy view over ref_cnt
+    cdef PyObject* ring[RESULT_RING]       # owned references to recent allocate() results
+    cdef int ring_pos                      # next ring slot to replace, in [0, RESULT_RING)
 
     cdef int32_t num_free(self) noexcept nogil
+    cdef cnp.ndarray result_array(self, cnp.npy_intp n)
     cdef void evict_block(self, block_id_t b) noexcept nogil
     cdef void drop_content(self, block_id_t b) noexcept nogil
     cdef void alloc_into(self, block_id_t* out, int32_t n) noexcept nogil

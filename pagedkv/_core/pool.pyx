@@ -26,6 +26,7 @@ cimport numpy as cnp
 from libc.stdlib cimport calloc, free as c_free
 from libc.string cimport memset
 from libc.stdint cimport UINT32_MAX
+from cpython.object cimport PyObject
 from pagedkv._core._types cimport uint32_t
 
 from pagedkv._core.evict cimport (BlockLists, bl_push_back, bl_push_front, bl_insert_after,
@@ -39,6 +40,11 @@ from pagedkv.errors import (CacheBusyError, InternalError, InvalidArgumentError,
 cnp.import_array()
 
 cdef int8_t TOP_CLASS = 127   # clamped to the highest bucket: used for unpinned prefixes
+
+cdef extern from "Python.h":
+    Py_ssize_t Py_REFCNT(PyObject* o)
+    void Py_INCREF(PyObject* o)
+    void Py_XDECREF(PyObject* o)
 
 
 cdef class BlockPool:
@@ -68,6 +74,10 @@ cdef class BlockPool:
         self._ref_view.flags.writeable = False
 
     def __dealloc__(self):
+        cdef int i
+        for i in range(RESULT_RING):
+            Py_XDECREF(self.ring[i])
+            self.ring[i] = NULL
         c_free(self.ref_cnt)
         c_free(self.cached)
         c_free(self.pin_cnt)
@@ -286,6 +296,29 @@ cdef class BlockPool:
             name, f"at most {self.ref_cnt[b]} release(s) of block {b} (its ref_cnt)",
             f"{times} in this batch"))
 
+    cdef cnp.ndarray result_array(self, cnp.npy_intp n):
+        # allocate() returns a fresh-looking int32 array, but creating and destroying a
+        # NumPy array costs more than allocating 32 blocks. The pool keeps its last few
+        # results; one whose only reference is this ring has been dropped by the caller
+        # (views and buffer exports hold references), so nobody can observe it being
+        # refilled. Shape, dtype and contiguity are re-checked because they can be
+        # reassigned in place.
+        cdef int i
+        cdef PyObject* p
+        cdef cnp.ndarray a
+        for i in range(RESULT_RING):
+            p = self.ring[i]
+            if (p != NULL and Py_REFCNT(p) == 1 and cnp.PyArray_NDIM(<cnp.ndarray>p) == 1
+                    and cnp.PyArray_DIM(<cnp.ndarray>p, 0) == n and cnp.PyArray_TYPE(<cnp.ndarray>p) == cnp.NPY_INT32
+                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>p) and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>p)):
+                return <cnp.ndarray>p
+        a = new_i32(n)
+        Py_INCREF(<PyObject*>a)
+        Py_XDECREF(self.ring[self.ring_pos])
+        self.ring[self.ring_pos] = <PyObject*>a
+        self.ring_pos = (self.ring_pos + 1) % RESULT_RING
+        return a
+
     # ---- Python API -----------------------------------------------------------------
     def allocate(self, n):
         """Allocate ``n`` blocks, all or nothing. Returns their ids (int32 array)."""
@@ -297,7 +330,7 @@ cdef class BlockPool:
         cdef int32_t free_now = self.num_free()
         if k > free_now:
             raise OutOfBlocksError(k, free_now)
-        cdef cnp.ndarray out = new_i32(k)
+        cdef cnp.ndarray out = self.result_array(k)
         self.alloc_into(<block_id_t*>cnp.PyArray_DATA(out), <int32_t>k)
         return out
 
