@@ -189,10 +189,14 @@ cdef class BlockPool:
         cdef int32_t run_len = 0, zeroed = 0, r, c
         for i in range(n):
             b = ids[i]
-            if b < 0 or b >= nb or ref[b] == 0:
+            if <uint32_t>b >= <uint32_t>nb:       # also catches negative ids
                 self.undo_release(ids, i)
                 return i
-            r = ref[b] - 1
+            r = ref[b]
+            if r == 0:
+                self.undo_release(ids, i)
+                return i
+            r -= 1
             ref[b] = r
             if r:
                 continue
