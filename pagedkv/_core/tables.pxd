@@ -72,6 +72,7 @@ cdef class BlockTables:
     cdef int64_t prep_keys(self, object keys) except -1
     cdef int32_t* rows_for(self, int64_t m, bint internal=*) except NULL
     cdef int push_copy(self, block_id_t src, block_id_t dst) except -1 nogil
+    cdef int copy_on_write(self, SeqRow* row) except -1 nogil
     cdef void register_full_blocks(self, SeqRow* row) noexcept nogil
     cdef void release_row(self, SeqRow* row) noexcept nogil
     cdef int commit_one(self, const int32_t* rp, int64_t m, const token_t* tp) except -1

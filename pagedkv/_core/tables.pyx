@@ -328,6 +328,19 @@ cdef class BlockTables:
         self.num_cow += 1
         return 0
 
+    cdef int copy_on_write(self, SeqRow* row) except -1 nogil:
+        # Swap the last (partial) block for a private copy before writing into it; the
+        # caller has counted the new block in its capacity check. The old block keeps its
+        # other references, or, if it was registered and ours was the last, becomes
+        # cached-free with its registered content intact.
+        cdef block_id_t fresh
+        cdef block_id_t* last = &row.blocks[row.num_blocks - 1]
+        self.pool.alloc_into(&fresh, 1)
+        self.push_copy(last[0], fresh)
+        self.pool.release_batch(last, 1, NULL, 0)
+        last[0] = fresh
+        return 0
+
     cdef void register_full_blocks(self, SeqRow* row) noexcept nogil:
         # Offer every newly full block to the prefix index, in order. A block whose
         # content is already registered elsewhere stays private (a duplicate); a true
@@ -566,7 +579,6 @@ cdef class BlockTables:
             raise OutOfBlocksError(need, self.pool.num_free(), "reserve")
         cdef cnp.ndarray out = new_i64(total)
         cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
-        cdef block_id_t nb_
         cdef block_id_t* blocks
         with nogil:
             for i in range(m):
@@ -575,10 +587,7 @@ cdef class BlockTables:
                     continue
                 row = &self.rows[rp[i]]
                 if off_of(row.num_reserved, bs, sh) and must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
-                    self.pool.alloc_into(&nb_, 1)
-                    self.push_copy(row.blocks[row.num_blocks - 1], nb_)
-                    self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
-                    row.blocks[row.num_blocks - 1] = nb_
+                    self.copy_on_write(row)
                 newb = <int32_t>(nblocks_for(row.num_reserved + n, bs, sh) - row.num_blocks)
                 if newb:
                     self.pool.alloc_into(row.blocks + row.num_blocks, newb)
@@ -598,7 +607,6 @@ cdef class BlockTables:
         cdef int32_t* ref = self.pool.ref_cnt
         cdef int32_t bs = self.block_size, sh = self.bs_shift
         cdef int64_t i, need = 0, off
-        cdef block_id_t nb_
         for i in range(m):
             row = &rows[rp[i]]
             if off_of(row.num_reserved, bs, sh) == 0:
@@ -619,10 +627,7 @@ cdef class BlockTables:
                     self.pool.alloc_into(row.blocks + row.num_blocks, 1)
                     row.num_blocks += 1
                 elif must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
-                    self.pool.alloc_into(&nb_, 1)
-                    self.push_copy(row.blocks[row.num_blocks - 1], nb_)
-                    self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
-                    row.blocks[row.num_blocks - 1] = nb_
+                    self.copy_on_write(row)
                 op[i] = <int64_t>row.blocks[row.num_blocks - 1] * bs + off
                 row.num_reserved += 1
         return out
@@ -718,7 +723,6 @@ cdef class BlockTables:
         cdef int32_t* ref = self.pool.ref_cnt
         cdef int64_t need = 0, off
         cdef bint indexed = self.index is not None
-        cdef block_id_t nb_
         for i in range(m):
             row = &rows[rp[i]]
             c = row.num_reserved
@@ -756,10 +760,7 @@ cdef class BlockTables:
                     self.pool.alloc_into(row.blocks + row.num_blocks, 1)
                     row.num_blocks += 1
                 elif must_copy(ref, self.pool.cached, row.blocks[row.num_blocks - 1]):
-                    self.pool.alloc_into(&nb_, 1)
-                    self.push_copy(row.blocks[row.num_blocks - 1], nb_)
-                    self.pool.release_batch(&row.blocks[row.num_blocks - 1], 1, NULL, 0)
-                    row.blocks[row.num_blocks - 1] = nb_
+                    self.copy_on_write(row)
                 op[i] = <int64_t>row.blocks[row.num_blocks - 1] * bs + off
                 row.num_reserved = c + 1
         return out
