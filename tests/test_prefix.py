@@ -191,3 +191,44 @@ def test_kv_events_mirror_the_cache():
 
 def test_hash_bytes_is_stable():
     assert hash_bytes(b"abc", 1) == hash_bytes(b"abc", 1) != hash_bytes(b"abd", 1)
+
+
+def test_tier_log_records_registration_lifecycle_with_tokens():
+    from pagedkv import BlockPool, BlockTables
+
+    index = PrefixIndex(4, 6, hash_seed=1, tier_log=True)
+    pool = BlockPool(6, index=index)
+    tables = BlockTables(pool, 4, index)
+    toks = np.arange(100, 112, dtype=np.int32)
+    tables.add(1, toks)
+    tables.reserve(1, 12)
+    tables.commit(1, 12)
+    log = index.drain_tier_log()
+    assert log["kind"].tolist() == [1, 1, 1]
+    blocks = tables.blocks(1)
+    assert log["block"].tolist() == blocks.tolist()
+    assert log["parent_block"].tolist() == [-1, blocks[0], blocks[1]]
+    assert log["tokens"].tolist() == toks.reshape(3, 4).tolist()
+    assert log["hash"].tolist() == index.hash_tokens(toks).tolist()
+    assert log["parent_hash"][1:].tolist() == log["hash"][:2].tolist()
+    assert log["gen"].tolist() == [index.generation(int(b)) for b in blocks]
+    assert log["lost"] == 0
+    assert len(index.drain_tier_log()["kind"]) == 0          # drained
+    tables.remove(1)
+    tables.add(2)
+    tables.reserve(2, 24)                                    # 6 blocks: evicts all three
+    log = index.drain_tier_log()
+    assert sorted(log["block"].tolist()) == sorted(blocks.tolist())
+    assert set(log["kind"].tolist()) == {2}
+    by_block = {int(b): t for b, t in zip(log["block"], log["tokens"].tolist())}
+    assert by_block[int(blocks[2])] == toks[8:].tolist()
+    # gen is the generation during the ended registration, one below the current one
+    assert all(index.generation(int(b)) == g + 1 for b, g in zip(log["block"], log["gen"]))
+    tables.remove(2)
+
+
+def test_tier_log_needs_to_be_enabled():
+    from pagedkv.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="tier_log: expected True to drain the tier log, got False"):
+        PrefixIndex(4, 6).drain_tier_log()

@@ -82,5 +82,9 @@ cdef inline cnp.ndarray new_u64(cnp.npy_intp n):
     return cnp.PyArray_EMPTY(1, &n, cnp.NPY_UINT64, 0)
 
 
+cdef inline cnp.ndarray new_u32(cnp.npy_intp n):
+    return cnp.PyArray_EMPTY(1, &n, cnp.NPY_UINT32, 0)
+
+
 cdef inline cnp.ndarray new_u8(cnp.npy_intp n):
     return cnp.PyArray_EMPTY(1, &n, cnp.NPY_UINT8, 0)

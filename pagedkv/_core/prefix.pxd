@@ -22,6 +22,28 @@ cdef struct EventBuf:
     int64_t cap
 
 
+cdef enum:
+    TIER_STORED = 1      # a block was registered: its KV is now a reusable prefix
+    TIER_REMOVED = 2     # a registration ended (eviction): the KV is intact until reused
+
+cdef struct TierLog:
+    # Registration lifecycle for the prefix tiers below the device (host, disk). A
+    # removed block's KV stays intact until its new owner writes, so the manager drains
+    # this right after each allocating call, before any write, and copies what it needs.
+    uint8_t* kind        # TIER_* per record
+    int32_t* block       # device block id
+    uint32_t* gen        # the block's generation during that registration
+    uint64_t* hash       # chained block hash
+    uint64_t* parent_hash
+    int32_t* parent_block  # registered block holding the previous block; -1 for a first block
+    uint32_t* parent_gen   # its generation when this block was registered
+    int32_t* ns          # interned namespace id
+    token_t* tokens      # [cap * block_size] the block's tokens
+    int64_t n            # records held, <= cap
+    int64_t cap
+    int64_t lost         # records dropped because the log could not grow (a tier miss, never wrong KV)
+
+
 cdef class PrefixIndex:
     cdef readonly int32_t block_size     # tokens per block, >= 1
     cdef readonly int32_t num_blocks     # blocks the index can describe
@@ -44,6 +66,8 @@ cdef class PrefixIndex:
     cdef readonly int64_t num_collisions # inserts refused because another block owns the hash
     cdef readonly bint events_enabled   # record KV events for drain_events()
     cdef EventBuf ev
+    cdef readonly bint tier_log_enabled  # record the registration lifecycle for drain_tier_log()
+    cdef TierLog tl
 
     cdef hash_t hash_block(self, const token_t* toks, hash_t parent, uint64_t ns_hash) noexcept nogil
     cdef hash_t first_parent(self, uint64_t ns_hash) noexcept nogil
@@ -60,3 +84,4 @@ cdef class PrefixIndex:
     cdef int clear(self) except -1 nogil
     cdef int push_event(self, uint8_t kind, uint64_t h, uint64_t parent, int32_t ns,
                         block_id_t b) except -1 nogil
+    cdef void log_tier(self, uint8_t kind, block_id_t b) noexcept nogil

@@ -15,10 +15,18 @@ cimport numpy as cnp
 from libc.stdlib cimport calloc, malloc, realloc, free as c_free
 from libc.string cimport memcmp, memcpy, memset
 
-from pagedkv._core._arrays cimport as_i32, new_u64, new_i32, new_u8
+from pagedkv._core._arrays cimport as_i32, new_u64, new_i32, new_u8, new_u32
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError, expected
 
 cnp.import_array()
+
+
+cdef bint _grow(void** p, int64_t cap, size_t item) noexcept nogil:
+    cdef void* q = realloc(p[0], <size_t>cap * item)
+    if q == NULL:
+        return False
+    p[0] = q
+    return True
 
 
 def hash_bytes(bytes data, uint64_t seed=0):
@@ -29,7 +37,7 @@ def hash_bytes(bytes data, uint64_t seed=0):
 
 cdef class PrefixIndex:
     def __cinit__(self, int32_t block_size, int32_t num_blocks, hash_seed=None,
-                  bint weak_hash=False, bint events=False):
+                  bint weak_hash=False, bint events=False, bint tier_log=False):
         cdef uint64_t cap = 16
         cdef bytes secret
         if block_size < 1:
@@ -40,6 +48,7 @@ cdef class PrefixIndex:
         self.num_blocks = num_blocks
         self.weak_hash = weak_hash
         self.events_enabled = events
+        self.tier_log_enabled = tier_log
         if hash_seed is None:
             secret = os.urandom(8)
             self.root = pkv_hash_bytes(<const unsigned char*>secret, 8, 0x7061676564)
@@ -83,6 +92,15 @@ cdef class PrefixIndex:
         c_free(self.ev.parent)
         c_free(self.ev.ns)
         c_free(self.ev.block)
+        c_free(self.tl.kind)
+        c_free(self.tl.block)
+        c_free(self.tl.gen)
+        c_free(self.tl.hash)
+        c_free(self.tl.parent_hash)
+        c_free(self.tl.parent_block)
+        c_free(self.tl.parent_gen)
+        c_free(self.tl.ns)
+        c_free(self.tl.tokens)
 
     # ---- hashing -------------------------------------------------------------------
     cdef hash_t hash_block(self, const token_t* toks, hash_t parent, uint64_t ns_hash) noexcept nogil:
@@ -137,6 +155,8 @@ cdef class PrefixIndex:
         self.parent_block[b] = parent
         self.parent_gen[b] = pgen
         self.num_cached += 1
+        if self.tier_log_enabled:
+            self.log_tier(TIER_STORED, b)
         if self.events_enabled:
             self.push_event(EV_STORED, h, parent_h, ns, b)
         return 0
@@ -163,6 +183,8 @@ cdef class PrefixIndex:
                 self.vals[i] = self.vals[j]
                 i = j
         self.vals[i] = -1
+        if self.tier_log_enabled:
+            self.log_tier(TIER_REMOVED, b)
         self.registered[b] = 0
         self.gen[b] += 1
         self.num_cached -= 1
@@ -224,6 +246,34 @@ cdef class PrefixIndex:
         self.ev.block[self.ev.n] = b
         self.ev.n += 1
         return 0
+
+    cdef void log_tier(self, uint8_t kind, block_id_t b) noexcept nogil:
+        # Never fails: a record that cannot be stored is counted in `lost`, which costs
+        # the tiers a miss (the block is not copied down), never wrong KV.
+        cdef TierLog* t = &self.tl
+        cdef int64_t cap, i
+        cdef size_t bs = <size_t>self.block_size
+        if t.n == t.cap:
+            cap = 64 if t.cap == 0 else 2 * t.cap
+            if not (_grow(<void**>&t.kind, cap, 1) and _grow(<void**>&t.block, cap, 4)
+                    and _grow(<void**>&t.gen, cap, 4) and _grow(<void**>&t.hash, cap, 8)
+                    and _grow(<void**>&t.parent_hash, cap, 8) and _grow(<void**>&t.parent_block, cap, 4)
+                    and _grow(<void**>&t.parent_gen, cap, 4) and _grow(<void**>&t.ns, cap, 4)
+                    and _grow(<void**>&t.tokens, cap, bs * sizeof(token_t))):
+                t.lost += 1
+                return
+            t.cap = cap
+        i = t.n
+        t.kind[i] = kind
+        t.block[i] = b
+        t.gen[i] = self.gen[b]
+        t.hash[i] = self.block_hash[b]
+        t.parent_hash[i] = self.parent_hash[b]
+        t.parent_block[i] = self.parent_block[b]
+        t.parent_gen[i] = self.parent_gen[b]
+        t.ns[i] = self.block_ns[b]
+        memcpy(t.tokens + <size_t>i * bs, self.block_tokens + <size_t>b * bs, bs * sizeof(token_t))
+        t.n = i + 1
 
     # ---- Python API ----------------------------------------------------------------
     def hash_tokens(self, tokens, uint64_t ns_hash=0):
@@ -290,6 +340,46 @@ cdef class PrefixIndex:
             memcpy(cnp.PyArray_DATA(b), self.ev.block, n * sizeof(int32_t))
         self.ev.n = 0
         return kind, h, p, ns, b
+
+    def drain_tier_log(self):
+        """Registration records since the last drain, oldest first; clears them.
+
+        Returns a dict of arrays: ``kind`` (uint8: 1 stored, 2 removed), ``block``,
+        ``gen`` (the block's generation during that registration), ``hash``,
+        ``parent_hash``, ``parent_block`` (-1 for a first block), ``parent_gen``, ``ns``
+        and ``tokens`` (int32 ``[n, block_size]``), plus ``lost``: records dropped since
+        the last drain because memory ran out (each costs a lower tier a miss).
+        Needs ``tier_log=True``. A removed block's KV is intact until the caller writes
+        into the slots of the call that evicted it.
+        """
+        if not self.tier_log_enabled:
+            raise InvalidArgumentError(expected("tier_log", "True to drain the tier log", False))
+        cdef TierLog* t = &self.tl
+        cdef int64_t n = t.n
+        cdef cnp.ndarray kind = new_u8(n), blk = new_i32(n), gen = new_u32(n), h = new_u64(n)
+        cdef cnp.ndarray ph = new_u64(n), pb = new_i32(n), pg = new_u32(n), ns = new_i32(n)
+        cdef cnp.ndarray toks = new_i32(n * self.block_size)
+        if n:
+            memcpy(cnp.PyArray_DATA(kind), t.kind, n * sizeof(uint8_t))
+            memcpy(cnp.PyArray_DATA(blk), t.block, n * sizeof(int32_t))
+            memcpy(cnp.PyArray_DATA(gen), t.gen, n * sizeof(uint32_t))
+            memcpy(cnp.PyArray_DATA(h), t.hash, n * sizeof(uint64_t))
+            memcpy(cnp.PyArray_DATA(ph), t.parent_hash, n * sizeof(uint64_t))
+            memcpy(cnp.PyArray_DATA(pb), t.parent_block, n * sizeof(int32_t))
+            memcpy(cnp.PyArray_DATA(pg), t.parent_gen, n * sizeof(uint32_t))
+            memcpy(cnp.PyArray_DATA(ns), t.ns, n * sizeof(int32_t))
+            memcpy(cnp.PyArray_DATA(toks), t.tokens, n * self.block_size * sizeof(token_t))
+        lost = t.lost
+        t.n = 0
+        t.lost = 0
+        return {"kind": kind, "block": blk, "gen": gen, "hash": h, "parent_hash": ph,
+                "parent_block": pb, "parent_gen": pg, "ns": ns,
+                "tokens": toks.reshape(n, self.block_size), "lost": lost}
+
+    def generation(self, int32_t block_id):
+        """The block's registration generation (bumped whenever a registration ends)."""
+        self._check_block(block_id)
+        return self.gen[block_id]
 
     def _check_block(self, int32_t block_id):
         if not 0 <= block_id < self.num_blocks:
