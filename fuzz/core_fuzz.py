@@ -277,7 +277,7 @@ class Fuzzer:
 
     # -- checks --------------------------------------------------------------------------
     def snapshot(self):
-        return (np.asarray(self.pool.ref_cnt).tolist(), self.pool.evictor.order(),
+        return (np.asarray(self.pool.ref_cnt).tolist(), self.pool.free_lists(),
                 {k: self.tables.blocks(k).tolist() for k in self.keys})
 
     def cheap_check(self):
@@ -288,7 +288,7 @@ class Fuzzer:
     def full_check(self):
         self.tables.check_invariants()
         if (np.asarray(self.pool.ref_cnt).tolist() != self.mpool.ref
-                or self.pool.evictor.order() != [list(lst) for lst in self.mpool.lists]):
+                or self.pool.free_lists() != [list(lst) for lst in self.mpool.lists]):
             raise Mismatch("pool state differs from the model")
         for k in self.keys:
             if self.tables.blocks(k).tolist() != self.model.rows[k].blocks:

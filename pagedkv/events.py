@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent", "events_from_records"]
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "EventsLost", "KVEvent", "events_from_records"]
 
 _STORED, _REMOVED, _CLEARED = 1, 2, 3
 
@@ -40,12 +40,20 @@ class AllBlocksCleared:
     """The prefix cache was reset."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+@dataclass(frozen=True)
+class EventsLost:
+    """``count`` events after the preceding ones could not be kept (too many undrained,
+    or no memory): a consumer mirroring the cache must resync from scratch."""
+
+    count: int
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, EventsLost]
 
 
 def events_from_records(records, ns_names: Dict[int, Tuple[Any, Any]], block_size: int,
                         root: int) -> List[KVEvent]:
-    kind, hashes, parents, ns, blocks = records
+    kind, hashes, parents, ns, blocks, lost = records
     out: List[KVEvent] = []
     for i in range(len(kind)):
         k = int(kind[i])
@@ -69,4 +77,6 @@ def events_from_records(records, ns_names: Dict[int, Tuple[Any, Any]], block_siz
             object.__setattr__(last, "token_count", last.token_count + block_size)
         else:
             out.append(BlockStored([h], None if p == root else p, block_size, namespace, [b]))
+    if lost:
+        out.append(EventsLost(int(lost)))
     return out
