@@ -17,7 +17,6 @@ cdef enum:
     EV_STORED = 1
     EV_REMOVED = 2
     EV_CLEARED = 3
-    MAX_PENDING_EVENTS = 1 << 22   # undrained KV events kept; later ones are counted as lost
 
 cdef enum:
     TIER_STORED = 1      # a block was registered: its KV is now a reusable prefix
@@ -88,6 +87,7 @@ cdef class PrefixIndex:
     cdef readonly int64_t num_collisions # registrations refused because another block owns the hash
     cdef readonly bint events_enabled    # record KV events for drain_events()
     cdef EventBuf ev
+    cdef readonly int64_t max_events     # undrained KV events kept; later ones are counted as lost
     cdef readonly bint tier_log_enabled  # record the registration lifecycle for drain_tier_log()
     cdef TierLog tl
     cdef IntBuf arg                      # snapshot of the current call's token argument

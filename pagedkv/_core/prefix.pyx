@@ -47,12 +47,13 @@ cdef bint _grow(void** p, int64_t cap, size_t item) noexcept nogil:
 
 cdef class PrefixIndex:
     def __cinit__(self, block_size, num_blocks, hash_seed=None, bint weak_hash=False,
-                  bint events=False, bint tier_log=False):
+                  bint events=False, bint tier_log=False, max_events=1 << 22):
         cdef bytes secret
         self.block_size = <int32_t>check_int(block_size, "block_size", 1, MAX_BLOCK_SIZE)
         self.num_blocks = <int32_t>check_int(num_blocks, "num_blocks", 1, MAX_BLOCKS)
         self.weak_hash = weak_hash
         self.events_enabled = events
+        self.max_events = check_int(max_events, "max_events", 1, 2**40)
         self.tier_log_enabled = tier_log
         if hash_seed is None:
             secret = os.urandom(8)
@@ -217,7 +218,9 @@ cdef class PrefixIndex:
         cdef int64_t cap
         if e.n == e.cap:
             cap = 64 if e.cap == 0 else 2 * e.cap
-            if cap > MAX_PENDING_EVENTS or not (
+            if cap > self.max_events:
+                cap = self.max_events
+            if cap <= e.cap or not (
                     _grow(<void**>&e.kind, cap, sizeof(uint8_t)) and _grow(<void**>&e.hash, cap, sizeof(uint64_t))
                     and _grow(<void**>&e.parent, cap, sizeof(uint64_t)) and _grow(<void**>&e.ns, cap, sizeof(int32_t))
                     and _grow(<void**>&e.block, cap, sizeof(int32_t))):
@@ -320,7 +323,7 @@ cdef class PrefixIndex:
     def drain_events(self):
         """Pending events as arrays ``(kind, hash, parent_hash, ns, block)``, oldest first,
         and the number of events lost since the last drain (the buffer holds at most
-        ``MAX_PENDING_EVENTS``; a consumer that lost events must resync). Clears them."""
+        ``max_events``; a consumer that lost events must resync). Clears them."""
         cdef EventBuf* e = &self.ev
         cdef int64_t n = e.n
         cdef cnp.ndarray kind = new_u8(n), h = new_u64(n), p = new_u64(n), ns = new_i32(n), b = new_i32(n)
