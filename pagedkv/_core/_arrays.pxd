@@ -126,6 +126,12 @@ cdef inline int64_t load_ints(object obj, str name, int typenum, IntBuf* buf) ex
 cdef inline int64_t check_int(object value, str name, int64_t lo, int64_t hi, str what=None) except? -1:
     """An int (``__index__``, not bool) in [lo, hi]; typed errors otherwise. ``what``
     replaces the default "an int in [lo, hi]" in messages."""
+    if type(value) is int and lo <= value <= hi:
+        return value
+    return _check_int_slow(value, name, lo, hi, what)
+
+
+cdef inline int64_t _check_int_slow(object value, str name, int64_t lo, int64_t hi, str what) except? -1:
     from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
     if what is None:
         what = f"an int in [{lo}, {hi}]"
@@ -141,6 +147,8 @@ cdef inline int64_t check_int(object value, str name, int64_t lo, int64_t hi, st
 cdef inline object check_count(object value, str name):
     """A count: an int (``__index__``, not bool) >= 0, returned as an unbounded Python int
     so that a caller can compare it with capacity before narrowing it."""
+    if type(value) is int and value >= 0:
+        return value
     from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
     if type(value) is not int:
         if isinstance(value, bool) or not hasattr(type(value), "__index__"):
@@ -153,6 +161,8 @@ cdef inline object check_count(object value, str name):
 
 cdef inline uint64_t check_u64(object value, str name) except? 0:
     """An int in [0, 2**64) (a hash)."""
+    if type(value) is int and 0 <= value < 2**64:
+        return <uint64_t>value
     from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
     if type(value) is not int:
         if isinstance(value, bool) or not hasattr(type(value), "__index__"):

@@ -11,6 +11,14 @@ cimport numpy as cnp
 cdef enum:
     RESULT_RING = 4    # recent allocate() results kept for reuse once callers drop them
 
+cdef inline bint must_copy_at(const int32_t* ref_cnt, const uint8_t* cached, block_id_t b) noexcept nogil:
+    # Copy-on-write before writing into a partially filled block that another sequence
+    # also references, or that is registered: a fork can share a block its parent later
+    # fills and registers, and registered KV is immutable (a later prefix hit must find
+    # exactly what was registered). Reads the pool's arrays; never writes them.
+    return ref_cnt[b] > 1 or cached[b] != 0
+
+
 cdef class BlockPool:
     cdef readonly int32_t num_blocks       # blocks in the pool, in [1, 2**31 - 1]
     cdef int32_t* ref_cnt                  # [num_blocks] references held; 0 = free or cached-free
@@ -43,7 +51,6 @@ cdef class BlockPool:
     cdef int64_t release_batch(self, const block_id_t* ids, int64_t n,
                                const int32_t* classes, int8_t cls) noexcept nogil
     cdef void incref(self, block_id_t b) noexcept nogil
-    cdef bint must_copy(self, block_id_t b) noexcept nogil
     # the prefix index, through the pool
     cdef int32_t take_prefix(self, const token_t* toks, int64_t ntok, int32_t max_blocks,
                              block_id_t* out, PrefixCursor* cur) noexcept nogil

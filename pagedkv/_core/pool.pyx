@@ -295,13 +295,6 @@ cdef class BlockPool:
             self.hits[b] += 1
         self.num_touches += 1
 
-    cdef bint must_copy(self, block_id_t b) noexcept nogil:
-        # Copy-on-write before writing into a partially filled block that another
-        # sequence also references, or that is registered: a fork can share a block its
-        # parent later fills and registers, and registered KV is immutable (a later
-        # prefix hit must find exactly what was registered).
-        return self.ref_cnt[b] > 1 or self.cached[b]
-
     # ---- the prefix index, through the pool ------------------------------------------
     cdef void evict(self, block_id_t b) noexcept nogil:
         # A cached-free block, just taken off its list, loses its content.

@@ -125,7 +125,8 @@ cdef inline void rs_remove(RowStore* s, int32_t r) noexcept nogil:
     s.num_live -= 1
 
 
-cdef inline int row_grow_blocks(SeqRow* row, int64_t need) except -1 nogil:
+cdef inline int row_grow_blocks(SeqRow* row, int64_t need) except -1:
+    # Called with the GIL, from validation phases only: the nogil apply phases never grow.
     cdef int64_t cap = row.cap_blocks
     cdef block_id_t* nb
     cdef int8_t* nc
@@ -137,23 +138,21 @@ cdef inline int row_grow_blocks(SeqRow* row, int64_t need) except -1 nogil:
         cap *= 2
     nb = <block_id_t*>realloc(row.blocks, <size_t>cap * sizeof(block_id_t))
     if nb == NULL:
-        with gil:
-            from pagedkv.errors import HostMemoryError
-            raise HostMemoryError(f"cannot grow a block table to {cap} blocks")
+        from pagedkv.errors import HostMemoryError
+        raise HostMemoryError(f"cannot grow a block table to {cap} blocks")
     row.blocks = nb
     if row.block_cls != NULL:
         nc = <int8_t*>realloc(row.block_cls, <size_t>cap * sizeof(int8_t))
         if nc == NULL:
-            with gil:
-                from pagedkv.errors import HostMemoryError
-                raise HostMemoryError(f"cannot grow a block table to {cap} blocks")
+            from pagedkv.errors import HostMemoryError
+            raise HostMemoryError(f"cannot grow a block table to {cap} blocks")
         memset(nc + row.cap_blocks, 0xff, <size_t>(cap - row.cap_blocks) * sizeof(int8_t))
         row.block_cls = nc
     row.cap_blocks = cap
     return 0
 
 
-cdef inline int row_grow_tokens(SeqRow* row, int64_t need) except -1 nogil:
+cdef inline int row_grow_tokens(SeqRow* row, int64_t need) except -1:
     cdef int64_t cap = row.cap_tokens
     cdef token_t* nt
     if need <= cap:
@@ -164,9 +163,8 @@ cdef inline int row_grow_tokens(SeqRow* row, int64_t need) except -1 nogil:
         cap *= 2
     nt = <token_t*>realloc(row.tokens, <size_t>cap * sizeof(token_t))
     if nt == NULL:
-        with gil:
-            from pagedkv.errors import HostMemoryError
-            raise HostMemoryError(f"cannot grow a token list to {cap} tokens")
+        from pagedkv.errors import HostMemoryError
+        raise HostMemoryError(f"cannot grow a token list to {cap} tokens")
     row.tokens = nt
     row.cap_tokens = cap
     return 0
@@ -184,3 +182,17 @@ cdef inline int64_t off_of(int64_t p, int32_t bs, int32_t shift) noexcept nogil:
 
 cdef inline int64_t nblocks_for(int64_t n, int32_t bs, int32_t shift) noexcept nogil:
     return ((n + bs - 1) >> shift) if shift >= 0 else (n + bs - 1) // bs
+
+
+cdef inline int row_room_blocks(SeqRow* row, int64_t need) except -1:
+    """Capacity for `need` table entries (the common case is one compare)."""
+    if need <= row.cap_blocks:
+        return 0
+    return row_grow_blocks(row, need)
+
+
+cdef inline int row_room_tokens(SeqRow* row, int64_t need) except -1:
+    """Capacity for `need` token ids."""
+    if need <= row.cap_tokens:
+        return 0
+    return row_grow_tokens(row, need)

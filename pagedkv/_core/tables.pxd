@@ -1,7 +1,7 @@
 # Block tables: each live sequence's blocks, token counts and token ids, and the calls
 # that move a sequence through its life (add, reserve, commit, advance, fork, remove).
 cimport cython
-from pagedkv._core._types cimport block_id_t, token_t, seq_key_t, int8_t, int32_t, int64_t
+from pagedkv._core._types cimport block_id_t, token_t, seq_key_t, int8_t, uint8_t, int32_t, int64_t
 from pagedkv._core._arrays cimport IntBuf
 from pagedkv._core.pool cimport BlockPool
 from pagedkv._core.prefix cimport PrefixIndex
@@ -11,10 +11,13 @@ from pagedkv._core.rows cimport SeqRow, RowStore
 cdef class BlockTables:
     cdef readonly BlockPool pool
     cdef readonly PrefixIndex index        # the pool's index; None when prefix caching is off
+    cdef bint indexed                      # index is not None (read in nogil loops)
     cdef readonly int32_t block_size       # tokens per block, >= 1
     cdef int32_t bs_shift                  # log2(block_size) when a power of two, else -1
     cdef int64_t max_tokens                # tokens a sequence could ever hold: pool blocks * block_size
     cdef readonly int32_t recent_blocks    # priority policy: trailing blocks counted as "recent"
+    cdef const int32_t* ref                # the pool's ref counts (read-only here: copy-on-write checks)
+    cdef const uint8_t* cached             # the pool's cached bits (read-only here)
     cdef public object namer               # key -> the caller's id, for messages (default: the key)
     cdef RowStore store
     cdef int64_t stamp                     # batch calls so far (duplicate detection)
@@ -42,10 +45,10 @@ cdef class BlockTables:
     cdef int32_t* rows_for(self, int64_t m, bint internal) except NULL
     cdef SeqRow* row_of(self, object key, str name) except NULL
     # per-row steps shared by reserve, commit and advance
-    cdef int64_t blocks_needed(self, SeqRow* row, int64_t n) noexcept nogil
     cdef int prepare_reserve(self, SeqRow* row, int64_t n) except -1
+    cdef int raise_too_long(self, SeqRow* row, int64_t n) except -1
     cdef void reserve_row(self, SeqRow* row, int64_t n, int64_t* out) noexcept nogil
-    cdef void commit_row(self, SeqRow* row, int64_t n, const token_t* tp) noexcept nogil
+    cdef void register_row(self, SeqRow* row) noexcept nogil
     cdef void copy_on_write(self, SeqRow* row) noexcept nogil
     cdef int reserve_copies(self, int64_t n) except -1
     cdef int check_room(self, int64_t need, str what) except -1

@@ -11,8 +11,8 @@ became full are registered in the prefix index through the pool), or both at onc
 Batch calls take int64 key arrays (or one int key) and do the whole batch in one
 crossing. Each snapshots its arguments, validates everything (unknown or repeated keys,
 counts, capacity) and only then applies, so a failed call changes nothing. Reserve,
-commit and advance run the same per-row steps (``blocks_needed``, ``reserve_row``,
-``commit_row``).
+commit and advance run the same per-row steps (``row_need``, ``reserve_row`` /
+``reserve_one``, ``commit_row``).
 
 Block tables are append-only while a sequence lives, with two exceptions:
 copy-on-write swaps a shared (or registered), partially filled last block for a private
@@ -30,7 +30,9 @@ from libc.string cimport memcpy, memset
 from pagedkv._core._types cimport uint8_t, uint32_t, uint64_t
 from pagedkv._core._arrays cimport load_ints, check_int, check_count, check_u64, buf_reserve, new_i32, new_i64
 from pagedkv._core.rows cimport (rs_init, rs_dealloc, rs_find, rs_add, rs_remove, row_grow_blocks,
-                                 row_grow_tokens, blk_of, off_of, nblocks_for)
+                                 row_grow_tokens, row_room_blocks, row_room_tokens, blk_of, off_of,
+                                 nblocks_for)
+from pagedkv._core.pool cimport must_copy_at
 from pagedkv._core.evict cimport default_class, POLICY_PRIORITY
 from pagedkv._core.export cimport padded_table, csr_table, slots_of, lengths
 
@@ -53,6 +55,54 @@ def _same(key):
     return key
 
 
+# ---- per-row steps shared by reserve, commit and advance ------------------------------
+cdef inline int64_t row_need(const SeqRow* row, int64_t n, int32_t bs, int32_t sh,
+                             const int32_t* ref, const uint8_t* cached) noexcept nogil:
+    """Blocks that reserving n more tokens takes from the pool: new blocks, plus one for
+    a copy-on-write of a shared partial tail."""
+    cdef int64_t need = nblocks_for(row.num_reserved + n, bs, sh) - row.num_blocks
+    if n and off_of(row.num_reserved, bs, sh) and must_copy_at(ref, cached, row.blocks[row.num_blocks - 1]):
+        need += 1
+    return need
+
+
+cdef inline bint row_needs_copy(const SeqRow* row, int64_t n, int32_t bs, int32_t sh,
+                                const int32_t* ref, const uint8_t* cached) noexcept nogil:
+    return n and off_of(row.num_reserved, bs, sh) and must_copy_at(ref, cached, row.blocks[row.num_blocks - 1])
+
+
+cdef inline void reserve_one(BlockTables t, SeqRow* row, int64_t* out) noexcept nogil:
+    # The decode step's reserve: one slot; a new block at a boundary, else copy-on-write
+    # of a shared tail. The caller checked capacity and room.
+    cdef int32_t bs = t.block_size
+    cdef int64_t p = row.num_reserved
+    cdef int64_t off = off_of(p, bs, t.bs_shift)
+    if off == 0:
+        t.pool.alloc_into(row.blocks + row.num_blocks, 1)
+        row.num_blocks += 1
+    elif must_copy_at(t.ref, t.cached, row.blocks[row.num_blocks - 1]):
+        t.copy_on_write(row)
+    out[0] = <int64_t>row.blocks[row.num_blocks - 1] * bs + off
+    row.num_reserved = p + 1
+
+
+cdef inline void commit_row(BlockTables t, SeqRow* row, int64_t n, const token_t* tp) noexcept nogil:
+    # The KV of the next n reserved tokens is written; tp (or NULL) names them. The
+    # caller checked n and made room for the ids. Newly full blocks are offered to the
+    # prefix index (through the pool) while every committed id is known.
+    cdef int64_t c = row.num_computed
+    if tp != NULL and c + n > row.num_known and row.num_known >= c:
+        memcpy(row.tokens + row.num_known, tp + (row.num_known - c),
+               <size_t>(c + n - row.num_known) * sizeof(token_t))
+        row.num_known = c + n
+    c += n
+    row.num_computed = c
+    if c > row.num_known:
+        row.cur.track = 0
+    elif row.cur.track and t.indexed and <int64_t>(row.cur.num_hashed + 1) * t.block_size <= c:
+        t.register_row(row)
+
+
 @cython.final
 cdef class BlockTables:
     def __cinit__(self, pool, block_size, index=None, recent_blocks=4):
@@ -71,6 +121,9 @@ cdef class BlockTables:
         self.block_size = bs
         self.bs_shift = (bs.bit_length() - 1) if bs & (bs - 1) == 0 else -1
         self.max_tokens = <int64_t>self.pool.num_blocks * bs
+        self.indexed = index is not None
+        self.ref = self.pool.ref_cnt
+        self.cached = self.pool.cached
         self.recent_blocks = <int32_t>check_int(recent_blocks, "recent_blocks", 0, 2**31 - 1)
         self.namer = _same
         rs_init(&self.store)
@@ -200,34 +253,28 @@ cdef class BlockTables:
         self.cap_copies = cap
         return 0
 
-    # ---- per-row steps ----------------------------------------------------------------
-    cdef int64_t blocks_needed(self, SeqRow* row, int64_t n) noexcept nogil:
-        # Blocks reserve_row(row, n) takes from the pool: new blocks, plus one for a
-        # copy-on-write of a shared partial tail. n <= max_tokens - num_reserved.
-        cdef int64_t need
-        if n == 0:
-            return 0
-        need = nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift) - row.num_blocks
-        if off_of(row.num_reserved, self.block_size, self.bs_shift) and self.pool.must_copy(row.blocks[row.num_blocks - 1]):
-            need += 1
-        return need
-
-    cdef int prepare_reserve(self, SeqRow* row, int64_t n) except -1:
-        # Per-row limit and table capacity for reserve_row(row, n); changes nothing visible.
+    # ---- per-row steps (the shared helpers are module-level inline functions below) --
+    cdef inline int prepare_reserve(self, SeqRow* row, int64_t n) except -1:
+        # Per-row limit and table capacity for reserving n tokens; changes nothing visible.
         if n > self.max_tokens - row.num_reserved:
-            raise OutOfBlocksError(nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift) - row.num_blocks,
-                                   self.pool.num_free(), "reserve")
-        row_grow_blocks(row, nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift))
-        return 0
+            return self.raise_too_long(row, n)
+        return row_room_blocks(row, nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift))
+
+    cdef int raise_too_long(self, SeqRow* row, int64_t n) except -1:
+        # n may exceed the pool; the count it would need is exact all the same.
+        raise OutOfBlocksError(nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift) - row.num_blocks,
+                               self.pool.num_free(), "reserve")
 
     cdef void reserve_row(self, SeqRow* row, int64_t n, int64_t* out) noexcept nogil:
         # Slots for the next n tokens (the caller checked capacity and room).
         cdef int32_t bs = self.block_size, sh = self.bs_shift
         cdef int64_t p, end, newb, base, off, k, t
-        if n == 0:
+        if n <= 1:
+            if n == 1:
+                reserve_one(self, row, out)
             return
         p = row.num_reserved
-        if off_of(p, bs, sh) and self.pool.must_copy(row.blocks[row.num_blocks - 1]):
+        if off_of(p, bs, sh) and must_copy_at(self.ref, self.cached, row.blocks[row.num_blocks - 1]):
             self.copy_on_write(row)
         newb = nblocks_for(p + n, bs, sh) - row.num_blocks
         if newb:
@@ -246,21 +293,8 @@ cdef class BlockTables:
             p += k
         row.num_reserved = end
 
-    cdef void commit_row(self, SeqRow* row, int64_t n, const token_t* tp) noexcept nogil:
-        # The KV of the next n reserved tokens is written; tp (or NULL) names them. The
-        # caller checked n and made room for the ids.
-        cdef int64_t c = row.num_computed
-        if tp != NULL and c + n > row.num_known and row.num_known >= c:
-            memcpy(row.tokens + row.num_known, tp + (row.num_known - c),
-                   <size_t>(c + n - row.num_known) * sizeof(token_t))
-            row.num_known = c + n
-        c += n
-        row.num_computed = c
-        if c > row.num_known:
-            row.cur.track = 0
-        elif (row.cur.track and self.index is not None
-                and <int64_t>(row.cur.num_hashed + 1) * self.block_size <= c):
-            self.pool.cache_full_blocks(&row.cur, row.blocks, row.tokens, c)
+    cdef void register_row(self, SeqRow* row) noexcept nogil:
+        self.pool.cache_full_blocks(&row.cur, row.blocks, row.tokens, row.num_computed)
 
     cdef void copy_on_write(self, SeqRow* row) noexcept nogil:
         # Swap the last (partial) block for a private copy before writing into it; the
@@ -414,10 +448,8 @@ cdef class BlockTables:
             row = &rows[rp[i]]
             n = cp[i]
             self.prepare_reserve(row, n)
-            b = self.blocks_needed(row, n)
-            need += b
-            if n and b > nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift) - row.num_blocks:
-                ncow += 1
+            need += row_need(row, n, self.block_size, self.bs_shift, self.ref, self.cached)
+            ncow += row_needs_copy(row, n, self.block_size, self.bs_shift, self.ref, self.cached)
             total += n
         self.check_room(need, "reserve")
         self.reserve_copies(ncow)
@@ -467,12 +499,12 @@ cdef class BlockTables:
                         raise InvalidArgumentError(expected(
                             "token_ids", f"id {row.tokens[p]} at position {p} of sequence "
                             f"{self.namer(row.key)!r} (already known)", tp[off + p - c]))
-                row_grow_tokens(row, c + n)
+                row_room_tokens(row, c + n)
                 off += n
         with nogil:
             off = 0
             for i in range(m):
-                self.commit_row(&rows[rp[i]], cp[i], tp + off if tp != NULL else NULL)
+                commit_row(self, &rows[rp[i]], cp[i], tp + off if tp != NULL else NULL)
                 off += cp[i]
 
     def advance(self, keys, token_ids, bint internal=False):
@@ -488,6 +520,11 @@ cdef class BlockTables:
         cdef int32_t* rp = self.rows_for(m, internal)
         cdef SeqRow* rows = self.store.rows
         cdef SeqRow* row
+        cdef int32_t bs = self.block_size, sh = self.bs_shift
+        cdef const int32_t* ref = self.ref
+        cdef const uint8_t* cached = self.cached
+        # validation: the same per-row arithmetic as row_need(row, 1), unrolled for the
+        # decode step that runs for every sequence every step
         for i in range(m):
             row = &rows[rp[i]]
             c = row.num_reserved
@@ -495,11 +532,13 @@ cdef class BlockTables:
                 raise InvalidArgumentError(expected(
                     "token_ids", f"id {row.tokens[c]} at position {c} of sequence {self.namer(row.key)!r} "
                     "(already known)", tp[i]))
-            row_grow_tokens(row, c + 1)
-            self.prepare_reserve(row, 1)
-            b = self.blocks_needed(row, 1)
-            need += b
-            if off_of(c, self.block_size, self.bs_shift) and b:
+            if c >= row.cap_tokens or row.num_blocks >= row.cap_blocks or c >= self.max_tokens:
+                row_room_tokens(row, c + 1)          # rare: grow, or refuse past capacity
+                self.prepare_reserve(row, 1)
+            if off_of(c, bs, sh) == 0:
+                need += 1
+            elif must_copy_at(ref, cached, row.blocks[row.num_blocks - 1]):
+                need += 1
                 ncow += 1
         self.check_room(need, "advance")
         self.reserve_copies(ncow)
@@ -510,11 +549,11 @@ cdef class BlockTables:
                 row = &rows[rp[i]]
                 c = row.num_reserved
                 if row.num_computed < c:
-                    self.commit_row(row, c - row.num_computed, NULL)
+                    commit_row(self, row, c - row.num_computed, NULL)
                 if c == row.num_known:
                     row.tokens[c] = tp[i]
                     row.num_known = c + 1
-                self.reserve_row(row, 1, op + i)
+                reserve_one(self, row, op + i)
         return out
 
     def unreserve(self, keys, counts=None, bint internal=False):
