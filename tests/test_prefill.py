@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.chunking import ChunkPolicy, ChunkState, PrefillMemoryError, cuda_memory_probe
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PrefillCancelledError
-from pagedkv.models import load_smollm2, tiny_llama
+from pagedkv.testing.models import load_smollm2, tiny_llama
 from pagedkv.planner import plan_config
 from pagedkv.prefill import ChunkedPrefill, PrefillChunk, chunked_prefill
 

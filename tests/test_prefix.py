@@ -5,6 +5,7 @@ import pytest
 from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, CacheConfig, PagedKVCache, PrefixIndex
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import CacheBusyError, InvalidArgumentError
+from pagedkv.testing import weak_hash_cache
 
 
 def make(num_blocks=11, block_size=16, **kw):
@@ -102,7 +103,7 @@ def test_namespaces_never_share_and_are_domain_separated():
 def test_weak_hash_collisions_cost_misses_never_wrong_kv():
     # A 4-valued hash: most distinct prefixes collide. Hits must still be exact.
     cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=64)
-    cache = PagedKVCache(cfg, allocate_store=False, weak_hash=True)
+    cache = weak_hash_cache(cfg, allocate_store=False)
     rng = np.random.default_rng(1)
     stored = {}
     for s in range(40):
