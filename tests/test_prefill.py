@@ -30,6 +30,24 @@ from pagedkv.prefill import ChunkedPrefill, PrefillChunk, chunked_prefill
 QWEN3_SHAPE = dict(num_layers=28, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 
+@pytest.fixture(autouse=True)
+def _free_prefilled_sequences(monkeypatch):
+    """A prefill leaves its sequence live, ready to decode, and these tests end there.
+    Free what every cache made by the test still holds, so that the suite's leak check
+    (tests/conftest.py) then finds only blocks no sequence accounts for."""
+    made = []
+    init = PagedKVCache.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(PagedKVCache, "__init__", recording_init)
+    yield
+    for cache in made:
+        cache.free(cache.sequences())
+
+
 def bookkeeping_cache(num_blocks=64, block_size=16, **shape):
     shape = shape or dict(num_layers=2, num_kv_heads=2, head_dim=8)
     return PagedKVCache(CacheConfig(num_blocks=num_blocks, block_size=block_size, **shape), allocate_store=False)
