@@ -18,7 +18,7 @@ import numpy as np
 
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 
-__all__ = ["as_int", "as_count", "as_counts", "as_token_ids", "INT64_MAX"]
+__all__ = ["as_int", "as_count", "as_counts", "as_token_ids", "optional_int", "INT64_MAX"]
 
 INT64_MAX = 2**63 - 1
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1

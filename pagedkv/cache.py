@@ -39,8 +39,8 @@ from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
 from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int
 from pagedkv.config import CacheConfig, format_bytes
-from pagedkv.errors import (ArgumentTypeError, HostMemoryError, InvalidArgumentError, PagedKVError,
-                            SequenceExistsError, SequenceNotFoundError, expected)
+from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, PagedKVError, SequenceExistsError,
+                            SequenceNotFoundError, expected)
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.namespaces import NamespaceRegistry
 from pagedkv.seq_ids import SequenceIds
@@ -52,8 +52,6 @@ SeqId = Any
 SeqIds = Union[SeqId, Sequence[SeqId], np.ndarray]
 
 _I64 = np.dtype(np.int64)
-#: builtin errors the core may let out; the manager raises typed errors instead
-_UNTYPED = (OverflowError, TypeError, MemoryError)
 
 
 class CallerLock:
@@ -120,6 +118,7 @@ class PagedKVCache:
         self._lock = threading.RLock()
         self._caller_lock = CallerLock(self._lock)
         self._ids = SequenceIds()
+        self.tables.namer = self._ids.name   # core errors name the caller's id, not the key
         self._namespaces = NamespaceRegistry()
         self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
         self._deferred: collections.deque = collections.deque()   # batches queued by free_deferred
@@ -160,14 +159,10 @@ class PagedKVCache:
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
                 return self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
-            except BaseException as e:
+            except BaseException:
                 if fresh:
                     self._ids.forget(key)
                 self._namespaces.rollback(mark)
-                if isinstance(e, PagedKVError):
-                    self._ids.rename(e)
-                elif isinstance(e, _UNTYPED):
-                    raise _typed(e) from e
                 raise
 
     def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
@@ -184,30 +179,10 @@ class PagedKVCache:
             if self._deferred:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
-            try:
-                slots = self.tables.reserve(keys, num_tokens, internal=internal)
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
-            except _UNTYPED as e:
-                raise self._typed_reserve(e, keys, num_tokens) from e
+            slots = self.tables.reserve(keys, num_tokens, internal=internal)
             if self.tables.num_pending_copies:
                 self._copy_on_write()
             return slots
-
-    def _typed_reserve(self, exc: BaseException, keys, num_tokens) -> BaseException:
-        """A typed error for a reserve the core failed untyped (a backstop: counts are
-        checked before the call). A count no pool could hold is out of blocks."""
-        if isinstance(exc, MemoryError):
-            counts = np.full(1 if type(keys) is int else len(keys), num_tokens, np.int64) \
-                if type(num_tokens) is int else np.asarray(num_tokens, np.int64)
-            # each sequence's partial last block may hold up to a block of it: a lower bound
-            need = int((-(-counts // self.config.block_size)).sum()) - len(counts)
-            if need > self.pool.num_free_blocks:
-                from pagedkv.errors import OutOfBlocksError
-
-                return OutOfBlocksError(need, self.pool.num_free_blocks, "reserve")
-        return _typed(exc, num_tokens=num_tokens)
 
     def advance(self, seq_ids: SeqIds, token_ids) -> np.ndarray:
         """One decode step in one call: commit every reserved token of each sequence
@@ -222,13 +197,7 @@ class PagedKVCache:
             if self._deferred:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
-            try:
-                slots = self.tables.advance(keys, token_ids, internal=internal)
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
-            except _UNTYPED as e:
-                raise _typed(e) from e
+            slots = self.tables.advance(keys, token_ids, internal=internal)
             if self.tables.num_pending_copies:
                 self._copy_on_write()
             return slots
@@ -265,13 +234,7 @@ class PagedKVCache:
             token_ids = as_token_ids(token_ids)
         with self._lock:
             keys, internal = self._ids.batch(seq_ids)
-            try:
-                self.tables.commit(keys, num_tokens, token_ids, internal=internal)
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
-            except _UNTYPED as e:
-                raise _typed(e, num_tokens=num_tokens) from e
+            self.tables.commit(keys, num_tokens, token_ids, internal=internal)
 
     def unreserve(self, seq_ids: SeqIds, num_tokens=None) -> None:
         """Give back reserved, uncommitted tokens (all when ``num_tokens`` is None), e.g.
@@ -283,11 +246,7 @@ class PagedKVCache:
                     num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens), np.int64)
                 else:
                     num_tokens = as_counts(num_tokens)
-            try:
-                self.tables.unreserve(keys, num_tokens, internal=internal)
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
+            self.tables.unreserve(keys, num_tokens, internal=internal)
 
     def num_blocks(self, seq_id: SeqId) -> int:
         """Blocks the sequence holds (``ceil(num_reserved / block_size)``)."""
@@ -304,13 +263,9 @@ class PagedKVCache:
                 if dk in self.tables or (self._host is not None and self._host.holds(dk)):
                     raise SequenceExistsError(dst, "dst")
                 self.tables.fork(sk, dk)
-            except BaseException as e:
+            except BaseException:
                 if fresh:
                     self._ids.forget(dk)
-                if isinstance(e, PagedKVError):
-                    self._ids.rename(e)
-                elif isinstance(e, _UNTYPED):
-                    raise _typed(e) from e
                 raise
 
     def free(self, seq_ids: SeqIds) -> None:
@@ -325,37 +280,34 @@ class PagedKVCache:
     def _free(self, seq_ids: SeqIds) -> None:
         keys, internal = self._ids.batch(seq_ids)
         host = self._host
-        try:
-            if host is None or not host.num_swapped:
-                self.tables.remove(keys, internal=internal)
-                if internal:
-                    self._forget(keys)
-                return
-            arr = np.array([keys], dtype=np.int64) if type(keys) is int else np.asarray(keys, dtype=np.int64)
-            listed = arr.tolist()
-            swapped = np.fromiter(((internal or k >= 0) and host.holds(k) for k in listed), dtype=bool,
-                                  count=len(listed))
-            if not swapped.any():
-                self.tables.remove(keys, internal=internal)
-            else:
-                if len(set(listed)) != len(listed):
-                    seen = set()
-                    for i, k in enumerate(listed):
-                        if k in seen:
-                            raise InvalidArgumentError(expected("seq_ids", "each sequence at most once per call",
-                                                                f"{k} repeated at index {i}"))
-                        seen.add(k)
-                live = arr[~swapped]
-                if len(live):
-                    self.tables.seq_lens(live, internal=internal)     # raises for an unknown id: nothing freed
-                    self.tables.remove(live, internal=internal)
-                for k in arr[swapped].tolist():
-                    host.discard(k)
+        if host is None or not host.num_swapped:
+            self.tables.remove(keys, internal=internal)
             if internal:
-                self._forget(arr)
-        except PagedKVError as e:
-            self._ids.rename(e)
-            raise
+                self._forget(keys)
+            return
+        arr = np.array([keys], dtype=np.int64) if type(keys) is int else np.asarray(keys, dtype=np.int64)
+        listed = arr.tolist()
+        swapped = np.fromiter(((internal or k >= 0) and host.holds(k) for k in listed), dtype=bool,
+                              count=len(listed))
+        if not swapped.any():
+            self.tables.remove(keys, internal=internal)
+        else:
+            # Validate the whole batch before anything is released: each id once, and
+            # every id that is not swapped out live on the device.
+            seen = set()
+            for i, k in enumerate(listed):
+                if k in seen:
+                    raise InvalidArgumentError(expected("seq_ids", "each sequence at most once per call",
+                                                        f"{self._ids.name(k)!r} repeated at index {i}"))
+                seen.add(k)
+            live = arr[~swapped]
+            if len(live):
+                self.tables.seq_lens(live, internal=internal)     # raises for an unknown id: nothing freed
+                self.tables.remove(live, internal=internal)
+            for k in arr[swapped].tolist():
+                host.discard(k)
+        if internal:
+            self._forget(arr)
 
     def _forget(self, keys) -> None:
         if type(keys) is int:
@@ -413,13 +365,9 @@ class PagedKVCache:
             return [self._ids.name(k) for k in self.tables.keys().tolist()]
 
     def _one(self, method, seq_id: SeqId, argument: str = "seq_id"):
-        """``method(key)`` of one sequence, errors naming the caller's id."""
+        """``method(key)`` of one sequence."""
         with self._lock:
-            try:
-                return method(self._ids.key(seq_id, argument))
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
+            return method(self._ids.key(seq_id, argument))
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Committed tokens of a sequence."""
@@ -447,11 +395,7 @@ class PagedKVCache:
     def _batch_query(self, method, seq_ids: SeqIds, *args):
         with self._lock:
             keys, internal = self._ids.batch(seq_ids)
-            try:
-                return method(keys, *args, internal=internal)
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
+            return method(keys, *args, internal=internal)
 
     def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: Optional[int] = None) -> np.ndarray:
         """Padded ``[B, width]`` int32 block tables."""
@@ -473,13 +417,9 @@ class PagedKVCache:
         """int64 slots of positions ``[start, start + count)`` (must be reserved)."""
         start, count = as_count(start, "start"), as_count(count, "count")
         with self._lock:
-            try:
-                k = self._ids.key(seq_id)
-                return self.tables.slot_mapping(np.array([k], np.int64), np.array([start], np.int64),
-                                                np.array([count], np.int64), internal=True)
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
+            k = self._ids.key(seq_id)
+            return self.tables.slot_mapping(np.array([k], np.int64), np.array([start], np.int64),
+                                            np.array([count], np.int64), internal=True)
 
     @property
     def lock(self) -> CallerLock:
@@ -585,13 +525,7 @@ class PagedKVCache:
         start_token = as_count(start_token, "start_token")
         end_token = optional_int(end_token, "end_token")
         with self._lock:
-            try:
-                self.tables.set_priority(self._ids.key(seq_id), priority, start_token, end_token)
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
-            except _UNTYPED as e:
-                raise _typed(e) from e
+            self.tables.set_priority(self._ids.key(seq_id), priority, start_token, end_token)
 
     def drain_events(self) -> List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
         """KV events since the last drain (``enable_kv_events=True``), oldest first."""
@@ -636,12 +570,8 @@ class PagedKVCache:
         want = None if num_tokens is None else as_counts(num_tokens)
         with self._lock:
             keys, internal = self._ids.batch(seq_ids)
-            try:
-                indptr, indices, _ = self.tables.csr(keys, internal=internal)
-                lens = self.tables.seq_lens(keys, internal=internal)
-            except PagedKVError as e:
-                self._ids.rename(e)
-                raise
+            indptr, indices, _ = self.tables.csr(keys, internal=internal)
+            lens = self.tables.seq_lens(keys, internal=internal)
         if want is not None:
             if want.shape != lens.shape or (want > lens).any():
                 raise InvalidArgumentError(expected(
@@ -762,25 +692,6 @@ class PagedKVCache:
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, kv_dtype={c.cache_dtype}, "
                 f"sequences={len(self)}, free_blocks={self.pool.num_free_blocks}, "
                 f"arena={format_bytes(c.total_bytes)})")
-
-
-def _typed(exc: BaseException, **arguments) -> BaseException:
-    """A typed error for a builtin one the core let out (the manager's checks should
-    have caught the argument first): re-check the named arguments, which raises the
-    precise error, else wrap by kind."""
-    for name, value in arguments.items():
-        if value is not None:
-            if type(value) is int:
-                as_count(value, name)
-            else:
-                as_counts(value, name)
-    if isinstance(exc, MemoryError):
-        return HostMemoryError(f"host memory for the cache's bookkeeping ran out: {exc}")
-    if isinstance(exc, OverflowError):
-        return InvalidArgumentError(expected("arguments", "values fitting 64 bits", str(exc)))
-    if isinstance(exc, TypeError):
-        return ArgumentTypeError(expected("arguments", "the documented types", str(exc)))
-    return exc
 
 
 def _slots_tensor(slot_mapping, device):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent", "events_from_records"]
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "EventsLost", "KVEvent", "events_from_records"]
 
 _STORED, _REMOVED, _CLEARED = 1, 2, 3
 
@@ -40,13 +40,21 @@ class AllBlocksCleared:
     """The prefix cache was reset."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+@dataclass(frozen=True)
+class EventsLost:
+    """``count`` events after the preceding ones could not be kept (too many undrained,
+    or no memory): a consumer mirroring the cache must resync from scratch."""
+
+    count: int
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, EventsLost]
 
 
 def events_from_records(records, namespace_of: Callable[[int], Tuple[Any, Any]], block_size: int,
                         root: int) -> List[KVEvent]:
     """Group the core's event records; ``namespace_of(ns_id)`` gives ``(cache_salt, adapter_id)``."""
-    kind, hashes, parents, ns, blocks = records
+    kind, hashes, parents, ns, blocks, lost = records
     out: List[KVEvent] = []
     last_ns = -1
     for i in range(len(kind)):
@@ -73,4 +81,6 @@ def events_from_records(records, namespace_of: Callable[[int], Tuple[Any, Any]],
             out.append(BlockStored([h], None if p == root else p, block_size,
                                    None if n == 0 else namespace, [b]))
             last_ns = n
+    if lost:
+        out.append(EventsLost(int(lost)))
     return out

@@ -40,7 +40,7 @@ class HostTier:
         namespace_hash: ``ns_id -> ns_hash`` of the manager's namespace registry, to
             re-register a swapped-in sequence's blocks under its namespace.
 
-    Errors name core keys; the manager translates them to the caller's ids.
+    Errors name the caller's ids through ``tables.namer``.
     """
 
     def __init__(self, tables, store, num_blocks: int, namespace_hash: Callable[[int], int]):
@@ -65,7 +65,7 @@ class HostTier:
     def swap_out(self, key: int) -> int:
         tables = self.tables
         if key not in tables:
-            raise SequenceNotFoundError(key)
+            raise SequenceNotFoundError(self.tables.namer(key))
         info = tables.info(key)
         computed = info["num_computed"]
         n = -(-computed // tables.block_size)
@@ -89,7 +89,7 @@ class HostTier:
         tables = self.tables
         rec = self.swapped.get(key)
         if rec is None:
-            raise SequenceNotFoundError(key)
+            raise SequenceNotFoundError(self.tables.namer(key))
         n = len(rec.host_blocks)
         free = tables.pool.num_free_blocks
         if n > free:

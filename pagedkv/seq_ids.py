@@ -13,18 +13,19 @@ array batch goes to the core with no per-id Python work. Every other id is inter
 to a private negative key. Interning is strict about types: ``"1"``, ``1.0`` and
 ``("a", 1.0)`` never name the sequence of ``1`` or ``("a", 1)``, even though Python's
 ``==`` says some of them are equal.
+
+**Errors** name the caller's id: the manager installs :meth:`SequenceIds.name` as the
+core's ``BlockTables.namer``, so even the core's messages never show an interned key.
 """
 from __future__ import annotations
 
 import math
-import re
 import sys
 from typing import Any, Dict, Hashable, List, Tuple, Union
 
 import numpy as np
 
-from pagedkv.errors import (InvalidArgumentError, PagedKVError, SequenceExistsError,
-                            SequenceNotFoundError, expected)
+from pagedkv.errors import InvalidArgumentError, SequenceNotFoundError, expected
 
 __all__ = ["SequenceIds", "strict_key", "BATCH_TYPES"]
 
@@ -162,31 +163,6 @@ class SequenceIds:
             return np.fromiter((self.key(s, "seq_ids") for s in arr.tolist()), dtype=np.int64, count=len(arr))
         raise InvalidArgumentError(expected("seq_ids", "sequence ids (ints or other hashables)",
                                             f"a {arr.dtype} array"))
-
-    # ---- errors ---------------------------------------------------------------------
-    def rename(self, exc: PagedKVError) -> PagedKVError:
-        """Make an error from the core name the caller's ids instead of interned keys
-        (the core only knows keys). Changes ``exc`` in place and returns it."""
-        if isinstance(exc, (SequenceNotFoundError, SequenceExistsError)):
-            key = exc.seq_id
-            if type(key) is int and key < 0 and key in self._names:
-                argument = str(exc.args[0]).split(":", 1)[0]
-                fresh = type(exc)(self._names[key], argument)
-                exc.seq_id, exc.args = fresh.seq_id, fresh.args
-            return exc
-        if exc.args and isinstance(exc.args[0], str) and " -" in exc.args[0]:
-            text = _KEY_IN_TEXT.sub(self._named_key, exc.args[0])
-            exc.args = (text,) + exc.args[1:]
-        return exc
-
-    def _named_key(self, m: "re.Match") -> str:
-        prefix, key = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-        return prefix + repr(self.name(int(key)))
-
-
-# Where core messages name a sequence key: "... of sequence -3 ..." and the repeated-id
-# "got -3 repeated at index 1" (a bare "got -3" is a count and stays).
-_KEY_IN_TEXT = re.compile(r"(sequence )(-\d+)|(got )(-\d+)(?= repeated)")
 
 
 def _is_tensor(value: Any) -> bool:
