@@ -47,6 +47,8 @@ setup(
         "pagedkv.kernels",
         "pagedkv.integrations",
         "pagedkv.compat",
+        "pagedkv.cli",
+        "pagedkv.testing",
         "pagedkv._cuda_src",
     ],
     package_dir={"pagedkv._cuda_src": "cuda"},

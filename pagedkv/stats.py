@@ -40,13 +40,14 @@ class CacheStats:
         return self.free_blocks == 0
 
     @classmethod
-    def collect(cls, cache) -> "CacheStats":
-        pool, tables, cfg = cache.pool, cache.tables, cache.config
+    def collect(cls, pool, tables, config, host=None) -> "CacheStats":
+        """Read the figures from the core objects (``BlockPool``, ``BlockTables``), the
+        ``CacheConfig`` and the host tier (``HostTier`` or None), under the caller's lock."""
+        cfg = config
         tokens, waste = tables.total_tokens()
         used = pool.num_in_use_blocks
         bpb = cfg.bytes_per_block
         q, h = tables.num_query_tokens, tables.num_hit_tokens
-        host = cache._host
         return cls(
             total_blocks=pool.num_blocks,
             allocated_blocks=used,
@@ -69,7 +70,7 @@ class CacheStats:
             bytes_in_use=used * bpb,
             bytes_free=(pool.num_blocks - used) * bpb,
             swapped_sequences=host.num_swapped if host is not None else 0,
-            host_blocks_in_use=host.pool.num_in_use_blocks if host is not None else 0,
+            host_blocks_in_use=host.num_blocks_in_use if host is not None else 0,
         )
 
     def as_dict(self) -> dict:

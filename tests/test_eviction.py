@@ -61,6 +61,7 @@ def test_priority_default_rule_prefix_over_recent_over_old_and_pins():
         cache.reserve(2, 12 * 4)                        # the pinned block can't be taken
     cache.reserve(2, 11 * 4)
     assert cache.match_prefix(prompt) == 4              # the pinned prefix block survived
+    cache.free(cache.sequences())
 
 
 def test_set_priority_for_a_token_range():
