@@ -108,24 +108,24 @@ def _fast_write(kv_layer, slot_mapping, key, value, layout) -> bool:
     if ks[1] != h or ks[2] != ls[4] or kst[2] != 1 or vst[2] != 1:
         return False
     es = kv_layer.element_size()
-    bad = _c.write_rows(
+    bad, bad_slot = _c.write_rows(
         kv_layer.data_ptr(), key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), ks[0],
         kst[0] * es, kst[1] * es, vst[0] * es, vst[1] * es, ls[0], bs, h, ls[4] * es, layout == "HND",
     )
-    if bad >= 0:
-        raise _ref.slot_error(int(slot_mapping[bad]), bad, ls[0] * bs)
+    if bad >= 0:   # the value the kernel saw: the caller's tensor may have changed since
+        raise _ref.slot_error(bad_slot, bad, ls[0] * bs)
     return True
 
 
 def _write_rows(c, kv_layer, slots, key, value, nb, bs, h, d, hnd) -> None:
     es = kv_layer.element_size()
     ks, vs = key.stride(), value.stride()
-    bad = c.write_rows(
+    bad, bad_slot = c.write_rows(
         kv_layer.data_ptr(), key.data_ptr(), value.data_ptr(), slots.data_ptr(), key.shape[0],
         ks[0] * es, ks[1] * es, vs[0] * es, vs[1] * es, nb, bs, h, d * es, hnd,
     )
     if bad >= 0:
-        raise _ref.slot_error(int(slots[bad]), bad, nb * bs)
+        raise _ref.slot_error(bad_slot, bad, nb * bs)
 
 
 def _raise_table_error(code: int, b: int, a: int, c: int, padded: bool, bs: int, nb: int, nnz: int = 0):
@@ -179,8 +179,8 @@ def _fast_outputs(out_key, out_value, total, h, d, dt):
     for t in (out_key, out_value):
         if not (t.shape == shape and t.dtype == dt and t.is_cpu and t.is_contiguous()):
             return None
-    if total and out_key.data_ptr() == out_value.data_ptr():
-        return None
+    if total and _ref.contiguous_overlap(out_key, out_value):
+        return None                      # the checked path names the overlap
     return out_key, out_value
 
 
