@@ -658,3 +658,35 @@ def test_slots_rewritten_by_another_thread_never_store_out_of_range(backend):
         t.join()
     assert torch.count_nonzero(whole[nb:]) == 0
     assert refused < 3000
+
+
+def _sparse(t):
+    return t.to_sparse()
+
+
+def _meta(t):
+    return t.to("meta")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make, exc, got", [(_sparse, InvalidArgumentError, "a torch.sparse_coo tensor"),
+                                            (_meta, DeviceError, "device")], ids=["sparse", "meta"])
+@pytest.mark.parametrize("arg", ["kv_layer", "slot_mapping", "key", "indices", "pairs"])
+def test_sparse_and_meta_tensors_get_typed_errors_and_change_nothing(backend, make, exc, got, arg):
+    L = Layer(4, 4, 2, 8, torch.float32, random=True)
+    before = L.state()
+    k, v = rand_kv(3, 2, 8, torch.float32)
+    args = dict(kv_layer=L.kv, slot_mapping=torch.tensor([0, 5, 9]), key=k)
+    indptr, indices, lens = csr([[1, 2]], [6])
+    pairs = torch.tensor([[0, 1]])
+    if arg in args:
+        args[arg] = make(args[arg])
+        call = lambda: ops.write_kv(args["kv_layer"], args["slot_mapping"], args["key"], v, backend=backend)
+    elif arg == "indices":
+        call = lambda: ops.gather_kv(L.kv, indptr, make(indices), lens, backend=backend)
+    else:
+        call = lambda: ops.copy_blocks([L.kv[None]], make(pairs), backend=backend)
+    with pytest.raises(exc, match=r"expected device \S+, got (meta|cpu)$" if exc is DeviceError
+                       else f"expected a dense \\(strided\\) tensor, got {got}"):
+        call()
+    assert same_state(L.state(), before)

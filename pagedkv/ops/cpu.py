@@ -63,8 +63,8 @@ def write_kv(
     kv_zero: Optional[torch.Tensor] = None,
 ) -> None:
     """:func:`pagedkv.ops.reference.write_kv` on CPU tensors."""
-    if _c is not None and kv_scale is None and kv_zero is None and _fast_write(
-        kv_layer, slot_mapping, key, value, layout
+    if _c is not None and kv_scale is None and kv_zero is None and _sparse_safe(
+        _fast_write, kv_layer, slot_mapping, key, value, layout
     ):
         return
     c = _loops()
@@ -84,6 +84,15 @@ _T = torch.Tensor
 _FAST_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 _I64 = torch.int64
 _I32 = torch.int32
+
+
+def _sparse_safe(fast, *args):
+    # The fast paths read strides, which sparse tensors lack (torch raises RuntimeError
+    # before any byte moves); the checked path then refuses them by name.
+    try:
+        return fast(*args)
+    except RuntimeError:
+        return None
 
 
 def _fast_write(kv_layer, slot_mapping, key, value, layout) -> bool:
@@ -242,7 +251,7 @@ def gather_kv(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv` on CPU tensors."""
     if _c is not None:
-        outs = _fast_gather_csr(kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
+        outs = _sparse_safe(_fast_gather_csr, kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                 out_key, out_value)
         if outs is not None:
             return outs
@@ -280,7 +289,7 @@ def gather_kv_padded(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv_padded` on CPU tensors."""
     if _c is not None:
-        outs = _fast_gather_padded(kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
+        outs = _sparse_safe(_fast_gather_padded, kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                    out_key, out_value)
         if outs is not None:
             return outs

@@ -87,6 +87,8 @@ class LayerGeometry(NamedTuple):
 def _tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise DTypeError(expected(name, "a torch.Tensor", type(t).__name__))
+    if t.layout != torch.strided:   # sparse/compressed tensors have no slots to index
+        raise InvalidArgumentError(expected(name, "a dense (strided) tensor", f"a {t.layout} tensor"))
     return t
 
 
