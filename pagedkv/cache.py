@@ -37,12 +37,13 @@ import numpy as np
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
-from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int
+from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int, tensor_values
 from pagedkv.config import CacheConfig, format_bytes
 from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, PagedKVError, SequenceExistsError,
                             SequenceNotFoundError, expected)
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.namespaces import NamespaceRegistry
+from pagedkv.pool_view import PoolView
 from pagedkv.seq_ids import SequenceIds
 from pagedkv.stats import CacheStats, render_block_map
 
@@ -111,10 +112,11 @@ class PagedKVCache:
         self.config = config
         nb = config.resolved_num_blocks
         self.index: Optional[PrefixIndex] = self._prefix_index(config) if config.enable_prefix_caching else None
-        self.pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
+        self._pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
                               low_watermark=config.low_watermark, high_watermark=config.high_watermark,
                               shuffle_seed=config.shuffle_free_blocks, index=self.index)
-        self.tables = BlockTables(self.pool, config.block_size, self.index)
+        self.pool = PoolView(self._pool)   # callers watch the pool; the cache alone changes it
+        self.tables = BlockTables(self._pool, config.block_size, self.index)
         self._lock = threading.RLock()
         self._caller_lock = CallerLock(self._lock)
         self._ids = SequenceIds()
@@ -440,7 +442,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            return self.pool.num_free_blocks >= n
+            return self._pool.num_free_blocks >= n
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` tokens' worth of new blocks can be allocated now."""
@@ -467,8 +469,8 @@ class PagedKVCache:
                 self._run_deferred()
             hits = self._prefix_blocks(tokens, cache_salt, adapter_id, required=False)
             hits = hits[:max(0, (len(tokens) - 1) // bs)]
-            ref = self.pool.ref_cnt
-            revived = sum(1 for b in hits[ref[hits] == 0].tolist() if not self.pool.pin_count(b))
+            ref = self._pool.ref_cnt
+            revived = sum(1 for b in hits[ref[hits] == 0].tolist() if not self._pool.pin_count(b))
             return -(-total // bs) - len(hits) + revived
 
     def can_admit(self, prompt_token_ids: Iterable[int], num_tokens: Optional[int] = None, *,
@@ -478,7 +480,7 @@ class PagedKVCache:
         (see :meth:`blocks_to_admit`)."""
         with self._lock:
             need = self.blocks_to_admit(prompt_token_ids, num_tokens, cache_salt=cache_salt, adapter_id=adapter_id)
-            return need <= self.pool.num_free_blocks
+            return need <= self._pool.num_free_blocks
 
     # ---- prefix cache ---------------------------------------------------------------
     def pin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
@@ -489,14 +491,14 @@ class PagedKVCache:
         """
         with self._lock:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
-            self.pool.pin(blocks)
+            self._pool.pin(blocks)
         return len(blocks) * self.config.block_size
 
     def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
         with self._lock:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
-            self.pool.unpin(blocks)
+            self._pool.unpin(blocks)
         return len(blocks) * self.config.block_size
 
     def _prefix_blocks(self, token_ids, cache_salt, adapter_id, required: bool = True) -> np.ndarray:
@@ -516,7 +518,7 @@ class PagedKVCache:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix. Raises :class:`CacheBusyError` while any block is in use."""
         with self._lock:
-            self.pool.reset_cache()
+            self._pool.reset_cache()
 
     def set_priority(self, seq_id: SeqId, priority: int, start_token: int = 0,
                      end_token: Optional[int] = None) -> None:
@@ -646,13 +648,13 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            return CacheStats.collect(self.pool, self.tables, self.config, self._host)
+            return CacheStats.collect(self._pool, self.tables, self.config, self._host)
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""
         width = as_int(width, "width", 1)
         with self._lock:
-            return render_block_map(self.pool, width)
+            return render_block_map(self._pool, width)
 
     def dump_stats(self) -> str:
         s = self.stats()
@@ -666,7 +668,7 @@ class PagedKVCache:
                 lines.append(f"  {self._ids.name(k)!r}: {info['num_computed']}/{info['num_reserved']} tokens, "
                              f"{info['num_blocks']} blocks [{shown}]")
             lines.append("Block map:")
-            lines.append(render_block_map(self.pool, 64))
+            lines.append(render_block_map(self._pool, 64))
         return "\n".join(lines)
 
     def check_invariants(self) -> None:
@@ -690,7 +692,7 @@ class PagedKVCache:
         c = self.config
         return (f"PagedKVCache(blocks={c.resolved_num_blocks}x{c.block_size}, layers={c.num_layers}, "
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, kv_dtype={c.cache_dtype}, "
-                f"sequences={len(self)}, free_blocks={self.pool.num_free_blocks}, "
+                f"sequences={len(self)}, free_blocks={self._pool.num_free_blocks}, "
                 f"arena={format_bytes(c.total_bytes)})")
 
 
@@ -704,5 +706,7 @@ def _slots_tensor(slot_mapping, device):
             raise DTypeError(expected("slot_mapping", "an int64 array", f"{slot_mapping.dtype} array"))
         slot_mapping = torch.from_numpy(slot_mapping)
     if isinstance(slot_mapping, torch.Tensor) and slot_mapping.device != device:
+        if slot_mapping.layout != torch.strided or slot_mapping.device.type == "meta":
+            tensor_values(slot_mapping, "slot_mapping")      # raises the typed error
         slot_mapping = slot_mapping.to(device, non_blocking=True)
     return slot_mapping

@@ -302,7 +302,7 @@ class ContinuousBatchKVCacheManager:
         return out
 
     def _defragment(self) -> np.ndarray:
-        cache, pool = self.cache, self.cache.pool
+        cache, pool = self.cache, self.cache._pool   # the core allocates moves; replaced by cache.compact()
         tables = {rid: cache.block_table(rid) for rid in self._movable()}
         holes = np.flatnonzero(pool.states() == 0)                       # free, no content; ascending
         cands = sorted(((int(b), rid, i) for rid, t in tables.items() for i, b in enumerate(t.tolist())),
@@ -342,7 +342,7 @@ class ContinuousBatchKVCacheManager:
         to serve this (the adaptive policy may still run its low-watermark batch, as
         after any allocation).
         """
-        pool = self.cache.pool
+        pool = self.cache._pool   # takes specific free blocks; replaced by cache.compact()
         queue = pool.free_block_queue()
         where = np.full(pool.num_blocks, -1, dtype=np.int64)
         where[queue] = np.arange(len(queue))
