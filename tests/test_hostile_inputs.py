@@ -26,11 +26,13 @@ def test_every_hostile_input_gets_a_typed_error_and_leaves_state_unchanged():
 def test_cache_pool_is_read_only_for_callers():
     cache = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=8))
     cache.add_sequence(0, [1, 2, 3, 4, 5])
+    cache.reserve(0, 5)
     held = cache.block_table(0)
-    before = cache.pool.ref_cnt.tolist()
+    before = (cache.pool.ref_cnt.tolist(), cache.pool.num_free_blocks)
+    assert len(held) == 2 and before[1] == 6
     with pytest.raises(InvalidArgumentError, match=r"cache.pool: expected read-only use .*got a call to pool.free"):
         cache.pool.free(held)
     with pytest.raises(InvalidArgumentError, match=r"got a call to pool.allocate"):
         cache.pool.allocate(1)
-    assert cache.pool.ref_cnt.tolist() == before and cache.pool.num_free_blocks == 6
+    assert (cache.pool.ref_cnt.tolist(), cache.pool.num_free_blocks) == before
     cache.free(0)
