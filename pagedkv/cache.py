@@ -250,6 +250,25 @@ class PagedKVCache:
                     num_tokens = as_counts(num_tokens)
             self.tables.unreserve(keys, num_tokens, internal=internal)
 
+    def truncate(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> None:
+        """Drop the last ``num_tokens`` committed tokens of each sequence, e.g. draft
+        tokens a speculative step rejected; reserved, uncommitted slots go back too.
+
+        Blocks left empty return to the pool. Shared blocks (forks, prefix hits) and
+        registered ones are never altered: the next write into a kept, partially filled
+        one copies it first. The sequence registers full blocks again from its last
+        remaining full block. All or nothing."""
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            keys, internal = self._ids.batch(seq_ids)
+            if type(num_tokens) is int or isinstance(num_tokens, np.integer):
+                num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens, "num_tokens"),
+                                     np.int64)
+            else:
+                num_tokens = as_counts(num_tokens, "num_tokens")
+            self.tables.truncate(keys, num_tokens, internal=internal)
+
     def num_blocks(self, seq_id: SeqId) -> int:
         """Blocks the sequence holds (``ceil(num_reserved / block_size)``)."""
         return -(-self.num_reserved(seq_id) // self.config.block_size)

@@ -594,6 +594,67 @@ cdef class BlockTables:
                 self.pool.release_batch(row.blocks + keep, row.num_blocks - keep, NULL, 0)
                 row.num_blocks = <int32_t>keep
 
+    def truncate(self, keys, counts, bint internal=False):
+        """Drop the last ``counts`` committed tokens of each sequence (rollback of
+        rejected draft tokens); reserved, uncommitted slots after them go back too.
+
+        Blocks left covering no token return to the pool, tail first. A block that
+        stays is never written in place while shared or registered: the next reserve
+        copies it first (copy-on-write), so forks and prefix hits keep their KV. The
+        prefix cursor steps back to the last full block that remains; if that block's
+        chain was evicted meanwhile, the sequence stops registering (a later lookup can
+        only miss). All or nothing."""
+        cdef int64_t m = self.load_keys(keys), i, n, keep, L, scalar, most = 0, nh, j
+        self.load_counts(counts, m, "num_tokens", &scalar)
+        cdef const int64_t* cp = <const int64_t*>self.counts_buf.data
+        cdef int32_t* rp = self.rows_for(m, internal)
+        cdef SeqRow* rows = self.store.rows
+        cdef SeqRow* row
+        cdef int32_t bs = self.block_size, sh = self.bs_shift, got
+        cdef block_id_t t
+        cdef block_id_t* scratch
+        for i in range(m):
+            row = &rows[rp[i]]
+            if cp[i] > row.num_computed:
+                raise InvalidArgumentError(expected(
+                    "num_tokens", f"at most {row.num_computed} (the committed tokens) for sequence "
+                    f"{self.namer(row.key)!r}", f"{cp[i]} at index {i}"))
+            nh = blk_of(row.num_computed - cp[i], bs, sh)
+            if nh > most:
+                most = nh
+        buf_reserve(&self.cls_buf, most * sizeof(block_id_t))   # the cursor walk's scratch
+        scratch = <block_id_t*>self.cls_buf.data
+        for i in range(m):
+            row = &rows[rp[i]]
+            L = row.num_computed - cp[i]
+            keep = nblocks_for(L, bs, sh)
+            if keep < row.num_blocks:
+                n = row.num_blocks - keep
+                for j in range(n // 2):       # tail first: the last block is evicted first
+                    t = row.blocks[keep + j]
+                    row.blocks[keep + j] = row.blocks[row.num_blocks - 1 - j]
+                    row.blocks[row.num_blocks - 1 - j] = t
+                if self.pool.release_batch(row.blocks + keep, n, NULL, 0) >= 0:
+                    raise InternalError(f"truncate: sequence {self.namer(row.key)!r} held a block "
+                                        "the pool counts as free (a bug)")
+                row.num_blocks = <int32_t>keep
+            row.num_computed = row.num_reserved = L
+            if row.num_known > L:
+                row.num_known = L
+            if row.prompt_len > L:
+                row.prompt_len = L
+            if row.num_prefix_hit > keep:
+                row.num_prefix_hit = <int32_t>keep
+            nh = blk_of(L, bs, sh)
+            if row.cur.num_hashed > nh:
+                if row.cur.track and self.indexed:
+                    got = self.index.lookup(row.tokens, nh * bs, row.cur.ns_id, row.cur.ns_hash,
+                                            scratch, &row.cur, <int32_t>nh)
+                    if got < nh:
+                        row.cur.track = 0
+                else:
+                    row.cur.num_hashed = <int32_t>nh
+
     def take_copies(self):
         """Pending copy-on-write pairs as an int32 ``[P, 2]`` array of (src, dst); clears them.
 
