@@ -237,17 +237,30 @@ class PagedKVCache:
                 self._copy_pairs(pairs)
             return pairs
 
-    def compact(self) -> np.ndarray:
-        """Move blocks held by one sequence into the lowest empty blocks, highest first
-        (see :mod:`pagedkv.compaction`), so the blocks in use sit at the bottom of the
-        pool. Returns the int32 ``[P, 2]`` (old, new) pairs; KV is copied as by
-        :meth:`relocate`."""
+    def compact(self, seq_ids: Optional[SeqIds] = None) -> np.ndarray:
+        """Move blocks into the lowest empty blocks, highest first (see
+        :mod:`pagedkv.compaction`), so the blocks in use sit at the bottom of the pool.
+
+        ``seq_ids``: the sequences whose blocks may move (all device-resident ones by
+        default). Only blocks a sequence holds alone move (as :meth:`relocate`); shared
+        blocks, pinned blocks and cached prefixes stay where they are, and no cached
+        prefix is evicted to make room. Returns the int32 ``[P, 2]`` (old, new) pairs,
+        highest old block first; KV is copied as by :meth:`relocate`."""
         from pagedkv.compaction import plan_compaction
 
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            plan = plan_compaction(self.pool, self.tables, self.tables.keys().tolist())
+            if seq_ids is None:
+                keys = self.tables.keys().tolist()
+            else:
+                keys, internal = self._ids.batch(seq_ids)
+                keys = list(dict.fromkeys(np.atleast_1d(keys).tolist()))
+                for k in keys:
+                    if k < 0 and not internal:      # negative keys name interned ids only
+                        raise SequenceNotFoundError(k, "seq_ids")
+                    self.tables.blocks(k)           # unknown ids raise before anything moves
+            plan = plan_compaction(self.pool, self.tables, keys)
             done = []
             try:
                 for k, moves in plan.items():
@@ -256,7 +269,7 @@ class PagedKVCache:
                 pairs = np.concatenate(done) if done else np.empty((0, 2), dtype=np.int32)
                 if len(pairs):
                     self._copy_pairs(pairs)
-            return pairs
+            return pairs[np.argsort(-pairs[:, 0].astype(np.int64), kind="stable")]
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write pairs ``[P, 2]`` (src, dst) a bookkeeping-only cache owes its
