@@ -174,3 +174,22 @@ def test_compact_without_a_store_owes_the_copies():
     assert len(pairs) and np.array_equal(cache.take_copies(), pairs)
     assert sorted(np.concatenate([cache.block_table(s) for s in (1, 3)]).tolist()) == [0, 1, 2, 3]
     cache.free([1, 3])
+
+
+def test_compact_only_the_sequences_named():
+    gen = torch.Generator().manual_seed(5)
+    cache = make(num_blocks=16)
+    for s in ("gap", "a", "b"):
+        cache.add_sequence(s)
+        fill(cache, s, 8, gen)                              # gap 0-1, a 2-3, b 4-5
+    cache.free(["gap"])
+    b_before = cache.block_table("b").copy()
+    before = snapshot(cache)
+    with pytest.raises(SequenceNotFoundError):
+        cache.compact(["a", "nope"])
+    assert cache.block_table("a").tolist() == [2, 3]        # nothing moved
+    pairs = cache.compact(["a"])
+    assert pairs.tolist() == [[3, 0], [2, 1]]
+    assert cache.block_table("a").tolist() == [1, 0] and np.array_equal(cache.block_table("b"), b_before)
+    assert_same_kv(cache, before)
+    cache.free(["a", "b"])
