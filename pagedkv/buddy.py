@@ -61,7 +61,8 @@ class BuddyAllocator:
     # ---- queries -------------------------------------------------------------------
     def order_of(self, start: int) -> int:
         """Order of the live run starting at ``start``."""
-        order = self._live.get(start if type(start) is int else -1)
+        ok = isinstance(start, (int, np.integer)) and not isinstance(start, bool)
+        order = self._live.get(int(start) if ok else -1)
         if order is None:
             raise InvalidBlockError(expected("start", "the start of a live run (double free?)", repr(start)))
         return order
