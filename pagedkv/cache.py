@@ -205,13 +205,73 @@ class PagedKVCache:
             return slots
 
     def _copy_on_write(self) -> None:
-        pairs = self.tables.take_copies()
+        self._copy_pairs(self.tables.take_copies())
+
+    def _copy_pairs(self, pairs: np.ndarray) -> None:
+        """Copy KV of (src, dst) block pairs now, or owe them (bookkeeping-only cache)."""
         if self.store is not None:
             import torch
 
             self.store.copy_blocks(torch.from_numpy(pairs))
         else:
             self._copies.append(pairs)
+
+    def relocate(self, seq_id: SeqId, moves) -> np.ndarray:
+        """Move blocks of one sequence into free blocks of the caller's choice.
+
+        ``moves``: int ``[P, 2]`` of (a block of ``seq_id``'s table, a free unpinned
+        block). The KV is copied across all layers and the table rewritten; token
+        counts, token ids, namespace and priorities are unchanged, and the old block is
+        released. Works for any sequence and namespace, but only for blocks it holds
+        alone: a block shared with a fork or a prefix hit is refused with
+        ``InvalidBlockError`` (moving it for one holder would cost a block, not free
+        one). A registered prefix block stays registered where it is (cached-free, its
+        content intact), as after a copy-on-write. All or nothing: a bad move raises a
+        typed error and changes nothing. Returns the int32 (old, new) pairs. Slots and
+        tables taken before are stale afterwards. (A bookkeeping-only cache owes the
+        copies: :meth:`take_copies`.)
+        """
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            pairs = self.tables.relocate(self._ids.key(seq_id), moves)
+            if len(pairs):
+                self._copy_pairs(pairs)
+            return pairs
+
+    def compact(self, seq_ids: Optional[SeqIds] = None) -> np.ndarray:
+        """Move blocks into the lowest empty blocks, highest first (see
+        :mod:`pagedkv.compaction`), so the blocks in use sit at the bottom of the pool.
+
+        ``seq_ids``: the sequences whose blocks may move (all device-resident ones by
+        default). Only blocks a sequence holds alone move (as :meth:`relocate`); shared
+        blocks, pinned blocks and cached prefixes stay where they are, and no cached
+        prefix is evicted to make room. Returns the int32 ``[P, 2]`` (old, new) pairs,
+        highest old block first; KV is copied as by :meth:`relocate`."""
+        from pagedkv.compaction import plan_compaction
+
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            if seq_ids is None:
+                keys = self.tables.keys().tolist()
+            else:
+                keys, internal = self._ids.batch(seq_ids)
+                keys = list(dict.fromkeys(np.atleast_1d(keys).tolist()))
+                for k in keys:
+                    if k < 0 and not internal:      # negative keys name interned ids only
+                        raise SequenceNotFoundError(k, "seq_ids")
+                    self.tables.blocks(k)           # unknown ids raise before anything moves
+            plan = plan_compaction(self._pool, self.tables, keys)
+            done = []
+            try:
+                for k, moves in plan.items():
+                    done.append(self.tables.relocate(k, moves))
+            finally:                   # moves applied are copied whatever happens next
+                pairs = np.concatenate(done) if done else np.empty((0, 2), dtype=np.int32)
+                if len(pairs):
+                    self._copy_pairs(pairs)
+            return pairs[np.argsort(-pairs[:, 0].astype(np.int64), kind="stable")]
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write pairs ``[P, 2]`` (src, dst) a bookkeeping-only cache owes its
