@@ -13,6 +13,7 @@ import torch
 from pagedkv import dtypes
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
+from pagedkv.quant import dequantize, quantize
 
 MODEL = tuple(d.torch_dtype for d in dtypes.MODEL)
 QUANT = tuple(d.torch_dtype for d in dtypes.QUANTIZED)
@@ -211,3 +212,95 @@ def arenas(kind: str, d: int, gen, nb=NB, layers=3):
     if kind == "int8":
         out.append(torch.randn(layers, nb, 2, BS, H, generator=gen))
     return out
+
+
+# ----------------------------------------------------------------------------------
+# a layer with a dense model of its contents (random shapes; test_ops_cpu.py too)
+
+
+MODEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+KV_DTYPES = MODEL_DTYPES + ["fp8_e4m3", "fp8_e5m2", "int8"]
+STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+
+
+class Layer:
+    """A per-layer view plus its scale/zero views, and a dense model of what it holds."""
+
+    def __init__(self, nb, bs, h, d, kv_dtype, layout="NHD", seed=0, random=False):
+        self.nb, self.bs, self.h, self.d, self.layout = nb, bs, h, d, layout
+        self.quant = kv_dtype if isinstance(kv_dtype, str) else None
+        self.model_dtype = torch.float16 if self.quant else kv_dtype
+        storage = STORAGE[self.quant] if self.quant else kv_dtype
+        shape = (nb, 2, bs, h, d) if layout == "NHD" else (nb, 2, h, bs, d)
+        g = torch.Generator().manual_seed(seed)
+        if random:  # start from garbage so untouched slots are checked too
+            self.kv = torch.randint(-100, 100, shape, generator=g).to(storage)
+        else:
+            self.kv = torch.zeros(shape, dtype=storage)
+        self.scale = torch.rand(shape[:-1], generator=g) if self.quant else None
+        self.zero = torch.rand(shape[:-1], generator=g) if self.quant == "int8" else None
+
+    def kw(self):
+        return dict(layout=self.layout, kv_scale=self.scale, kv_zero=self.zero)
+
+    def gather_kw(self):
+        return dict(self.kw(), out_dtype=self.model_dtype if self.quant else None)
+
+    def clone(self):
+        c = object.__new__(Layer)
+        c.__dict__.update(self.__dict__)
+        c.kv = self.kv.clone()
+        c.scale = None if self.scale is None else self.scale.clone()
+        c.zero = None if self.zero is None else self.zero.clone()
+        return c
+
+    def state(self):
+        return [t.clone() for t in (self.kv, self.scale, self.zero) if t is not None]
+
+
+def bits(t):
+    """Bit pattern of a tensor (NaN-safe, -0.0-safe equality)."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+        return t.view(torch.uint8)
+    if t.is_floating_point():
+        return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+    return t
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def same_state(xs, ys):
+    return len(xs) == len(ys) and all(same(x, y) for x, y in zip(xs, ys))
+
+
+def rand_kv(n, h, d, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, h, d, generator=g) * 3).to(dtype), (torch.randn(n, h, d, generator=g) * 3).to(dtype)
+
+
+def expected_rows(x, quant, out_dtype):
+    """What a gather returns for rows written from ``x``: exact, or quantize->dequantize."""
+    if quant is None:
+        return x
+    return dequantize(*quantize(x, quant), out_dtype)
+
+
+def csr(tables, seq_lens):
+    indptr = [0]
+    for t in tables:
+        indptr.append(indptr[-1] + len(t))
+    return (
+        torch.tensor(indptr, dtype=torch.int32),
+        torch.tensor([b for t in tables for b in t], dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+    )
+
+
+def padded(tables, seq_lens, width=None):
+    width = width or max([len(t) for t in tables] + [0])
+    table = torch.full((len(tables), width), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return table, torch.tensor(seq_lens, dtype=torch.int32)

@@ -15,23 +15,32 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backend_cases import (
     BS,
     H,
+    KV_DTYPES,
     LAYOUTS,
     MODEL,
     NB,
     QUANT,
+    Layer,
     arenas,
     assert_same,
     clones,
+    csr,
     layer_shape,
     make_backend,
     name,
     offset_view,
+    padded,
     quantized_layer,
+    rand_kv,
     random_layer,
+    same,
+    same_state,
     slot_mapping,
     special_rows,
     tables,
@@ -334,3 +343,95 @@ def test_convert_layout_round_trip_restores_the_arena(backend):
     data = random_layer("HND", torch.float16, 8, gen=torch.Generator().manual_seed(1))
     there = backend.ops.convert_layout(backend.copy(data), "HND", "NHD")
     assert_same(backend.ops.convert_layout(there, "NHD", "HND"), data)
+
+
+# ----------------------------------------------------------------------------------
+# random shapes (hypothesis)
+
+
+def _on(backend, *ts):
+    return [backend.copy(t) for t in ts]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kv_dtype=st.sampled_from(KV_DTYPES),
+    layout=st.sampled_from(["NHD", "HND"]),
+    nb=st.integers(1, 20),
+    bs=st.integers(1, 9),
+    h=st.integers(1, 4),
+    d=st.integers(1, 70),
+    n=st.integers(0, 60),
+    seed=st.integers(0, 2**16),
+)
+def test_write_equals_reference(backend, kv_dtype, layout, nb, bs, h, d, n, seed):
+    a = Layer(nb, bs, h, d, kv_dtype, layout, seed=seed, random=True)
+    g = torch.Generator().manual_seed(seed)
+    n = min(n, nb * bs)
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    slots[torch.rand(n, generator=g) < 0.2] = -1  # padding tokens
+    k, v = rand_kv(n, h, d, a.model_dtype, seed=seed)
+    kv, scale, zero = _on(backend, a.kv, a.scale, a.zero)
+    ref.write_kv(a.kv, slots, k, v, **a.kw())
+    dev = backend.device
+    backend.ops.write_kv(kv, slots.to(dev), k.to(dev), v.to(dev), layout=layout, kv_scale=scale, kv_zero=zero)
+    assert same_state(a.state(), [t.cpu() for t in (kv, scale, zero) if t is not None])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kv_dtype=st.sampled_from(KV_DTYPES),
+    layout=st.sampled_from(["NHD", "HND"]),
+    bs=st.integers(1, 9),
+    h=st.integers(1, 4),
+    d=st.integers(1, 40),
+    lens=st.lists(st.integers(0, 40), min_size=0, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_gather_equals_reference(backend, kv_dtype, layout, bs, h, d, lens, seed):
+    nb = 24
+    a = Layer(nb, bs, h, d, kv_dtype, layout, seed=seed, random=True)
+    g = torch.Generator().manual_seed(seed)
+    tables = []
+    for n in lens:
+        need = -(-n // bs) + int(torch.randint(0, 2, (1,), generator=g))  # sometimes a spare block
+        tables.append(torch.randint(0, nb, (need,), generator=g).tolist())  # repeats allowed on read
+    dev = backend.device
+    kv, scale, zero = _on(backend, a.kv, a.scale, a.zero)
+    kw = dict(layout=layout, kv_scale=scale, kv_zero=zero, out_dtype=a.gather_kw()["out_dtype"])
+    r = ref.gather_kv(a.kv, *csr(tables, lens), **a.gather_kw())
+    c = backend.ops.gather_kv(kv, *[x.to(dev) for x in csr(tables, lens)], **kw)
+    c = [x.cpu() for x in c]
+    assert same(r[0], c[0]) and same(r[1], c[1])
+    rp = ref.gather_kv_padded(a.kv, *padded(tables, lens), **a.gather_kw())
+    cp = backend.ops.gather_kv_padded(kv, *[x.to(dev) for x in padded(tables, lens)], **kw)
+    cp = [x.cpu() for x in cp]
+    assert same(rp[0], c[0]) and same(cp[0], c[0]) and same(cp[1], c[1])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("pair_dtype", [torch.int64, torch.int32])
+def test_copy_and_swap_equal_reference(backend, kv_dtype, pair_dtype):
+    layers, nb = 3, 10
+    # all-layer arenas (data, scale, zero) with different garbage in every layer
+    arenas = [torch.stack([Layer(nb, 4, 2, 5, kv_dtype, seed=s, random=True).state()[i] for s in range(layers)])
+              for i in range(len(Layer(nb, 4, 2, 5, kv_dtype).state()))]
+    pairs = torch.tensor([[1, 4], [2, 5], [1, 9]], dtype=pair_dtype)
+    ra, ca = [a.clone() for a in arenas], _on(backend, *arenas)
+    ref.copy_blocks(ra, pairs)
+    backend.ops.copy_blocks(ca, pairs)
+    ca = [a.cpu() for a in ca]
+    assert same_state(ra, ca)
+    for before, after in zip(arenas, ca):  # every arena, every layer
+        assert same(after[:, 4], before[:, 1]) and same(after[:, 9], before[:, 1])
+        assert same(after[:, 5], before[:, 2]) and same(after[:, 0], before[:, 0])
+    host_r = [torch.zeros((layers, 4) + a.shape[2:], dtype=a.dtype) for a in arenas]
+    host_c = [backend.host(h) for h in host_r]
+    hp = torch.tensor([[7, 0], [1, 3]], dtype=pair_dtype)
+    ref.swap_blocks(arenas, host_r, hp)
+    backend.ops.swap_blocks(_on(backend, *arenas), host_c, hp)
+    backend.sync()
+    assert same_state(host_r, host_c)
+    for before, host in zip(arenas, host_c):
+        assert same(host[:, 0], before[:, 7]) and same(host[:, 3], before[:, 1])
+        assert not bool(host[:, 1].view(torch.uint8).any())  # untouched host blocks stay zero
