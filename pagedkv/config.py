@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from pagedkv import dtypes
 from pagedkv.errors import DTypeError, InvalidArgumentError, expected
 from pagedkv.gguf_metadata import GGUF_MAGIC, hf_fields_from_gguf, read_gguf_metadata
 
@@ -28,22 +29,12 @@ __all__ = [
 ]
 
 #: canonical model dtype name -> bytes per element
-MODEL_DTYPE_NAMES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+MODEL_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 #: canonical quantized kv dtype name -> bytes per element
-KV_DTYPE_NAMES: Dict[str, int] = {"fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+KV_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.QUANTIZED}
 EVICTION_POLICIES = ("lru", "priority", "adaptive", "frequency")
 LAYOUTS = ("NHD", "HND")
 
-_DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}
-_KV_ALIASES = {
-    "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
-    "int8": "int8",
-}
 _SCALE_BYTES = 4  # float32 scale (and int8 zero point) per (token, head, K/V)
 
 _UNITS = {
@@ -91,39 +82,35 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _torch_dtype_name(value: Any) -> Optional[str]:
-    """The name of a torch dtype (``torch.float16`` -> ``"float16"``), or None if not one."""
-    if type(value).__name__ != "dtype" or type(value).__module__ != "torch":
-        return None
-    return str(value).replace("torch.", "")
+def _short(row: dtypes.DTypeInfo) -> str:
+    return row.name + (f"/{row.aliases[0]}" if row.aliases else "")
+
+
+def _choices(rows) -> str:
+    """``"float32/fp32, float16/fp16 or bfloat16/bf16"``: each name with its short alias."""
+    names = [_short(d) for d in rows]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def dtype_name(value: Any, name: str = "dtype") -> str:
     """Canonical model dtype name of a torch dtype or alias string."""
-    raw = _torch_dtype_name(value)
-    if raw is None and isinstance(value, str):
-        raw = value.lower()
-    canon = _DTYPE_ALIASES.get(raw) if raw is not None else None
-    if canon is None:
-        raise DTypeError(expected(name, "float32/fp32, float16/fp16 or bfloat16/bf16", repr(value)))
-    return canon
+    row = dtypes.lookup(value)
+    if row is None or row.quantized:
+        raise DTypeError(expected(name, _choices(dtypes.MODEL), repr(value)))
+    return row.name
 
 
 def kv_dtype_name(value: Any, dtype: str, name: str = "kv_dtype") -> Optional[str]:
     """Canonical kv dtype: None when it equals the model dtype, else a quantized name."""
     if value is None:
         return None
-    raw = _torch_dtype_name(value)
-    if raw is None and isinstance(value, str):
-        raw = value.lower()
-    if raw is not None and _DTYPE_ALIASES.get(raw) == dtype:
+    row = dtypes.lookup(value)
+    if row is not None and row.name == dtype:
         return None
-    canon = _KV_ALIASES.get(raw) if raw is not None else None
-    if canon is None:
-        raise DTypeError(
-            expected(name, f"None, the model dtype ({dtype}), or one of fp8_e4m3/fp8, fp8_e5m2, int8", repr(value))
-        )
-    return canon
+    if row is None or not row.quantized:
+        quant = ", ".join(_short(d) for d in dtypes.QUANTIZED)
+        raise DTypeError(expected(name, f"None, the model dtype ({dtype}), or one of {quant}", repr(value)))
+    return row.name
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -271,7 +258,7 @@ class CacheConfig:
         """Bytes of one token across all layers, K and V, including quantization scales."""
         per_head = self.head_dim * self.element_bytes
         if self.quantized:
-            per_head += _SCALE_BYTES * (2 if self.kv_dtype == "int8" else 1)
+            per_head += _SCALE_BYTES * (2 if dtypes.info(self.kv_dtype).zero_point else 1)
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
@@ -324,17 +311,12 @@ class CacheConfig:
     @property
     def torch_dtype(self):
         """The model dtype as a torch dtype (imports torch)."""
-        import torch
-
-        return getattr(torch, self.dtype)
+        return dtypes.info(self.dtype).torch_dtype
 
     @property
     def torch_cache_dtype(self):
         """The data arena's torch dtype (imports torch)."""
-        import torch
-
-        names = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"}
-        return getattr(torch, names.get(self.cache_dtype, self.cache_dtype))
+        return dtypes.info(self.cache_dtype).torch_dtype
 
     # -- construction from a model config -----------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from pagedkv import ops
+from pagedkv import dtypes, ops
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
 
@@ -53,7 +53,7 @@ class KVStore:
             raise InvalidArgumentError(expected("config", "a CacheConfig", type(config).__name__))
         self.requested_config = config
         self.device = torch.device(config.device)
-        if config.kv_dtype in ("fp8_e4m3", "fp8_e5m2") and not fp8_check(self.device):
+        if config.quantized and dtypes.info(config.kv_dtype).float8 and not fp8_check(self.device):
             msg = (
                 f"pagedkv: kv_dtype={config.kv_dtype} needs fp8 support (CUDA compute capability "
                 f">= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}), which {self.device} lacks; "
@@ -79,7 +79,7 @@ class KVStore:
         scale = zero = None
         if cfg.quantized:
             scale = torch.zeros(shape[:-1], dtype=torch.float32, **kw)
-            if cfg.kv_dtype == "int8":
+            if dtypes.info(cfg.kv_dtype).zero_point:
                 zero = torch.zeros(shape[:-1], dtype=torch.float32, **kw)
         return kv, scale, zero
 
