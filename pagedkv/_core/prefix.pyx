@@ -308,14 +308,17 @@ cdef class PrefixIndex:
         return bool(self.registered[block_id])
 
     def block_info(self, int32_t block_id):
-        """Registration record of a block: hash, parent hash, tokens, namespace, parent block."""
+        """Registration record of a block: hash, parent hash, tokens, namespace, parent
+        block and the parent's generation when this block was registered (None when the
+        block is not registered)."""
         self._check_block(block_id)
         if not self.registered[block_id]:
             return None
         tokens = [self.block_tokens[<size_t>block_id * self.block_size + i] for i in range(self.block_size)]
         return {"hash": self.block_hash[block_id], "parent_hash": self.parent_hash[block_id],
                 "tokens": tokens, "namespace": self.block_ns[block_id],
-                "parent_block": self.parent_block[block_id], "generation": self.gen[block_id]}
+                "parent_block": self.parent_block[block_id], "parent_generation": self.parent_gen[block_id],
+                "generation": self.gen[block_id]}
 
     def cached_blocks(self):
         """Ids of all registered blocks, ascending (int32 array)."""
