@@ -47,6 +47,8 @@ setup(
         "pagedkv.kernels",
         "pagedkv.integrations",
         "pagedkv.compat",
+        "pagedkv.tiers",
+        "pagedkv.transfer",
         "pagedkv._cuda_src",
     ],
     package_dir={"pagedkv._cuda_src": "cuda"},

@@ -53,6 +53,11 @@ class PagedKVCache:
             bookkeeping-only cache (no torch needed), e.g. for a scheduler or tests.
         weak_hash: tests only: a 4-valued block hash that collides constantly, to
             prove that collisions cost misses and never wrong KV.
+
+    With prefix tiers configured (``config.prefix_host_blocks``,
+    ``config.prefix_disk_blocks``), evicted prefix blocks move down to host memory and
+    disk and come back on admission (:mod:`pagedkv.tiers`); :meth:`close` releases the
+    disk tier's files (also on leaving a ``with`` block).
     """
 
     def __init__(self, config: CacheConfig, *, allocate_store: bool = True, weak_hash: bool = False):
@@ -70,7 +75,7 @@ class PagedKVCache:
         self.index: Optional[PrefixIndex] = None
         if config.enable_prefix_caching:
             self.index = PrefixIndex(bs, nb, hash_seed=config.hash_seed, weak_hash=weak_hash,
-                                     events=config.enable_kv_events)
+                                     events=config.enable_kv_events, tier_log=config.has_prefix_tiers)
         self.pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
                               low_watermark=config.low_watermark, high_watermark=config.high_watermark,
                               shuffle_seed=config.shuffle_free_blocks, index=self.index)
@@ -81,12 +86,22 @@ class PagedKVCache:
         self._next_key = -1
         self._namespaces: Dict[Tuple[Any, Any], Tuple[int, int]] = {(None, None): (0, 0)}
         self._ns_names: Dict[int, Tuple[Any, Any]] = {0: (None, None)}
+        default = namespace_key(None, None)
+        self._ns_keys: Dict[int, bytes] = {0: default}   # namespace id -> process-independent key
+        self._ns_by_key: Dict[bytes, int] = {default: 0}
         self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
         self._host = None
         if config.host_num_blocks:
             from pagedkv.offload import HostTier
 
             self._host = HostTier(self, config.host_num_blocks)
+        self._tiers = None
+        if config.has_prefix_tiers:
+            if self.store is None:
+                raise InvalidArgumentError(expected("allocate_store", "True with prefix tiers (they hold KV)", False))
+            from pagedkv.tiers import PrefixTiers
+
+            self._tiers = PrefixTiers(self)
 
     # ---- ids ----------------------------------------------------------------------
     def _key(self, seq_id: SeqId, create: bool = False, argument: str = "seq_id") -> int:
@@ -134,21 +149,30 @@ class PagedKVCache:
             return found
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidArgumentError(expected("cache_salt", "a str or None", type(cache_salt).__name__))
-        # Domain separation: each field is tagged and length-prefixed, so a salt "X"
-        # and an adapter "X" (or "a" + "bc" vs "ab" + "c") never share a namespace.
-        parts = [b"pagedkv-namespace-v1"]
-        for tag, value in ((b"salt", cache_salt), (b"adapter", adapter_id)):
-            if value is None:
-                parts.append(tag + b":none")
-            else:
-                raw = repr(value).encode() if not isinstance(value, str) else value.encode()
-                kind = type(value).__name__.encode()
-                parts.append(tag + b":" + kind + b":" + str(len(raw)).encode() + b":" + raw)
-        ns_hash = hash_bytes(b"\x00".join(parts))
+        key = namespace_key(cache_salt, adapter_id)
+        ns_hash = hash_bytes(key)
         ns_id = len(self._namespaces)
         self._namespaces[ns] = (ns_id, ns_hash)
         self._ns_names[ns_id] = ns
+        self._ns_keys[ns_id] = key
+        self._ns_by_key[key] = ns_id
         return ns_id, ns_hash
+
+    def _namespace_key(self, ns_id: int) -> bytes:
+        return self._ns_keys[ns_id]
+
+    def _namespace_hash_of_key(self, key: bytes) -> int:
+        ns_id = self._ns_by_key.get(key)
+        return hash_bytes(key) if ns_id is None else self._namespaces[self._ns_names[ns_id]][1]
+
+    def _namespace_of_key(self, key: bytes):
+        """``(cache_salt, adapter_id)`` of a namespace key as KV events name it (None:
+        the default); the raw key when this process has not used that namespace."""
+        ns_id = self._ns_by_key.get(key)
+        if ns_id is None:
+            return key
+        ns = self._ns_names[ns_id]
+        return None if ns == (None, None) else ns
 
     # ---- lifecycle ----------------------------------------------------------------
     def add_sequence(self, seq_id: SeqId, prompt_token_ids: Optional[Iterable[int]] = None, *,
@@ -178,13 +202,22 @@ class PagedKVCache:
                 if self._host is not None and self._host.holds(key):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
-                return self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+                hit = self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
             except SequenceExistsError:
                 raise SequenceExistsError(seq_id) from None   # name the caller's id, not the key
             except BaseException:
                 if fresh:
                     self._forget(key)
                 raise
+            if self._tiers is not None and tokens is not None:
+                try:
+                    hit = self._tiers.promote(key, tokens, ns_id, hit)
+                except BaseException:
+                    self.tables.remove(key, internal=True)
+                    if fresh:
+                        self._forget(key)
+                    raise
+            return hit
 
     def _forget(self, key: int) -> None:
         name = self._names.pop(key, None)
@@ -204,6 +237,8 @@ class PagedKVCache:
         with self._lock:
             keys, internal = self._batch(seq_ids)
             slots = self.tables.reserve(keys, num_tokens, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()      # evicted KV goes down before anything overwrites it
             if self.tables.num_pending_copies:
                 self._copy_on_write()
             return slots
@@ -220,6 +255,8 @@ class PagedKVCache:
         with self._lock:
             keys, internal = self._batch(seq_ids)
             slots = self.tables.advance(keys, token_ids, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()
             if self.tables.num_pending_copies:
                 self._copy_on_write()
             return slots
@@ -257,6 +294,8 @@ class PagedKVCache:
         with self._lock:
             keys, internal = self._batch(seq_ids)
             self.tables.commit(keys, num_tokens, token_ids, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()
 
     def unreserve(self, seq_ids: SeqIds, num_tokens=None) -> None:
         """Give back reserved, uncommitted tokens (all when ``num_tokens`` is None), e.g.
@@ -385,13 +424,17 @@ class PagedKVCache:
 
     def match_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
-        """Tokens of ``token_ids`` a new sequence would find cached now (no side effects)."""
+        """Tokens of ``token_ids`` a new sequence would find cached now (no side effects),
+        on the device or in a prefix tier (whichever holds more full blocks)."""
         if self.index is None:
             return 0
         tokens = as_token_ids(token_ids)
         with self._lock:
             ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
-            return len(self.index.match(tokens, ns_id, ns_hash)) * self.config.block_size
+            found = len(self.index.match(tokens, ns_id, ns_hash)) * self.config.block_size
+            if self._tiers is not None:
+                found = max(found, self._tiers.match(tokens, self._ns_keys[ns_id]))
+            return found
 
     def has_available_blocks(self, n: int = 1) -> bool:
         """Whether ``n`` blocks can be allocated now (free or evictable)."""
@@ -407,18 +450,28 @@ class PagedKVCache:
         """Pin the cached full blocks of ``token_ids``; returns the tokens pinned.
 
         Pinned blocks are never evicted, under any policy, until :meth:`unpin_prefix`.
+        The blocks of this prefix that a prefix tier holds are pinned there too (the
+        count is then the longest prefix pinned in any medium).
         """
         blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
         with self._lock:
             self.pool.pin(blocks)
-        return len(blocks) * self.config.block_size
+            tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, True)
+        return max(len(blocks) * self.config.block_size, tiers)
 
     def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
         blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
         with self._lock:
             self.pool.unpin(blocks)
-        return len(blocks) * self.config.block_size
+            tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, False)
+        return max(len(blocks) * self.config.block_size, tiers)
+
+    def _pin_tiers(self, token_ids, cache_salt, adapter_id, pin: bool) -> int:
+        if self._tiers is None:
+            return 0
+        ns_id, _ = self._namespace(cache_salt, adapter_id)
+        return self._tiers.pin(as_token_ids(token_ids), self._ns_keys[ns_id], pin)
 
     def _prefix_blocks(self, token_ids, cache_salt, adapter_id) -> np.ndarray:
         if self.index is None:
@@ -429,9 +482,12 @@ class PagedKVCache:
             return self.index.match(tokens, ns_id, ns_hash)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix. Raises :class:`CacheBusyError` while any block is in use."""
+        """Forget every cached prefix, in the prefix tiers too. Raises
+        :class:`CacheBusyError` while any block is in use."""
         with self._lock:
             self.pool.reset_cache()
+            if self._tiers is not None:
+                self._tiers.clear()
 
     def set_priority(self, seq_id: SeqId, priority: int, start_token: int = 0,
                      end_token: Optional[int] = None) -> None:
@@ -444,6 +500,8 @@ class PagedKVCache:
         if self.index is None or not self.index.events_enabled:
             raise InvalidArgumentError(expected("config.enable_kv_events", "True to drain events", False))
         with self._lock:
+            if self._tiers is not None:
+                return self._tiers.drain_events()
             records = self.index.drain_events()
         return events_from_records(records, self._ns_names, self.config.block_size, self.index.root)
 
@@ -555,6 +613,23 @@ class PagedKVCache:
             self.tables.check_invariants()
             if self._host is not None:
                 self._host.check_invariants()
+            if self._tiers is not None:
+                self._tiers.check_invariants()
+
+    def close(self) -> None:
+        """Release what outlives the process: the disk prefix tier's files are flushed
+        and unlocked, so another cache (or process) can open them. Idempotent; the
+        cache must not be used afterwards."""
+        with self._lock:
+            if self._tiers is not None:
+                self._tiers.close()
+                self._tiers = None
+
+    def __enter__(self) -> "PagedKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         c = self.config
@@ -562,6 +637,22 @@ class PagedKVCache:
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, kv_dtype={c.cache_dtype}, "
                 f"sequences={len(self)}, free_blocks={self.pool.num_free_blocks}, "
                 f"arena={format_bytes(c.total_bytes)})")
+
+
+def namespace_key(cache_salt: Optional[str], adapter_id: Any) -> bytes:
+    """The process-independent key of a prefix namespace (its hash keys the device
+    index; lower tiers and peers compare the key itself)."""
+    # Domain separation: each field is tagged and length-prefixed, so a salt "X"
+    # and an adapter "X" (or "a" + "bc" vs "ab" + "c") never share a namespace.
+    parts = [b"pagedkv-namespace-v1"]
+    for tag, value in ((b"salt", cache_salt), (b"adapter", adapter_id)):
+        if value is None:
+            parts.append(tag + b":none")
+        else:
+            raw = repr(value).encode() if not isinstance(value, str) else value.encode()
+            kind = type(value).__name__.encode()
+            parts.append(tag + b":" + kind + b":" + str(len(raw)).encode() + b":" + raw)
+    return b"\x00".join(parts)
 
 
 def as_token_ids(token_ids) -> np.ndarray:

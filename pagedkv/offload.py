@@ -78,6 +78,8 @@ class HostTier:
         keys = np.array([key], dtype=np.int64)
         tables.add(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority, False)
         tables.reserve(keys, rec.num_computed, internal=True)
+        if cache._tiers is not None:
+            cache._tiers.sync()     # prefix blocks it evicted go down before the load overwrites them
         device_blocks = tables.blocks(key)
         if cache.store is not None and n:
             import torch
@@ -85,6 +87,8 @@ class HostTier:
             pairs = np.stack([rec.host_blocks, device_blocks], axis=1).astype(np.int64)
             cache.store.load(torch.from_numpy(pairs))
         tables.commit(keys, rec.num_computed, internal=True)
+        if cache._tiers is not None:
+            cache._tiers.sync()
         self.pool.free(rec.host_blocks)
         del self.swapped[key]
         return n
