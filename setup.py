@@ -49,6 +49,8 @@ setup(
         "pagedkv.compat",
         "pagedkv.tiers",
         "pagedkv.transfer",
+        "pagedkv.cli",
+        "pagedkv.testing",
         "pagedkv._cuda_src",
     ],
     package_dir={"pagedkv._cuda_src": "cuda"},

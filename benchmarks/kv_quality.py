@@ -66,13 +66,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.smoke:
-        from pagedkv.models import tiny_llama
+        from pagedkv.testing.models import tiny_llama
 
         model, _ = tiny_llama(seed=0)
         ids = torch.randint(0, model.config.vocab_size, (1, 192))
         window, stride, chunk, name = 128, 64, 32, "tiny-random-llama"
     else:
-        from pagedkv.models import load_smollm2
+        from pagedkv.testing.models import load_smollm2
 
         model, tokenizer = load_smollm2()
         ids = text_ids(tokenizer, args.tokens)

@@ -2,7 +2,10 @@
 
 Each operation (add with prefix lookup, reserve, advance, commit with and without token
 ids, fork, free, pin/unpin, reset, priority changes, and hostile input: unknown or
-repeated ids, negative counts, wrong dtypes, out-of-range blocks) is applied to both;
+repeated ids, negative, huge and overflowing counts, wrong dtypes, out-of-range blocks)
+is applied to both; array arguments reach the core in random layouts (big-endian,
+reversed, strided, lists), and some calls get arrays that a second thread rewrites
+while the call runs (the core must act on one consistent snapshot);
 they must agree on the result or raise the same typed error with the state unchanged.
 After every operation the core's cheap counters are compared with the model; every
 ``--check-every`` operations the full state (ref counts, per-list eviction order,
@@ -21,6 +24,7 @@ import argparse
 import json
 import pickle
 import sys
+import threading
 import time
 
 import numpy as np
@@ -38,8 +42,54 @@ class Mismatch(Exception):
     pass
 
 
+class Rewriter:
+    """A thread that keeps flipping an array between two contents. Calls that receive
+    it race with the flips; the GIL is released inside the core's loops, which is where
+    a re-read would pick up a value that was never validated."""
+
+    def __init__(self):
+        self.target = None
+        self.a = self.b = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def aim(self, target, a, b):
+        self.target, self.a, self.b = target, a, b
+
+    def run(self):
+        flip = False
+        while not self.stop.is_set():
+            t = self.target
+            if t is None:
+                time.sleep(0.001)
+                continue
+            flip = not flip
+            t[:] = self.a if flip else self.b
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+
+
+def relayout(arr, rng):
+    """The same values in a random layout: native, big-endian, reversed, strided or a list."""
+    kind = int(rng.integers(0, 5))
+    if kind == 0:
+        return arr
+    if kind == 1:
+        return arr.astype(arr.dtype.newbyteorder(">"))
+    if kind == 2:
+        return arr[::-1].copy()[::-1]
+    if kind == 3:
+        wide = np.zeros(2 * len(arr), dtype=arr.dtype)
+        wide[1::2] = arr
+        return wide[1::2]
+    return arr.tolist()
+
+
 class Fuzzer:
-    def __init__(self, seed: int, policy: str, num_blocks: int = 48, block_size: int = 4):
+    def __init__(self, seed: int, policy: str, rewriter: Rewriter, num_blocks: int = 48, block_size: int = 4):
         self.rng = np.random.default_rng(seed)
         self.nb, self.bs = num_blocks, block_size
         order = np.random.default_rng(seed).permutation(num_blocks).tolist()
@@ -54,6 +104,7 @@ class Fuzzer:
         self.kv: dict = {}
         self.ns: dict = {}
         self.errors = 0
+        self.rewriter = rewriter
 
     # -- helpers -------------------------------------------------------------------------
     def both(self, fast, slow):
@@ -122,7 +173,9 @@ class Fuzzer:
         keys = self.pick(int(self.rng.integers(1, 5)))
         counts = self.rng.integers(0, 7, len(keys)).tolist()
         before = {k: self.tables.num_reserved(k) for k in keys}
-        a, b, err = self.both(lambda: self.tables.reserve(np.array(keys, np.int64), np.array(counts, np.int64)).tolist(),
+        k_arr = relayout(np.array(keys, np.int64), self.rng)
+        c_arr = relayout(np.array(counts, np.int64), self.rng)
+        a, b, err = self.both(lambda: self.tables.reserve(k_arr, c_arr).tolist(),
                               lambda: self.model.reserve(keys, counts))
         if err is None:
             if a != b:
@@ -157,8 +210,10 @@ class Fuzzer:
                 ids += [known[p] if p < len(known) else int(self.rng.integers(0, 3)) for p in range(c, c + n)]
         # positions beyond the known ids were written with unknown content: fix up the
         # ground truth to what the ids now say only where the core learns them
-        self.both(lambda: self.tables.commit(np.array(keys, np.int64), np.array(counts, np.int64),
-                                             None if ids is None else np.array(ids, np.int32)),
+        k_arr = relayout(np.array(keys, np.int64), self.rng)
+        c_arr = relayout(np.array(counts, np.int64), self.rng)
+        t_arr = None if ids is None else relayout(np.array(ids, np.int32), self.rng)
+        self.both(lambda: self.tables.commit(k_arr, c_arr, t_arr),
                   lambda: self.model.commit(keys, counts, ids))
         if ids is not None:
             off = 0
@@ -180,7 +235,9 @@ class Fuzzer:
             pos = self.tables.num_reserved(k)
             ids.append(known[pos] if pos < len(known) else int(self.rng.integers(0, 3)))
         before = {k: self.tables.num_reserved(k) for k in keys}
-        a, b, err = self.both(lambda: self.tables.advance(np.array(keys, np.int64), np.array(ids, np.int32)).tolist(),
+        k_arr = relayout(np.array(keys, np.int64), self.rng)
+        t_arr = relayout(np.array(ids, np.int32), self.rng)
+        a, b, err = self.both(lambda: self.tables.advance(k_arr, t_arr).tolist(),
                               lambda: self.model.advance(keys, ids))
         if err is None:
             if a != b:
@@ -199,13 +256,14 @@ class Fuzzer:
 
     def op_free(self):
         keys = self.pick(int(self.rng.integers(1, 4)))
-        self.both(lambda: self.tables.remove(np.array(keys, np.int64)), lambda: self.model.remove(keys))
+        k_arr = relayout(np.array(keys, np.int64), self.rng)
+        self.both(lambda: self.tables.remove(k_arr), lambda: self.model.remove(keys))
         for k in keys:
             self.keys.remove(k)
 
     def op_hostile(self):
         r = self.rng
-        choice = int(r.integers(0, 6))
+        choice = int(r.integers(0, 9))
         before = self.snapshot()
         if choice == 0:
             keys = r.integers(-3, self.next_key + 3, 3).tolist()
@@ -230,6 +288,21 @@ class Fuzzer:
             keys = self.pick(1) or [0]
             fast = lambda: self.tables.commit(np.array(keys, np.int64), 10_000)  # noqa: E731
             slow = lambda: self.model.commit(keys, 10_000)  # noqa: E731
+        elif choice == 6:
+            # huge counts whose block totals overflow 32 (and 64) bits
+            keys = self.pick(3) or [0]
+            big = [int(r.choice([2**31, 2**40, 2**62, 2**63 - 1])) for _ in keys]
+            fast = lambda: self.tables.reserve(relayout(np.array(keys, np.int64), r), np.array(big, np.int64))  # noqa: E731
+            slow = lambda: self.model.reserve(keys, big)  # noqa: E731
+        elif choice == 7:
+            keys = self.pick(2) or [0]
+            big = int(r.choice([2**62, 2**63 - 1]))
+            fast = lambda: self.tables.commit(np.array(keys, np.int64), np.full(len(keys), big, np.int64))  # noqa: E731
+            slow = lambda: self.model.commit(keys, [big] * len(keys))  # noqa: E731
+        elif choice == 8:
+            keys = self.pick(1) or [0]
+            fast = lambda: self.tables.reserve(keys[0], 2**63)  # noqa: E731
+            slow = lambda: self.model.reserve(keys, 2**63)  # noqa: E731
         else:
             try:
                 self.tables.reserve(np.array(self.keys[:1] or [0], np.int32), 1)  # wrong dtype
@@ -250,6 +323,36 @@ class Fuzzer:
         if err is None and choice == 3:
             # the touch was legal: give the references back so only sequences hold refs
             self.both(lambda: self.pool.free(np.array(ids, np.int32)), lambda: self.mpool.free(ids))
+
+    def op_torn(self):
+        """reserve() with a counts array another thread flips between all-ones and
+        all-2**40: the call must act on one snapshot (all ones: slots like the model's;
+        anything else: refused, state unchanged), never on a mix of checked and unchecked
+        values."""
+        keys = self.pick(3)
+        if not keys:
+            return
+        counts = np.ones(len(keys), dtype=np.int64)
+        before = self.snapshot()
+        reserved = {k: self.tables.num_reserved(k) for k in keys}
+        self.rewriter.aim(counts, 1, 2**40)
+        if self.rng.random() < 0.5:
+            time.sleep(0)           # let the rewriter run first: the snapshot may see any mix
+        try:
+            slots = self.tables.reserve(np.array(keys, np.int64), counts)
+        except PagedKVError:
+            slots = None
+        finally:
+            self.rewriter.aim(None, 0, 0)
+        if slots is None:
+            if self.snapshot() != before:
+                raise Mismatch("a torn reserve that failed changed the state")
+            return
+        expect = self.model.reserve(keys, [1] * len(keys))
+        if slots.tolist() != expect:
+            raise Mismatch("a torn reserve used values other than its snapshot")
+        self.apply_copies(self.tables.take_copies().tolist())
+        self.pending_writes(keys, reserved, slots.tolist())
 
     def op_pin(self):
         prompt = self.rng.integers(0, 3, self.rng.integers(4, 13)).tolist()
@@ -277,7 +380,7 @@ class Fuzzer:
 
     # -- checks --------------------------------------------------------------------------
     def snapshot(self):
-        return (np.asarray(self.pool.ref_cnt).tolist(), self.pool.evictor.order(),
+        return (np.asarray(self.pool.ref_cnt).tolist(), self.pool.free_lists(),
                 {k: self.tables.blocks(k).tolist() for k in self.keys})
 
     def cheap_check(self):
@@ -288,7 +391,7 @@ class Fuzzer:
     def full_check(self):
         self.tables.check_invariants()
         if (np.asarray(self.pool.ref_cnt).tolist() != self.mpool.ref
-                or self.pool.evictor.order() != [list(lst) for lst in self.mpool.lists]):
+                or self.pool.free_lists() != [list(lst) for lst in self.mpool.lists]):
             raise Mismatch("pool state differs from the model")
         for k in self.keys:
             if self.tables.blocks(k).tolist() != self.model.rows[k].blocks:
@@ -297,7 +400,7 @@ class Fuzzer:
             raise Mismatch("cached blocks differ")
 
     OPS = ["add", "add", "reserve", "reserve", "advance", "advance", "commit", "commit", "fork",
-           "free", "free", "hostile", "pin", "priority"]
+           "free", "free", "hostile", "pin", "priority", "torn"]
 
     def step(self):
         if not self.keys:
@@ -323,13 +426,22 @@ def main(argv=None):
     if args.smoke:
         args.ops = min(args.ops, 5_000)
     policies = POLICIES if args.policy == "all" else [args.policy]
+    sys.setswitchinterval(1e-5)   # let the rewriter thread interleave with the core's calls
+    rewriter = Rewriter()
+    try:
+        return run_all(args, policies, rewriter)
+    finally:
+        rewriter.close()
+
+
+def run_all(args, policies, rewriter):
     t0 = time.perf_counter()
     done = errors = 0
     run = 0
     while done < args.ops:
         seed = args.seed * 1_000_003 + run
         policy = policies[run % len(policies)]
-        fz = Fuzzer(seed, policy)
+        fz = Fuzzer(seed, policy, rewriter)
         n = min(args.restart_every, args.ops - done)
         i = 0
         try:

@@ -3,7 +3,8 @@
 An engine calls it at four points:
 
 - **admission**: :meth:`PagedKVCache.add_sequence` learns how much of the prompt is
-  already cached (full blocks only, never the whole prompt);
+  already cached (full blocks only, never the whole prompt); :meth:`can_admit` says
+  beforehand, exactly, whether the blocks are there;
 - **each step**: :meth:`reserve` slots for the next tokens of many sequences in one
   call, :meth:`write` their K/V per layer, :meth:`gather` (or hand
   :meth:`page_table_csr` / :meth:`block_tables` to an attention kernel);
@@ -16,32 +17,72 @@ included, because the core's batch loops release the GIL while they mutate. The 
 classes used directly are not thread-safe. Reads of the store that race with writes of
 the same slots are the caller's business, as with any KV cache.
 
-Sequence ids may be any hashable. Non-negative ints address the core directly, so a
-batch call given an int64 NumPy array crosses into Cython once with no per-id Python
-work; other ids are interned to private negative keys.
+Sequence ids may be any hashable (see :mod:`pagedkv.seq_ids` for the rule: a list, a
+``range`` or a 1-D array is a batch, anything else, tuples included, is one id).
+Non-negative ints address the core directly, so a batch call given an int64 NumPy
+array crosses into Cython once with no per-id Python work; other ids are interned to
+private negative keys, and errors always name the caller's id.
+
+Bad input raises a typed :mod:`pagedkv.errors` error (checks in
+:mod:`pagedkv.arguments`), and a call that raises changes nothing.
 """
 from __future__ import annotations
 
+import collections
 import threading
-from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from pagedkv._core.pool import BlockPool
-from pagedkv._core.prefix import PrefixIndex, hash_bytes
+from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
+from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int
 from pagedkv.config import CacheConfig, format_bytes
-from pagedkv.errors import (InvalidArgumentError, SequenceExistsError,
+from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, PagedKVError, SequenceExistsError,
                             SequenceNotFoundError, expected)
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.namespaces import NamespaceRegistry, namespace_key
+from pagedkv.seq_ids import SequenceIds
 from pagedkv.stats import CacheStats, render_block_map
 
 __all__ = ["PagedKVCache", "as_token_ids"]
 
-SeqId = Hashable
+SeqId = Any
 SeqIds = Union[SeqId, Sequence[SeqId], np.ndarray]
 
-_INT64_MAX = 2**63 - 1
+_I64 = np.dtype(np.int64)
+
+
+class CallerLock:
+    """The manager's lock as callers hold it to make several calls atomic.
+
+    While a caller holds it, frees queued by :meth:`PagedKVCache.free_deferred` wait,
+    so they never land between two calls the caller meant to run together.
+    """
+
+    __slots__ = ("_lock", "depth")
+
+    def __init__(self, lock: threading.RLock):
+        self._lock = lock
+        self.depth = 0          # caller acquisitions held now (changed only under the lock)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        ok = self._lock.acquire(blocking, timeout)
+        if ok:
+            self.depth += 1
+        return ok
+
+    def release(self) -> None:
+        self.depth -= 1
+        self._lock.release()
+
+    def __enter__(self) -> "CallerLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class PagedKVCache:
@@ -51,8 +92,9 @@ class PagedKVCache:
         config: the :class:`~pagedkv.config.CacheConfig`.
         allocate_store: allocate the KV arenas (torch). ``False`` gives a
             bookkeeping-only cache (no torch needed), e.g. for a scheduler or tests.
-        weak_hash: tests only: a 4-valued block hash that collides constantly, to
-            prove that collisions cost misses and never wrong KV.
+
+    (A cache whose block hash collides on purpose, for tests, comes from
+    :func:`pagedkv.testing.weak_hash_cache`.)
 
     With prefix tiers configured (``config.prefix_host_blocks``,
     ``config.prefix_disk_blocks``), evicted prefix blocks move down to host memory and
@@ -60,9 +102,11 @@ class PagedKVCache:
     disk tier's files (also on leaving a ``with`` block).
     """
 
-    def __init__(self, config: CacheConfig, *, allocate_store: bool = True, weak_hash: bool = False):
+    def __init__(self, config: CacheConfig, *, allocate_store: bool = True):
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError(expected("config", "a CacheConfig", type(config).__name__))
+        if not isinstance(allocate_store, bool):
+            raise ArgumentTypeError(expected("allocate_store", "True or False", repr(allocate_store)))
         self.store = None
         if allocate_store:
             from pagedkv.store import KVStore
@@ -71,30 +115,23 @@ class PagedKVCache:
             config = self.store.config  # may differ: fp8 -> int8 fallback
         self.config = config
         nb = config.resolved_num_blocks
-        bs = config.block_size
-        self.index: Optional[PrefixIndex] = None
-        if config.enable_prefix_caching:
-            self.index = PrefixIndex(bs, nb, hash_seed=config.hash_seed, weak_hash=weak_hash,
-                                     events=config.enable_kv_events, tier_log=config.has_prefix_tiers)
+        self.index: Optional[PrefixIndex] = self._prefix_index(config) if config.enable_prefix_caching else None
         self.pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
                               low_watermark=config.low_watermark, high_watermark=config.high_watermark,
                               shuffle_seed=config.shuffle_free_blocks, index=self.index)
-        self.tables = BlockTables(self.pool, bs, self.index)
+        self.tables = BlockTables(self.pool, config.block_size, self.index)
         self._lock = threading.RLock()
-        self._keys: Dict[Any, int] = {}       # non-int sequence id -> interned negative key
-        self._names: Dict[int, Any] = {}      # interned key -> sequence id
-        self._next_key = -1
-        self._namespaces: Dict[Tuple[Any, Any], Tuple[int, int]] = {(None, None): (0, 0)}
-        self._ns_names: Dict[int, Tuple[Any, Any]] = {0: (None, None)}
-        default = namespace_key(None, None)
-        self._ns_keys: Dict[int, bytes] = {0: default}   # namespace id -> process-independent key
-        self._ns_by_key: Dict[bytes, int] = {default: 0}
+        self._caller_lock = CallerLock(self._lock)
+        self._ids = SequenceIds()
+        self.tables.namer = self._ids.name   # core errors name the caller's id, not the key
+        self._namespaces = NamespaceRegistry()
         self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
+        self._deferred: collections.deque = collections.deque()   # batches queued by free_deferred
         self._host = None
         if config.host_num_blocks:
             from pagedkv.offload import HostTier
 
-            self._host = HostTier(self, config.host_num_blocks)
+            self._host = HostTier(self.tables, self.store, config.host_num_blocks, self._namespaces.hash_of)
         self._tiers = None
         if config.has_prefix_tiers:
             if self.store is None:
@@ -102,77 +139,13 @@ class PagedKVCache:
             from pagedkv.tiers import PrefixTiers
 
             self._tiers = PrefixTiers(self)
+            if self._host is not None:
+                self._host.sync = self._tiers.sync
 
-    # ---- ids ----------------------------------------------------------------------
-    def _key(self, seq_id: SeqId, create: bool = False, argument: str = "seq_id") -> int:
-        if type(seq_id) is int and 0 <= seq_id <= _INT64_MAX:
-            return seq_id
-        if isinstance(seq_id, (int, np.integer)) and not isinstance(seq_id, bool):
-            k = int(seq_id)
-            if not 0 <= k <= _INT64_MAX:
-                raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", k))
-            return k
-        try:
-            k = self._keys.get(seq_id)
-        except TypeError:
-            raise InvalidArgumentError(expected(argument, "a hashable sequence id", type(seq_id).__name__)) from None
-        if k is None:
-            if not create:
-                raise SequenceNotFoundError(seq_id, argument)
-            k = self._next_key
-            self._next_key -= 1
-            self._keys[seq_id] = k
-            self._names[k] = seq_id
-        return k
-
-    def _batch(self, seq_ids: SeqIds) -> Tuple[Union[int, np.ndarray], bool]:
-        """Keys for a batch call (an int64 array, or one int), and whether they may be
-        interned (negative)."""
-        t = type(seq_ids)
-        if t is int and 0 <= seq_ids <= _INT64_MAX:
-            return seq_ids, False                # a lone int goes to the core as is
-        if t is np.ndarray and seq_ids.dtype == np.int64:
-            return seq_ids, False   # int ids, straight to the core (it rejects negatives)
-        if isinstance(seq_ids, (list, tuple, np.ndarray, range)):
-            keys = np.fromiter((self._key(s, argument="seq_ids") for s in seq_ids), dtype=np.int64,
-                               count=len(seq_ids))
-            return keys, True
-        return self._key(seq_ids), True          # one id: the core takes a Python int
-
-    def _seq_id(self, key: int) -> SeqId:
-        return self._names.get(key, key) if key < 0 else key
-
-    def _namespace(self, cache_salt: Optional[str], adapter_id: Any) -> Tuple[int, int]:
-        ns = (cache_salt, adapter_id)
-        found = self._namespaces.get(ns)
-        if found is not None:
-            return found
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidArgumentError(expected("cache_salt", "a str or None", type(cache_salt).__name__))
-        key = namespace_key(cache_salt, adapter_id)
-        ns_hash = hash_bytes(key)
-        ns_id = len(self._namespaces)
-        self._namespaces[ns] = (ns_id, ns_hash)
-        self._ns_names[ns_id] = ns
-        self._ns_keys[ns_id] = key
-        self._ns_by_key[key] = ns_id
-        return ns_id, ns_hash
-
-    def _namespace_key(self, ns_id: int) -> bytes:
-        return self._ns_keys[ns_id]
-
-    def _namespace_hash_of_key(self, key: bytes) -> int:
-        ns_id = self._ns_by_key.get(key)
-        return hash_bytes(key) if ns_id is None else self._namespaces[self._ns_names[ns_id]][1]
-
-    def _namespace_of_key(self, key: bytes):
-        """``(cache_salt, adapter_id)`` of a namespace key as KV events name it (None:
-        the default); the raw key when this process has not used that namespace."""
-        ns_id = self._ns_by_key.get(key)
-        if ns_id is None:
-            return key
-        ns = self._ns_names[ns_id]
-        return None if ns == (None, None) else ns
+    def _prefix_index(self, config: CacheConfig) -> PrefixIndex:
+        """The prefix index (a hook: :func:`pagedkv.testing.weak_hash_cache` overrides it)."""
+        return PrefixIndex(config.block_size, config.resolved_num_blocks, hash_seed=config.hash_seed,
+                           events=config.enable_kv_events, tier_log=config.has_prefix_tiers)
 
     # ---- lifecycle ----------------------------------------------------------------
     def add_sequence(self, seq_id: SeqId, prompt_token_ids: Optional[Iterable[int]] = None, *,
@@ -184,30 +157,26 @@ class PagedKVCache:
         reserve and compute the rest. Never the whole prompt: the last prompt token is
         always computed, so a fully cached, block-aligned prompt reuses one block less.
         ``cache_salt`` / ``adapter_id`` select a namespace; different namespaces never
-        share blocks. ``priority`` is the eviction class of its blocks under the
-        ``priority`` policy (0 is evicted first; default: seed 004's
-        prefix > recent > old rule).
+        share blocks (see :mod:`pagedkv.namespaces`). ``priority`` is the eviction
+        class of its blocks under the ``priority`` policy (0 is evicted first;
+        default: seed 004's prefix > recent > old rule).
         """
-        tokens = None
-        if prompt_token_ids is not None:
-            tokens = as_token_ids(prompt_token_ids)
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
-                                     or not 0 <= priority <= 127):
-            raise InvalidArgumentError(expected("priority", "None or an int in [0, 127]", repr(priority)))
+        tokens = None if prompt_token_ids is None else as_token_ids(prompt_token_ids, "prompt_token_ids")
+        priority = optional_int(priority, "priority", 0, 127)
         with self._lock:
-            mark = self._next_key
-            key = self._key(seq_id, True)
-            fresh = self._next_key != mark          # interned just now: forget it on failure
+            if self._deferred:
+                self._run_deferred()
+            key, fresh = self._ids.intern(seq_id)
+            mark = len(self._namespaces)
             try:
                 if self._host is not None and self._host.holds(key):
                     raise SequenceExistsError(seq_id)
-                ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
+                ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
                 hit = self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
-            except SequenceExistsError:
-                raise SequenceExistsError(seq_id) from None   # name the caller's id, not the key
             except BaseException:
                 if fresh:
-                    self._forget(key)
+                    self._ids.forget(key)
+                self._namespaces.rollback(mark)
                 raise
             if self._tiers is not None and tokens is not None:
                 try:
@@ -215,14 +184,9 @@ class PagedKVCache:
                 except BaseException:
                     self.tables.remove(key, internal=True)
                     if fresh:
-                        self._forget(key)
+                        self._ids.forget(key)
                     raise
             return hit
-
-    def _forget(self, key: int) -> None:
-        name = self._names.pop(key, None)
-        if name is not None:
-            self._keys.pop(name, None)
 
     def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
         """Slots (int64, concatenated in batch order) for the next tokens of each sequence.
@@ -232,10 +196,12 @@ class PagedKVCache:
         partially filled last block (after :meth:`fork`) is copied first, so the write
         never touches another sequence's KV.
         """
-        if not (type(num_tokens) is int or type(num_tokens) is np.ndarray):
-            num_tokens = _as_counts(num_tokens)
+        if not (type(num_tokens) is int or (type(num_tokens) is np.ndarray and num_tokens.dtype is _I64)):
+            num_tokens = as_counts(num_tokens)
         with self._lock:
-            keys, internal = self._batch(seq_ids)
+            if self._deferred:
+                self._run_deferred()
+            keys, internal = self._ids.batch(seq_ids)
             slots = self.tables.reserve(keys, num_tokens, internal=internal)
             if self._tiers is not None:
                 self._tiers.sync()      # evicted KV goes down before anything overwrites it
@@ -253,7 +219,9 @@ class PagedKVCache:
         """
         token_ids = as_token_ids(token_ids)
         with self._lock:
-            keys, internal = self._batch(seq_ids)
+            if self._deferred:
+                self._run_deferred()
+            keys, internal = self._ids.batch(seq_ids)
             slots = self.tables.advance(keys, token_ids, internal=internal)
             if self._tiers is not None:
                 self._tiers.sync()
@@ -287,12 +255,12 @@ class PagedKVCache:
         known yet, e.g. a decode step's inputs; prompt tokens are known from admission.
         Blocks that became full are registered for prefix reuse.
         """
-        if not (type(num_tokens) is int or type(num_tokens) is np.ndarray):
-            num_tokens = _as_counts(num_tokens)
+        if not (type(num_tokens) is int or (type(num_tokens) is np.ndarray and num_tokens.dtype is _I64)):
+            num_tokens = as_counts(num_tokens)
         if token_ids is not None:
             token_ids = as_token_ids(token_ids)
         with self._lock:
-            keys, internal = self._batch(seq_ids)
+            keys, internal = self._ids.batch(seq_ids)
             self.tables.commit(keys, num_tokens, token_ids, internal=internal)
             if self._tiers is not None:
                 self._tiers.sync()
@@ -301,10 +269,12 @@ class PagedKVCache:
         """Give back reserved, uncommitted tokens (all when ``num_tokens`` is None), e.g.
         after a failed forward pass; blocks left covering no token are released."""
         with self._lock:
-            keys, internal = self._batch(seq_ids)
-            if num_tokens is not None and not (type(num_tokens) is np.ndarray):
-                n = 1 if type(keys) is int else len(keys)
-                num_tokens = _as_counts(np.full(n, num_tokens) if np.ndim(num_tokens) == 0 else num_tokens)
+            keys, internal = self._ids.batch(seq_ids)
+            if num_tokens is not None:
+                if type(num_tokens) is int or isinstance(num_tokens, np.integer):
+                    num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens), np.int64)
+                else:
+                    num_tokens = as_counts(num_tokens)
             self.tables.unreserve(keys, num_tokens, internal=internal)
 
     def num_blocks(self, seq_id: SeqId) -> int:
@@ -314,135 +284,235 @@ class PagedKVCache:
     def fork(self, src: SeqId, dst: SeqId) -> None:
         """``dst`` shares all of ``src``'s committed KV by reference (beam search, n > 1)."""
         with self._lock:
-            sk = self._key(src, argument="src")
-            mark = self._next_key
-            dk = self._key(dst, True, "dst")
-            fresh = self._next_key != mark
+            if self._deferred:
+                self._run_deferred()
+            sk = self._ids.key(src, "src")
+            dk, fresh = self._ids.intern(dst, "dst")
             try:
                 if dk in self.tables or (self._host is not None and self._host.holds(dk)):
                     raise SequenceExistsError(dst, "dst")
                 self.tables.fork(sk, dk)
             except BaseException:
                 if fresh:
-                    self._forget(dk)
+                    self._ids.forget(dk)
                 raise
 
     def free(self, seq_ids: SeqIds) -> None:
-        """Release sequences. Their full blocks stay cached (findable) until evicted."""
+        """Release sequences (device-resident or swapped out). Their full blocks stay
+        cached (findable) until evicted. All or nothing: the whole batch is checked
+        (known ids, each once) before anything is released."""
         with self._lock:
-            keys, internal = self._batch(seq_ids)
-            if type(keys) is int and (self._host is None or not self._host.num_swapped):
-                self.tables.remove(keys, internal=internal)
-                if keys < 0:
-                    self._forget(keys)
-                return
-            if type(keys) is int:
-                keys = np.array([keys], dtype=np.int64)
-            if self._host is not None and self._host.num_swapped:
-                swapped = np.fromiter((self._host.holds(k) for k in keys.tolist()), dtype=bool, count=len(keys))
-                if swapped.any():
-                    self.tables.seq_lens(keys[~swapped], internal=internal)  # validate the rest first
-                    for k in keys[swapped].tolist():
-                        self._host.discard(k)
-                    keys = keys[~swapped]
+            if self._deferred:
+                self._run_deferred()
+            self._free(seq_ids)
+
+    def _free(self, seq_ids: SeqIds) -> None:
+        keys, internal = self._ids.batch(seq_ids)
+        host = self._host
+        if host is None or not host.num_swapped:
             self.tables.remove(keys, internal=internal)
             if internal:
-                for k in keys.tolist():
-                    if k < 0:
-                        self._forget(k)
+                self._forget(keys)
+            return
+        arr = np.array([keys], dtype=np.int64) if type(keys) is int else np.asarray(keys, dtype=np.int64)
+        listed = arr.tolist()
+        swapped = np.fromiter(((internal or k >= 0) and host.holds(k) for k in listed), dtype=bool,
+                              count=len(listed))
+        if not swapped.any():
+            self.tables.remove(keys, internal=internal)
+        else:
+            # Validate the whole batch before anything is released: each id once, and
+            # every id that is not swapped out live on the device.
+            seen = set()
+            for i, k in enumerate(listed):
+                if k in seen:
+                    raise InvalidArgumentError(expected("seq_ids", "each sequence at most once per call",
+                                                        f"{self._ids.name(k)!r} repeated at index {i}"))
+                seen.add(k)
+            live = arr[~swapped]
+            if len(live):
+                self.tables.seq_lens(live, internal=internal)     # raises for an unknown id: nothing freed
+                self.tables.remove(live, internal=internal)
+            for k in arr[swapped].tolist():
+                host.discard(k)
+        if internal:
+            self._forget(arr)
+
+    def _forget(self, keys) -> None:
+        if type(keys) is int:
+            self._ids.forget(keys)
+            return
+        for k in keys[keys < 0].tolist():
+            self._ids.forget(k)
+
+    def free_deferred(self, seq_ids: SeqIds) -> None:
+        """Free sequences at the manager's next call instead of now.
+
+        For finalizers and garbage-collector callbacks, which may run in the middle of
+        another call of this manager (even on its own thread): this only queues the ids
+        (no lock, no state read). The queue runs at the start of the next allocating
+        call, ``free``, or capacity query, never while a caller holds :attr:`lock`. Ids
+        that are no longer live by then are skipped.
+        """
+        self._deferred.append(list(seq_ids) if isinstance(seq_ids, (list, range, np.ndarray)) else [seq_ids])
+
+    def _run_deferred(self) -> None:
+        if self._caller_lock.depth:
+            return                     # a caller is composing calls under the lock: wait
+        while self._deferred:
+            live = []
+            for sid in self._deferred.popleft():
+                try:
+                    key = self._ids.key(sid)
+                except PagedKVError:
+                    continue
+                if key in self.tables or (self._host is not None and self._host.holds(key)):
+                    live.append(sid)
+            if live:
+                self._free(live)
 
     # ---- queries (under the lock: the core's batch loops run without the GIL) -------
     def __contains__(self, seq_id: SeqId) -> bool:
+        """Whether ``seq_id`` is a device-resident sequence (not swapped out)."""
         with self._lock:
             try:
-                return self._key(seq_id) in self.tables
+                return self._ids.key(seq_id) in self.tables
             except (SequenceNotFoundError, InvalidArgumentError):
                 return False
 
     def __len__(self) -> int:
-        return len(self.tables)
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            return len(self.tables)
 
     def sequences(self) -> List[SeqId]:
         """Live sequence ids (device-resident)."""
         with self._lock:
-            return [self._seq_id(k) for k in self.tables.keys().tolist()]
+            if self._deferred:
+                self._run_deferred()
+            return [self._ids.name(k) for k in self.tables.keys().tolist()]
+
+    def _one(self, method, seq_id: SeqId, argument: str = "seq_id"):
+        """``method(key)`` of one sequence."""
+        with self._lock:
+            return method(self._ids.key(seq_id, argument))
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Committed tokens of a sequence."""
-        with self._lock:
-            return self.tables.num_computed(self._key(seq_id))
+        return self._one(self.tables.num_computed, seq_id)
 
     def num_reserved(self, seq_id: SeqId) -> int:
         """Tokens holding a slot (committed plus reserved this step)."""
-        with self._lock:
-            return self.tables.num_reserved(self._key(seq_id))
+        return self._one(self.tables.num_reserved, seq_id)
 
     def token_ids(self, seq_id: SeqId) -> np.ndarray:
-        with self._lock:
-            return self.tables.tokens(self._key(seq_id))
+        return self._one(self.tables.tokens, seq_id)
 
     def sequence_info(self, seq_id: SeqId) -> dict:
-        """Counts, prefix-hit blocks, priority and namespace of one sequence."""
+        """Counts, prefix-hit blocks, priority and namespace (``(cache_salt,
+        adapter_id)``) of one sequence."""
         with self._lock:
-            info = self.tables.info(self._key(seq_id))
-            info["namespace"] = self._ns_names[info["namespace"]]
+            info = self._one(self.tables.info, seq_id)
+            info["namespace"] = self._namespaces.name(info["namespace"])
             return info
 
     def block_table(self, seq_id: SeqId) -> np.ndarray:
         """The sequence's physical blocks in token order (int32)."""
+        return self._one(self.tables.blocks, seq_id)
+
+    def _batch_query(self, method, seq_ids: SeqIds, *args):
         with self._lock:
-            return self.tables.blocks(self._key(seq_id))
+            keys, internal = self._ids.batch(seq_ids)
+            return method(keys, *args, internal=internal)
 
     def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: Optional[int] = None) -> np.ndarray:
         """Padded ``[B, width]`` int32 block tables."""
-        with self._lock:
-            keys, internal = self._batch(seq_ids)
-            return self.tables.block_table(keys, pad, width, internal=internal)
+        pad = as_int(pad, "pad", -2**31, 2**31 - 1)
+        width = optional_int(width, "width", 0, 2**31 - 1)
+        return self._batch_query(self.tables.block_table, seq_ids, pad, width)
 
     def page_table_csr(self, seq_ids: SeqIds) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's ``(indptr, indices, last_page_len)``, int32, over reserved tokens."""
-        with self._lock:
-            keys, internal = self._batch(seq_ids)
-            return self.tables.csr(keys, internal=internal)
+        return self._batch_query(self.tables.csr, seq_ids)
 
     def seq_lens(self, seq_ids: SeqIds, computed: bool = False) -> np.ndarray:
-        with self._lock:
-            keys, internal = self._batch(seq_ids)
-            return self.tables.seq_lens(keys, computed, internal=internal)
+        """Tokens per sequence (int64): reserved, or committed with ``computed=True``."""
+        if not isinstance(computed, bool):
+            raise ArgumentTypeError(expected("computed", "True or False", repr(computed)))
+        return self._batch_query(self.tables.seq_lens, seq_ids, computed)
 
     def slot_mapping(self, seq_id: SeqId, start: int, count: int) -> np.ndarray:
         """int64 slots of positions ``[start, start + count)`` (must be reserved)."""
+        start, count = as_count(start, "start"), as_count(count, "count")
         with self._lock:
-            k = self._key(seq_id)
+            k = self._ids.key(seq_id)
             return self.tables.slot_mapping(np.array([k], np.int64), np.array([start], np.int64),
                                             np.array([count], np.int64), internal=True)
 
     @property
-    def lock(self) -> threading.RLock:
-        """The manager's lock, for callers composing several calls atomically."""
-        return self._lock
+    def lock(self) -> CallerLock:
+        """The manager's lock, for callers composing several calls atomically
+        (``with cache.lock: ...``)."""
+        return self._caller_lock
 
     def match_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
         """Tokens of ``token_ids`` a new sequence would find cached now (no side effects),
         on the device or in a prefix tier (whichever holds more full blocks)."""
-        if self.index is None:
-            return 0
-        tokens = as_token_ids(token_ids)
-        with self._lock:
-            ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
-            found = len(self.index.match(tokens, ns_id, ns_hash)) * self.config.block_size
-            if self._tiers is not None:
-                found = max(found, self._tiers.match(tokens, self._ns_keys[ns_id]))
-            return found
+        found = len(self._prefix_blocks(token_ids, cache_salt, adapter_id, required=False)) * self.config.block_size
+        if self._tiers is not None:
+            with self._lock:
+                found = max(found, self._tiers.match(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id)))
+        return found
 
     def has_available_blocks(self, n: int = 1) -> bool:
-        """Whether ``n`` blocks can be allocated now (free or evictable)."""
+        """Whether ``n`` blocks can be allocated now (free or evictable).
+
+        It does not know about prefix hits; for an admission use :meth:`can_admit`."""
+        n = as_count(n, "n")
         with self._lock:
+            if self._deferred:
+                self._run_deferred()
             return self.pool.num_free_blocks >= n
 
     def can_allocate(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` tokens' worth of new blocks can be allocated now."""
         return self.has_available_blocks(self.config.blocks_for_tokens(num_tokens))
+
+    def blocks_to_admit(self, prompt_token_ids: Iterable[int], num_tokens: Optional[int] = None, *,
+                        cache_salt: Optional[str] = None, adapter_id: Any = None) -> int:
+        """Free blocks that admitting this prompt, then reserving ``num_tokens`` tokens
+        in all (default: the prompt), takes out of the pool now.
+
+        Exact, where counting blocks is not: the prompt's cached prefix (in its
+        namespace, without its last token, which is always computed) is not allocated,
+        but each of its blocks that sits cached-free and evictable *is* taken off the
+        free list when the admission revives it. Blocks in use by other sequences and
+        pinned blocks cost nothing.
+        """
+        tokens = as_token_ids(prompt_token_ids, "prompt_token_ids")
+        total = len(tokens) if num_tokens is None else as_count(num_tokens, "num_tokens")
+        if total < len(tokens):
+            raise InvalidArgumentError(expected("num_tokens", f"at least the prompt's {len(tokens)} tokens", total))
+        bs = self.config.block_size
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            hits = self._prefix_blocks(tokens, cache_salt, adapter_id, required=False)
+            hits = hits[:max(0, (len(tokens) - 1) // bs)]
+            ref = self.pool.ref_cnt
+            revived = sum(1 for b in hits[ref[hits] == 0].tolist() if not self.pool.pin_count(b))
+            return -(-total // bs) - len(hits) + revived
+
+    def can_admit(self, prompt_token_ids: Iterable[int], num_tokens: Optional[int] = None, *,
+                  cache_salt: Optional[str] = None, adapter_id: Any = None) -> bool:
+        """Whether :meth:`add_sequence` of this prompt, then reserving ``num_tokens``
+        tokens in all (default: the prompt), would succeed now
+        (see :meth:`blocks_to_admit`)."""
+        with self._lock:
+            need = self.blocks_to_admit(prompt_token_ids, num_tokens, cache_salt=cache_salt, adapter_id=adapter_id)
+            return need <= self.pool.num_free_blocks
 
     # ---- prefix cache ---------------------------------------------------------------
     def pin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
@@ -453,16 +523,16 @@ class PagedKVCache:
         The blocks of this prefix that a prefix tier holds are pinned there too (the
         count is then the longest prefix pinned in any medium).
         """
-        blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
         with self._lock:
+            blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
             self.pool.pin(blocks)
             tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, True)
         return max(len(blocks) * self.config.block_size, tiers)
 
     def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
-        blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
         with self._lock:
+            blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
             self.pool.unpin(blocks)
             tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, False)
         return max(len(blocks) * self.config.block_size, tiers)
@@ -470,16 +540,21 @@ class PagedKVCache:
     def _pin_tiers(self, token_ids, cache_salt, adapter_id, pin: bool) -> int:
         if self._tiers is None:
             return 0
-        ns_id, _ = self._namespace(cache_salt, adapter_id)
-        return self._tiers.pin(as_token_ids(token_ids), self._ns_keys[ns_id], pin)
+        return self._tiers.pin(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id), pin)
 
-    def _prefix_blocks(self, token_ids, cache_salt, adapter_id) -> np.ndarray:
+    def _prefix_blocks(self, token_ids, cache_salt, adapter_id, required: bool = True) -> np.ndarray:
+        """Blocks of the verified cached prefix of ``token_ids`` in a namespace, looked up
+        without registering it (an unknown namespace holds nothing)."""
         if self.index is None:
-            raise InvalidArgumentError(expected("config.enable_prefix_caching", "True to pin prefixes", False))
+            if required:
+                raise InvalidArgumentError(expected("config.enable_prefix_caching", "True to pin prefixes", False))
+            return np.empty(0, dtype=np.int32)
         tokens = as_token_ids(token_ids)
         with self._lock:
-            ns_id, ns_hash = self._namespace(cache_salt, adapter_id)
-            return self.index.match(tokens, ns_id, ns_hash)
+            ns = self._namespaces.find(cache_salt, adapter_id)
+            if ns is None:
+                return np.empty(0, dtype=np.int32)
+            return self.index.match(tokens, ns[0], ns[1])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, in the prefix tiers too. Raises
@@ -492,8 +567,11 @@ class PagedKVCache:
     def set_priority(self, seq_id: SeqId, priority: int, start_token: int = 0,
                      end_token: Optional[int] = None) -> None:
         """Eviction class of a sequence's blocks (or of a token range) when freed."""
+        priority = as_int(priority, "priority", 0, 127)
+        start_token = as_count(start_token, "start_token")
+        end_token = optional_int(end_token, "end_token")
         with self._lock:
-            self.tables.set_priority(self._key(seq_id), priority, start_token, end_token)
+            self.tables.set_priority(self._ids.key(seq_id), priority, start_token, end_token)
 
     def drain_events(self) -> List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
         """KV events since the last drain (``enable_kv_events=True``), oldest first."""
@@ -503,13 +581,18 @@ class PagedKVCache:
             if self._tiers is not None:
                 return self._tiers.drain_events()
             records = self.index.drain_events()
-        return events_from_records(records, self._ns_names, self.config.block_size, self.index.root)
+            return events_from_records(records, self._namespaces.name, self.config.block_size, self.index.root)
 
     # ---- data -----------------------------------------------------------------------
     def _require_store(self):
         if self.store is None:
             raise InvalidArgumentError(expected("allocate_store", "True for KV data operations", False))
         return self.store
+
+    @property
+    def device(self):
+        """The ``torch.device`` of the KV arena (None for a bookkeeping-only cache)."""
+        return None if self.store is None else self.store.device
 
     def write(self, layer: int, slot_mapping, key, value) -> None:
         """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
@@ -532,13 +615,13 @@ class PagedKVCache:
         import torch
 
         store = self._require_store()
+        want = None if num_tokens is None else as_counts(num_tokens)
         with self._lock:
-            keys, internal = self._batch(seq_ids)
+            keys, internal = self._ids.batch(seq_ids)
             indptr, indices, _ = self.tables.csr(keys, internal=internal)
             lens = self.tables.seq_lens(keys, internal=internal)
-        if num_tokens is not None:
-            want = _as_counts(num_tokens)
-            if want.shape != lens.shape or (want < 0).any() or (want > lens).any():
+        if want is not None:
+            if want.shape != lens.shape or (want > lens).any():
                 raise InvalidArgumentError(expected(
                     "num_tokens", f"{len(lens)} counts within the reserved lengths {lens.tolist()}", want.tolist()))
             lens = want
@@ -549,15 +632,32 @@ class PagedKVCache:
         np.cumsum(lens, out=cu[1:])
         return k, v, torch.from_numpy(cu)
 
+    def gather_pages(self, layer: int, indptr, indices, seq_lens):
+        """K, V ``[sum(seq_lens), H, D]`` of ``layer`` read through a CSR page table
+        (``indptr``, ``indices``: int32 tensors on :attr:`device`, as from
+        :meth:`page_table_csr`; ``seq_lens``: int32 tokens per row).
+
+        For a caller that plans a step once and gathers every layer with the same table
+        (no bookkeeping lookup per layer). The table must come from this cache and be
+        current: the store checks shapes, dtypes and block ranges, not ownership."""
+        return self._require_store().gather(layer, indptr, indices, seq_lens)
+
     def copy_blocks(self, pairs) -> None:
-        """Copy (src, dst) block pairs across all layers."""
+        """Copy (src, dst) block pairs ``[P, 2]`` across all layers."""
         import torch
 
         store = self._require_store()
         if isinstance(pairs, np.ndarray):
             pairs = torch.from_numpy(pairs)
         elif not isinstance(pairs, torch.Tensor):
-            pairs = torch.as_tensor(pairs, dtype=torch.int64)
+            if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__len__"):
+                raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
+                                                 type(pairs).__name__))
+            try:
+                pairs = torch.as_tensor(pairs, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
+                                                 f"a {type(pairs).__name__} of other values")) from None
         store.copy_blocks(pairs)
 
     # ---- host tier ------------------------------------------------------------------
@@ -570,25 +670,35 @@ class PagedKVCache:
         """Preempt a sequence to the host tier: its KV moves to host blocks and its
         device blocks are freed. Returns the device blocks released."""
         host = self._require_host()
-        with self._lock:
-            return host.swap_out(self._key(seq_id))
+        return self._one(host.swap_out, seq_id)
 
     def swap_in(self, seq_id: SeqId) -> int:
         """Bring a swapped-out sequence back onto the device (all or nothing)."""
         host = self._require_host()
         with self._lock:
-            return host.swap_in(self._key(seq_id))
+            if self._deferred:
+                self._run_deferred()
+            return self._one(host.swap_in, seq_id)
 
     def is_swapped(self, seq_id: SeqId) -> bool:
-        return self._host is not None and self._host.holds(self._key(seq_id))
+        if self._host is None:
+            return False
+        with self._lock:
+            try:
+                return self._host.holds(self._ids.key(seq_id))
+            except (SequenceNotFoundError, InvalidArgumentError):
+                return False
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats.collect(self)
+            if self._deferred:
+                self._run_deferred()
+            return CacheStats.collect(self.pool, self.tables, self.config, self._host, self._tiers)
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""
+        width = as_int(width, "width", 1)
         with self._lock:
             return render_block_map(self.pool, width)
 
@@ -601,20 +711,30 @@ class PagedKVCache:
                 info = self.tables.info(k)
                 blocks = self.tables.blocks(k)
                 shown = " ".join(map(str, blocks[:8].tolist())) + (" ..." if len(blocks) > 8 else "")
-                lines.append(f"  {self._seq_id(k)!r}: {info['num_computed']}/{info['num_reserved']} tokens, "
+                lines.append(f"  {self._ids.name(k)!r}: {info['num_computed']}/{info['num_reserved']} tokens, "
                              f"{info['num_blocks']} blocks [{shown}]")
             lines.append("Block map:")
             lines.append(render_block_map(self.pool, 64))
         return "\n".join(lines)
 
     def check_invariants(self) -> None:
-        """Audit every invariant of DESIGN.md (O(num_blocks)); raises InternalError."""
+        """Audit every invariant of DESIGN.md (O(num_blocks)); raises InternalError.
+
+        Also: every interned id names a live or swapped-out sequence (no id leaks)."""
+        from pagedkv.errors import InternalError
+
         with self._lock:
+            if self._deferred:
+                self._run_deferred()
             self.tables.check_invariants()
             if self._host is not None:
                 self._host.check_invariants()
             if self._tiers is not None:
                 self._tiers.check_invariants()
+            for k in self._ids.interned_keys():
+                if k not in self.tables and not (self._host is not None and self._host.holds(k)):
+                    raise InternalError(f"sequence id {self._ids.name(k)!r} is interned as key {k}, "
+                                        "which no live or swapped-out sequence has")
 
     def close(self) -> None:
         """Release what outlives the process: the disk prefix tier's files are flushed
@@ -637,56 +757,6 @@ class PagedKVCache:
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, kv_dtype={c.cache_dtype}, "
                 f"sequences={len(self)}, free_blocks={self.pool.num_free_blocks}, "
                 f"arena={format_bytes(c.total_bytes)})")
-
-
-def namespace_key(cache_salt: Optional[str], adapter_id: Any) -> bytes:
-    """The process-independent key of a prefix namespace (its hash keys the device
-    index; lower tiers and peers compare the key itself)."""
-    # Domain separation: each field is tagged and length-prefixed, so a salt "X"
-    # and an adapter "X" (or "a" + "bc" vs "ab" + "c") never share a namespace.
-    parts = [b"pagedkv-namespace-v1"]
-    for tag, value in ((b"salt", cache_salt), (b"adapter", adapter_id)):
-        if value is None:
-            parts.append(tag + b":none")
-        else:
-            raw = repr(value).encode() if not isinstance(value, str) else value.encode()
-            kind = type(value).__name__.encode()
-            parts.append(tag + b":" + kind + b":" + str(len(raw)).encode() + b":" + raw)
-    return b"\x00".join(parts)
-
-
-def as_token_ids(token_ids) -> np.ndarray:
-    """Token ids as a flat int32 array (lists, arrays, tensors); typed errors otherwise."""
-    if type(token_ids) is np.ndarray and token_ids.dtype == np.int32 and token_ids.ndim == 1:
-        return token_ids
-    try:
-        import torch
-
-        if isinstance(token_ids, torch.Tensor):
-            if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-                raise InvalidArgumentError(expected("token_ids", "integer token ids", f"a {token_ids.dtype} tensor"))
-            token_ids = token_ids.detach().cpu().reshape(-1).numpy()
-    except ImportError:
-        pass
-    arr = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int32)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidArgumentError(expected("token_ids", "a flat sequence of integer token ids",
-                                            f"{arr.dtype} values of shape {arr.shape}"))
-    if int(arr.min()) < -2**31 or int(arr.max()) >= 2**31:
-        raise InvalidArgumentError(expected("token_ids", "token ids fitting int32", "an out-of-range id"))
-    return arr.astype(np.int32, copy=False)
-
-
-def _as_counts(counts) -> np.ndarray:
-    arr = np.asarray(counts)
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidArgumentError(expected("num_tokens", "an int or a flat sequence of ints",
-                                            f"{arr.dtype} values of shape {arr.shape}"))
-    return arr.astype(np.int64, copy=False)
 
 
 def _slots_tensor(slot_mapping, device):

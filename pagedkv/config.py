@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from pagedkv.errors import DTypeError, InvalidArgumentError, expected
+from pagedkv.gguf_metadata import GGUF_MAGIC, hf_fields_from_gguf, read_gguf_metadata
 
 __all__ = [
     "CacheConfig",
@@ -434,7 +435,9 @@ class CacheConfig:
 
         Args:
             config: a ``transformers`` config object, a plain dict, or a path to a
-                ``config.json`` (or to a directory holding one). Multimodal configs use
+                ``config.json`` (or to a directory holding one), or to a GGUF model
+                file (its metadata header is read, see :mod:`pagedkv.gguf_metadata`;
+                no ``gguf`` package needed). Multimodal configs use
                 their language model's ``text_config`` (also ``llm_config``,
                 ``language_config``).
             overrides: any CacheConfig field (``num_blocks`` or ``memory_budget`` is
@@ -478,10 +481,19 @@ def _as_mapping(config: Any) -> Mapping[str, Any]:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            with open(path, "rb") as f:
+                raw = f.read(len(GGUF_MAGIC))
+                if raw != GGUF_MAGIC:
+                    raw += f.read()
         except OSError as e:
             raise InvalidArgumentError(expected("config", "a readable config.json", f"{path!r} ({e.strerror})")) from None
+        if raw == GGUF_MAGIC:   # a llama.cpp model file: its metadata holds the shape
+            return hf_fields_from_gguf(read_gguf_metadata(path), path)
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise InvalidArgumentError(expected("config", "a config.json (UTF-8 JSON) or a GGUF file",
+                                                f"{path!r} (not UTF-8 text: {e.reason} at byte {e.start})")) from None
         except json.JSONDecodeError as e:
             raise InvalidArgumentError(expected("config", "a JSON object", f"{path!r} ({e})")) from None
         if not isinstance(data, dict):

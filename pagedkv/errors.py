@@ -11,9 +11,11 @@ from __future__ import annotations
 __all__ = [
     "PagedKVError",
     "OutOfBlocksError",
+    "HostMemoryError",
     "SequenceNotFoundError",
     "SequenceExistsError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
     "InvalidBlockError",
     "ShapeError",
     "DTypeError",
@@ -52,6 +54,10 @@ class OutOfBlocksError(PagedKVError, MemoryError):
         )
 
 
+class HostMemoryError(PagedKVError, MemoryError):
+    """Host memory for pagedkv's own bookkeeping (tables, indexes, buffers) ran out."""
+
+
 class SequenceNotFoundError(PagedKVError, KeyError):
     """An operation named a sequence the cache does not hold."""
 
@@ -73,6 +79,11 @@ class SequenceExistsError(PagedKVError, ValueError):
 
 class InvalidArgumentError(PagedKVError, ValueError):
     """A value is out of range or inconsistent with the cache's state."""
+
+
+class ArgumentTypeError(PagedKVError, TypeError):
+    """An argument has the wrong Python type (a str, float or None where an int is
+    expected, a scalar where a sequence is expected); nothing is converted silently."""
 
 
 class InvalidBlockError(InvalidArgumentError):

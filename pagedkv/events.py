@@ -13,10 +13,10 @@ the tier that served the hit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent", "events_from_records"]
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "EventsLost", "KVEvent", "events_from_records"]
 
 _STORED, _REMOVED, _CLEARED = 1, 2, 3
 
@@ -51,13 +51,23 @@ class AllBlocksCleared:
     medium: str = "device"
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+@dataclass(frozen=True)
+class EventsLost:
+    """``count`` events after the preceding ones could not be kept (too many undrained,
+    or no memory): a consumer mirroring the cache must resync from scratch."""
+
+    count: int
 
 
-def events_from_records(records, ns_names: Dict[int, Tuple[Any, Any]], block_size: int,
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, EventsLost]
+
+
+def events_from_records(records, namespace_of: Callable[[int], Tuple[Any, Any]], block_size: int,
                         root: int) -> List[KVEvent]:
-    kind, hashes, parents, ns, blocks = records
+    """Group the core's event records; ``namespace_of(ns_id)`` gives ``(cache_salt, adapter_id)``."""
+    kind, hashes, parents, ns, blocks, lost = records
     out: List[KVEvent] = []
+    last_ns = -1
     for i in range(len(kind)):
         k = int(kind[i])
         h, p, n, b = int(hashes[i]), int(parents[i]), int(ns[i]), int(blocks[i])
@@ -72,12 +82,16 @@ def events_from_records(records, ns_names: Dict[int, Tuple[Any, Any]], block_siz
             else:
                 out.append(BlockRemoved([h], [b]))
             continue
-        namespace = ns_names.get(n)
-        namespace = None if namespace == (None, None) else namespace
-        if (isinstance(last, BlockStored) and last.block_hashes[-1] == p and last.namespace == namespace):
+        # grouped by namespace id: equal-looking namespaces (adapter 1 vs True) differ
+        if isinstance(last, BlockStored) and last.block_hashes[-1] == p and last_ns == n:
             last.block_hashes.append(h)
             last.block_ids.append(b)
             object.__setattr__(last, "token_count", last.token_count + block_size)
         else:
-            out.append(BlockStored([h], None if p == root else p, block_size, namespace, [b]))
+            namespace = namespace_of(n)
+            out.append(BlockStored([h], None if p == root else p, block_size,
+                                   None if n == 0 else namespace, [b]))
+            last_ns = n
+    if lost:
+        out.append(EventsLost(int(lost)))
     return out

@@ -8,7 +8,7 @@ full blocks for prefix reuse. Both are all or nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -29,71 +29,94 @@ class _Swapped:
 
 
 class HostTier:
-    def __init__(self, cache, num_blocks: int):
-        self.cache = cache
+    """Host blocks of swapped-out sequences, keyed by core sequence key.
+
+    Args:
+        tables: the device :class:`~pagedkv._core.tables.BlockTables` (and through it
+            the device pool).
+        store: the :class:`~pagedkv.store.KVStore` holding both arenas, or None for
+            bookkeeping only (no bytes move).
+        num_blocks: host blocks.
+        namespace_hash: ``ns_id -> ns_hash`` of the manager's namespace registry, to
+            re-register a swapped-in sequence's blocks under its namespace.
+
+    Errors name the caller's ids through ``tables.namer``.
+    """
+
+    def __init__(self, tables, store, num_blocks: int, namespace_hash: Callable[[int], int]):
+        self.tables = tables
+        self.store = store
         self.pool = BlockPool(num_blocks)
+        self._namespace_hash = namespace_hash
         self.swapped: Dict[int, _Swapped] = {}
+        # Set by a cache with prefix tiers: moves the prefix blocks an allocation evicted
+        # down to the tiers before anything overwrites their KV.
+        self.sync: Optional[Callable[[], None]] = None
 
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    @property
+    def num_blocks_in_use(self) -> int:
+        """Host blocks holding swapped-out KV."""
+        return self.pool.num_in_use_blocks
+
     def holds(self, key: int) -> bool:
         return key in self.swapped
 
     def swap_out(self, key: int) -> int:
-        cache = self.cache
-        tables = cache.tables
+        tables = self.tables
         if key not in tables:
-            raise SequenceNotFoundError(cache._seq_id(key))
+            raise SequenceNotFoundError(self.tables.namer(key))
         info = tables.info(key)
         computed = info["num_computed"]
-        n = -(-computed // cache.config.block_size)
+        n = -(-computed // tables.block_size)
         device_blocks = tables.blocks(key)[:n]
         if n > self.pool.num_free_blocks:
             raise OutOfBlocksError(n, self.pool.num_free_blocks, "swap_out to the host tier")
         host_blocks = self.pool.allocate(n)
-        if cache.store is not None and n:
+        if self.store is not None and n:
             import torch
 
             pairs = np.stack([device_blocks, host_blocks], axis=1).astype(np.int64)
-            cache.store.offload(torch.from_numpy(pairs))
+            self.store.offload(torch.from_numpy(pairs))
         tokens = tables.tokens(key)
         self.swapped[key] = _Swapped(host_blocks, tokens, computed, info["namespace"],
-                                     cache._namespace(*cache._ns_names[info["namespace"]])[1],
-                                     info["priority"])
+                                     self._namespace_hash(info["namespace"]), info["priority"])
         released = info["num_blocks"]
         tables.remove(np.array([key], dtype=np.int64), internal=True)
         return released
 
     def swap_in(self, key: int) -> int:
-        cache = self.cache
-        tables = cache.tables
+        tables = self.tables
         rec = self.swapped.get(key)
         if rec is None:
-            raise SequenceNotFoundError(cache._seq_id(key))
+            raise SequenceNotFoundError(self.tables.namer(key))
         n = len(rec.host_blocks)
-        if n > cache.pool.num_free_blocks:
-            raise OutOfBlocksError(n, cache.pool.num_free_blocks, "swap_in from the host tier")
+        free = tables.pool.num_free_blocks
+        if n > free:
+            raise OutOfBlocksError(n, free, "swap_in from the host tier")
         keys = np.array([key], dtype=np.int64)
         tables.add(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority, False)
         tables.reserve(keys, rec.num_computed, internal=True)
-        if cache._tiers is not None:
-            cache._tiers.sync()     # prefix blocks it evicted go down before the load overwrites them
+        if self.sync is not None:
+            self.sync()     # prefix blocks it evicted go down before the load overwrites them
         device_blocks = tables.blocks(key)
-        if cache.store is not None and n:
+        if self.store is not None and n:
             import torch
 
             pairs = np.stack([rec.host_blocks, device_blocks], axis=1).astype(np.int64)
-            cache.store.load(torch.from_numpy(pairs))
+            self.store.load(torch.from_numpy(pairs))
         tables.commit(keys, rec.num_computed, internal=True)
-        if cache._tiers is not None:
-            cache._tiers.sync()
+        if self.sync is not None:
+            self.sync()
         self.pool.free(rec.host_blocks)
         del self.swapped[key]
         return n
 
     def discard(self, key: int) -> None:
+        """Drop a swapped-out sequence's host copy (it was freed)."""
         rec = self.swapped.pop(key)
         self.pool.free(rec.host_blocks)
 

@@ -1,6 +1,6 @@
 """Memory planner: how many blocks, tokens and full-length sequences fit a budget.
 
-Also the ``pagedkv plan`` subcommand (:func:`add_arguments`, :func:`run`).
+The ``pagedkv plan`` command line is :mod:`pagedkv.cli.plan`.
 
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x element bytes, plus,
 for quantized storage, one float32 scale (and for int8 one float32 zero point) per
@@ -8,18 +8,13 @@ for quantized storage, one float32 scale (and for int8 one float32 zero point) p
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 from pagedkv.config import CacheConfig, format_bytes
-from pagedkv.errors import InvalidArgumentError, PagedKVError, expected
+from pagedkv.errors import InvalidArgumentError, expected
 
-__all__ = ["PlanResult", "plan", "plan_config", "add_arguments", "run", "HELP"]
-
-HELP = "size a KV cache: blocks, tokens and full-length sequences that fit a memory budget"
+__all__ = ["PlanResult", "plan", "plan_config"]
 
 
 @dataclass(frozen=True)
@@ -130,49 +125,3 @@ def plan(
         model_config, memory_budget=budget, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, layout=layout
     )
     return plan_config(cfg, max_seq_len)
-
-
-# ---------------------------------------------------------------------------------
-# `pagedkv plan`
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the ``plan`` subcommand's arguments."""
-    shape = parser.add_argument_group("model shape (a config.json, or the three numbers)")
-    shape.add_argument("--model-config", metavar="PATH", help="HF config.json (or its directory)")
-    shape.add_argument("--num-layers", type=int, metavar="N")
-    shape.add_argument("--num-kv-heads", type=int, metavar="N")
-    shape.add_argument("--head-dim", type=int, metavar="N")
-    parser.add_argument("--budget", required=True, help="memory budget, e.g. 4GiB, 512MB, 1073741824")
-    parser.add_argument("--max-seq-len", type=int, metavar="TOKENS", help="full sequence length to plan for")
-    parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS")
-    parser.add_argument("--dtype", default="fp16", help="model dtype: fp32, fp16 (default), bf16")
-    parser.add_argument("--kv-dtype", default=None, help="cache dtype: same as --dtype (default), fp8, fp8_e5m2, int8")
-    parser.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Execute ``pagedkv plan``; returns the exit status."""
-    explicit = (args.num_layers, args.num_kv_heads, args.head_dim)
-    opts = dict(memory_budget=args.budget, block_size=args.block_size, dtype=args.dtype,
-                kv_dtype=args.kv_dtype, layout=args.layout)
-    try:
-        if args.model_config is not None:
-            if any(v is not None for v in explicit):
-                raise InvalidArgumentError(
-                    expected("--model-config", "no --num-layers/--num-kv-heads/--head-dim beside it", "both")
-                )
-            cfg = CacheConfig.from_hf_config(args.model_config, **opts)
-        elif all(v is not None for v in explicit):
-            cfg = CacheConfig(num_layers=explicit[0], num_kv_heads=explicit[1], head_dim=explicit[2], **opts)
-        else:
-            raise InvalidArgumentError(
-                expected("--model-config", "a path, or all of --num-layers/--num-kv-heads/--head-dim", "neither")
-            )
-        result = plan_config(cfg, args.max_seq_len)
-    except PagedKVError as e:
-        print(f"pagedkv plan: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result.to_dict()) if args.json else result.format())
-    return 0

@@ -318,8 +318,8 @@ class PyTables:
         rows = self._rows(keys)
         need = 0
         for row, n in zip(rows, counts):
-            if n < 0:
-                raise InvalidArgumentError(expected("num_tokens", "counts >= 0", n))
+            if n < 0 or n >= 2**63:
+                raise InvalidArgumentError(expected("num_tokens", "counts in [0, 2**63)", n))
             need += -(-(row.reserved + n) // self.bs) - len(row.blocks)
             if n and row.reserved % self.bs and self._must_copy(row.blocks[-1]):
                 need += 1
@@ -346,7 +346,7 @@ class PyTables:
         counts = [counts] * len(keys) if isinstance(counts, int) else [int(c) for c in counts]
         rows = self._rows(keys)
         for row, n in zip(rows, counts):
-            if n < 0 or row.computed + n > row.reserved:
+            if n < 0 or n >= 2**63 or row.computed + n > row.reserved:
                 raise InvalidArgumentError(expected("num_tokens", "at most the reserved tokens", n))
         if token_ids is not None:
             token_ids = [int(t) for t in token_ids]

@@ -45,14 +45,16 @@ class CacheStats:
         return self.free_blocks == 0
 
     @classmethod
-    def collect(cls, cache) -> "CacheStats":
-        pool, tables, cfg = cache.pool, cache.tables, cache.config
+    def collect(cls, pool, tables, config, host=None, tiers=None) -> "CacheStats":
+        """Read the figures from the core objects (``BlockPool``, ``BlockTables``), the
+        ``CacheConfig``, the host tier (``HostTier`` or None) and the prefix tiers
+        (:class:`~pagedkv.tiers.PrefixTiers` or None), under the caller's lock."""
+        cfg = config
         tokens, waste = tables.total_tokens()
         used = pool.num_in_use_blocks
         bpb = cfg.bytes_per_block
         q, h = tables.num_query_tokens, tables.num_hit_tokens
-        host = cache._host
-        tiers = tuple(cache._tiers.stats()) if cache._tiers is not None else ()
+        tiers = tuple(tiers.stats()) if tiers is not None else ()
         by_medium = {t.medium: t.hit_tokens for t in tiers}
         device_hits = h
         h += sum(by_medium.values())
@@ -78,7 +80,7 @@ class CacheStats:
             bytes_in_use=used * bpb,
             bytes_free=(pool.num_blocks - used) * bpb,
             swapped_sequences=host.num_swapped if host is not None else 0,
-            host_blocks_in_use=host.pool.num_in_use_blocks if host is not None else 0,
+            host_blocks_in_use=host.num_blocks_in_use if host is not None else 0,
             device_hit_tokens=device_hits,
             host_hit_tokens=by_medium.get("host", 0),
             disk_hit_tokens=by_medium.get("disk", 0),

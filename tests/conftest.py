@@ -28,3 +28,55 @@ def _run_outside_the_source_tree(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
     os.chdir(old)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.pagedkv_call_failed = report.failed
+
+
+def _leftovers(kv) -> str:
+    """What a cache still holds, or '' when every block is free (invariants checked)."""
+    kv.check_invariants()
+    stats = kv.stats()
+    held = []
+    if len(kv):
+        held.append(f"{len(kv)} sequence(s) {kv.sequences()[:8]!r}")
+    if stats.allocated_blocks:
+        held.append(f"{stats.allocated_blocks} block(s) in use")
+    if stats.swapped_sequences or stats.host_blocks_in_use:
+        held.append(f"{stats.swapped_sequences} swapped-out sequence(s) on {stats.host_blocks_in_use} host block(s)")
+    return ", ".join(held)
+
+
+@pytest.fixture(autouse=True)
+def _every_cache_ends_empty(request, monkeypatch):
+    """Leak check in teardown: every PagedKVCache the test made (directly, through a
+    PagedCache, an adapter or the demo) must end with its invariants intact and every
+    block free: no live or swapped-out sequence, nothing in use. A test frees what it
+    takes. Objects it dropped count as freed once collected (PagedCache frees its rows
+    on finalization), so the check collects garbage before it reports. Skipped when the
+    test itself failed (its own error says more)."""
+    from pagedkv.cache import PagedKVCache
+
+    made = []
+    real_init = PagedKVCache.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(PagedKVCache, "__init__", recording_init)
+    yield
+    if not made or getattr(request.node, "pagedkv_call_failed", False):
+        return
+    if any(_leftovers(kv) for kv in made):
+        import gc
+
+        gc.collect()
+        problems = [f"cache #{i} ({kv!r}): {left}" for i, kv in enumerate(made) if (left := _leftovers(kv))]
+        if problems:
+            pytest.fail("the test left KV blocks behind:\n  " + "\n  ".join(problems), pytrace=False)

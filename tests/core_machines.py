@@ -37,7 +37,7 @@ def same_outcome(fast, slow):
 
 
 def pool_snapshot(pool):
-    return (np.asarray(pool.ref_cnt).tolist(), pool.evictor.order(),
+    return (np.asarray(pool.ref_cnt).tolist(), pool.free_lists(),
             [pool.is_cached(b) for b in range(pool.num_blocks)])
 
 

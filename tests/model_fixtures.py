@@ -5,7 +5,7 @@ Import the fixtures into a test module's namespace so pytest sees them (the shar
 
     from model_fixtures import smollm2  # noqa: F401
 
-The model comes from :mod:`pagedkv.models`. Without network and cache the tests
+The model comes from :mod:`pagedkv.testing.models`. Without network and cache the tests
 skip, naming the command that fetches the model; set ``PAGEDKV_REQUIRE_MODEL=1``
 (CI does) to make a missing model an error instead.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pagedkv.errors import ModelUnavailableError
-from pagedkv.models import load_smollm2, tiny_llama
+from pagedkv.testing.models import load_smollm2, tiny_llama
 
 PROMPTS = [
     "What is the capital of France?",

@@ -64,6 +64,7 @@ def test_random_batches_round_trip_element_for_element():
     assert cu.tolist() == [0] + np.cumsum([cache.num_tokens(s) for s in seqs]).tolist()
     assert torch.equal(k[cu[1]:cu[2]], cache.gather(("b", 1), 1)[0])
     cache.check_invariants()
+    cache.free(seqs)
 
 
 def test_negative_slots_are_skipped():
@@ -75,6 +76,7 @@ def test_negative_slots_are_skipped():
     cache.write(0, padded, k, k)
     got, _ = cache.gather(1, 0)
     assert torch.equal(got, k[[0, 2, 3]])
+    cache.free(1)
 
 
 def test_write_rejects_bad_input_and_changes_nothing():
@@ -91,6 +93,7 @@ def test_write_rejects_bad_input_and_changes_nothing():
     with pytest.raises(TypeError, match=r"slot_mapping: expected an int64 array, got int32 array"):
         cache.write(0, slots.astype(np.int32), torch.zeros(2, H, D), torch.zeros(2, H, D))
     assert torch.equal(cache.store.kv, before)
+    cache.free(1)
 
 
 def test_ids_errors_and_batch_atomicity():
@@ -138,6 +141,7 @@ def test_fork_shares_blocks_and_copy_on_write_keeps_both_histories():
     assert cache.block_table("c")[1] != cache.block_table("p")[1]
     assert cache.stats().cow_copies >= 1
     cache.check_invariants()
+    cache.free(["p", "c"])
 
 
 def test_slot_mapping_tables_and_csr_exports():
@@ -154,6 +158,7 @@ def test_slot_mapping_tables_and_csr_exports():
     assert indptr.tolist() == [0, 2, 3] and indices.tolist() == b1 + b2 and last.tolist() == [1, 2]
     with pytest.raises(InvalidArgumentError, match=r"expected a range inside the 5 reserved tokens of sequence 1"):
         cache.slot_mapping(1, 3, 3)
+    cache.free([1, 2])
 
 
 def test_hnd_layout_and_quantized_round_trips():
@@ -170,6 +175,7 @@ def test_hnd_layout_and_quantized_round_trips():
         rel = ((got - k).abs().max() / k.abs().max()).item()
         assert rel <= tol and got.dtype == torch.float32
         assert torch.equal(gotv, -got) or kv_dtype == "int8"
+        cache.free(1)
 
 
 def test_swap_out_and_in_restores_kv_and_frees_device_blocks():
@@ -212,3 +218,4 @@ def test_stats_dump_and_capacity_queries():
     assert m.count("#") == 2 and m.count("\n") == 1
     text = cache.dump_stats()
     assert "1: 6/6 tokens, 2 blocks" in text and "Block map:" in text
+    cache.free(1)

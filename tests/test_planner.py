@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pagedkv.__main__ import SUBCOMMANDS, main
+from pagedkv.cli import SUBCOMMANDS, main
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.planner import PlanResult, plan, plan_config
@@ -148,7 +148,7 @@ def test_cli_requires_a_subcommand_and_budget(capsys):
 
 
 def test_subcommand_registry_lists_plan():
-    assert SUBCOMMANDS["plan"] == "pagedkv.planner"
+    assert SUBCOMMANDS["plan"] == "pagedkv.cli.plan"
 
 
 def test_python_dash_m_entry_point(tmp_path):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pagedkv import BlockPool
-from pagedkv.errors import (CacheBusyError, DTypeError, InvalidArgumentError, InvalidBlockError,
+from pagedkv.errors import (ArgumentTypeError, CacheBusyError, DTypeError, InvalidArgumentError, InvalidBlockError,
                             OutOfBlocksError, PagedKVError, ShapeError)
 
 
@@ -37,9 +37,11 @@ def test_allocate_is_all_or_nothing():
     assert pool.free_block_queue().tolist() == before and pool.num_free_blocks == 1
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])
-def test_allocate_rejects_bad_counts(bad):
-    with pytest.raises(InvalidArgumentError, match=r"n: expected an int >= 0, got"):
+@pytest.mark.parametrize("bad, err", [(-1, InvalidArgumentError), (1.5, ArgumentTypeError),
+                                      ("3", ArgumentTypeError), (True, ArgumentTypeError),
+                                      (None, ArgumentTypeError)])
+def test_allocate_rejects_bad_counts(bad, err):
+    with pytest.raises(err, match=r"n: expected an int >= 0, got"):
         BlockPool(4).allocate(bad)
 
 
@@ -110,7 +112,7 @@ def test_free_rejects_out_of_range_ids():
     (np.array([[0]], np.int32), ShapeError, r"block_ids: expected a 1-D int32 array, got int32 array of shape \(1, 1\)"),
     ([0.5], DTypeError, r"block_ids: expected a sequence of ints fitting int32, got float64 values"),
     ([2**40], InvalidArgumentError, r"block_ids: expected ints fitting int32, got an out-of-range int"),
-    ("0", DTypeError, r"block_ids: expected a 1-D int32 array, got"),
+    ("0", ArgumentTypeError, r"block_ids: expected a 1-D int32 array or a list of ints, got str"),
 ])
 def test_free_rejects_wrong_dtypes_and_shapes(bad, err, msg):
     pool = BlockPool(4)

@@ -22,12 +22,32 @@ from transformers import DynamicCache
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.chunking import ChunkPolicy, ChunkState, PrefillMemoryError, cuda_memory_probe
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PrefillCancelledError
-from pagedkv.models import load_smollm2, tiny_llama
+from pagedkv.testing.models import load_smollm2, tiny_llama
 from pagedkv.planner import plan_config
 from pagedkv.prefill import ChunkedPrefill, PrefillChunk, chunked_prefill
 
 # Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128 (seed 004's 200k example).
 QWEN3_SHAPE = dict(num_layers=28, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def _free_prefilled_sequences(monkeypatch):
+    """A prefill leaves its sequence live, ready to decode, and these tests end there.
+    Free what every cache made by the test still holds, so that the suite's leak check
+    (tests/conftest.py) then finds only blocks no sequence accounts for."""
+    made = []
+    init = PagedKVCache.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(PagedKVCache, "__init__", recording_init)
+    yield
+    for cache in made:
+        live = cache.sequences()
+        if live:
+            cache.free(live)
 
 
 def bookkeeping_cache(num_blocks=64, block_size=16, **shape):

@@ -5,6 +5,8 @@ import pytest
 from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, CacheConfig, PagedKVCache, PrefixIndex
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import CacheBusyError, InvalidArgumentError
+from pagedkv.namespaces import namespace_hash
+from pagedkv.testing import weak_hash_cache
 
 
 def make(num_blocks=11, block_size=16, **kw):
@@ -56,6 +58,7 @@ def test_issue_scenario_exact_blocks_with_11_blocks_of_16():
     assert cache.stats().eviction_count == 2
     assert cache.match_prefix(p1) == 16                               # block 0, evicted last, still hits
     cache.check_invariants()
+    cache.free(cache.sequences())
 
 
 def test_hits_survive_free_until_evicted_and_never_the_whole_prompt():
@@ -69,6 +72,7 @@ def test_hits_survive_free_until_evicted_and_never_the_whole_prompt():
     assert cache.num_tokens(2) == 48
     st = cache.stats()
     assert (st.hit_tokens, st.query_tokens) == (48, 128)
+    cache.free(cache.sequences())
 
 
 def test_seed004_memory_claim_eight_sessions_share_a_system_prompt():
@@ -84,6 +88,7 @@ def test_seed004_memory_claim_eight_sessions_share_a_system_prompt():
     # an aligned prompt equal to the system prompt alone would reuse 63 blocks, not 64.
     assert cache.pool.num_in_use_blocks == 64 + 8 * 8
     assert int((np.asarray(cache.pool.ref_cnt) == 8).sum()) == 64
+    cache.free(cache.sequences())
 
 
 def test_namespaces_never_share_and_are_domain_separated():
@@ -97,12 +102,13 @@ def test_namespaces_never_share_and_are_domain_separated():
     with pytest.raises(InvalidArgumentError, match=r"cache_salt: expected a str or None, got int"):
         cache.add_sequence("bad", p, cache_salt=5)
     assert "bad" not in cache
+    cache.free(cache.sequences())
 
 
 def test_weak_hash_collisions_cost_misses_never_wrong_kv():
     # A 4-valued hash: most distinct prefixes collide. Hits must still be exact.
     cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=64)
-    cache = PagedKVCache(cfg, allocate_store=False, weak_hash=True)
+    cache = weak_hash_cache(cfg, allocate_store=False)
     rng = np.random.default_rng(1)
     stored = {}
     for s in range(40):
@@ -120,6 +126,7 @@ def test_weak_hash_collisions_cost_misses_never_wrong_kv():
             cache.free(s - 4)                  # keep four live sequences, recycle the rest
     assert cache.index.num_collisions > 0
     cache.check_invariants()
+    cache.free(cache.sequences())
 
 
 def test_fork_then_parent_fills_a_shared_block_child_copies_before_writing():
@@ -139,6 +146,7 @@ def test_fork_then_parent_fills_a_shared_block_child_copies_before_writing():
     assert int(slots[0]) // 4 != shared
     assert cache.take_copies().tolist() == [[int(shared), int(slots[0]) // 4]]
     assert cache.match_prefix([1, 1, 0, 1, 9]) == 4
+    cache.free("c")
 
 
 def test_reset_prefix_cache_fails_while_blocks_are_held():
@@ -167,6 +175,7 @@ def test_pinned_prefix_is_never_evicted():
     cache.add_sequence(3)
     cache.reserve(3, 24)
     assert cache.match_prefix(p) == 0
+    cache.free(cache.sequences())
 
 
 def test_kv_events_mirror_the_cache():
@@ -177,7 +186,7 @@ def test_kv_events_mirror_the_cache():
     assert len(ev) == 1 and isinstance(ev[0], BlockStored)
     assert ev[0].parent_block_hash is None and ev[0].token_count == 8
     assert ev[0].namespace == ("s", None) and len(ev[0].block_hashes) == 2
-    assert ev[0].block_hashes == cache.index.hash_tokens(p[:8], cache._namespace("s", None)[1]).tolist()
+    assert ev[0].block_hashes == cache.index.hash_tokens(p[:8], namespace_hash("s", None)).tolist()
     cache.free(1)
     cache.add_sequence(2)
     cache.reserve(2, 24)

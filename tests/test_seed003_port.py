@@ -19,6 +19,11 @@ The tests are the seed's, verbatim, except for these changes:
    block. The comment now says so. (Then 26 + 20 = 46 tokens need 3 blocks, as
    asserted.)
 
+4. The ``cache_manager`` fixture frees, after each test, the sequences the test left
+   allocated (the seed's tests end with live sequences). pagedkv's test suite checks
+   after every test that each cache it made ends with every block free, to catch
+   leaks in the library; this keeps that check meaningful here.
+
 Nothing else changed, apart from this docstring, which replaces the seed's one-line
 "Test KV Cache Implementation". In particular ``test_allocation_failure`` still expects
 ``RuntimeError``: the adapter raises ``AllocatorOutOfBlocksError``, which is both
@@ -103,7 +108,10 @@ class TestKVCacheManager:
             dtype=torch.float16,
             device="cpu"  # Use CPU for tests
         )
-        return KVCacheManager(config)
+        manager = KVCacheManager(config)
+        yield manager
+        for seq_id in list(manager.sequence_tables):
+            manager.free_sequence(seq_id)
 
     def test_allocate_sequence(self, cache_manager):
         table = cache_manager.allocate_sequence(seq_id=0, num_tokens=50)

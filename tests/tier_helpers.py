@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
+from pagedkv.testing import weak_hash_cache
 
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
 
@@ -57,7 +58,8 @@ def make(**over) -> PagedKVCache:
     weak = over.pop("weak_hash", False)
     opts = dict(SHAPE)
     opts.update(over)
-    return PagedKVCache(CacheConfig(**opts), weak_hash=weak)
+    config = CacheConfig(**opts)
+    return weak_hash_cache(config) if weak else PagedKVCache(config)
 
 
 def assert_clean(cache: PagedKVCache) -> None:

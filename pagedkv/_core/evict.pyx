@@ -1,7 +1,8 @@
 # cython: language_level=3
 """Eviction policies over cached-free blocks.
 
-Eviction order (the victim is always the head of the first non-empty list):
+Eviction order (the victim is always the head of the first non-empty list of the
+pool's free queue, see :mod:`pagedkv._core.freelist`):
 
 1. ``EMPTY``: free blocks that hold no cached prefix. Reusing them loses nothing.
 2. Eviction buckets ``1..nbuckets``, lowest first; inside a bucket, the block freed
@@ -23,119 +24,35 @@ The policy only decides which bucket a freed cached block joins:
 Pinned cached-free blocks are on no list, so no policy can pick them; in-use blocks
 (ref_cnt >= 1) are never on a list either.
 """
-from libc.stdlib cimport calloc, free as c_free
-from libc.string cimport memset
+from pagedkv._core._arrays cimport check_int, check_fraction
+from pagedkv._core.freelist cimport MAX_LISTS
 
 from pagedkv.errors import InvalidArgumentError, expected
 
 POLICIES = {"lru": POLICY_LRU, "priority": POLICY_PRIORITY,
             "adaptive": POLICY_ADAPTIVE, "frequency": POLICY_FREQUENCY}
-FREQUENCY_BUCKETS = 16
+POLICY_NAMES = {v: k for k, v in POLICIES.items()}
 
 
-cdef class Evictor:
-    def __cinit__(self, int32_t num_blocks, str policy="lru", int priority_classes=3,
-                  double low_watermark=0.05, double high_watermark=0.15):
-        cdef int32_t i
-        if policy not in POLICIES:
-            raise InvalidArgumentError(expected("eviction", f"one of {sorted(POLICIES)}", repr(policy)))
-        if num_blocks < 1:
-            raise InvalidArgumentError(expected("num_blocks", "an int >= 1", num_blocks))
-        if not 1 <= priority_classes <= MAX_LISTS - 1:
-            raise InvalidArgumentError(
-                expected("priority_classes", f"an int in [1, {MAX_LISTS - 1}]", priority_classes))
-        if not (0.0 <= low_watermark <= high_watermark <= 1.0):
-            raise InvalidArgumentError(expected(
-                "low_watermark, high_watermark", "0 <= low <= high <= 1",
-                f"{low_watermark}, {high_watermark}"))
-        self.num_blocks = num_blocks
-        self.policy = POLICIES[policy]
-        if self.policy == POLICY_PRIORITY:
-            self.nbuckets = priority_classes
-        elif self.policy == POLICY_FREQUENCY:
-            self.nbuckets = FREQUENCY_BUCKETS
-        else:
-            self.nbuckets = 1
-        self.low_blocks = <int32_t>(low_watermark * num_blocks)
-        self.high_blocks = <int32_t>(high_watermark * num_blocks)
-        self.L.prev = <int32_t*>calloc(num_blocks, sizeof(int32_t))
-        self.L.next = <int32_t*>calloc(num_blocks, sizeof(int32_t))
-        self.L.where = <int8_t*>calloc(num_blocks, sizeof(int8_t))
-        self.hits = <uint32_t*>calloc(num_blocks, sizeof(uint32_t))
-        if not (self.L.prev and self.L.next and self.L.where and self.hits):
-            raise MemoryError(f"cannot allocate eviction lists for {num_blocks} blocks")
-        self.L.nlists = 1 + self.nbuckets
-        for i in range(MAX_LISTS):
-            self.L.head[i] = -1
-            self.L.tail[i] = -1
-            self.L.size[i] = 0
-        for i in range(num_blocks):
-            self.L.where[i] = NOT_LISTED
-
-    def __dealloc__(self):
-        c_free(self.L.prev)
-        c_free(self.L.next)
-        c_free(self.L.where)
-        c_free(self.hits)
-
-    @property
-    def policy_name(self):
-        for name, value in POLICIES.items():
-            if value == self.policy:
-                return name
-
-    cdef int bucket_for(self, block_id_t b, int8_t cls) noexcept nogil:
-        cdef uint32_t h
-        cdef int bits = 0
-        if self.policy == POLICY_PRIORITY:
-            if cls < 0:
-                cls = 0
-            if cls >= self.nbuckets:
-                cls = <int8_t>(self.nbuckets - 1)
-            return 1 + cls
-        if self.policy == POLICY_FREQUENCY:
-            h = self.hits[b]
-            while h:
-                bits += 1
-                h >>= 1
-            if bits >= self.nbuckets:
-                bits = self.nbuckets - 1
-            return 1 + bits
-        return 1
-
-    cdef block_id_t victim(self) noexcept nogil:
-        if self.L.size[EMPTY] > 0:
-            return self.L.head[EMPTY]
-        return self.batch_victim()
-
-    cdef block_id_t batch_victim(self) noexcept nogil:
-        cdef int k
-        for k in range(1, self.L.nlists):
-            if self.L.size[k] > 0:
-                return self.L.head[k]
-        return -1
-
-    cdef int32_t num_evictable(self) noexcept nogil:
-        cdef int k
-        cdef int32_t n = 0
-        for k in range(1, self.L.nlists):
-            n += self.L.size[k]
-        return n
-
-    def list_sizes(self):
-        """Blocks on each list: ``[EMPTY, bucket 1, ..., bucket nbuckets]``."""
-        return [self.L.size[k] for k in range(self.L.nlists)]
-
-    def order(self):
-        """Free blocks in eviction order (victim first), as a list of lists per list."""
-        out = []
-        cdef int k
-        cdef block_id_t b
-        for k in range(self.L.nlists):
-            lst = []
-            b = self.L.head[k]
-            while b >= 0:
-                lst.append(b)
-                b = self.L.next[b]
-            out.append(lst)
-        return out
+cdef EvictionPolicy make_policy(str name, int64_t num_blocks, object priority_classes,
+                                object low_watermark, object high_watermark) except *:
+    cdef EvictionPolicy p
+    cdef double low, high
+    if name not in POLICIES:
+        raise InvalidArgumentError(expected("eviction", f"one of {sorted(POLICIES)}", repr(name)))
+    p.kind = POLICIES[name]
+    classes = check_int(priority_classes, "priority_classes", 1, MAX_LISTS - 1)
+    low = check_fraction(low_watermark, "low_watermark")
+    high = check_fraction(high_watermark, "high_watermark")
+    if low > high:
+        raise InvalidArgumentError(expected("low_watermark, high_watermark", "0 <= low <= high <= 1",
+                                            f"{low}, {high}"))
+    if p.kind == POLICY_PRIORITY:
+        p.nbuckets = classes
+    elif p.kind == POLICY_FREQUENCY:
+        p.nbuckets = FREQUENCY_BUCKETS
+    else:
+        p.nbuckets = 1
+    p.low_blocks = <int32_t>(low * num_blocks)
+    p.high_blocks = <int32_t>(high * num_blocks)
+    return p

@@ -1,4 +1,4 @@
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,7 @@ class BlockTables:
     num_query_tokens: int
     num_hit_tokens: int
     num_cow: int
+    namer: Callable[[int], Any]
     def __init__(self, pool: BlockPool, block_size: int, index: Optional[PrefixIndex] = None,
                  recent_blocks: int = 4) -> None: ...
     def add(self, key: int, tokens: Optional[Tokens] = None, ns: int = 0, ns_hash: int = 0,

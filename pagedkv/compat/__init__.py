@@ -30,10 +30,11 @@ Core calls these adapters work around (they would make them thinner):
   (old block, new free block) of that sequence's table): validate all, copy the KV of
   each pair across all layers, swap the table entries, release the old blocks; token
   counts, token ids, namespace and priorities untouched. Compaction now frees and
-  re-adds the sequence instead (see ``ContinuousBatchKVCacheManager.compact_cache``).
-- ``PagedKVCache.lock`` (the manager's ``RLock``, public) so an adapter can make several
-  calls atomic, and ``PagedKVCache.sequence_info(seq_id) -> dict`` (``tables.info`` by
-  sequence id). Compaction uses the private ``_lock`` and ``_key`` meanwhile.
+  re-adds the sequence, staging the pool's free queue itself (see
+  ``ContinuousBatchKVCacheManager.compact_cache``); it is the one place an adapter
+  still allocates on ``cache.pool`` directly, until the core's ``relocate()`` and
+  ``compact()`` replace it. It uses only the cache's public API otherwise
+  (``PagedKVCache.lock``, ``sequence_info``).
 """
 from __future__ import annotations
 

@@ -276,30 +276,28 @@ class ContinuousBatchKVCacheManager:
         Done through the cache's public API, pending a core call that remaps a table
         (see the compat package docstring): the moved requests are freed and re-added,
         with their final blocks first in the free queue, so the pool's allocation and
-        free counters also count these moves. The cache's lock is held throughout, but
-        its unlocked queries (``block_table``, ``num_tokens``...) called from another
-        thread meanwhile may find a moved request briefly absent: read a request's
-        state through this manager, or not while it compacts. Slots taken before a
-        compaction are stale after it.
+        free counters also count these moves. The cache's lock is held throughout
+        (every call of the cache takes it, so another thread never sees a request
+        half moved). Slots taken before a compaction are stale after it.
         """
         with self._lock:
             c = self._config
             if not c.enable_compaction or self.utilization() >= c.target_utilization:
                 return np.empty((0, 2), dtype=np.int32)
-            with self.cache._lock:   # atomic for every user of the cache, not only this manager
+            with self.cache.lock:    # atomic for every user of the cache, not only this manager
                 return self._defragment()
 
     def _movable(self) -> List[RequestId]:
-        pool, tables = self.cache.pool, self.cache.tables
+        pool = self.cache.pool
         ref = pool.ref_cnt
         out = []
         for rid in self._allocated_at:
             if rid not in self.cache:            # swapped out to the host tier
                 continue
             blocks = self.cache.block_table(rid)
-            info = tables.info(self.cache._key(rid))
+            info = self.cache.sequence_info(rid)
             if (len(blocks) and (ref[blocks] == 1).all() and not any(pool.is_cached(int(b)) for b in blocks)
-                    and info["num_known"] == 0 and info["namespace"] == 0 and info["priority"] == -1):
+                    and info["num_known"] == 0 and info["namespace"] == (None, None) and info["priority"] == -1):
                 out.append(rid)
         return out
 

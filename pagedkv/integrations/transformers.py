@@ -38,6 +38,7 @@ differs in signatures only (``update(k, v, layer_idx, cache_kwargs)``,
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -143,29 +144,37 @@ class PagedCache(Cache):
     chosen by :meth:`select` (an engine's continuous batching), or created on the
     first forward pass (prompt ids unknown: no prefix reuse, no padding skipped).
     :meth:`release` (or leaving a ``with`` block) frees the sequences; their full
-    blocks stay in the prefix cache.
+    blocks stay in the prefix cache. A ``PagedCache`` that is dropped without either
+    (``generate(..., past_key_values=PagedCache(kv))``) frees them when it is
+    garbage-collected: the sequences are queued with :meth:`PagedKVCache.free_deferred`
+    and freed at ``kv``'s next call. A forward pass that fails gives back the slots it
+    reserved, and the rows it created.
     """
 
     def __init__(self, kv: PagedKVCache, *, cache_salt: Optional[str] = None):
         if not isinstance(kv, PagedKVCache):
             raise InvalidArgumentError(expected("kv", "a PagedKVCache", type(kv).__name__))
-        if kv.store is None:
+        if kv.device is None:
             raise InvalidArgumentError(expected("kv", "a PagedKVCache with a KV store (allocate_store=True)",
                                                 "a bookkeeping-only cache"))
         self.kv = kv
         self.cache_salt = cache_salt
         self.num_layers = kv.config.num_layers
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        self._owned: set = set()   # rows this object frees; the same set lives in the finalizer
         self._clear_rows()
+        weakref.finalize(self, _free_on_collection, kv, self._owned)
         self.forward_tokens = 0   # new tokens written, all forwards (prefix hits excluded)
 
     # ---- rows ------------------------------------------------------------------
     def _clear_rows(self) -> None:
         self.seq_ids: list = []
-        self._owned: set = set()
+        self._owned.clear()
+        self._implicit = False  # rows created by the pass in progress (freed if it fails)
         self._pads = np.zeros(0, dtype=np.int64)
         self._columns = 0
         self._plan: Optional[_StepPlan] = None
+        self._reserved: Optional[np.ndarray] = None   # tokens this pass reserved, not yet committed
         self._input_ids: Optional[torch.Tensor] = None
         self._fresh = False  # admitted, no forward pass yet
 
@@ -219,7 +228,7 @@ class PagedCache(Cache):
                 self.kv.free(added)  # all or nothing
             raise
         self.seq_ids = list(seq_ids)
-        self._owned = set(self.seq_ids)
+        self._owned.update(self.seq_ids)
         self._pads = pads.numpy().astype(np.int64)
         # Skip the columns that are cached (or padding) in every row.
         self._columns = int((self._pads + hits).min())
@@ -249,7 +258,7 @@ class PagedCache(Cache):
                                                 f"{int((reserved - n).sum())} pending"))
         longest = int(n.max())
         self.seq_ids = seq_ids
-        self._owned = set()
+        self._owned.clear()
         self._pads = longest - n
         self._columns = longest
         q = int(num_new_tokens)
@@ -266,10 +275,24 @@ class PagedCache(Cache):
         self._input_ids = torch.as_tensor(input_ids)
 
     def release(self) -> None:
-        """Free the sequences this object admitted (their full blocks stay cached)."""
+        """Free the sequences this object admitted (their full blocks stay cached), and
+        give back what a forward pass that stopped early had reserved in the others."""
+        self._abort_step()
         owned = [s for s in self.seq_ids if s in self._owned]
         self._clear_rows()
         if owned:
+            self.kv.free(owned)
+
+    def _abort_step(self) -> None:
+        """Undo the forward pass in progress: its reserved slots go back, and rows it
+        created itself are freed."""
+        reserved, self._reserved = self._reserved, None
+        self._plan = self._input_ids = None
+        if reserved is not None and reserved.any():
+            self.kv.unreserve(self.seq_ids, reserved)
+        if self._implicit:
+            owned = list(self.seq_ids)
+            self._clear_rows()
             self.kv.free(owned)
 
     def __enter__(self) -> "PagedCache":
@@ -301,7 +324,20 @@ class PagedCache(Cache):
         return False
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Write this pass's K/V ``[B, H, q, D]`` of ``layer_idx``; return ``[B, H, columns, D]``."""
+        """Write this pass's K/V ``[B, H, q, D]`` of ``layer_idx``; return ``[B, H, columns, D]``.
+
+        If it raises, the pass is undone (see :meth:`_abort_step`): nothing is left
+        reserved, and no row is left behind."""
+        try:
+            return self._update(key_states, value_states, layer_idx)
+        except BaseException as e:
+            try:
+                self._abort_step()
+            except Exception as undo:   # keep the original error; say the rollback failed too
+                e.add_note(f"pagedkv: undoing the failed forward pass also failed: {undo!r}")
+            raise
+
+    def _update(self, key_states, value_states, layer_idx: int):
         if not 0 <= layer_idx < self.num_layers:
             raise InvalidArgumentError(expected("layer_idx", f"an int in [0, {self.num_layers})", layer_idx))
         if layer_idx == 0:
@@ -316,7 +352,7 @@ class PagedCache(Cache):
         # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
-        k, v = self.kv.store.gather(layer_idx, plan.indptr, plan.indices, plan.lens)
+        k, v = self.kv.gather_pages(layer_idx, plan.indptr, plan.indices, plan.lens)
         if plan.dest is None:  # no padding: the packed rows are the rectangle
             keys = k.view(B, plan.columns, H, D)
             values = v.view(B, plan.columns, H, D)
@@ -329,10 +365,10 @@ class PagedCache(Cache):
         return keys.transpose(1, 2), values.transpose(1, 2)
 
     def _plan_step(self, key_states) -> None:
-        if self._plan is not None:
+        if self._plan is not None:   # undone by update()'s handler before this reaches the caller
             raise InvalidArgumentError(expected(
                 "forward", f"the previous forward pass to reach layer {self.num_layers - 1}",
-                "a pass that stopped early (call release())"))
+                "a pass that stopped early (its reserved slots are given back)"))
         B, _, q, _ = key_states.shape
         if not self.seq_ids:  # first pass without admit(): rows with unknown prompts
             ids = [self._new_id() for _ in range(B)]
@@ -343,7 +379,9 @@ class PagedCache(Cache):
                     if i:
                         self.kv.free(ids[:i])
                     raise
-            self.seq_ids, self._owned = ids, set(ids)
+            self.seq_ids = ids
+            self._owned.update(ids)
+            self._implicit = True
             self._pads = np.zeros(B, dtype=np.int64)
             self._columns = 0
         if self._fresh and B != len(self.seq_ids) and B % len(self.seq_ids) == 0:
@@ -359,6 +397,7 @@ class PagedCache(Cache):
         new_mask = positions >= have[:, None]
         n_new = new_mask.sum(axis=1).astype(np.int64)
         slots = kv.reserve(rows, n_new)
+        self._reserved = n_new     # given back by _abort_step until the last layer commits
         write_slots = np.full((B, q), -1, dtype=np.int64)
         write_slots[new_mask] = slots  # row-major: each row's new tokens are its last columns
         columns = self._columns + q
@@ -371,7 +410,7 @@ class PagedCache(Cache):
         if self._pads.any():
             dest = np.concatenate([b * columns + np.arange(self._pads[b], columns) for b in range(B)])
             dest = torch.from_numpy(dest)
-        device = kv.store.device
+        device = kv.device
         self._plan = _StepPlan(
             q, torch.from_numpy(write_slots.reshape(-1)).to(device), n_new, new_mask,
             torch.from_numpy(indptr).to(device), torch.from_numpy(indices).to(device),
@@ -379,12 +418,13 @@ class PagedCache(Cache):
             None if dest is None else dest.to(device), columns)
 
     def _finish_step(self) -> None:
-        plan, self._plan = self._plan, None
+        plan = self._plan
         token_ids = None
         if self._input_ids is not None and tuple(self._input_ids.shape) == tuple(plan.new_mask.shape):
             token_ids = self._input_ids.cpu().numpy()[plan.new_mask]
-        self._input_ids = None
         self.kv.commit(self.seq_ids, plan.n_new, token_ids)
+        self._plan = self._reserved = self._input_ids = None
+        self._implicit = False   # the rows' first pass is complete: they live until release
         self._columns = plan.columns
         self.forward_tokens += int(plan.n_new.sum())
 
@@ -408,7 +448,9 @@ class PagedCache(Cache):
         if owned:
             self.kv.free(owned)
         self._pads = self._pads[np.asarray(order, dtype=np.int64)]
-        self.seq_ids, self._owned = new_ids, set(new_ids)
+        self.seq_ids = new_ids
+        self._owned.clear()
+        self._owned.update(new_ids)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.seq_ids:
@@ -439,3 +481,12 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         return f"PagedCache(rows={len(self.seq_ids)}, columns={self._columns}, kv={self.kv!r})"
+
+
+def _free_on_collection(kv: PagedKVCache, owned: set) -> None:
+    """Finalizer of a :class:`PagedCache` (it must not refer to the object): queue its
+    rows for freeing. A garbage-collector pass can run inside another call of ``kv``,
+    so this frees nothing itself (see :meth:`PagedKVCache.free_deferred`)."""
+    if owned:
+        kv.free_deferred(list(owned))
+        owned.clear()

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from pagedkv import ops
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.tiers.chain import ChainIndex
 
@@ -66,6 +67,16 @@ class Tier:
 
     def _namespace_added(self, key: bytes) -> None:
         pass
+
+    def read(self, slots: List[int], dst_arenas: List[torch.Tensor], dst_blocks: List[int]) -> None:
+        """Copy these slots' KV (all arenas, all layers) into ``dst_blocks``."""
+        pairs = torch.tensor(list(zip(slots, dst_blocks)), dtype=torch.int64).reshape(-1, 2)
+        ops.swap_blocks(self.arenas, dst_arenas, pairs)
+
+    def write(self, src_arenas: List[torch.Tensor], src_blocks: List[int], slots: List[int]) -> None:
+        """Copy ``src_blocks`` of ``src_arenas`` into these slots."""
+        pairs = torch.tensor(list(zip(src_blocks, slots)), dtype=torch.int64).reshape(-1, 2)
+        ops.swap_blocks(src_arenas, self.arenas, pairs)
 
     def verify(self, slot: int) -> bool:
         """Whether a slot's data may be read (the disk tier checks its checksum)."""

@@ -109,12 +109,13 @@ class DiskPrefixTier(Tier):
         except BaseException:
             self.close()
             raise
-        self.arenas = []
+        self.arenas, self._records_view = [], []
         base = torch.from_numpy(self.blocks).view(capacity, self.record_bytes)
         for off, dtype, shape in sections:
             size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-            view = base[:, off:off + size].view(dtype).view((capacity,) + shape)
-            self.arenas.append(view.transpose(0, 1))
+            view = base[:, off:off + size].view(torch.uint8).view((capacity, size))
+            self._records_view.append(view)      # slot -> this arena's bytes of the block, all layers
+            self.arenas.append(view.view(dtype).view((capacity,) + shape).transpose(0, 1))
 
     # ---- files ----------------------------------------------------------------------
     def _file(self, name: str) -> str:
@@ -250,6 +251,20 @@ class DiskPrefixTier(Tier):
         if len(owner) != len(held):
             raise self._corrupt("index.bin", min(set(held) - set(owner.values())), "it is not reachable from the root")
 
+    # ---- data ------------------------------------------------------------------------------
+    # A slot's bytes are contiguous here and strided (one run per layer) in an arena:
+    # one copy per block and arena beats a gather over the file's strided views.
+    def read(self, slots, dst_arenas, dst_blocks) -> None:
+        for a, dst in enumerate(dst_arenas):
+            for s, b in zip(slots, dst_blocks):
+                _bytes(dst[:, b]).copy_(self._records_view[a][s].view(_bytes(dst[:, b]).shape))
+
+    def write(self, src_arenas, src_blocks, slots) -> None:
+        for a, src in enumerate(src_arenas):
+            for b, s in zip(src_blocks, slots):
+                part = _bytes(src[:, b])
+                self._records_view[a][s].view(part.shape).copy_(part)
+
     # ---- data integrity ----------------------------------------------------------------
     def _block_crc(self, slot: int) -> int:
         start = slot * self.record_bytes
@@ -301,3 +316,8 @@ def _unlock(fd: int) -> None:
     if fcntl is not None:
         fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as bytes (the last dim widened), so any dtype copies as bytes."""
+    return t.view(torch.uint8)

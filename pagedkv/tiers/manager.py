@@ -30,9 +30,7 @@ from collections import defaultdict
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
-import torch
 
-from pagedkv import ops
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.kvformat import kv_format
 from pagedkv.tiers.base import Tier
@@ -113,7 +111,7 @@ class PrefixTiers:
 
         def rec(i):
             parent = None if pblocks[i] < 0 else (pblocks[i], pgens[i])
-            return _Rec(tokens[i], self.cache._namespace_key(ns[i]), parent, blocks[i], hashes[i])
+            return _Rec(tokens[i], self.cache._namespaces.key_of(ns[i]), parent, blocks[i], hashes[i])
 
         removed = np.flatnonzero(kinds == 2).tolist()
         self._removed = {(blocks[i], gens[i]): rec(i) for i in removed}
@@ -138,7 +136,7 @@ class PrefixTiers:
                 return None                 # its KV is gone
             info = self.index.block_info(b)
             parent = None if info["parent_block"] < 0 else (info["parent_block"], info["parent_generation"])
-            return _Rec(np.asarray(info["tokens"], dtype=np.int32), self.cache._namespace_key(info["namespace"]),
+            return _Rec(np.asarray(info["tokens"], dtype=np.int32), self.cache._namespaces.key_of(info["namespace"]),
                         parent, b, info["hash"], self.cache.pool.pin_count(b))
         tier = self._tier(src)
         s, g = key
@@ -226,7 +224,7 @@ class PrefixTiers:
                 pairs = self._copies.pop((src, dst), None)
                 if pairs:
                     src_arenas = self.store.arenas if src == DEVICE else self._tier(src).arenas
-                    ops.swap_blocks(src_arenas, self._tier(dst).arenas, torch.tensor(pairs, dtype=torch.int64))
+                    self._tier(dst).write(src_arenas, [p[0] for p in pairs], [p[1] for p in pairs])
             for t in self.tiers:
                 new = self._new.pop(t.medium, None)
                 if new:
@@ -253,7 +251,7 @@ class PrefixTiers:
         have = hit // bs
         if have >= max_blocks:
             return hit
-        ns_key = self.cache._namespace_key(ns_id)
+        ns_key = self.cache._namespaces.key_of(ns_id)
         chains = []
         for t in self.tiers:
             ns = t.namespace(ns_key, create=False)
@@ -289,7 +287,7 @@ class PrefixTiers:
             for (t, s), b in zip(sources, blocks):
                 by_tier[t.medium].append((s, b))
             for medium, pairs in by_tier.items():
-                ops.swap_blocks(self._tier(medium).arenas, self.store.arenas, torch.tensor(pairs, dtype=torch.int64))
+                self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
             tables.commit(key, n * bs, internal=True)
             reserved = False
         except BaseException:
@@ -357,7 +355,7 @@ class PrefixTiers:
     # ---- events ---------------------------------------------------------------------------------
     def _pull_device_events(self, promoted: Optional[Dict[int, str]] = None) -> None:
         c = self.cache
-        events = events_from_records(self.index.drain_events(), c._ns_names, self.bs, self.index.root)
+        events = events_from_records(self.index.drain_events(), c._namespaces.name, self.bs, self.index.root)
         if promoted:
             events = [e for ev in events for e in _split_loaded(ev, promoted)]
         self._buffer.extend(events)
@@ -373,7 +371,7 @@ class PrefixTiers:
         if h is None:
             chain = tier.index.chain(slot)
             toks = np.concatenate([np.asarray(tier.index.rec["tokens"][s]) for s in chain])
-            ns_hash = self.cache._namespace_hash_of_key(tier.ns_keys[int(tier.index.rec["ns"][slot])])
+            ns_hash = self.cache._namespaces.hash_of_key(tier.ns_keys[int(tier.index.rec["ns"][slot])])
             for s, hs in zip(chain, self.index.hash_tokens(toks, ns_hash).tolist()):
                 self._dev_hash[(tier.medium, s)] = hs
             h = self._dev_hash[(tier.medium, slot)]
@@ -392,7 +390,7 @@ class PrefixTiers:
         r = tier.index.rec
         parent = int(r["parent"][slot])
         ph = None if parent == ROOT else self._device_hash(tier, parent)
-        ns = self.cache._namespace_of_key(tier.ns_keys[int(r["ns"][slot])])
+        ns = self.cache._namespaces.name_of_key(tier.ns_keys[int(r["ns"][slot])])
         last = self._buffer[-1] if self._buffer else None
         if (isinstance(last, BlockStored) and last.medium == tier.medium and last.block_hashes[-1] == ph
                 and last.namespace == ns):

@@ -134,7 +134,8 @@ class _Progress:
 
 def serve(model, tokenizer, requests: List[Request], kv, *, max_batch: int = 8,
           progress: bool = False) -> DemoResult:
-    """Run the engine loop until every request is answered; frees everything it admits."""
+    """Run the engine loop until every request is answered; frees everything it admits,
+    also when it fails."""
     import torch
 
     from pagedkv.integrations.transformers import PagedCache
@@ -162,62 +163,70 @@ def serve(model, tokenizer, requests: List[Request], kv, *, max_batch: int = 8,
         nonlocal done
         req.finished_at = time.perf_counter()
         kv.free(req.rid)
+        live.discard(req.rid)
         done += 1
 
-    with torch.no_grad():
-        while pending or waiting or running:
-            while pending and pending[0].arrival_step <= step:
-                req = pending.popleft()
-                req.arrived_at = time.perf_counter()
-                waiting.append(req)
-            # admission: prefill arrived requests while the batch and the blocks allow
-            while waiting and len(running) < max_batch:
-                req = waiting[0]
-                # No preemption here, so admit only what can run to completion: the
-                # new request's worst case (less its cached prefix) plus the growth
-                # the running requests may still need.
-                need = _blocks_needed(kv, len(req.prompt_ids) + req.max_new_tokens,
-                                      kv.match_prefix(req.prompt_ids))
-                owed = sum(_blocks_needed(kv, len(r.prompt_ids) + r.max_new_tokens,
-                                          len(kv.block_table(r.rid)) * kv.config.block_size) for r in running)
-                if not kv.has_available_blocks(need + owed):
-                    if not running:
-                        raise OutOfBlocksError(need, kv.stats().free_blocks, f"request {req.rid}")
-                    break  # wait for a running request to finish and free its blocks
-                waiting.popleft()
-                req.admitted_step = step
-                req.cached_tokens = kv.add_sequence(req.rid, req.prompt_ids)
-                rest = torch.tensor([req.prompt_ids[req.cached_tokens:]])
-                mask, pos = cache.select([req.rid], rest.shape[1])
-                cache.set_input_ids(rest)
-                logits = model(rest, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                               logits_to_keep=1).logits
-                generated += 1
-                if emit(req, logits[0, -1]):
-                    finish(req)
-                else:
-                    running.append(req)
-            # decode: one batched forward over every running request
-            if running:
-                ids = torch.tensor([[r.output_ids[-1]] for r in running])
-                mask, pos = cache.select([r.rid for r in running], 1)
-                cache.set_input_ids(ids)
-                logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
-                max_batch_seen = max(max_batch_seen, len(running))
-                steps += 1
-                generated += len(running)
-                used = kv.stats().allocated_blocks
-                if used > peak_blocks:
-                    peak_blocks, peak_map = used, kv.dump_block_map()
-                still = []
-                for i, req in enumerate(running):
-                    if emit(req, logits[i, -1]):
+    live = set()  # admitted, not finished: freed here if the loop fails
+    try:
+        with torch.no_grad():
+            while pending or waiting or running:
+                while pending and pending[0].arrival_step <= step:
+                    req = pending.popleft()
+                    req.arrived_at = time.perf_counter()
+                    waiting.append(req)
+                # admission: prefill arrived requests while the batch and the blocks allow
+                while waiting and len(running) < max_batch:
+                    req = waiting[0]
+                    # No preemption here, so admit only what can run to completion: the
+                    # new request's worst case plus the growth the running requests may
+                    # still need. blocks_to_admit counts what its prefix hits revive from
+                    # the free list, so the admission below cannot run out.
+                    need = kv.blocks_to_admit(req.prompt_ids, len(req.prompt_ids) + req.max_new_tokens)
+                    owed = sum(_blocks_needed(kv, len(r.prompt_ids) + r.max_new_tokens,
+                                              len(kv.block_table(r.rid)) * kv.config.block_size) for r in running)
+                    if not kv.has_available_blocks(need + owed):
+                        if not running:
+                            raise OutOfBlocksError(need, kv.stats().free_blocks, f"request {req.rid}")
+                        break  # wait for a running request to finish and free its blocks
+                    waiting.popleft()
+                    req.admitted_step = step
+                    req.cached_tokens = kv.add_sequence(req.rid, req.prompt_ids)
+                    live.add(req.rid)
+                    rest = torch.tensor([req.prompt_ids[req.cached_tokens:]])
+                    mask, pos = cache.select([req.rid], rest.shape[1])
+                    cache.set_input_ids(rest)
+                    logits = model(rest, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                   logits_to_keep=1).logits
+                    generated += 1
+                    if emit(req, logits[0, -1]):
                         finish(req)
                     else:
-                        still.append(req)
-                running = still
-            step += 1
-            bar.update(done, len(running), generated)
+                        running.append(req)
+                # decode: one batched forward over every running request
+                if running:
+                    ids = torch.tensor([[r.output_ids[-1]] for r in running])
+                    mask, pos = cache.select([r.rid for r in running], 1)
+                    cache.set_input_ids(ids)
+                    logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
+                    max_batch_seen = max(max_batch_seen, len(running))
+                    steps += 1
+                    generated += len(running)
+                    used = kv.stats().allocated_blocks
+                    if used > peak_blocks:
+                        peak_blocks, peak_map = used, kv.dump_block_map()
+                    still = []
+                    for i, req in enumerate(running):
+                        if emit(req, logits[i, -1]):
+                            finish(req)
+                        else:
+                            still.append(req)
+                    running = still
+                step += 1
+                bar.update(done, len(running), generated)
+    except BaseException:
+        if live:
+            kv.free(sorted(live))
+        raise
     wall = time.perf_counter() - start
     bar.update(done, 0, generated, force=True)
     stats = kv.stats()
@@ -239,10 +248,10 @@ def _blocks_needed(kv, total_tokens: int, have_tokens: int) -> int:
 
 def _load(name: str):
     if name == "tiny":
-        from pagedkv.models import tiny_llama
+        from pagedkv.testing.models import tiny_llama
 
         return tiny_llama(seed=0)
-    from pagedkv.models import load_smollm2
+    from pagedkv.testing.models import load_smollm2
 
     return load_smollm2()
 
