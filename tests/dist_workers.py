@@ -147,6 +147,42 @@ def killed(rank, out):
     assert_clean(cache)
 
 
+def receiver_killed(rank, out):
+    """The receiver dies after a few layers: the sender's cache must be left as it was
+    (its sequence live with intact KV, the transfer's private fork gone), and a later
+    transfer to the dead peer fails the same way."""
+    req = tokens(100, 64)
+    cache = make(num_blocks=64, num_layers=8)
+    if rank == 1:
+        real = dist.irecv
+        calls = {"n": 0}
+
+        def dying_irecv(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 6:                # header (2), tokens (1), then a few KV layers
+                os._exit(18)
+            return real(*args, **kwargs)
+
+        dist.irecv = dying_irecv
+        pd.recv_sequence(cache, 0, timeout=TIMEOUT)
+        raise AssertionError("the receiver should have died")
+    fill(cache, "req", req)
+    fill(cache, "sys", req[:32])
+    cache.free("sys")
+    cached_before = sorted(cache.index.cached_blocks().tolist())
+    out["error"] = expect_error(lambda: pd.send_sequence(cache, "req", 1, timeout=10.0))
+    cache.check_invariants()
+    out["live"] = cache.sequences()
+    out["num_tokens"] = cache.num_tokens("req")
+    assert_kv(cache, "req", req)
+    out["prefix_error"] = expect_error(lambda: pd.send_prefix(cache, req[:32], 1, timeout=10.0))
+    cache.check_invariants()
+    out["live_after_prefix"] = cache.sequences()
+    cache.free("req")
+    assert_clean(cache)
+    out["cached_unchanged"] = sorted(cache.index.cached_blocks().tolist()) == cached_before
+
+
 def timeout(rank, out):
     """The sender goes silent mid-transfer: the receiver gives up after its timeout."""
     req = tokens(100, 32)
@@ -277,7 +313,7 @@ def smollm2(rank, out):
     assert_clean(kv)
 
 
-SCENARIOS = {"handoff": handoff, "killed": killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
+SCENARIOS = {"handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
 
 
 def main():

@@ -79,6 +79,17 @@ def test_a_sender_killed_mid_transfer_leaves_the_receiver_consistent(tmp_path):
     assert recv["hit_after"] == 16                         # its own cached prefix still serves
 
 
+def test_a_receiver_killed_mid_transfer_leaves_the_sender_consistent(tmp_path):
+    (send, recv), codes = run_ranks("receiver_killed", tmp_path)
+    assert codes[1] == 18 and not (tmp_path / "rank1.json").exists()   # died mid-way, as arranged
+    assert_ok(send)
+    assert send["error"].startswith("transfer with rank 1 failed while")
+    assert send["prefix_error"].startswith("transfer with rank 1 failed while")
+    assert send["live"] == send["live_after_prefix"] == ["req"]          # the private fork is gone
+    assert send["num_tokens"] == 64
+    assert send["cached_unchanged"]
+
+
 def test_a_silent_sender_times_out_and_leaves_the_receiver_consistent(tmp_path):
     (send, recv), _ = run_ranks("timeout", tmp_path)
     assert_ok(recv)
