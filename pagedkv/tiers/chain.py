@@ -69,6 +69,8 @@ class ChainIndex:
                  weak_hash: bool = False, on_evict: Optional[Callable[[int], None]] = None,
                  on_removed: Optional[Callable[[int], None]] = None):
         self.rec = records
+        # field views, made once: a lookup reads a few fields of each block's record
+        self._f = {k: records[k] for k in ("valid", "ns", "parent", "parent_gen", "gen", "hash", "tokens")}
         self.capacity = len(records)
         self.block_size = block_size
         self.weak_hash = weak_hash
@@ -99,15 +101,15 @@ class ChainIndex:
 
     # ---- queries ----------------------------------------------------------------------
     def slot_hash(self, slot: int) -> int:
-        return ROOT_HASH if slot == ROOT else int(self.rec["hash"][slot])
+        return ROOT_HASH if slot == ROOT else int(self._f["hash"][slot])
 
     def matches(self, slot: int, tokens: np.ndarray, ns: int, parent: int, parent_gen: int) -> bool:
-        r = self.rec[slot]
-        if r["valid"] != 1 or r["ns"] != ns or r["parent"] != parent:
+        f = self._f
+        if f["valid"][slot] != 1 or f["ns"][slot] != ns or f["parent"][slot] != parent:
             return False
-        if parent != ROOT and r["parent_gen"] != parent_gen:
+        if parent != ROOT and f["parent_gen"][slot] != parent_gen:
             return False
-        return bool(np.array_equal(r["tokens"], tokens))
+        return bool(np.array_equal(f["tokens"][slot], tokens))
 
     def find_child(self, parent: int, ns: int, ns_hash: int, tokens: np.ndarray) -> int:
         """The slot holding ``tokens`` under ``parent`` in namespace ``ns``, or -1."""
@@ -115,7 +117,7 @@ class ChainIndex:
         s = self.by_hash.get(h)
         if s is None:
             return -1
-        pgen = 0 if parent == ROOT else int(self.rec["gen"][parent])
+        pgen = 0 if parent == ROOT else int(self._f["gen"][parent])
         return s if self.matches(s, tokens, ns, parent, pgen) else -1
 
     def lookup(self, tokens: np.ndarray, ns: int, ns_hash: int, max_blocks: int) -> List[int]:
