@@ -8,7 +8,7 @@ on the GPU, as NCCL requires.
 KV moves layer by layer and arena by arena (data, then quantization scales): the
 sender sends a view of its arena when the blocks form one run (no copy) and gathers
 them otherwise; the receiver receives into a staging buffer of one layer's blocks
-(two, alternating, so the next receive is posted before the current one is copied
+(a few, rotating, so the next receives are posted before the current one is copied
 in) and copies it into its arena only once it has fully arrived. A transfer that
 fails therefore never leaves a partly received layer in a block the cache can read,
 and a receive still in flight after a timeout can only land in its own buffer.
@@ -29,6 +29,7 @@ __all__ = ["Link", "MAGIC", "VERSION"]
 MAGIC = 0x706B7678          # "pkvx"
 VERSION = 1
 _TAG = 0x5000               # gloo matches by tag; NCCL keeps p2p order per peer
+_DEPTH = 3                  # KV messages in flight per direction (receive buffers: one more per arena)
 
 
 class Link:
@@ -134,7 +135,7 @@ class Link:
                 part = src[run[0]:run[1]] if run is not None else src.index_select(0, idx)
                 part = _wire(part).to(self.comm).contiguous()     # no copy for a run on the comm device
                 window.append((self.send(part, f"sending layer {layer}"), part, layer))
-                if len(window) > 2:
+                if len(window) > _DEPTH:
                     w, _, lay = window.pop(0)
                     self.wait(w, f"sending layer {lay}")
         for w, _, lay in window:
@@ -151,21 +152,19 @@ class Link:
 
         def post(i):
             layer, a = jobs[i]
-            key = (id(a), i % 2)
+            key = (id(a), i % (_DEPTH + 1))
             if key not in buffers:
                 buffers[key] = torch.empty((n,) + tuple(a.shape[2:]), dtype=_wire_dtype(a.dtype), device=self.comm)
             buf = buffers[key]
             return self.recv(buf, f"receiving layer {layer}"), buf
 
-        pending = post(0)
+        pending = [post(i) for i in range(min(_DEPTH, len(jobs)))]
         for i, (layer, a) in enumerate(jobs):
-            work, buf = pending
-            if i + 1 < len(jobs):
-                nxt = post(i + 1)
+            work, buf = pending.pop(0)
+            if i + _DEPTH < len(jobs):
+                pending.append(post(i + _DEPTH))
             self.wait(work, f"receiving layer {layer}")
             _wire(a[layer]).index_copy_(0, idx, buf.to(a.device))
-            if i + 1 < len(jobs):
-                pending = nxt
 
 
 def _as_run(blocks: Sequence[int]):
