@@ -42,7 +42,7 @@ from pagedkv.config import CacheConfig, format_bytes
 from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, PagedKVError, SequenceExistsError,
                             SequenceNotFoundError, expected)
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
-from pagedkv.namespaces import NamespaceRegistry
+from pagedkv.namespaces import NamespaceRegistry, namespace_key
 from pagedkv.pool_view import PoolView
 from pagedkv.seq_ids import SequenceIds
 from pagedkv.stats import CacheStats, render_block_map
@@ -96,6 +96,11 @@ class PagedKVCache:
 
     (A cache whose block hash collides on purpose, for tests, comes from
     :func:`pagedkv.testing.weak_hash_cache`.)
+
+    With prefix tiers configured (``config.prefix_host_blocks``,
+    ``config.prefix_disk_blocks``), evicted prefix blocks move down to host memory and
+    disk and come back on admission (:mod:`pagedkv.tiers`); :meth:`close` releases the
+    disk tier's files (also on leaving a ``with`` block).
     """
 
     def __init__(self, config: CacheConfig, *, allocate_store: bool = True):
@@ -129,11 +134,20 @@ class PagedKVCache:
             from pagedkv.offload import HostTier
 
             self._host = HostTier(self.tables, self.store, config.host_num_blocks, self._namespaces.hash_of)
+        self._tiers = None
+        if config.has_prefix_tiers:
+            if self.store is None:
+                raise InvalidArgumentError(expected("allocate_store", "True with prefix tiers (they hold KV)", False))
+            from pagedkv.tiers import PrefixTiers
+
+            self._tiers = PrefixTiers(self)
+            if self._host is not None:
+                self._host.sync = self._tiers.sync
 
     def _prefix_index(self, config: CacheConfig) -> PrefixIndex:
         """The prefix index (a hook: :func:`pagedkv.testing.weak_hash_cache` overrides it)."""
         return PrefixIndex(config.block_size, config.resolved_num_blocks, hash_seed=config.hash_seed,
-                           events=config.enable_kv_events)
+                           events=config.enable_kv_events, tier_log=config.has_prefix_tiers)
 
     # ---- lifecycle ----------------------------------------------------------------
     def add_sequence(self, seq_id: SeqId, prompt_token_ids: Optional[Iterable[int]] = None, *,
@@ -160,12 +174,21 @@ class PagedKVCache:
                 if self._host is not None and self._host.holds(key):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
-                return self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+                hit = self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
             except BaseException:
                 if fresh:
                     self._ids.forget(key)
                 self._namespaces.rollback(mark)
                 raise
+            if self._tiers is not None and tokens is not None:
+                try:
+                    hit = self._tiers.promote(key, tokens, ns_id, hit)
+                except BaseException:
+                    self.tables.remove(key, internal=True)
+                    if fresh:
+                        self._ids.forget(key)
+                    raise
+            return hit
 
     def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
         """Slots (int64, concatenated in batch order) for the next tokens of each sequence.
@@ -182,6 +205,8 @@ class PagedKVCache:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
             slots = self.tables.reserve(keys, num_tokens, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()      # evicted KV goes down before anything overwrites it
             if self.tables.num_pending_copies:
                 self._copy_on_write()
             return slots
@@ -200,6 +225,8 @@ class PagedKVCache:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
             slots = self.tables.advance(keys, token_ids, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()
             if self.tables.num_pending_copies:
                 self._copy_on_write()
             return slots
@@ -297,6 +324,8 @@ class PagedKVCache:
         with self._lock:
             keys, internal = self._ids.batch(seq_ids)
             self.tables.commit(keys, num_tokens, token_ids, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()
 
     def unreserve(self, seq_ids: SeqIds, num_tokens=None) -> None:
         """Give back reserved, uncommitted tokens (all when ``num_tokens`` is None), e.g.
@@ -510,8 +539,13 @@ class PagedKVCache:
 
     def match_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
-        """Tokens of ``token_ids`` a new sequence would find cached now (no side effects)."""
-        return len(self._prefix_blocks(token_ids, cache_salt, adapter_id, required=False)) * self.config.block_size
+        """Tokens of ``token_ids`` a new sequence would find cached now (no side effects),
+        on the device or in a prefix tier (whichever holds more full blocks)."""
+        found = len(self._prefix_blocks(token_ids, cache_salt, adapter_id, required=False)) * self.config.block_size
+        if self._tiers is not None:
+            with self._lock:
+                found = max(found, self._tiers.match(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id)))
+        return found
 
     def has_available_blocks(self, n: int = 1) -> bool:
         """Whether ``n`` blocks can be allocated now (free or evictable).
@@ -567,18 +601,27 @@ class PagedKVCache:
         """Pin the cached full blocks of ``token_ids``; returns the tokens pinned.
 
         Pinned blocks are never evicted, under any policy, until :meth:`unpin_prefix`.
+        The blocks of this prefix that a prefix tier holds are pinned there too (the
+        count is then the longest prefix pinned in any medium).
         """
         with self._lock:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
             self._pool.pin(blocks)
-        return len(blocks) * self.config.block_size
+            tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, True)
+        return max(len(blocks) * self.config.block_size, tiers)
 
     def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
         with self._lock:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
             self._pool.unpin(blocks)
-        return len(blocks) * self.config.block_size
+            tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, False)
+        return max(len(blocks) * self.config.block_size, tiers)
+
+    def _pin_tiers(self, token_ids, cache_salt, adapter_id, pin: bool) -> int:
+        if self._tiers is None:
+            return 0
+        return self._tiers.pin(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id), pin)
 
     def _prefix_blocks(self, token_ids, cache_salt, adapter_id, required: bool = True) -> np.ndarray:
         """Blocks of the verified cached prefix of ``token_ids`` in a namespace, looked up
@@ -595,9 +638,12 @@ class PagedKVCache:
             return self.index.match(tokens, ns[0], ns[1])
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix. Raises :class:`CacheBusyError` while any block is in use."""
+        """Forget every cached prefix, in the prefix tiers too. Raises
+        :class:`CacheBusyError` while any block is in use."""
         with self._lock:
             self._pool.reset_cache()
+            if self._tiers is not None:
+                self._tiers.clear()
 
     def set_priority(self, seq_id: SeqId, priority: int, start_token: int = 0,
                      end_token: Optional[int] = None) -> None:
@@ -613,6 +659,8 @@ class PagedKVCache:
         if self.index is None or not self.index.events_enabled:
             raise InvalidArgumentError(expected("config.enable_kv_events", "True to drain events", False))
         with self._lock:
+            if self._tiers is not None:
+                return self._tiers.drain_events()
             records = self.index.drain_events()
             return events_from_records(records, self._namespaces.name, self.config.block_size, self.index.root)
 
@@ -727,7 +775,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            return CacheStats.collect(self._pool, self.tables, self.config, self._host)
+            return CacheStats.collect(self._pool, self.tables, self.config, self._host, self._tiers)
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""
@@ -762,10 +810,27 @@ class PagedKVCache:
             self.tables.check_invariants()
             if self._host is not None:
                 self._host.check_invariants()
+            if self._tiers is not None:
+                self._tiers.check_invariants()
             for k in self._ids.interned_keys():
                 if k not in self.tables and not (self._host is not None and self._host.holds(k)):
                     raise InternalError(f"sequence id {self._ids.name(k)!r} is interned as key {k}, "
                                         "which no live or swapped-out sequence has")
+
+    def close(self) -> None:
+        """Release what outlives the process: the disk prefix tier's files are flushed
+        and unlocked, so another cache (or process) can open them. Idempotent; the
+        cache must not be used afterwards."""
+        with self._lock:
+            if self._tiers is not None:
+                self._tiers.close()
+                self._tiers = None
+
+    def __enter__(self) -> "PagedKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         c = self.config

@@ -26,6 +26,8 @@ __all__ = [
     "format_bytes",
     "dtype_name",
     "kv_dtype_name",
+    "TIER_EVICTION_POLICIES",
+    "TIER_WRITE_POLICIES",
 ]
 
 #: canonical model dtype name -> bytes per element
@@ -33,6 +35,10 @@ MODEL_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 #: canonical quantized kv dtype name -> bytes per element
 KV_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.QUANTIZED}
 EVICTION_POLICIES = ("lru", "priority", "adaptive", "frequency")
+#: eviction policies of the host and disk prefix tiers
+TIER_EVICTION_POLICIES = ("lru", "frequency")
+#: when a prefix tier receives a block: on device eviction ("back") or on registration too ("through")
+TIER_WRITE_POLICIES = ("back", "through")
 LAYOUTS = ("NHD", "HND")
 
 _SCALE_BYTES = 4  # float32 scale (and int8 zero point) per (token, head, K/V)
@@ -143,6 +149,18 @@ class CacheConfig:
     After validation, ``dtype`` holds a canonical name (``"float16"``), ``kv_dtype`` is
     ``None`` (store in ``dtype``) or a quantized name (``"fp8_e4m3"``, ``"fp8_e5m2"``,
     ``"int8"``), ``memory_budget`` is an int and ``device`` a string.
+
+    Tensor parallelism: ``num_kv_heads`` is the model's KV head count; a rank
+    (``tp_rank`` of ``tp_size``) stores :attr:`kv_heads_per_rank` of them
+    (:attr:`kv_head_indices`), replicating heads when there are fewer than ranks, as
+    vLLM does. All sizes (arena shapes, bytes per block, budgets) are per rank.
+
+    Prefix tiers below the device (see :mod:`pagedkv.tiers`): ``prefix_host_blocks``
+    blocks in host memory, ``prefix_disk_blocks`` blocks in a file-backed arena under
+    ``prefix_disk_dir`` (reused across restarts when ``prefix_disk_tag``, the model
+    shape and the settings match); ``prefix_tier_write`` is ``"back"`` (copy a block
+    down when the device evicts it) or ``"through"`` (also when it is registered);
+    ``prefix_tier_eviction`` is ``"lru"`` or ``"frequency"``.
     """
 
     num_layers: int
@@ -166,6 +184,14 @@ class CacheConfig:
     host_num_blocks: int = 0
     shuffle_free_blocks: Optional[int] = None
     enable_kv_events: bool = False
+    tp_size: int = 1
+    tp_rank: int = 0
+    prefix_host_blocks: int = 0
+    prefix_disk_dir: Optional[str] = None
+    prefix_disk_blocks: int = 0
+    prefix_disk_tag: str = ""
+    prefix_tier_write: str = "back"
+    prefix_tier_eviction: str = "lru"
     _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +199,7 @@ class CacheConfig:
         put("num_layers", _check_int("num_layers", self.num_layers, 1))
         put("num_kv_heads", _check_int("num_kv_heads", self.num_kv_heads, 1))
         put("head_dim", _check_int("head_dim", self.head_dim, 1))
+        self._validate_tp(put)
         if self.num_attention_heads is not None:
             nh = _check_int("num_attention_heads", self.num_attention_heads, 1)
             if nh % self.num_kv_heads:
@@ -212,6 +239,41 @@ class CacheConfig:
                 )
             put("_resolved_blocks", blocks)
 
+    def _validate_tp(self, put) -> None:
+        size = _check_int("tp_size", self.tp_size, 1)
+        put("tp_size", size)
+        rank = _check_int("tp_rank", self.tp_rank, 0)
+        if rank >= size:
+            raise InvalidArgumentError(expected("tp_rank", f"an int in [0, {size})", rank))
+        put("tp_rank", rank)
+        heads = self.num_kv_heads
+        if heads % size and size % heads:
+            raise InvalidArgumentError(expected(
+                "tp_size", f"a divisor or a multiple of num_kv_heads ({heads})", size))
+
+    def _validate_tiers(self, put) -> None:
+        put("prefix_host_blocks", _check_int("prefix_host_blocks", self.prefix_host_blocks, 0))
+        put("prefix_disk_blocks", _check_int("prefix_disk_blocks", self.prefix_disk_blocks, 0))
+        if self.prefix_disk_dir is not None:
+            if not isinstance(self.prefix_disk_dir, (str, os.PathLike)):
+                raise InvalidArgumentError(expected("prefix_disk_dir", "None or a directory path",
+                                                    type(self.prefix_disk_dir).__name__))
+            put("prefix_disk_dir", os.fspath(self.prefix_disk_dir))
+        if (self.prefix_disk_dir is None) != (self.prefix_disk_blocks == 0):
+            raise InvalidArgumentError(expected(
+                "prefix_disk_dir", "a directory together with prefix_disk_blocks > 0 (or neither)",
+                f"prefix_disk_dir={self.prefix_disk_dir!r}, prefix_disk_blocks={self.prefix_disk_blocks}"))
+        if not isinstance(self.prefix_disk_tag, str):
+            raise InvalidArgumentError(expected("prefix_disk_tag", "a str", type(self.prefix_disk_tag).__name__))
+        if self.prefix_tier_write not in TIER_WRITE_POLICIES:
+            raise InvalidArgumentError(expected("prefix_tier_write", "'back' or 'through'",
+                                                repr(self.prefix_tier_write)))
+        if self.prefix_tier_eviction not in TIER_EVICTION_POLICIES:
+            raise InvalidArgumentError(expected("prefix_tier_eviction", "'lru' or 'frequency'",
+                                                repr(self.prefix_tier_eviction)))
+        if self.has_prefix_tiers and not self.enable_prefix_caching:
+            raise InvalidArgumentError(expected("enable_prefix_caching", "True with prefix tiers", False))
+
     def _validate_options(self, put) -> None:
         put("enable_prefix_caching", _check_bool("enable_prefix_caching", self.enable_prefix_caching))
         put("enable_kv_events", _check_bool("enable_kv_events", self.enable_kv_events))
@@ -235,6 +297,12 @@ class CacheConfig:
         put("host_num_blocks", _check_int("host_num_blocks", self.host_num_blocks, 0))
         if self.shuffle_free_blocks is not None:
             put("shuffle_free_blocks", _check_int("shuffle_free_blocks", self.shuffle_free_blocks, 0))
+        if self.tp_size > 1 and self.enable_prefix_caching and self.hash_seed is None:
+            # Every rank must take the same prefix decisions; a per-process hash root
+            # could (on a 64-bit collision) differ between ranks.
+            raise InvalidArgumentError(expected(
+                "hash_seed", f"an int shared by all ranks when tp_size > 1 (tp_size={self.tp_size})", None))
+        self._validate_tiers(put)
 
     # -- derived sizes ------------------------------------------------------------
 
@@ -249,6 +317,29 @@ class CacheConfig:
         return self.kv_dtype or self.dtype
 
     @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads this rank stores: ``num_kv_heads // tp_size``, at least 1 (replicated)."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def kv_head_indices(self) -> Tuple[int, ...]:
+        """The model's KV heads this rank stores, in order.
+
+        With at least as many heads as ranks, rank ``r`` holds a contiguous slice;
+        with fewer, each head is replicated on ``tp_size // num_kv_heads`` consecutive
+        ranks (vLLM's rule), so rank ``r`` holds head ``r * num_kv_heads // tp_size``.
+        """
+        k = self.kv_heads_per_rank
+        if self.num_kv_heads >= self.tp_size:
+            return tuple(range(self.tp_rank * k, (self.tp_rank + 1) * k))
+        return (self.tp_rank * self.num_kv_heads // self.tp_size,)
+
+    @property
+    def has_prefix_tiers(self) -> bool:
+        """True when a host or disk prefix tier is configured."""
+        return bool(self.prefix_host_blocks or self.prefix_disk_blocks)
+
+    @property
     def element_bytes(self) -> int:
         """Bytes per stored K/V element."""
         return KV_DTYPE_NAMES[self.kv_dtype] if self.quantized else MODEL_DTYPE_NAMES[self.dtype]
@@ -259,7 +350,7 @@ class CacheConfig:
         per_head = self.head_dim * self.element_bytes
         if self.quantized:
             per_head += _SCALE_BYTES * (2 if dtypes.info(self.kv_dtype).zero_point else 1)
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        return 2 * self.num_layers * self.kv_heads_per_rank * per_head
 
     @property
     def bytes_per_block(self) -> int:
@@ -298,7 +389,7 @@ class CacheConfig:
 
     def layer_shape(self, num_blocks: int) -> Tuple[int, int, int, int, int]:
         """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too)."""
-        bs, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        bs, h, d = self.block_size, self.kv_heads_per_rank, self.head_dim
         return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
