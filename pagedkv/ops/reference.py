@@ -58,35 +58,16 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
 from pagedkv.errors import ShapeError, expected
 from pagedkv.quant import dequantize, is_quantized, quantize
 
+from pagedkv import op_checks as _op_checks
+
 __all__ = [
-    "LAYOUTS",
-    "LayerGeometry",
     "write_kv",
     "gather_kv",
     "gather_kv_padded",
     "copy_blocks",
     "swap_blocks",
     "convert_layout",
-    "check_layout",
-    "check_layer",
-    "check_write_kv",
-    "check_gather",
-    "check_csr",
-    "check_padded",
-    "check_out",
-    "check_pairs",
-    "check_arenas",
-    "check_block_ids",
-    "validate_copy_blocks",
-    "validate_swap_blocks",
-    "slot_error",
-    "indptr_error",
-    "seq_len_error",
-    "block_id_error",
-    "csr_block_where",
-    "padded_block_where",
-    "contiguous_overlap",
-]
+] + _op_checks.__all__     # the shared checks, re-exported
 
 def _csr_token_index(indptr, indices, seq_lens, bs: int, nb: int):
     """Per-token (block_id, offset) tensors of CSR tables, after checking their values."""

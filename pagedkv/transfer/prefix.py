@@ -16,8 +16,8 @@ from pagedkv._core.prefix import hash_bytes
 from pagedkv.cache import as_token_ids, namespace_key
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
-from pagedkv.transfer.protocol import (abort, expect_ok, header, jsonable, recv_tokens, refusal, scratch_id,
-                                       send_tokens)
+from pagedkv.transfer.protocol import (abort, expect_ok, header, jsonable, recv_tokens, refusal, refuse,
+                                       scratch_id, send_tokens)
 from pagedkv.transfer.wire import Link
 
 __all__ = ["send_prefix", "recv_prefix", "block_hashes"]
@@ -100,8 +100,7 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
             if added:
                 cache.free(tmp)
     if reason is not None:
-        link.send_json({"ok": False, "reason": reason}, "refusing")
-        raise TransferError(f"refused the transfer from rank {src}: {reason}")
+        refuse(link, reason)
     try:
         link.send_json({"ok": True, "start_block": min(k, m)}, "sending the allocation")
         blocks = cache.block_table(tmp)[k:m].tolist() if k < m else []

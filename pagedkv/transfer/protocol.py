@@ -80,6 +80,12 @@ def expect_ok(link: Link, what: str) -> Dict[str, Any]:
     return reply
 
 
+def refuse(link: Link, reason: str) -> None:
+    """Tell the sender why the transfer is refused, then raise the same reason here."""
+    link.send_json({"ok": False, "reason": reason}, "refusing")
+    raise TransferError(f"refused the transfer from rank {link.peer}: {reason}")
+
+
 def send_tokens(link: Link, tokens: np.ndarray) -> None:
     if len(tokens):
         t = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)).to(link.ctl)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
-from pagedkv.transfer.protocol import abort, expect_ok, header, jsonable, recv_tokens, refusal, scratch_id, send_tokens
+from pagedkv.transfer.protocol import abort, expect_ok, header, jsonable, recv_tokens, refusal, refuse, scratch_id, send_tokens
 from pagedkv.transfer.wire import Link
 
 __all__ = ["send_sequence", "recv_sequence", "ReceivedSequence"]
@@ -101,8 +101,7 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
             if added:
                 cache.free(sid)
     if reason is not None:
-        link.send_json({"ok": False, "reason": reason}, "refusing")
-        raise TransferError(f"refused the transfer from rank {src}: {reason}")
+        refuse(link, reason)
     try:
         bs = cache.config.block_size
         start = hit // bs
