@@ -166,15 +166,19 @@ class TablesMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(POLICIES), weak=st.booleans(), seed=st.integers(0, 3))
     def setup(self, policy, weak, seed):
+        self.build(policy, weak, seed)
+
+    def build(self, policy, weak, seed, window=0, sinks=0):
         nb, bs = self.num_blocks, self.block_size
         self.weak = weak
+        self.window, self.sinks = window, sinks
         self.index = PrefixIndex(bs, nb, hash_seed=seed, weak_hash=weak)
         self.pool = BlockPool(nb, policy, priority_classes=3, low_watermark=0.2, high_watermark=0.4,
                               shuffle_seed=seed, index=self.index)
-        self.tables = BlockTables(self.pool, bs, self.index)
+        self.tables = BlockTables(self.pool, bs, self.index, window=window, sinks=sinks)
         order = np.random.default_rng(seed).permutation(nb).tolist()
         self.mpool = PyBlockPool(nb, policy, priority_classes=3, low_watermark=0.2, high_watermark=0.4, order=order)
-        self.model = PyTables(self.mpool, bs)
+        self.model = PyTables(self.mpool, bs, window=window, sinks=sinks)
         self.next_key = 0
         self.kv = {}          # slot -> (ns, prefix tuple) actually stored
         self.pending = {}     # key -> list of (slot, position) reserved, not committed
@@ -206,6 +210,8 @@ class TablesMachine(RuleBasedStateMachine):
         blocks = self.tables.blocks(key).tolist()
         bs = self.block_size
         for p in range(cached):
+            if blocks[p // bs] < 0:
+                continue     # released at once: outside the sliding window of the next query
             slot = blocks[p // bs] * bs + p % bs
             assert self.kv.get(slot) == (ns, tuple(tokens[:p + 1])), f"prefix hit returned wrong KV at position {p}"
 
@@ -352,13 +358,19 @@ class TablesMachine(RuleBasedStateMachine):
         _, _, err = self.same(lambda: self.tables.truncate(np.array(keys, np.int64), np.array(counts, np.int64)),
                               lambda: self.model.truncate(keys, counts))
         if err is not None:
-            assert any(n > self.tables.num_computed(k) for k, n in zip(keys, counts))
+            assert any(n > self.tables.num_computed(k) or self.window_lost(k, n) for k, n in zip(keys, counts))
             return
         for k in keys:
             assert self.tables.num_computed(k) == self.tables.num_reserved(k) == lengths[k]
             assert len(self.tables.tokens(k)) <= lengths[k]
             self.pending[k] = []
             self.seq_tokens[k] = self.seq_tokens[k][:lengths[k]] + list(tail)
+
+    def window_lost(self, k, n):
+        """Would dropping n tokens need KV that already left the sliding window?"""
+        dropped = self.tables.info(k)["num_dropped_blocks"]
+        first_held = (self.tables.sink_blocks + dropped) * self.block_size
+        return dropped > 0 and self.tables.num_computed(k) - n - self.window + 1 < first_held
 
     @rule(data=st.data())
     def fork(self, data):
@@ -429,3 +441,54 @@ class TablesMachine(RuleBasedStateMachine):
             assert self.tables.blocks(k).tolist() == self.model.rows[k].blocks
             assert self.tables.num_computed(k) == self.model.rows[k].computed
         assert sorted(self.index.cached_blocks().tolist()) == sorted(self.model.reg)
+
+
+class SlidingTablesMachine(TablesMachine):
+    """The same machine over a sliding-window table (optionally with sink tokens).
+
+    Every rule that advances committed tokens releases leading blocks; ``stream``
+    drives one sequence far past the window. Besides agreeing with the model, a sliding
+    row must hold exactly the blocks its window (plus sinks) needs.
+    """
+
+    @initialize(policy=st.sampled_from(POLICIES), weak=st.booleans(), seed=st.integers(0, 3),
+                window=st.integers(1, 10), sinks=st.integers(0, 9))
+    def setup(self, policy, weak, seed, window, sinks):
+        self.build(policy, weak, seed, window, sinks % window)
+
+    @rule(data=st.data(), steps=st.integers(1, 24))
+    def stream(self, data, steps):
+        """Decode steps of one sequence: reserve one token, write its KV, commit it."""
+        if not self.seq_tokens:
+            return
+        k = data.draw(st.sampled_from(self.keys()))
+        for _ in range(steps):
+            if self.tables.num_reserved(k) == self.tables.num_computed(k):
+                pos = self.tables.num_reserved(k)
+                a, b, err = self.same(lambda: self.tables.reserve(k, 1).tolist(), lambda: self.model.reserve([k], 1))
+                if err is not None:
+                    return
+                copies = self.tables.take_copies().tolist()
+                if not self.weak:
+                    assert a == b and [tuple(c) for c in copies] == self.model.copies
+                self.model.copies.clear()
+                self.pending[k].append((a[0], pos))
+            n = self.tables.num_reserved(k) - self.tables.num_computed(k)
+            known = list(self.tables.tokens(k))
+            for slot, pos in self.pending[k]:
+                self.kv[slot] = (self.seq_ns[k], tuple(known[:pos + 1])) if pos < len(known) else ("unknown", slot, pos)
+            self.pending[k] = []
+            self.same(lambda: self.tables.commit(k, n), lambda: self.model.commit([k], n))
+
+    @invariant()
+    def window_held(self):
+        if not hasattr(self, "tables"):
+            return
+        bs, w = self.block_size, self.window
+        for k in self.keys():
+            blocks = self.tables.blocks(k).tolist()
+            c = self.tables.num_computed(k)
+            first = max(c - w + 1, 0)       # the next query's first visible position
+            for i, b in enumerate(blocks):
+                needed = i * bs < self.sinks or (i + 1) * bs > first
+                assert (b >= 0) == needed, f"sequence {k}: block {i} held={b >= 0}, needed={needed}"

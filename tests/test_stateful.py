@@ -1,7 +1,7 @@
 """The Cython core against the pure-Python model (hypothesis stateful tests)."""
 from hypothesis import HealthCheck, settings
 
-from core_machines import PoolMachine, TablesMachine
+from core_machines import PoolMachine, SlidingTablesMachine, TablesMachine
 
 _settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -11,3 +11,6 @@ TestPoolAgainstModel.settings = _settings
 
 TestTablesAgainstModel = TablesMachine.TestCase
 TestTablesAgainstModel.settings = settings(_settings, max_examples=80)
+
+TestSlidingTablesAgainstModel = SlidingTablesMachine.TestCase
+TestSlidingTablesAgainstModel.settings = settings(_settings, max_examples=80)

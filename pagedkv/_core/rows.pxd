@@ -25,6 +25,8 @@ cdef struct SeqRow:
     int8_t* block_cls        # [cap_blocks] per-block class from set_priority; -1 = none; NULL = none at all
     int64_t prompt_len       # tokens given at admission (prefix-class blocks for the priority policy)
     int32_t num_prefix_hit   # blocks reused from the prefix cache at admission
+    int32_t num_dropped      # sliding window: blocks after the sink blocks already released
+                             # (their entries in blocks are -1), in [0, num_blocks]; 0 for full attention
 
 cdef struct RowStore:
     SeqRow* rows             # [cap_rows]; rows[0:num_rows] were ever used
@@ -111,6 +113,7 @@ cdef inline void row_reset(SeqRow* row, seq_key_t key) noexcept nogil:
     row.cur.track = 1
     row.prompt_len = 0
     row.num_prefix_hit = 0
+    row.num_dropped = 0
 
 
 cdef inline void rs_remove(RowStore* s, int32_t r) noexcept nogil:

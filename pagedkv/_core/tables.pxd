@@ -16,6 +16,9 @@ cdef class BlockTables:
     cdef int32_t bs_shift                  # log2(block_size) when a power of two, else -1
     cdef int64_t max_tokens                # tokens a sequence could ever hold: pool blocks * block_size
     cdef readonly int32_t recent_blocks    # priority policy: trailing blocks counted as "recent"
+    cdef readonly int64_t window           # sliding window in tokens, >= 1; 0 = full attention (keep every block)
+    cdef readonly int64_t sinks            # leading tokens a sliding table never releases, in [0, window)
+    cdef readonly int32_t sink_blocks      # ceil(sinks / block_size): blocks holding them
     cdef const int32_t* ref                # the pool's ref counts (read-only here: copy-on-write checks)
     cdef const uint8_t* cached             # the pool's cached bits (read-only here)
     cdef public object namer               # key -> the caller's id, for messages (default: the key)
@@ -54,3 +57,4 @@ cdef class BlockTables:
     cdef int reserve_copies(self, int64_t n) except -1
     cdef int check_room(self, int64_t need, str what) except -1
     cdef void release_row(self, SeqRow* row) noexcept nogil
+    cdef void slide_row(self, SeqRow* row) noexcept nogil

@@ -15,13 +15,16 @@ class BlockTables:
     index: Optional[PrefixIndex]
     block_size: int
     recent_blocks: int
+    window: int
+    sinks: int
+    sink_blocks: int
     num_seqs: int
     num_query_tokens: int
     num_hit_tokens: int
     num_cow: int
     namer: Callable[[int], Any]
     def __init__(self, pool: BlockPool, block_size: int, index: Optional[PrefixIndex] = None,
-                 recent_blocks: int = 4) -> None: ...
+                 recent_blocks: int = 4, window: int = 0, sinks: int = 0) -> None: ...
     def add(self, key: int, tokens: Optional[Tokens] = None, ns: int = 0, ns_hash: int = 0,
             priority: int = -1, lookup: bool = True) -> int: ...
     def remove(self, keys: Keys, internal: bool = False) -> None: ...

@@ -19,6 +19,17 @@ copy-on-write swaps a shared (or registered), partially filled last block for a 
 copy before the first write into it (``take_copies`` hands the (src, dst) pairs to the
 KV store), and ``unreserve`` drops blocks that cover only reserved, uncommitted tokens.
 
+Sliding window (``window=W``, optional ``sinks=S``): a query at position p attends to
+positions (p - W, p], plus the first S positions. Every call that advances the committed
+tokens (commit, advance, a prefix hit at add, fork) then releases the leading blocks
+whose tokens are all outside the window of the next query, except the blocks holding
+the sinks, through the pool's normal release (a shared block loses one reference; a
+registered one becomes cached-free). Their table entries read -1 and ``num_dropped``
+counts them, so positions stay absolute: position p is still in entry p // block_size.
+A sequence of any length then holds at most ceil(S / bs) + ceil((W - 1) / bs) + 1
+blocks plus its reserved tail. ``window=0`` (the default) is full attention and takes
+none of these paths.
+
 Negative keys are reserved for the manager's interned (non-int) ids: batch calls reject
 them unless ``internal=True``. Not thread-safe: callers serialise (PagedKVCache does).
 """
@@ -101,11 +112,13 @@ cdef inline void commit_row(BlockTables t, SeqRow* row, int64_t n, const token_t
         row.cur.track = 0
     elif row.cur.track and t.indexed and <int64_t>(row.cur.num_hashed + 1) * t.block_size <= c:
         t.register_row(row)
+    if t.window:      # after registration: a released block must already be in the index
+        t.slide_row(row)
 
 
 @cython.final
 cdef class BlockTables:
-    def __cinit__(self, pool, block_size, index=None, recent_blocks=4):
+    def __cinit__(self, pool, block_size, index=None, recent_blocks=4, window=0, sinks=0):
         if not isinstance(pool, BlockPool):
             raise ArgumentTypeError(expected("pool", "a BlockPool", type(pool).__name__))
         if index is not None and not isinstance(index, PrefixIndex):
@@ -125,6 +138,16 @@ cdef class BlockTables:
         self.ref = self.pool.ref_cnt
         self.cached = self.pool.cached
         self.recent_blocks = <int32_t>check_int(recent_blocks, "recent_blocks", 0, 2**31 - 1)
+        self.window = check_int(window, "window", 0, 2**62, "an int >= 1 (tokens), or 0 for full attention")
+        self.sinks = check_int(sinks, "sinks", 0, 2**62, "an int >= 0")
+        if self.sinks and not self.sinks < self.window:
+            raise InvalidArgumentError(expected("sinks", f"fewer sink tokens than the window ({self.window})"
+                                                if self.window else "0 for full attention (window=0)", self.sinks))
+        self.sink_blocks = <int32_t>min(nblocks_for(self.sinks, bs, self.bs_shift), 2**31 - 1)
+        if self.window:
+            # A sliding sequence holds O(window) blocks, so its length is bounded by the
+            # table's int32 block index, not by the pool.
+            self.max_tokens = <int64_t>(2**31 - 1) * bs
         self.namer = _same
         rs_init(&self.store)
 
@@ -323,23 +346,54 @@ cdef class BlockTables:
         self.pool.release_batch(last, 1, NULL, 0)
         last[0] = fresh
 
+    cdef void slide_row(self, SeqRow* row) noexcept nogil:
+        # Release the blocks wholly before the next query's window (position
+        # num_computed - window + 1 is the first it sees), oldest first, sinks kept.
+        cdef int64_t first = <int64_t>self.sink_blocks + row.num_dropped, upto, i
+        cdef int64_t keep_from = row.num_computed - self.window + 1
+        if keep_from <= 0:
+            return
+        upto = blk_of(keep_from, self.block_size, self.bs_shift)
+        if upto <= first:
+            return
+        self.pool.release_batch(row.blocks + first, upto - first, NULL, 0)
+        for i in range(first, upto):
+            row.blocks[i] = -1
+        row.num_dropped = <int32_t>(upto - self.sink_blocks)
+
     cdef void release_row(self, SeqRow* row) noexcept nogil:
         # Tail first: a sequence's last block enters the eviction order first, so it is
         # evicted before its prefix. Under the priority policy each block carries its
-        # class (cls_buf was sized by the caller).
-        cdef int32_t n = row.num_blocks, i
+        # class (cls_buf was sized by the caller) by its logical index. A sliding row's
+        # released run is skipped: the kept blocks close up first.
+        cdef int32_t n = row.num_blocks, i, k = 0
+        cdef int32_t lo = self.sink_blocks, hi = self.sink_blocks + row.num_dropped
         cdef block_id_t t
         cdef int32_t* classes = NULL
+        if row.num_dropped == 0:
+            lo = hi = n
         if self.pool.policy.kind == POLICY_PRIORITY:
             classes = <int32_t*>self.cls_buf.data
             for i in range(n):
+                if lo <= i < hi:
+                    continue
                 if row.block_cls != NULL and row.block_cls[i] >= 0:
-                    classes[n - 1 - i] = row.block_cls[i]
+                    classes[k] = row.block_cls[i]
                 elif row.priority >= 0:
-                    classes[n - 1 - i] = row.priority
+                    classes[k] = row.priority
                 else:
-                    classes[n - 1 - i] = default_class(&self.pool.policy, i, n, self.block_size,
-                                                       row.prompt_len, self.recent_blocks)
+                    classes[k] = default_class(&self.pool.policy, i, n, self.block_size,
+                                               row.prompt_len, self.recent_blocks)
+                k += 1
+            for i in range(k // 2):
+                t = classes[i]
+                classes[i] = classes[k - 1 - i]
+                classes[k - 1 - i] = t
+        if hi > lo:
+            for i in range(hi, n):
+                row.blocks[i - (hi - lo)] = row.blocks[i]
+            n -= hi - lo
+            row.num_dropped = 0
         for i in range(n // 2):
             t = row.blocks[i]
             row.blocks[i] = row.blocks[n - 1 - i]
@@ -392,6 +446,8 @@ cdef class BlockTables:
                 row.num_computed = row.num_reserved = <int64_t>nhit * self.block_size
                 self.num_query_tokens += ntok
                 self.num_hit_tokens += <int64_t>nhit * self.block_size
+                if self.window:
+                    self.slide_row(row)
         return <int64_t>nhit * self.block_size
 
     def remove(self, keys, bint internal=False):
@@ -440,8 +496,10 @@ cdef class BlockTables:
         d.num_prefix_hit = s.num_prefix_hit
         d.priority = s.priority
         d.cur = s.cur
+        d.num_dropped = s.num_dropped
         for i in range(nb):
-            self.pool.incref(d.blocks[i])
+            if d.blocks[i] >= 0:      # a sliding row's released entries are -1
+                self.pool.incref(d.blocks[i])
 
     def reserve(self, keys, counts, bint internal=False):
         """Slots for the next ``counts`` tokens of each sequence, concatenated (int64).
@@ -620,6 +678,12 @@ cdef class BlockTables:
                 raise InvalidArgumentError(expected(
                     "num_tokens", f"at most {row.num_computed} (the committed tokens) for sequence "
                     f"{self.namer(row.key)!r}", f"{cp[i]} at index {i}"))
+            if row.num_dropped and row.num_computed - cp[i] - self.window + 1 < \
+                    <int64_t>(self.sink_blocks + row.num_dropped) * bs:
+                raise InvalidArgumentError(expected(
+                    "num_tokens", f"at most {row.num_computed - self.window + 1 - (self.sink_blocks + row.num_dropped) * bs} "
+                    f"for sequence {self.namer(row.key)!r} (the window of the tokens left must still be held; "
+                    f"{row.num_dropped} blocks left it already)", f"{cp[i]} at index {i}"))
             nh = blk_of(row.num_computed - cp[i], bs, sh)
             if nh > most:
                 most = nh
@@ -704,7 +768,7 @@ cdef class BlockTables:
         """Padded ``[B, width]`` int32 block tables (width defaults to the longest)."""
         cdef int32_t p = <int32_t>check_int(pad, "pad", -2**31, 2**31 - 1)
         cdef int64_t m = self.load_keys(keys)
-        return padded_table(self.store.rows, self.rows_for(m, internal), m, p, width)
+        return padded_table(self.store.rows, self.rows_for(m, internal), m, p, width, self.sink_blocks)
 
     def csr(self, keys, bint internal=False):
         """FlashInfer's page table: ``(indptr, indices, last_page_len)``, all int32.
@@ -712,7 +776,7 @@ cdef class BlockTables:
         Covers every reserved token; ``last_page_len`` is 0 for an empty sequence.
         """
         cdef int64_t m = self.load_keys(keys)
-        return csr_table(self.store.rows, self.rows_for(m, internal), m, self.block_size)
+        return csr_table(self.store.rows, self.rows_for(m, internal), m, self.block_size, self.sink_blocks)
 
     def slot_mapping(self, keys, starts, counts, bint internal=False):
         """int64 slots of positions ``[start, start + count)`` of each sequence, concatenated."""
@@ -722,7 +786,8 @@ cdef class BlockTables:
         if ns != m or nc != m:
             raise ShapeError(expected("starts, counts", f"{m} entries each", f"{ns}, {nc}"))
         return slots_of(self.store.rows, self.rows_for(m, internal), m, <const int64_t*>self.starts_buf.data,
-                        <const int64_t*>self.counts_buf.data, self.block_size, self.bs_shift, self.namer)
+                        <const int64_t*>self.counts_buf.data, self.block_size, self.bs_shift, self.namer,
+                        self.sink_blocks)
 
     def seq_lens(self, keys, bint computed=False, bint internal=False):
         """Tokens per sequence (int64): reserved (default) or committed."""
@@ -761,7 +826,8 @@ cdef class BlockTables:
             return new_i32(0).reshape(0, 2)
         position = {}
         for i in range(row.num_blocks):
-            position[row.blocks[i]] = i
+            if row.blocks[i] >= 0:
+                position[row.blocks[i]] = i
         olds = pairs[:, 0].tolist()
         at = []
         for i in range(p):
@@ -818,7 +884,8 @@ cdef class BlockTables:
                 "num_reserved": row.num_reserved, "num_known": row.num_known,
                 "prompt_len": row.prompt_len, "num_hashed": row.cur.num_hashed,
                 "num_prefix_hit_blocks": row.num_prefix_hit, "priority": row.priority,
-                "tracking": bool(row.cur.track), "namespace": row.cur.ns_id}
+                "tracking": bool(row.cur.track), "namespace": row.cur.ns_id,
+                "num_dropped_blocks": row.num_dropped}
 
     def __contains__(self, key):
         return type(key) is int and INT64_MIN <= key <= INT64_MAX and rs_find(&self.store, key) >= 0
@@ -874,7 +941,17 @@ cdef class BlockTables:
                 raise InternalError(f"sequence {row.key}: hashed past its computed tokens")
             if row.num_blocks > row.cap_blocks or row.num_known > row.cap_tokens:
                 raise InternalError(f"sequence {row.key}: table or token list over capacity")
+            if self.window and row.num_dropped != max(0, blk_of(max(row.num_computed - self.window + 1, 0),
+                                                                  self.block_size, self.bs_shift) - self.sink_blocks):
+                raise InternalError(f"sequence {row.key}: {row.num_dropped} blocks released for {row.num_computed} "
+                                    f"committed tokens (window {self.window}, {self.sinks} sinks)")
+            if not self.window and row.num_dropped:
+                raise InternalError(f"sequence {row.key}: released blocks in a full-attention table")
             for i in range(row.num_blocks):
+                if self.sink_blocks <= i < self.sink_blocks + row.num_dropped:
+                    if row.blocks[i] != -1:
+                        raise InternalError(f"sequence {row.key}: released entry {i} holds block {row.blocks[i]}")
+                    continue
                 if not 0 <= row.blocks[i] < self.pool.num_blocks:
                     raise InternalError(f"sequence {row.key}: block {row.blocks[i]} out of range")
                 h[row.blocks[i]] += 1

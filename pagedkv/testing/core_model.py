@@ -227,7 +227,7 @@ class PyBlockPool:
 
 class _Row:
     __slots__ = ("blocks", "tokens", "prompt_len", "computed", "reserved", "hashed", "canon",
-                 "canon_gen", "ns", "priority", "track", "prefix_hit", "cls")
+                 "canon_gen", "ns", "priority", "track", "prefix_hit", "cls", "dropped")
 
     def __init__(self, tokens, ns, priority):
         self.blocks: List[int] = []
@@ -237,14 +237,18 @@ class _Row:
         self.canon, self.canon_gen = -1, 0
         self.ns, self.priority, self.track = ns, priority, True
         self.cls: Dict[int, int] = {}
+        self.dropped = 0    # sliding window: released blocks after the sinks (entries -1)
 
 
 class PyTables:
     """Same semantics as :class:`pagedkv._core.tables.BlockTables` with a prefix index
-    keyed by exact content (no hashes)."""
+    keyed by exact content (no hashes). ``window``/``sinks``: a sliding-window table."""
 
-    def __init__(self, pool: PyBlockPool, block_size: int, prefix: bool = True, recent_blocks: int = 4):
+    def __init__(self, pool: PyBlockPool, block_size: int, prefix: bool = True, recent_blocks: int = 4,
+                 window: int = 0, sinks: int = 0):
         self.pool, self.bs, self.prefix, self.recent = pool, block_size, prefix, recent_blocks
+        self.window, self.sinks = window, sinks
+        self.sink_blocks = -(-sinks // block_size)
         self.rows: Dict[int, _Row] = {}
         self.reg: Dict[int, Tuple[int, tuple, int, int]] = {}     # block -> (ns, chain, parent, pgen)
         self.chains: Dict[Tuple[int, tuple], int] = {}            # (ns, chain) -> block
@@ -252,6 +256,18 @@ class PyTables:
         self.copies: List[Tuple[int, int]] = []
         self.num_query_tokens = self.num_hit_tokens = 0
         pool.on_evict = self._unregister
+
+    def _slide(self, row: _Row) -> None:
+        """Release the blocks wholly before the next query's window, oldest first."""
+        if not self.window:
+            return
+        keep_from = row.computed - self.window + 1
+        first = self.sink_blocks + row.dropped
+        upto = keep_from // self.bs if keep_from > 0 else 0
+        if upto > first:
+            self.pool.free(row.blocks[first:upto])
+            row.blocks[first:upto] = [-1] * (upto - first)
+            row.dropped = upto - self.sink_blocks
 
     def _unregister(self, b: int) -> None:
         entry = self.reg.pop(b, None)
@@ -309,6 +325,7 @@ class PyTables:
         row.computed = row.reserved = len(hits) * self.bs
         if hits:
             row.canon, row.canon_gen = hits[-1], self.gen[hits[-1]]
+        self._slide(row)
         self.rows[key] = row
         return len(hits) * self.bs
 
@@ -368,6 +385,7 @@ class PyTables:
                 row.track = False
             if self.prefix and row.track:
                 self._register(row)
+            self._slide(row)
 
     def advance(self, keys, token_ids) -> List[int]:
         keys = list(keys)
@@ -393,6 +411,7 @@ class PyTables:
                     row.track = False
                 elif self.prefix and row.track:
                     self._register(row)
+                self._slide(row)
             if c == len(row.tokens):
                 row.tokens.append(t)
             if c % self.bs == 0:
@@ -427,6 +446,8 @@ class PyTables:
         for row, n in zip(rows, counts):
             if not 0 <= n <= row.computed:
                 raise InvalidArgumentError(expected("num_tokens", "at most the committed tokens", n))
+            if row.dropped and row.computed - n - self.window + 1 < (self.sink_blocks + row.dropped) * self.bs:
+                raise InvalidArgumentError(expected("num_tokens", "a length whose window is still held", n))
         for row, n in zip(rows, counts):
             length = row.computed - n
             keep = -(-length // self.bs)
@@ -501,8 +522,9 @@ class PyTables:
     def remove(self, keys) -> None:
         for key, row in zip(list(keys), self._rows(keys)):
             n = len(row.blocks)
-            classes = [self._class(row, i) for i in range(n)][::-1]
-            self.pool.free(row.blocks[::-1], classes if self.pool.policy == "priority" else None)
+            held = [i for i in range(n) if row.blocks[i] >= 0]     # a sliding row's released entries are -1
+            classes = [self._class(row, i) for i in held][::-1]
+            self.pool.free([row.blocks[i] for i in held][::-1], classes if self.pool.policy == "priority" else None)
             del self.rows[key]
 
     def fork(self, src, dst) -> None:
@@ -515,8 +537,10 @@ class PyTables:
         d.computed = d.reserved = s.computed
         d.prompt_len, d.hashed, d.prefix_hit = s.prompt_len, s.hashed, s.prefix_hit
         d.canon, d.canon_gen, d.track = s.canon, s.canon_gen, s.track
+        d.dropped = s.dropped
         for b in d.blocks:
-            self.pool.incref(b)
+            if b >= 0:
+                self.pool.incref(b)
         self.rows[dst] = d
 
     def set_priority(self, key, priority: int, start_token: int = 0, end_token=None) -> None:
