@@ -29,6 +29,7 @@ Bad input raises a typed :mod:`pagedkv.errors` error (checks in
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -121,11 +122,20 @@ class PagedKVCache:
                               low_watermark=config.low_watermark, high_watermark=config.high_watermark,
                               shuffle_seed=config.shuffle_free_blocks, index=self.index)
         self.pool = PoolView(self._pool)   # callers watch the pool; the cache alone changes it
-        self.tables = BlockTables(self._pool, config.block_size, self.index)
         self._lock = threading.RLock()
         self._caller_lock = CallerLock(self._lock)
         self._ids = SequenceIds()
-        self.tables.namer = self._ids.name   # core errors name the caller's id, not the key
+        self._groups = None
+        if config.layer_groups is None:
+            self.tables = BlockTables(self._pool, config.block_size, self.index)
+            self.tables.namer = self._ids.name   # core errors name the caller's id, not the key
+        else:   # sliding-window layers: one table per layer group (pagedkv.group_tables)
+            from pagedkv.group_tables import GroupTables
+
+            self._groups = GroupTables(self._pool, self.index, config.block_size, config.layer_groups, self._ids.name)
+            self.tables = self._groups.tables[0]
+        # Every change of the tables goes through _book: the tables, or all groups' tables.
+        self._book = self.tables if self._groups is None else self._groups
         self._namespaces = NamespaceRegistry()
         self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
         self._deferred: collections.deque = collections.deque()   # batches queued by free_deferred
@@ -174,7 +184,7 @@ class PagedKVCache:
                 if self._host is not None and self._host.holds(key):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
-                hit = self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+                hit = self._book.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
             except BaseException:
                 if fresh:
                     self._ids.forget(key)
@@ -184,7 +194,7 @@ class PagedKVCache:
                 try:
                     hit = self._tiers.promote(key, tokens, ns_id, hit)
                 except BaseException:
-                    self.tables.remove(key, internal=True)
+                    self._book.remove(key, internal=True)
                     if fresh:
                         self._ids.forget(key)
                     raise
@@ -197,6 +207,10 @@ class PagedKVCache:
         nothing changed. Blocks are allocated only at block boundaries. A shared,
         partially filled last block (after :meth:`fork`) is copied first, so the write
         never touches another sequence's KV.
+
+        With sliding-window layer groups (``config.layer_groups``) the slots are int64
+        ``[num_groups, N]``: row g for the layers of group g. :meth:`write` takes the
+        whole array and picks its layer's row.
         """
         if not (type(num_tokens) is int or (type(num_tokens) is np.ndarray and num_tokens.dtype is _I64)):
             num_tokens = as_counts(num_tokens)
@@ -204,10 +218,10 @@ class PagedKVCache:
             if self._deferred:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
-            slots = self.tables.reserve(keys, num_tokens, internal=internal)
+            slots = self._book.reserve(keys, num_tokens, internal=internal)
             if self._tiers is not None:
                 self._tiers.sync()      # evicted KV goes down before anything overwrites it
-            if self.tables.num_pending_copies:
+            if self._book.num_pending_copies:
                 self._copy_on_write()
             return slots
 
@@ -224,15 +238,15 @@ class PagedKVCache:
             if self._deferred:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
-            slots = self.tables.advance(keys, token_ids, internal=internal)
+            slots = self._book.advance(keys, token_ids, internal=internal)
             if self._tiers is not None:
                 self._tiers.sync()
-            if self.tables.num_pending_copies:
+            if self._book.num_pending_copies:
                 self._copy_on_write()
             return slots
 
     def _copy_on_write(self) -> None:
-        self._copy_pairs(self.tables.take_copies())
+        self._copy_pairs(self._book.take_copies())
 
     def _copy_pairs(self, pairs: np.ndarray) -> None:
         """Copy KV of (src, dst) block pairs now, or owe them (bookkeeping-only cache)."""
@@ -261,6 +275,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
+            self._no_groups("relocate")
             pairs = self.tables.relocate(self._ids.key(seq_id), moves)
             if len(pairs):
                 self._copy_pairs(pairs)
@@ -280,6 +295,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
+            self._no_groups("compact")
             if seq_ids is None:
                 keys = self.tables.keys().tolist()
             else:
@@ -299,6 +315,11 @@ class PagedKVCache:
                 if len(pairs):
                     self._copy_pairs(pairs)
             return pairs[np.argsort(-pairs[:, 0].astype(np.int64), kind="stable")]
+
+    def _no_groups(self, what: str) -> None:
+        if self._groups is not None:
+            raise InvalidArgumentError(expected(what, "a cache whose layers are all full attention (block "
+                                                "moves are planned over one table)", "sliding-window layer groups"))
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write pairs ``[P, 2]`` (src, dst) a bookkeeping-only cache owes its
@@ -323,7 +344,7 @@ class PagedKVCache:
             token_ids = as_token_ids(token_ids)
         with self._lock:
             keys, internal = self._ids.batch(seq_ids)
-            self.tables.commit(keys, num_tokens, token_ids, internal=internal)
+            self._book.commit(keys, num_tokens, token_ids, internal=internal)
             if self._tiers is not None:
                 self._tiers.sync()
 
@@ -337,7 +358,7 @@ class PagedKVCache:
                     num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens), np.int64)
                 else:
                     num_tokens = as_counts(num_tokens)
-            self.tables.unreserve(keys, num_tokens, internal=internal)
+            self._book.unreserve(keys, num_tokens, internal=internal)
 
     def truncate(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> None:
         """Drop the last ``num_tokens`` committed tokens of each sequence, e.g. draft
@@ -356,7 +377,7 @@ class PagedKVCache:
                                      np.int64)
             else:
                 num_tokens = as_counts(num_tokens, "num_tokens")
-            self.tables.truncate(keys, num_tokens, internal=internal)
+            self._book.truncate(keys, num_tokens, internal=internal)
 
     def num_blocks(self, seq_id: SeqId) -> int:
         """Blocks the sequence holds (``ceil(num_reserved / block_size)``)."""
@@ -372,7 +393,7 @@ class PagedKVCache:
             try:
                 if dk in self.tables or (self._host is not None and self._host.holds(dk)):
                     raise SequenceExistsError(dst, "dst")
-                self.tables.fork(sk, dk)
+                self._book.fork(sk, dk)
             except BaseException:
                 if fresh:
                     self._ids.forget(dk)
@@ -391,7 +412,7 @@ class PagedKVCache:
         keys, internal = self._ids.batch(seq_ids)
         host = self._host
         if host is None or not host.num_swapped:
-            self.tables.remove(keys, internal=internal)
+            self._book.remove(keys, internal=internal)
             if internal:
                 self._forget(keys)
             return
@@ -400,7 +421,7 @@ class PagedKVCache:
         swapped = np.fromiter(((internal or k >= 0) and host.holds(k) for k in listed), dtype=bool,
                               count=len(listed))
         if not swapped.any():
-            self.tables.remove(keys, internal=internal)
+            self._book.remove(keys, internal=internal)
         else:
             # Validate the whole batch before anything is released: each id once, and
             # every id that is not swapped out live on the device.
@@ -413,7 +434,7 @@ class PagedKVCache:
             live = arr[~swapped]
             if len(live):
                 self.tables.seq_lens(live, internal=internal)     # raises for an unknown id: nothing freed
-                self.tables.remove(live, internal=internal)
+                self._book.remove(live, internal=internal)
             for k in arr[swapped].tolist():
                 host.discard(k)
         if internal:
@@ -498,24 +519,35 @@ class PagedKVCache:
             info["namespace"] = self._namespaces.name(info["namespace"])
             return info
 
-    def block_table(self, seq_id: SeqId) -> np.ndarray:
-        """The sequence's physical blocks in token order (int32)."""
-        return self._one(self.tables.blocks, seq_id)
+    def block_table(self, seq_id: SeqId, group: Optional[int] = None) -> np.ndarray:
+        """The sequence's physical blocks in token order (int32); of a layer group's
+        tables with ``group`` (-1 where a sliding group released the block)."""
+        return self._one(self._tables_of(group).blocks, seq_id)
+
+    def _tables_of(self, group: Optional[int]):
+        if self._groups is None:
+            if group not in (None, 0):
+                raise InvalidArgumentError(expected("group", "None or 0 (every layer is full attention)", repr(group)))
+            return self.tables
+        return self._groups.group_for(group)
 
     def _batch_query(self, method, seq_ids: SeqIds, *args):
         with self._lock:
             keys, internal = self._ids.batch(seq_ids)
             return method(keys, *args, internal=internal)
 
-    def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: Optional[int] = None) -> np.ndarray:
-        """Padded ``[B, width]`` int32 block tables."""
+    def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: Optional[int] = None,
+                     group: Optional[int] = None) -> np.ndarray:
+        """Padded ``[B, width]`` int32 block tables (of layer group ``group``: column j is
+        block j of the sequence, ``pad`` where a sliding group released it)."""
         pad = as_int(pad, "pad", -2**31, 2**31 - 1)
         width = optional_int(width, "width", 0, 2**31 - 1)
-        return self._batch_query(self.tables.block_table, seq_ids, pad, width)
+        return self._batch_query(self._tables_of(group).block_table, seq_ids, pad, width)
 
-    def page_table_csr(self, seq_ids: SeqIds) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """FlashInfer's ``(indptr, indices, last_page_len)``, int32, over reserved tokens."""
-        return self._batch_query(self.tables.csr, seq_ids)
+    def page_table_csr(self, seq_ids: SeqIds, group: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """FlashInfer's ``(indptr, indices, last_page_len)``, int32, over reserved tokens
+        (of layer group ``group``: a sliding group lists only the blocks it holds)."""
+        return self._batch_query(self._tables_of(group).csr, seq_ids)
 
     def seq_lens(self, seq_ids: SeqIds, computed: bool = False) -> np.ndarray:
         """Tokens per sequence (int64): reserved, or committed with ``computed=True``."""
@@ -523,12 +555,13 @@ class PagedKVCache:
             raise ArgumentTypeError(expected("computed", "True or False", repr(computed)))
         return self._batch_query(self.tables.seq_lens, seq_ids, computed)
 
-    def slot_mapping(self, seq_id: SeqId, start: int, count: int) -> np.ndarray:
-        """int64 slots of positions ``[start, start + count)`` (must be reserved)."""
+    def slot_mapping(self, seq_id: SeqId, start: int, count: int, group: Optional[int] = None) -> np.ndarray:
+        """int64 slots of positions ``[start, start + count)`` (must be reserved, and
+        held by layer group ``group``)."""
         start, count = as_count(start, "start"), as_count(count, "count")
         with self._lock:
             k = self._ids.key(seq_id)
-            return self.tables.slot_mapping(np.array([k], np.int64), np.array([start], np.int64),
+            return self._tables_of(group).slot_mapping(np.array([k], np.int64), np.array([start], np.int64),
                                             np.array([count], np.int64), internal=True)
 
     @property
@@ -540,12 +573,31 @@ class PagedKVCache:
     def match_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
         """Tokens of ``token_ids`` a new sequence would find cached now (no side effects),
-        on the device or in a prefix tier (whichever holds more full blocks)."""
+        on the device or in a prefix tier (whichever holds more full blocks). With
+        layer groups: the longest prefix every group holds (:meth:`match_prefix_groups`)."""
+        if self._groups is not None:
+            return self.match_prefix_groups(token_ids, cache_salt=cache_salt, adapter_id=adapter_id)["tokens"]
         found = len(self._prefix_blocks(token_ids, cache_salt, adapter_id, required=False)) * self.config.block_size
         if self._tiers is not None:
             with self._lock:
                 found = max(found, self._tiers.match(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id)))
         return found
+
+    def match_prefix_groups(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+                            adapter_id: Any = None) -> dict:
+        """Per layer group, the cached prefix of ``token_ids``: a dict of ``tokens`` (what
+        an admission reuses: the longest prefix every group holds), ``per_group`` and
+        ``limited_by`` (the group holding the least, or None). No side effects."""
+        tokens = as_token_ids(token_ids)
+        with self._lock:
+            ns = self._namespaces.find(cache_salt, adapter_id)
+            if self._groups is None:
+                found = 0 if ns is None or self.index is None else \
+                    len(self.index.match(tokens, ns[0], ns[1])) * self.config.block_size
+                return {"tokens": found, "per_group": [found], "limited_by": None}
+            if ns is None:
+                return {"tokens": 0, "per_group": [0] * len(self._groups.tables), "limited_by": None}
+            return self._groups.match(tokens, ns[0], ns[1])
 
     def has_available_blocks(self, n: int = 1) -> bool:
         """Whether ``n`` blocks can be allocated now (free or evictable).
@@ -580,6 +632,11 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
+            if self._groups is not None:
+                ns = self._namespaces.find(cache_salt, adapter_id) or (None, None)
+                if ns[0] is not None:
+                    return self._groups.blocks_to_admit(tokens, total, ns[0], ns[1])
+                return len(self._groups.tables) * -(-total // bs)
             hits = self._prefix_blocks(tokens, cache_salt, adapter_id, required=False)
             hits = hits[:max(0, (len(tokens) - 1) // bs)]
             ref = self._pool.ref_cnt
@@ -679,6 +736,10 @@ class PagedKVCache:
         """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
         (from :meth:`reserve`; negative slots are skipped)."""
         store = self._require_store()
+        if self._groups is not None:
+            from pagedkv.group_data import layer_slots
+
+            layer, slot_mapping = layer_slots(self.config.layer_groups, layer, slot_mapping)
         store.write(layer, _slots_tensor(slot_mapping, store.device), key, value)
 
     def gather(self, seq_id: SeqId, layer: int, num_tokens: Optional[int] = None):
@@ -692,26 +753,54 @@ class PagedKVCache:
         """K, V ``[sum(lens), H, D]`` of many sequences, and ``cu_seqlens`` (int64 ``[B+1]``).
 
         ``num_tokens`` (optional, one per sequence) gathers only each sequence's first
-        tokens; by default all reserved tokens."""
+        tokens; by default all reserved tokens. A sliding-window layer returns the
+        tokens its group holds (sinks, then the window; :meth:`gather_window` adds
+        their positions)."""
+        return self._gather(seq_ids, layer, num_tokens, False)
+
+    def gather_window(self, seq_ids: SeqIds, layer: int, num_tokens=None):
+        """:meth:`gather_batch` plus the int64 absolute position of every gathered token
+        (concatenated per sequence): all of them for a full-attention layer; for a
+        sliding one the sinks, then the window."""
+        return self._gather(seq_ids, layer, num_tokens, True)
+
+    def _gather(self, seq_ids: SeqIds, layer: int, num_tokens, with_positions: bool):
         import torch
 
         store = self._require_store()
         want = None if num_tokens is None else as_counts(num_tokens)
         with self._lock:
             keys, internal = self._ids.batch(seq_ids)
-            indptr, indices, _ = self.tables.csr(keys, internal=internal)
-            lens = self.tables.seq_lens(keys, internal=internal)
+            tables, slot = self.tables, layer
+            if self._groups is not None:
+                from pagedkv.group_data import layer_slot
+
+                g, slot = layer_slot(self.config.layer_groups, layer)
+                tables = self._groups.tables[g]
+            indptr, indices, _ = tables.csr(keys, internal=internal)
+            lens = tables.seq_lens(keys, internal=internal)
+            gone = tables.released_tokens(keys, internal=internal) if tables.window else None
+        if gone is not None and gone.any():
+            if want is not None:
+                raise InvalidArgumentError(expected("num_tokens", "None for a sliding-window layer whose "
+                                                    "sequences released tokens", want.tolist()))
+            want = lens - gone
         if want is not None:
             if want.shape != lens.shape or (want > lens).any():
                 raise InvalidArgumentError(expected(
                     "num_tokens", f"{len(lens)} counts within the reserved lengths {lens.tolist()}", want.tolist()))
             lens = want
         dev = store.device
-        k, v = store.gather(layer, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
+        k, v = store.gather(slot, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
                             torch.from_numpy(lens.astype(np.int32)).to(dev))
         cu = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
-        return k, v, torch.from_numpy(cu)
+        if not with_positions:
+            return k, v, torch.from_numpy(cu)
+        from pagedkv.group_data import kept_positions
+
+        positions = kept_positions(tables, lens, np.zeros_like(lens) if gone is None else gone)
+        return k, v, torch.from_numpy(cu), torch.from_numpy(positions)
 
     def gather_pages(self, layer: int, indptr, indices, seq_lens):
         """K, V ``[sum(seq_lens), H, D]`` of ``layer`` read through a CSR page table
@@ -720,7 +809,13 @@ class PagedKVCache:
 
         For a caller that plans a step once and gathers every layer with the same table
         (no bookkeeping lookup per layer). The table must come from this cache and be
-        current: the store checks shapes, dtypes and block ranges, not ownership."""
+        current: the store checks shapes, dtypes and block ranges, not ownership. With
+        layer groups the table must be the layer's group's (``page_table_csr(ids,
+        group=...)``)."""
+        if self._groups is not None:
+            from pagedkv.group_data import layer_slot
+
+            layer = layer_slot(self.config.layer_groups, layer)[1]
         return self._require_store().gather(layer, indptr, indices, seq_lens)
 
     def copy_blocks(self, pairs) -> None:
@@ -775,7 +870,10 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            return CacheStats.collect(self._pool, self.tables, self.config, self._host, self._tiers)
+            stats = CacheStats.collect(self._pool, self.tables, self.config, self._host, self._tiers)
+            if self._groups is not None:
+                stats = dataclasses.replace(stats, group_hit_limits=tuple(self._groups.limited_by))
+            return stats
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""
@@ -807,7 +905,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            self.tables.check_invariants()
+            self._book.check_invariants()
             if self._host is not None:
                 self._host.check_invariants()
             if self._tiers is not None:

@@ -16,6 +16,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from pagedkv import dtypes
 from pagedkv.errors import DTypeError, InvalidArgumentError, expected
 from pagedkv.gguf_metadata import GGUF_MAGIC, hf_fields_from_gguf, read_gguf_metadata
+from pagedkv.layer_groups import GroupPlan, layer_windows_from_hf, plan_groups
 
 __all__ = [
     "CacheConfig",
@@ -161,6 +162,12 @@ class CacheConfig:
     shape and the settings match); ``prefix_tier_write`` is ``"back"`` (copy a block
     down when the device evicts it) or ``"through"`` (also when it is registered);
     ``prefix_tier_eviction`` is ``"lru"`` or ``"frequency"``.
+
+    Sliding-window layers (see :mod:`pagedkv.layer_groups`): ``layer_windows`` gives
+    each layer's window in tokens (0 = full attention; ``from_hf_config`` reads it from
+    the model), ``attention_sinks`` the leading tokens every sliding layer keeps. Layers
+    then form groups, a block holds :attr:`arena_layers` layer slots of one group, and
+    all sizes count those slots.
     """
 
     num_layers: int
@@ -192,6 +199,9 @@ class CacheConfig:
     prefix_disk_tag: str = ""
     prefix_tier_write: str = "back"
     prefix_tier_eviction: str = "lru"
+    layer_windows: Optional[Tuple[int, ...]] = None
+    attention_sinks: int = 0
+    _groups: Optional[GroupPlan] = field(default=None, init=False, repr=False, compare=False)
     _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +224,7 @@ class CacheConfig:
         if self.layout not in LAYOUTS:
             raise InvalidArgumentError(expected("layout", "'NHD' or 'HND'", repr(self.layout)))
         self._validate_options(put)
+        self._validate_groups(put)
         if (self.num_blocks is None) == (self.memory_budget is None):
             raise InvalidArgumentError(
                 expected(
@@ -238,6 +249,33 @@ class CacheConfig:
                     )
                 )
             put("_resolved_blocks", blocks)
+
+    def _validate_groups(self, put) -> None:
+        if self.layer_windows is None:
+            if self.attention_sinks != 0:
+                raise InvalidArgumentError(expected("attention_sinks", "0 without sliding-window layers",
+                                                    repr(self.attention_sinks)))
+            return
+        windows = self.layer_windows
+        if isinstance(windows, (str, bytes)) or not hasattr(windows, "__len__") or len(windows) != self.num_layers:
+            raise InvalidArgumentError(expected("layer_windows", f"{self.num_layers} windows (one per layer)",
+                                                repr(windows)))
+        plan = plan_groups(list(windows), self.attention_sinks)
+        if plan is not None and (self.host_num_blocks or self.has_prefix_tiers):
+            raise InvalidArgumentError(expected("layer_windows", "full attention in every layer with host or "
+                                                "prefix tiers", "sliding-window layers"))
+        put("layer_windows", tuple(windows) if plan is not None else None)
+        put("_groups", plan)
+
+    @property
+    def layer_groups(self) -> Optional[GroupPlan]:
+        """The layer groups, or None when every layer is full attention."""
+        return self._groups
+
+    @property
+    def arena_layers(self) -> int:
+        """Layer slots per block: ``num_layers``, or the layer-group size with sliding layers."""
+        return self.num_layers if self._groups is None else self._groups.slots_per_block
 
     def _validate_tp(self, put) -> None:
         size = _check_int("tp_size", self.tp_size, 1)
@@ -346,11 +384,12 @@ class CacheConfig:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one token across all layers, K and V, including quantization scales."""
+        """Bytes of one token across all layers (with sliding layers: across a block's
+        :attr:`arena_layers` layer slots), K and V, including quantization scales."""
         per_head = self.head_dim * self.element_bytes
         if self.quantized:
             per_head += _SCALE_BYTES * (2 if dtypes.info(self.kv_dtype).zero_point else 1)
-        return 2 * self.num_layers * self.kv_heads_per_rank * per_head
+        return 2 * self.arena_layers * self.kv_heads_per_rank * per_head
 
     @property
     def bytes_per_block(self) -> int:
@@ -379,8 +418,8 @@ class CacheConfig:
 
     @property
     def arena_shape(self) -> Tuple[int, ...]:
-        """All-layer data arena shape: ``[num_layers] + kv_cache_shape``."""
-        return (self.num_layers,) + self.kv_cache_shape
+        """All-layer data arena shape: ``[arena_layers] + kv_cache_shape``."""
+        return (self.arena_layers,) + self.kv_cache_shape
 
     @property
     def scale_arena_shape(self) -> Optional[Tuple[int, ...]]:
@@ -428,7 +467,8 @@ class CacheConfig:
 
         Reads ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``
         (absent or None: MHA, so ``num_attention_heads``) and ``head_dim`` (absent or
-        None: ``hidden_size // num_attention_heads``).
+        None: ``hidden_size // num_attention_heads``), and each layer's attention window
+        (see :func:`pagedkv.layer_groups.layer_windows_from_hf`).
         """
         src = _text_config(_as_mapping(config))
         get = lambda *names: _first(src, names)  # noqa: E731
@@ -447,6 +487,10 @@ class CacheConfig:
                 raise InvalidArgumentError(expected("config", "a 'head_dim' or 'hidden_size' field", _keys(src)))
             head_dim = int(hidden) // int(heads)
         values = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads)
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1:
+            windows = layer_windows_from_hf(src, layers)
+            if windows is not None:
+                values["layer_windows"] = windows
         names = {f.name for f in fields(cls) if f.init}
         for key in overrides:
             if key not in names:

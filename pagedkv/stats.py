@@ -39,6 +39,7 @@ class CacheStats:
     host_hit_tokens: int = 0       # hit tokens promoted from the host prefix tier
     disk_hit_tokens: int = 0       # hit tokens promoted from the disk prefix tier
     tiers: Tuple = ()              # TierStats per prefix tier below the device
+    group_hit_limits: Tuple = ()   # layer groups: admissions whose prefix hit each group limited
 
     @property
     def is_full(self) -> bool:

@@ -87,7 +87,8 @@ class KVStore:
 
     @property
     def num_layers(self) -> int:
-        return self.config.num_layers
+        """Layer slots of the arena (``config.arena_layers``: the layers, or a layer group's size)."""
+        return self.config.arena_layers
 
     @property
     def num_blocks(self) -> int:

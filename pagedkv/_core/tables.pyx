@@ -402,20 +402,23 @@ cdef class BlockTables:
         row.num_blocks = 0
 
     # ---- Python API: lifecycle ------------------------------------------------------
-    def add(self, key, tokens=None, ns=0, ns_hash=0, priority=-1, bint lookup=True):
+    def add(self, key, tokens=None, ns=0, ns_hash=0, priority=-1, bint lookup=True, max_hit_blocks=None):
         """Add a sequence; returns the prompt tokens served from the prefix cache.
 
         Only full blocks are reused, and never the whole prompt: the last prompt token
         must still be computed to produce the first output, so a fully cached,
-        block-aligned prompt reuses one block less.
+        block-aligned prompt reuses one block less. ``max_hit_blocks`` caps the reuse
+        (the manager's layer groups reuse only what every group holds).
         """
         cdef int64_t k = check_int(key, "seq_id", INT64_MIN, INT64_MAX, "an int64 key")
         cdef int8_t prio = <int8_t>check_int(priority, "priority", -1, 127, "an int in [0, 127] or -1 (default rule)")
         cdef int32_t ns_id = <int32_t>check_int(ns, "ns", 0, 2**31 - 1)
         cdef uint64_t nh = check_u64(ns_hash, "ns_hash")
-        cdef int64_t ntok = 0, max_hit
+        cdef int64_t ntok = 0, max_hit, cap = -1
         cdef int32_t r, nhit = 0
         cdef SeqRow* row
+        if max_hit_blocks is not None:
+            cap = check_int(max_hit_blocks, "max_hit_blocks", 0, INT64_MAX, "an int >= 0 or None")
         if rs_find(&self.store, k) >= 0:
             raise SequenceExistsError(self.namer(k))
         if tokens is not None:
@@ -425,6 +428,8 @@ cdef class BlockTables:
         max_hit = (ntok - 1) // self.block_size if ntok else 0
         if max_hit > self.pool.num_blocks:
             max_hit = self.pool.num_blocks
+        if 0 <= cap < max_hit:
+            max_hit = cap
         try:
             row_grow_tokens(row, ntok)
             row_grow_blocks(row, max_hit + 1)
@@ -530,6 +535,22 @@ cdef class BlockTables:
                 self.reserve_row(&rows[rp[i]], cp[i], op)
                 op += cp[i]
         return out
+
+    def blocks_needed(self, keys, counts, bint internal=False):
+        """Blocks ``reserve(keys, counts)`` would take from the pool now (new blocks and
+        copy-on-write copies); changes nothing. Raises what reserve would raise for
+        unknown keys, bad counts or a sequence past its capacity."""
+        cdef int64_t m = self.load_keys(keys), i, scalar, need = 0
+        self.load_counts(counts, m, "num_tokens", &scalar)
+        cdef const int64_t* cp = <const int64_t*>self.counts_buf.data
+        cdef int32_t* rp = self.rows_for(m, internal)
+        cdef SeqRow* row
+        for i in range(m):
+            row = &self.store.rows[rp[i]]
+            if cp[i] > self.max_tokens - row.num_reserved:
+                self.raise_too_long(row, cp[i])
+            need += row_need(row, cp[i], self.block_size, self.bs_shift, self.ref, self.cached)
+        return need
 
     def commit(self, keys, counts, token_ids=None, bint internal=False):
         """Mark the next ``counts`` reserved tokens of each sequence as computed.
@@ -653,7 +674,7 @@ cdef class BlockTables:
                 self.pool.release_batch(row.blocks + keep, row.num_blocks - keep, NULL, 0)
                 row.num_blocks = <int32_t>keep
 
-    def truncate(self, keys, counts, bint internal=False):
+    def truncate(self, keys, counts, bint internal=False, bint check_only=False):
         """Drop the last ``counts`` committed tokens of each sequence (rollback of
         rejected draft tokens); reserved, uncommitted slots after them go back too.
 
@@ -662,7 +683,7 @@ cdef class BlockTables:
         copies it first (copy-on-write), so forks and prefix hits keep their KV. The
         prefix cursor steps back to the last full block that remains; if that block's
         chain was evicted meanwhile, the sequence stops registering (a later lookup can
-        only miss). All or nothing."""
+        only miss). All or nothing; ``check_only`` validates and changes nothing."""
         cdef int64_t m = self.load_keys(keys), i, n, keep, L, scalar, most = 0, nh, j
         self.load_counts(counts, m, "num_tokens", &scalar)
         cdef const int64_t* cp = <const int64_t*>self.counts_buf.data
@@ -687,6 +708,8 @@ cdef class BlockTables:
             nh = blk_of(row.num_computed - cp[i], bs, sh)
             if nh > most:
                 most = nh
+        if check_only:
+            return
         buf_reserve(&self.cls_buf, most * sizeof(block_id_t))   # the cursor walk's scratch
         scratch = <block_id_t*>self.cls_buf.data
         for i in range(m):
@@ -793,6 +816,18 @@ cdef class BlockTables:
         """Tokens per sequence (int64): reserved (default) or committed."""
         cdef int64_t m = self.load_keys(keys)
         return lengths(self.store.rows, self.rows_for(m, internal), m, computed)
+
+    def released_tokens(self, keys, bint internal=False):
+        """Per sequence (int64), the tokens a sliding-window table released: positions
+        ``[sinks_end, sinks_end + released)`` with ``sinks_end = sink_blocks * block_size``.
+        CSR exports and gathers cover the other ``seq_len - released`` positions."""
+        cdef int64_t m = self.load_keys(keys), i
+        cdef int32_t* rp = self.rows_for(m, internal)
+        cdef cnp.ndarray out = new_i64(m)
+        cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
+        for i in range(m):
+            op[i] = <int64_t>self.store.rows[rp[i]].num_dropped * self.block_size
+        return out
 
     def relocate(self, key, moves):
         """Move blocks of one sequence's table into free blocks chosen by the caller.
@@ -920,8 +955,11 @@ cdef class BlockTables:
                 waste += <int64_t>row.num_blocks * self.block_size - row.num_reserved
         return tok, waste
 
-    def check_invariants(self):
-        """Audit tables against the pool: every ref_cnt equals the references held."""
+    def check_invariants(self, bint pool_refs=True):
+        """Audit tables against the pool: every ref_cnt equals the references held.
+
+        ``pool_refs=False`` audits the rows only, for tables that share their pool with
+        other tables (layer groups), whose references the caller adds up."""
         cdef int32_t r, i, live = 0
         cdef SeqRow* row
         held = np.zeros(self.pool.num_blocks, dtype=np.int64)
@@ -957,6 +995,8 @@ cdef class BlockTables:
                 h[row.blocks[i]] += 1
         if live != self.store.num_live or self.store.map.size != live:
             raise InternalError(f"{live} live rows, {self.store.num_live} counted, {self.store.map.size} mapped")
+        if not pool_refs:
+            return
         ref = np.asarray(self.pool._ref_view, dtype=np.int64)
         if not np.array_equal(held, ref):
             bad = int(np.flatnonzero(held != ref)[0])

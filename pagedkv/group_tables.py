@@ -1,0 +1,208 @@
+"""Block tables per layer group, over the one shared pool (see :mod:`pagedkv.layer_groups`).
+
+A cache whose model mixes full-attention and sliding-window layers keeps one
+:class:`~pagedkv._core.tables.BlockTables` per layer group: a full group keeps every
+block, a sliding group releases the blocks that left its window. Every sequence lives
+in all groups with the same token counts; only the blocks differ. Each call here
+applies one manager operation to every group, all or nothing:
+
+- capacity is counted over all groups before any reserves (``blocks_needed``), so a
+  reserve that fails changes nothing;
+- validation is the same in every group (same rows, same counts, same known token
+  ids), so the first group's checks stand for all, except truncation, which a sliding
+  group refuses once the window it would need is gone: every group checks first.
+
+Prefix caching: each group registers its blocks under its own namespace (a block
+holds only its group's layers, so a hit in another group's block would read the wrong
+layers). An admission reuses the longest prefix *every* group holds; the group that
+held the least is reported as the limit.
+"""
+from __future__ import annotations
+
+import struct
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from pagedkv._core.prefix import hash_bytes
+from pagedkv._core.tables import BlockTables
+from pagedkv.errors import InternalError, InvalidArgumentError, OutOfBlocksError, expected
+from pagedkv.layer_groups import GroupPlan
+
+__all__ = ["GroupTables", "GROUP_NS_BITS"]
+
+GROUP_NS_BITS = 24     # namespace ids below 2**24; the group index goes above them
+
+
+class GroupTables:
+    """The tables of every layer group; ``tables[0]`` is the manager's own ``tables``.
+
+    The lifecycle calls take the arguments of the same ``BlockTables`` calls, so the
+    manager drives either through one code path."""
+
+    def __init__(self, pool, index, block_size: int, plan: GroupPlan, namer):
+        self.plan = plan
+        self.pool = pool
+        self.index = index
+        self.block_size = block_size
+        self.tables: List[BlockTables] = []
+        for g in plan.groups:
+            t = BlockTables(pool, block_size, index, window=g.window, sinks=g.sinks)
+            t.namer = namer
+            self.tables.append(t)
+        self.limited_by = [0] * len(plan.groups)   # admissions whose hit each group limited
+
+    # ---- namespaces ------------------------------------------------------------------
+    def namespace(self, group: int, ns_id: int, ns_hash: int) -> Tuple[int, int]:
+        """The group's own prefix namespace for a cache namespace (group 0: the same)."""
+        if group == 0:
+            return ns_id, ns_hash
+        if ns_id >= 1 << GROUP_NS_BITS:
+            raise InvalidArgumentError(expected("cache_salt, adapter_id", f"fewer than 2**{GROUP_NS_BITS} "
+                                                "namespaces with layer groups", f"namespace id {ns_id}"))
+        return ns_id | (group << GROUP_NS_BITS), hash_bytes(struct.pack("<QQ", ns_hash, group))
+
+    def prefix_hits(self, tokens: np.ndarray, ns_id: int, ns_hash: int) -> List[int]:
+        """Cached full blocks of ``tokens`` per group (pure query)."""
+        if self.index is None:
+            return [0] * len(self.tables)
+        return [len(self.index.match(tokens, *self.namespace(g, ns_id, ns_hash))) for g in range(len(self.tables))]
+
+    def match(self, tokens: np.ndarray, ns_id: int, ns_hash: int) -> dict:
+        """What an admission of ``tokens`` would reuse now: ``tokens`` (the longest
+        prefix every group holds), ``per_group`` (tokens each group holds) and
+        ``limited_by`` (the group holding the least; None when all hold the same)."""
+        hits = [h * self.block_size for h in self.prefix_hits(tokens, ns_id, ns_hash)]
+        least = min(hits)
+        return {"tokens": least, "per_group": hits,
+                "limited_by": None if hits.count(least) == len(hits) else hits.index(least)}
+
+    def blocks_to_admit(self, tokens: np.ndarray, total: int, ns_id: int, ns_hash: int) -> int:
+        """Free blocks an admission of ``tokens`` then a reserve up to ``total`` tokens
+        takes, over all groups (see ``PagedKVCache.blocks_to_admit``)."""
+        bs = self.block_size
+        cap = max(0, (len(tokens) - 1) // bs)
+        per = []
+        for g in range(len(self.tables)):
+            per.append(self.index.match(tokens, *self.namespace(g, ns_id, ns_hash))[:cap]
+                       if self.index is not None else np.empty(0, np.int32))
+        h = min(len(b) for b in per)
+        ref = self.pool.ref_cnt
+        need = 0
+        for blocks in per:
+            hit = blocks[:h]
+            revived = sum(1 for b in hit[ref[hit] == 0].tolist() if not self.pool.pin_count(b))
+            need += -(-total // bs) - h + revived
+        return need
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def add(self, key: int, tokens: Optional[np.ndarray] = None, ns_id: int = 0, ns_hash: int = 0,
+            priority: int = -1) -> int:
+        cap = None
+        if self.index is not None and tokens is not None and len(tokens):
+            hits = self.prefix_hits(tokens, ns_id, ns_hash)
+            cap = min(min(hits), (len(tokens) - 1) // self.block_size)
+            if cap < (len(tokens) - 1) // self.block_size and hits.count(cap) < len(hits):
+                self.limited_by[hits.index(cap)] += 1
+        spaces = [self.namespace(g, ns_id, ns_hash) for g in range(len(self.tables))]
+        done = []
+        got = []
+        try:
+            for t, (nid, nh) in zip(self.tables, spaces):
+                got.append(t.add(key, tokens, nid, nh, priority, max_hit_blocks=cap))
+                done.append(t)
+            if len(set(got)) != 1:
+                raise InternalError(f"layer groups reused different prefixes {got} (the index changed "
+                                    "during an admission: a bug)")
+        except BaseException:
+            for t in done:
+                t.remove(key, internal=True)
+            raise
+        return got[0]
+
+    def _check_room(self, keys, counts, internal: bool, what: str) -> None:
+        need = 0
+        for t in self.tables:
+            need += t.blocks_needed(keys, counts, internal=internal)
+        free = self.pool.num_free_blocks
+        if need > free:
+            raise OutOfBlocksError(need, free, what)
+
+    def reserve(self, keys, counts, internal: bool = False) -> np.ndarray:
+        """Slots ``[num_groups, N]``: row g holds group g's slots."""
+        self._check_room(keys, counts, internal, "reserve")
+        return np.stack([t.reserve(keys, counts, internal=internal) for t in self.tables])
+
+    def advance(self, keys, token_ids, internal: bool = False) -> np.ndarray:
+        self._check_room(keys, 1, internal, "advance")
+        return np.stack([t.advance(keys, token_ids, internal=internal) for t in self.tables])
+
+    def commit(self, keys, counts, token_ids=None, internal: bool = False) -> None:
+        for t in self.tables:
+            t.commit(keys, counts, token_ids, internal=internal)
+
+    def unreserve(self, keys, counts=None, internal: bool = False) -> None:
+        for t in self.tables:
+            t.unreserve(keys, counts, internal=internal)
+
+    def truncate(self, keys, counts, internal: bool = False) -> None:
+        for t in self.tables:
+            t.truncate(keys, counts, internal=internal, check_only=True)
+        for t in self.tables:
+            t.truncate(keys, counts, internal=internal)
+
+    def fork(self, src: int, dst: int) -> None:
+        done = []
+        try:
+            for t in self.tables:
+                t.fork(src, dst)
+                done.append(t)
+        except BaseException:
+            for t in done:
+                t.remove(dst, internal=True)
+            raise
+
+    def remove(self, keys, internal: bool = False) -> None:
+        for t in self.tables:
+            t.remove(keys, internal=internal)
+
+    def take_copies(self) -> np.ndarray:
+        """Copy-on-write pairs of every group (a block copy moves all its layer slots)."""
+        return np.concatenate([t.take_copies() for t in self.tables])
+
+    @property
+    def num_pending_copies(self) -> int:
+        return sum(t.num_pending_copies for t in self.tables)
+
+    def group_for(self, group: Optional[int]) -> BlockTables:
+        if group is None:
+            return self.tables[0]
+        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or not 0 <= group < len(self.tables):
+            raise InvalidArgumentError(expected("group", f"a layer group in [0, {len(self.tables)})", repr(group)))
+        return self.tables[int(group)]
+
+    def held_blocks(self, key: int) -> List[int]:
+        """Blocks each group holds for one sequence (released ones not counted)."""
+        return [int((t.blocks(key) >= 0).sum()) for t in self.tables]
+
+    def check_invariants(self) -> None:
+        """Every group's tables against the pool: the references all groups hold add up
+        to each block's ref_cnt, and every sequence has the same counts in every group."""
+        held = np.zeros(self.pool.num_blocks, dtype=np.int64)
+        keys = sorted(self.tables[0].keys().tolist())
+        for g, t in enumerate(self.tables):
+            t.check_invariants(pool_refs=False)
+            if sorted(t.keys().tolist()) != keys:
+                raise InternalError(f"layer group {g} holds other sequences than group 0")
+            for k in keys:
+                if (t.num_computed(k), t.num_reserved(k)) != (self.tables[0].num_computed(k),
+                                                              self.tables[0].num_reserved(k)):
+                    raise InternalError(f"sequence {k}: layer group {g} disagrees with group 0 on its tokens")
+                b = t.blocks(k)
+                np.add.at(held, b[b >= 0].astype(np.int64), 1)
+        ref = np.asarray(self.pool.ref_cnt, dtype=np.int64)
+        if not np.array_equal(held, ref):
+            bad = int(np.flatnonzero(held != ref)[0])
+            raise InternalError(f"block {bad}: ref_cnt {ref[bad]} but layer groups hold {held[bad]} references")
+        self.pool.check_invariants()
+
