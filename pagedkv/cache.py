@@ -549,6 +549,14 @@ class PagedKVCache:
         (of layer group ``group``: a sliding group lists only the blocks it holds)."""
         return self._batch_query(self._tables_of(group).csr, seq_ids)
 
+    def released_tokens(self, seq_ids: SeqIds, group: Optional[int] = None) -> np.ndarray:
+        """Tokens per sequence (int64) that sliding layer group ``group`` released (left
+        its window): its gathers return the others. Zeros for full attention."""
+        tables = self._tables_of(group)
+        if not tables.window:
+            return np.zeros(len(self.seq_lens(seq_ids)), dtype=np.int64)
+        return self._batch_query(tables.released_tokens, seq_ids)
+
     def seq_lens(self, seq_ids: SeqIds, computed: bool = False) -> np.ndarray:
         """Tokens per sequence (int64): reserved, or committed with ``computed=True``."""
         if not isinstance(computed, bool):

@@ -46,6 +46,7 @@ import torch
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.errors import InternalError, InvalidArgumentError, ShapeError, expected
+from pagedkv.integrations import hf_windows
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -70,10 +71,12 @@ class PagedLayer(CacheLayerMixin):
     # nothing to pre-allocate, so early_initialization must skip it.
     supports_early_init = False
 
-    def __init__(self, parent: "PagedCache", layer_idx: int):
+    def __init__(self, parent: "PagedCache", layer_idx: int, window: int = 0):
         super().__init__()
         self.parent = parent
         self.layer_idx = layer_idx
+        self.is_sliding = window > 0     # a sliding-window layer (see hf_windows)
+        self.sliding_window = window if window else None
 
     def lazy_initialization(self, key_states, value_states=None) -> None:
         self.is_initialized = True
@@ -120,9 +123,9 @@ class PagedLayer(CacheLayerMixin):
 class _StepPlan:
     """What layer 0 decided for one forward pass; every layer reuses it."""
 
-    __slots__ = ("q", "write_slots", "n_new", "new_mask", "indptr", "indices", "lens", "dest", "columns")
+    __slots__ = ("q", "write_slots", "n_new", "new_mask", "indptr", "indices", "lens", "dest", "columns", "groups")
 
-    def __init__(self, q, write_slots, n_new, new_mask, indptr, indices, lens, dest, columns):
+    def __init__(self, q, write_slots, n_new, new_mask, indptr, indices, lens, dest, columns, groups=None):
         self.q = q                      # new columns in this pass
         self.write_slots = write_slots  # int64 [B*q], -1 = do not write
         self.n_new = n_new              # int64 [B], tokens reserved (committed after the last layer)
@@ -132,6 +135,7 @@ class _StepPlan:
         self.lens = lens                # int32 [B], tokens per row after this pass
         self.dest = dest                # None, or int64 rows of the padded output per gathered token
         self.columns = columns          # columns after this pass
+        self.groups = groups            # None, or a hf_windows.GroupStep per layer group
 
 
 class PagedCache(Cache):
@@ -159,10 +163,15 @@ class PagedCache(Cache):
         if kv.device is None:
             raise InvalidArgumentError(expected("kv", "a PagedKVCache with a KV store (allocate_store=True)",
                                                 "a bookkeeping-only cache"))
+        if kv.config.attention_sinks:
+            raise InvalidArgumentError(expected("kv", "a PagedKVCache without attention sinks (transformers' "
+                                                "sliding layers have none)", f"{kv.config.attention_sinks} sinks"))
         self.kv = kv
         self.cache_salt = cache_salt
         self.num_layers = kv.config.num_layers
-        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        self._windows = hf_windows.layer_windows(kv)     # None: every layer is full attention
+        windows = self._windows or [0] * self.num_layers
+        super().__init__(layers=[PagedLayer(self, i, windows[i]) for i in range(self.num_layers)])
         self._owned: set = set()   # rows this object frees; the same set lives in the finalizer
         self._clear_rows()
         weakref.finalize(self, _free_on_collection, kv, self._owned)
@@ -313,6 +322,8 @@ class PagedCache(Cache):
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple:
         # 5.x passes the query length; 4.56/4.57 pass cache_position.
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        if self._windows is not None and self._windows[layer_idx]:
+            return hf_windows.sliding_mask_sizes(self._columns, q, self._windows[layer_idx])
         return self._columns + q, 0
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
@@ -354,6 +365,14 @@ class PagedCache(Cache):
         # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
+        if plan.groups is not None:
+            step = plan.groups[self.kv.config.layer_groups.layer_group[layer_idx]]
+            k, v = self.kv.gather_pages(layer_idx, step.indptr, step.indices, step.lens)
+            keys, values = hf_windows.assemble(step, k, v, B, H, D)
+            self.layers[layer_idx].is_initialized = True
+            if layer_idx == self.num_layers - 1:
+                self._finish_step()
+            return keys, values
         k, v = self.kv.gather_pages(layer_idx, plan.indptr, plan.indices, plan.lens)
         if plan.dest is None:  # no padding: the packed rows are the rectangle
             keys = k.view(B, plan.columns, H, D)
@@ -400,19 +419,29 @@ class PagedCache(Cache):
         n_new = new_mask.sum(axis=1).astype(np.int64)
         slots = kv.reserve(rows, n_new)
         self._reserved = n_new     # given back by _abort_step until the last layer commits
-        write_slots = np.full((B, q), -1, dtype=np.int64)
-        write_slots[new_mask] = slots  # row-major: each row's new tokens are its last columns
+        if slots.ndim == 2:        # layer groups: one row of slots per group
+            write_slots = np.full((slots.shape[0], B, q), -1, dtype=np.int64)
+            write_slots[:, new_mask] = slots
+        else:
+            write_slots = np.full((B, q), -1, dtype=np.int64)
+            write_slots[new_mask] = slots  # row-major: each row's new tokens are its last columns
         columns = self._columns + q
         lens = kv.seq_lens(rows).astype(np.int64)
         if (lens != columns - self._pads).any():
             raise InternalError(f"row lengths {lens.tolist()} disagree with columns {columns} - pads "
                                 f"{self._pads.tolist()}")
+        device = kv.device
+        if self._windows is not None:
+            self._plan = _StepPlan(
+                q, torch.from_numpy(write_slots.reshape(write_slots.shape[0], -1)).to(device), n_new, new_mask,
+                None, None, None, None, columns,
+                hf_windows.plan_groups_step(kv, rows, self._pads, self._columns, q, device))
+            return
         indptr, indices, _ = kv.page_table_csr(rows)
         dest = None
         if self._pads.any():
             dest = np.concatenate([b * columns + np.arange(self._pads[b], columns) for b in range(B)])
             dest = torch.from_numpy(dest)
-        device = kv.device
         self._plan = _StepPlan(
             q, torch.from_numpy(write_slots.reshape(-1)).to(device), n_new, new_mask,
             torch.from_numpy(indptr).to(device), torch.from_numpy(indices).to(device),

@@ -1,0 +1,45 @@
+"""Tiny randomly initialised models with sliding-window layers, built from a config
+(no download): a Mistral (every layer slides) and a Gemma 2 (layers alternate sliding
+and full attention). Same seed, same weights; the global torch RNG is left as it was.
+"""
+from __future__ import annotations
+
+from pagedkv.testing.models import ByteTokenizer
+
+__all__ = ["tiny_mistral", "tiny_gemma2"]
+
+
+def _common(tok, window: int, layers: int, init: float) -> dict:
+    return dict(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                sliding_window=window, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
+                initializer_range=init)   # chosen so that greedy output does not collapse to one token
+
+
+def _build(cls, config, seed: int, dtype):
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model.to(torch.float32 if dtype is None else dtype).eval()
+
+
+def tiny_mistral(window: int = 8, seed: int = 0, layers: int = 2, dtype=None):
+    """``(model, ByteTokenizer())``: a Mistral whose every layer sees ``window`` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = ByteTokenizer()
+    return _build(MistralForCausalLM, MistralConfig(**_common(tok, window, layers, 0.4)), seed, dtype), tok
+
+
+def tiny_gemma2(window: int = 8, seed: int = 0, layers: int = 4, dtype=None):
+    """``(model, ByteTokenizer())``: a Gemma 2 with ``layer_types`` alternating
+    sliding (``window`` tokens) and full attention."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tok = ByteTokenizer()
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    config = Gemma2Config(**_common(tok, window, layers, 0.02), layer_types=types, query_pre_attn_scalar=16)
+    return _build(Gemma2ForCausalLM, config, seed, dtype), tok
