@@ -1,0 +1,285 @@
+"""Layer groups in the manager (PagedKVCache) and in PagedCache: slots per group, KV of
+each layer in its group's blocks, hybrid prefix hits, and greedy generation of tiny
+sliding-window models identical to DynamicCache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pagedkv.cache import PagedKVCache
+from pagedkv.config import CacheConfig
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
+from pagedkv.integrations.transformers import PagedCache
+from pagedkv.testing.sliding_models import tiny_gemma2, tiny_mistral
+
+BS = 4
+
+
+def hybrid(num_blocks=64, window=6, windows=None, **kw) -> PagedKVCache:
+    windows = windows or (window, 0, window, 0)      # groups: 0 = full (layers 1, 3), 1 = sliding (0, 2)
+    cfg = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8, block_size=BS, num_blocks=num_blocks,
+                      dtype="float32", layer_windows=windows, **kw)
+    return PagedKVCache(cfg)
+
+
+def kv_of(layer, positions):
+    """A distinct K for every (layer, position); V is its negation."""
+    p = torch.as_tensor(positions, dtype=torch.float32)
+    return (1000.0 * layer + p)[:, None, None].expand(len(p), 2, 8).contiguous()
+
+
+def fill(kv, seq, tokens, start=0):
+    slots = kv.reserve(seq, len(tokens))
+    for layer in range(4):
+        k = kv_of(layer, range(start, start + len(tokens)))
+        kv.write(layer, slots, k, -k)
+    kv.commit(seq, len(tokens))
+    return slots
+
+
+def test_reserve_gives_slots_per_group_and_layers_read_their_own():
+    kv = hybrid(window=6)
+    kv.add_sequence("a", list(range(10)))
+    slots = fill(kv, "a", list(range(10)))
+    assert slots.shape == (2, 10)
+    assert not set(slots[0].tolist()) & set(slots[1].tolist())     # the groups never share a block
+    for layer in range(4):
+        k, v, cu, pos = kv.gather_window(["a"], layer)
+        # full layers: everything; sliding (window 6): position 10 sees 5.., so block 1 on
+        want = list(range(10)) if layer % 2 else list(range(4, 10))
+        assert pos.tolist() == want
+        assert torch.equal(k, kv_of(layer, want)) and torch.equal(v, -kv_of(layer, want))
+        assert cu.tolist() == [0, len(want)]
+    assert kv.released_tokens("a", group=1).tolist() == [4]
+    assert kv.released_tokens("a", group=0).tolist() == [0]
+    assert kv.block_tables(["a"], pad=-7, group=1)[0].tolist()[0] == -7
+    indptr, indices, _ = kv.page_table_csr(["a"], group=1)
+    assert indices.tolist() == kv.block_table("a", group=1)[1:].tolist()
+    kv.free("a")
+
+
+def test_decode_stream_holds_the_window_in_the_sliding_group():
+    kv = hybrid(num_blocks=128, window=8)
+    kv.add_sequence(0, [1, 2, 3])
+    kv.reserve(0, 3)
+    kv.commit(0, 3)
+    for _ in range(200):
+        kv.advance(np.array([0], np.int64), np.array([5], np.int32))
+    held = [int((kv.block_table(0, group=g) >= 0).sum()) for g in (0, 1)]
+    assert held[0] == -(-kv.num_reserved(0) // BS)         # full group: every block
+    assert held[1] <= -(-(8 - 1) // BS) + 2                # sliding group: the window
+    kv.check_invariants()
+    kv.free(0)
+
+
+def test_out_of_blocks_in_any_group_changes_nothing():
+    kv = hybrid(num_blocks=10, window=6)
+    kv.add_sequence("a")
+    fill(kv, "a", list(range(8)))
+    before = (kv.pool.num_free_blocks, [kv.block_table("a", group=g).tolist() for g in (0, 1)], kv.num_reserved("a"))
+    with pytest.raises(OutOfBlocksError, match=r"reserve needs \d+ block\(s\), \d+ free"):
+        kv.reserve("a", 24)
+    assert (kv.pool.num_free_blocks, [kv.block_table("a", group=g).tolist() for g in (0, 1)],
+            kv.num_reserved("a")) == before
+    kv.free("a")
+
+
+def test_truncate_refused_by_the_sliding_group_changes_no_group():
+    kv = hybrid(window=6)
+    kv.add_sequence("a")
+    fill(kv, "a", list(range(19)))
+    tables = [kv.block_table("a", group=g).tolist() for g in (0, 1)]
+    with pytest.raises(InvalidArgumentError, match=r"num_tokens: expected at most 2 for sequence 'a'"):
+        kv.truncate("a", 3)
+    assert [kv.block_table("a", group=g).tolist() for g in (0, 1)] == tables and kv.num_tokens("a") == 19
+    kv.truncate("a", 2)
+    assert kv.num_tokens("a") == 17
+    kv.check_invariants()
+    kv.free("a")
+
+
+def test_fork_and_free_cover_every_group():
+    kv = hybrid(window=6)
+    kv.add_sequence("a")
+    fill(kv, "a", list(range(13)))
+    kv.fork("a", "b")
+    for g in (0, 1):
+        assert kv.block_table("b", group=g).tolist() == kv.block_table("a", group=g).tolist()
+    kv.check_invariants()
+    kv.free(["a", "b"])
+    assert kv.stats().allocated_blocks == 0
+
+
+def test_block_moves_and_bad_groups_are_refused():
+    kv = hybrid()
+    kv.add_sequence("a")
+    fill(kv, "a", list(range(5)))
+    with pytest.raises(InvalidArgumentError, match=r"compact: expected a cache whose layers are all full attention"):
+        kv.compact()
+    with pytest.raises(InvalidArgumentError, match=r"group: expected a layer group in \[0, 2\), got 2"):
+        kv.block_table("a", group=2)
+    with pytest.raises(InvalidArgumentError, match=r"layer: expected an int in \[0, 4\), got 4"):
+        kv.gather_window(["a"], 4)
+    kv.free("a")
+
+
+# ---- hybrid prefix hits ----------------------------------------------------------------------
+
+def evict_one_or_two(kv):
+    """Take every empty block and one or two cached-free ones (each group takes a block
+    per 4 tokens, so the total is even); returns how many cached blocks were evicted."""
+    empty = kv.pool.num_empty_blocks
+    per_group = (empty + 2) // 2
+    kv.add_sequence("x")
+    kv.reserve("x", per_group * BS)
+    return 2 * per_group - empty
+
+
+def run_prompt(kv, seq, prompt):
+    kv.add_sequence(seq, prompt)
+    start = kv.num_tokens(seq)
+    fill(kv, seq, prompt[start:], start)
+    kv.free(seq)
+
+
+def test_full_group_hit_limited_by_the_sliding_group():
+    kv = hybrid(num_blocks=40, window=6)
+    prompt = list(range(100, 125))                  # 6 full blocks + 1 token
+    run_prompt(kv, "a", prompt)
+    # The sliding group released its early blocks while "a" ran, so they lead the
+    # eviction order; taking one block evicts the sliding group's first block.
+    assert evict_one_or_two(kv) in (1, 2)
+    match = kv.match_prefix_groups(prompt)
+    assert match["per_group"][0] == 24 and match["per_group"][1] == 0
+    assert match["limited_by"] == 1 and match["tokens"] == 0 == kv.match_prefix(prompt)
+    kv.free("x")
+    assert kv.add_sequence("b", prompt) == 0
+    assert kv.stats().group_hit_limits == (0, 1)
+    kv.free("b")
+
+
+def test_sliding_group_hit_limited_by_the_full_group():
+    kv = hybrid(num_blocks=24, window=64)
+    prompt = list(range(100, 113))                  # 3 full blocks + 1 token, all inside the window
+    run_prompt(kv, "a", prompt)
+    # Freed tail first, group 0 (full) first: its last block leads the eviction order.
+    evicted = evict_one_or_two(kv)
+    hit = (3 - evicted) * BS
+    match = kv.match_prefix_groups(prompt)
+    assert match["per_group"] == [hit, 12] and match["limited_by"] == 0 and match["tokens"] == hit
+    kv.free("x")
+    assert kv.add_sequence("b", prompt) == hit
+    assert kv.stats().group_hit_limits == (1, 0)
+    # the hit blocks hold "a"'s KV, in each group's own layers
+    for layer in range(4):
+        k, _, _, pos = kv.gather_window(["b"], layer)
+        assert pos.tolist() == list(range(hit)) and torch.equal(k, kv_of(layer, range(hit)))
+    kv.free("b")
+
+
+def test_groups_never_share_a_prefix_block():
+    kv = hybrid(window=64)
+    prompt = list(range(9))
+    run_prompt(kv, "a", prompt)
+    kv.add_sequence("b", prompt)
+    a0, a1 = (kv.block_table("b", group=g).tolist() for g in (0, 1))
+    assert len(a0) == len(a1) == 2 and not set(a0) & set(a1)
+    kv.free("b")
+
+
+def test_blocks_to_admit_counts_every_group():
+    kv = hybrid(window=64)
+    assert kv.blocks_to_admit(list(range(9))) == 2 * 3
+    run_prompt(kv, "a", list(range(9)))
+    assert kv.blocks_to_admit(list(range(9))) == 2 * 3     # 2 hit blocks per group, revived from cached-free
+    assert kv.can_admit(list(range(9)))
+
+
+# ---- PagedCache: transformers' sliding layers ---------------------------------------------------
+
+def paged(model, num_blocks=256, block_size=4) -> PagedKVCache:
+    cfg = CacheConfig.from_hf_config(model.config, num_blocks=num_blocks, block_size=block_size,
+                                     dtype=torch.float32, shuffle_free_blocks=3)
+    return PagedKVCache(cfg)
+
+
+MODELS = {"mistral": lambda: tiny_mistral(window=8), "gemma2": lambda: tiny_gemma2(window=8)}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def sliding_model(request):
+    return MODELS[request.param]()
+
+
+def test_layers_report_is_sliding(sliding_model):
+    model, _ = sliding_model
+    kv = paged(model)
+    cache = PagedCache(kv)
+    ref = DynamicCache(config=model.config)
+    assert [layer.is_sliding for layer in cache.layers] == [layer.is_sliding for layer in ref.layers]
+    assert any(layer.is_sliding for layer in cache.layers)
+
+
+def test_greedy_matches_dynamic_cache_batch_one(sliding_model):
+    model, _ = sliding_model
+    kv = paged(model)
+    ids = torch.randint(3, 250, (1, 21), generator=torch.Generator().manual_seed(1))   # prompt > window
+    gen = dict(max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)
+    with PagedCache(kv) as cache:
+        cache.admit(ids)
+        out = model.generate(ids, past_key_values=cache, **gen)
+        plan = kv.config.layer_groups
+        sliding = [g.index for g in plan.groups if g.window]
+        for g in sliding:                # the window moved: blocks were released along the way
+            assert kv.released_tokens(cache.seq_ids, group=g)[0] > 0
+    assert out.tolist() == ref.tolist()
+    assert len(set(out[0, 21:].tolist())) > 1
+
+
+def test_greedy_matches_dynamic_cache_with_left_padding(sliding_model):
+    model, tok = sliding_model
+    kv = paged(model)
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (13, 22, 5)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    gen = dict(max_new_tokens=20, do_sample=False, attention_mask=mask)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)
+    with PagedCache(kv) as cache:
+        cache.admit(ids, mask)
+        out = model.generate(ids, past_key_values=cache, **gen)
+    assert out.tolist() == ref.tolist()
+
+
+def test_mask_sizes_and_returned_columns_match_dynamic_cache(sliding_model):
+    model, _ = sliding_model
+    kv = paged(model)
+    ids = torch.randint(3, 250, (1, 11), generator=torch.Generator().manual_seed(3))
+    ref = DynamicCache(config=model.config)
+    with PagedCache(kv) as cache:
+        with torch.no_grad():
+            for c in (ref, cache):
+                model(ids, past_key_values=c, use_cache=True)
+                model(ids[:, :1], past_key_values=c, use_cache=True)
+        for layer in range(len(cache.layers)):
+            assert cache.get_mask_sizes(1, layer) == ref.get_mask_sizes(1, layer)
+        assert cache.get_seq_length() == ref.get_seq_length() == 12
+        k = torch.randn(1, 2, 1, 16)
+        for layer in range(len(cache.layers)):
+            got, _ = cache.update(k, k, layer)
+            want, _ = ref.update(k, k, layer)
+            assert got.shape == want.shape
+            assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_attention_sinks_are_refused_by_paged_cache():
+    model, _ = tiny_mistral(window=8)
+    cfg = CacheConfig.from_hf_config(model.config, num_blocks=16, block_size=4, dtype=torch.float32,
+                                     attention_sinks=2)
+    kv = PagedKVCache(cfg)
+    with pytest.raises(InvalidArgumentError, match=r"kv: expected a PagedKVCache without attention sinks"):
+        PagedCache(kv)
