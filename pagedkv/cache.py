@@ -162,7 +162,7 @@ class PagedKVCache:
     # ---- lifecycle ----------------------------------------------------------------
     def add_sequence(self, seq_id: SeqId, prompt_token_ids: Optional[Iterable[int]] = None, *,
                      cache_salt: Optional[str] = None, adapter_id: Any = None,
-                     priority: Optional[int] = None) -> int:
+                     priority: Optional[int] = None, max_cached_tokens: Optional[int] = None) -> int:
         """Admit a sequence; returns how many prompt tokens are already cached.
 
         Those tokens' KV is in the arena already (full blocks reused by reference);
@@ -171,10 +171,13 @@ class PagedKVCache:
         ``cache_salt`` / ``adapter_id`` select a namespace; different namespaces never
         share blocks (see :mod:`pagedkv.namespaces`). ``priority`` is the eviction
         class of its blocks under the ``priority`` policy (0 is evicted first;
-        default: seed 004's prefix > recent > old rule).
+        default: seed 004's prefix > recent > old rule). ``max_cached_tokens`` caps the
+        reuse (whole blocks below it).
         """
         tokens = None if prompt_token_ids is None else as_token_ids(prompt_token_ids, "prompt_token_ids")
         priority = optional_int(priority, "priority", 0, 127)
+        cap = None if max_cached_tokens is None else as_count(max_cached_tokens, "max_cached_tokens") // \
+            self.config.block_size
         with self._lock:
             if self._deferred:
                 self._run_deferred()
@@ -184,13 +187,14 @@ class PagedKVCache:
                 if self._host is not None and self._host.holds(key):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
-                hit = self._book.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+                hit = self._book.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority,
+                                     max_hit_blocks=cap)
             except BaseException:
                 if fresh:
                     self._ids.forget(key)
                 self._namespaces.rollback(mark)
                 raise
-            if self._tiers is not None and tokens is not None:
+            if self._tiers is not None and tokens is not None and cap is None:
                 try:
                     hit = self._tiers.promote(key, tokens, ns_id, hit)
                 except BaseException:

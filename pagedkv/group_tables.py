@@ -97,13 +97,15 @@ class GroupTables:
 
     # ---- lifecycle -------------------------------------------------------------------
     def add(self, key: int, tokens: Optional[np.ndarray] = None, ns_id: int = 0, ns_hash: int = 0,
-            priority: int = -1) -> int:
-        cap = None
+            priority: int = -1, max_hit_blocks: Optional[int] = None) -> int:
+        cap = max_hit_blocks
         if self.index is not None and tokens is not None and len(tokens):
             hits = self.prefix_hits(tokens, ns_id, ns_hash)
-            cap = min(min(hits), (len(tokens) - 1) // self.block_size)
-            if cap < (len(tokens) - 1) // self.block_size and hits.count(cap) < len(hits):
-                self.limited_by[hits.index(cap)] += 1
+            least = min(hits)
+            limit = min((len(tokens) - 1) // self.block_size, cap if cap is not None else len(tokens))
+            if least < limit and hits.count(least) < len(hits):
+                self.limited_by[hits.index(least)] += 1     # this group held the least
+            cap = min(least, limit)
         spaces = [self.namespace(g, ns_id, ns_hash) for g in range(len(self.tables))]
         done = []
         got = []

@@ -283,3 +283,44 @@ def test_attention_sinks_are_refused_by_paged_cache():
     kv = PagedKVCache(cfg)
     with pytest.raises(InvalidArgumentError, match=r"kv: expected a PagedKVCache without attention sinks"):
         PagedCache(kv)
+
+
+def test_prefix_hits_of_unequal_rows_keep_the_window(sliding_model):
+    """A row whose cached prefix reaches past the batch's common point keeps only what
+    the sliding layers can still serve; generation still equals DynamicCache."""
+    model, tok = sliding_model
+    kv = paged(model)
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 250, (30,), generator=g).tolist()
+    with PagedCache(kv) as cache:        # the first request leaves its blocks cached
+        first = torch.tensor([shared])
+        cache.admit(first)
+        model.generate(first, past_key_values=cache, max_new_tokens=2, do_sample=False,
+                       attention_mask=torch.ones_like(first))
+    rows = [shared + torch.randint(3, 250, (3,), generator=g).tolist(), torch.randint(3, 250, (6,), generator=g).tolist()]
+    width = max(map(len, rows))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    gen = dict(max_new_tokens=12, do_sample=False, attention_mask=mask)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)
+    assert kv.match_prefix(rows[0]) >= 28
+    with PagedCache(kv) as cache:
+        hits = cache.admit(ids, mask)
+        # row 1 has 27 padding columns and no hit: the common point is column 27, so row 0
+        # keeps 24 of its 28 cached tokens (27, block-aligned) instead of all of them
+        assert hits.tolist() == [24, 0]
+        out = model.generate(ids, past_key_values=cache, **gen)
+    assert out.tolist() == ref.tolist()
+
+
+def test_admit_caps_fixed_point():
+    from pagedkv.integrations.hf_windows import admit_caps
+
+    # rows: pads 0 and 3; hits 28 and 0; window 8, blocks of 4: the common point is 3
+    assert admit_caps(np.array([28, 0]), np.array([0, 3]), 4, 8).tolist() == [4, 0]
+    # equal rows keep everything
+    assert admit_caps(np.array([12, 12]), np.array([0, 0]), 4, 8).tolist() == [12, 12]
+    # pads 2 apart never align on blocks of 4: the common point falls until the window's
+    # own slack (W - 1 = 8 tokens of recomputed excess) covers both rows
+    assert admit_caps(np.array([16, 16]), np.array([0, 2]), 4, 9).tolist() == [8, 8]
+    assert admit_caps(np.array([16, 16]), np.array([0, 2]), 4, 4).tolist() == [0, 0]

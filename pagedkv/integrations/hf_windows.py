@@ -87,6 +87,25 @@ def assemble(step: GroupStep, k: torch.Tensor, v: torch.Tensor, B: int, H: int, 
     return keys.transpose(1, 2), values.transpose(1, 2)
 
 
+def admit_caps(hits: np.ndarray, pads: np.ndarray, block_size: int, window: int) -> np.ndarray:
+    """Most cached tokens each admitted row may reuse, given the prefix hits it could get.
+
+    A row whose hit reaches past the batch's common cached columns recomputes the
+    excess (see ``PagedCache.admit``), and its first pass then needs the window before
+    that common point; a sliding group that took the whole hit released it already.
+    So a row keeps its hit only while ``hit <= max(columns - pad, window - 1)``, with
+    ``columns`` the batch's common point, which the caps themselves lower: iterate to
+    the fixed point (it only decreases)."""
+    hits = np.asarray(hits, dtype=np.int64)
+    cols = int((pads + hits).min())
+    while True:
+        caps = np.minimum(hits, np.maximum(cols - pads, window - 1)) // block_size * block_size
+        low = int((pads + caps).min())
+        if low == cols:
+            return caps
+        cols = low
+
+
 def layer_windows(kv) -> Optional[list]:
     """Each layer's window (0 = full), or None when the cache has no layer groups."""
     plan = kv.config.layer_groups

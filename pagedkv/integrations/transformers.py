@@ -228,11 +228,15 @@ class PagedCache(Cache):
             raise ShapeError(expected("seq_ids", f"{ids.shape[0]} ids (one per row)", len(seq_ids)))
         salt = self.cache_salt if cache_salt is None else cache_salt
         hits = np.zeros(ids.shape[0], dtype=np.int64)
+        caps = [None] * ids.shape[0]
+        if self._windows is not None and any(self._windows):
+            caps = self._sliding_caps(ids, pads.numpy().astype(np.int64), salt, adapter_id).tolist()
         added = []
         try:
             for b, sid in enumerate(seq_ids):
                 tokens = ids[b, int(pads[b]):].to("cpu")
-                hits[b] = self.kv.add_sequence(sid, tokens, cache_salt=salt, adapter_id=adapter_id)
+                hits[b] = self.kv.add_sequence(sid, tokens, cache_salt=salt, adapter_id=adapter_id,
+                                               max_cached_tokens=caps[b])
                 added.append(sid)
         except BaseException:
             if added:
@@ -245,6 +249,18 @@ class PagedCache(Cache):
         self._columns = int((self._pads + hits).min())
         self._fresh = True
         return hits
+
+    def _sliding_caps(self, ids, pads: np.ndarray, salt, adapter_id) -> np.ndarray:
+        """Per row, the prefix-hit tokens a sliding-window cache lets it reuse
+        (see :func:`hf_windows.admit_caps`)."""
+        bs = self.kv.config.block_size
+        hits = np.zeros(ids.shape[0], dtype=np.int64)
+        for b in range(ids.shape[0]):
+            tokens = ids[b, int(pads[b]):].to("cpu")
+            whole = (len(tokens) - 1) // bs * bs
+            hits[b] = min(self.kv.match_prefix(tokens, cache_salt=salt, adapter_id=adapter_id), whole)
+        window = min(w for w in self._windows if w)
+        return hf_windows.admit_caps(hits, pads, bs, window)
 
     def select(self, seq_ids: Sequence[Any], num_new_tokens: int = 1):
         """Make the next forward pass run over ``seq_ids`` (live sequences of ``kv``).
