@@ -75,6 +75,20 @@ class GroupPlan:
     def group_of(self, layer: int) -> LayerGroup:
         return self.groups[self.layer_group[layer]]
 
+    def blocks_held(self, tokens: int, block_size: int) -> Tuple[int, ...]:
+        """Blocks each group holds at most for a sequence of ``tokens`` tokens: all of
+        them in a full group; in a sliding group the sink blocks, the window's blocks
+        and one partial block at each end."""
+        total = -(-tokens // block_size)
+        out = []
+        for g in self.groups:
+            if not g.window:
+                out.append(total)
+            else:
+                cap = -(-g.sinks // block_size) + -(-(g.window - 1) // block_size) + 1
+                out.append(min(total, cap))
+        return tuple(out)
+
 
 def _window(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -5,6 +5,12 @@ The ``pagedkv plan`` command line is :mod:`pagedkv.cli.plan`.
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x element bytes, plus,
 for quantized storage, one float32 scale (and for int8 one float32 zero point) per
 (K/V, layer, kv head).
+
+Sliding-window layers (see :mod:`pagedkv.layer_groups`): a block holds one layer
+group's layer slots, and a sequence holds blocks in every group. A full-attention group
+grows with the context; a sliding one stops at its window (plus sinks). So a sequence
+of L tokens costs ``context_bytes_per_token * L`` (full groups) plus at most
+``constant_bytes_per_sequence`` (sliding groups), block-rounded.
 """
 from __future__ import annotations
 
@@ -40,9 +46,17 @@ class PlanResult:
     bytes_per_sequence: Optional[int]  # blocks_per_sequence * bytes_per_block
     exact_bytes_per_sequence: Optional[int]  # max_seq_len * bytes_per_token (no rounding)
     num_sequences: Optional[int]  # full-length sequences that fit at once
+    layer_groups: tuple = ()  # per group: "full x N layers" / "sliding(window=W) x N layers"
+    context_bytes_per_token: int = 0  # bytes a sequence adds per token of context (full-attention groups)
+    constant_bytes_per_sequence: int = 0  # most bytes a sequence's sliding groups hold, at any length
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_groups", tuple(self.layer_groups))   # to_dict() gives a list
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["layer_groups"] = list(self.layer_groups)    # as JSON reads it back
+        return d
 
     def format(self) -> str:
         """A short human-readable report."""
@@ -51,12 +65,19 @@ class PlanResult:
         lines = [
             f"model           {self.num_layers} layers, {self.num_kv_heads} kv heads x {self.head_dim} head dim{heads}",
             f"cache           {kv}, block size {self.block_size}, layout {self.layout}",
-            f"bytes/token     {self.bytes_per_token:,} B ({format_bytes(self.bytes_per_token)})",
+            f"bytes/token     {self.bytes_per_token:,} B ({format_bytes(self.bytes_per_token)})"
+            + (" per block slot" if self.layer_groups else ""),
             f"bytes/block     {self.bytes_per_block:,} B ({format_bytes(self.bytes_per_block)})",
             f"budget          {self.budget_bytes:,} B ({format_bytes(self.budget_bytes)})",
             f"blocks          {self.num_blocks:,} ({format_bytes(self.arena_bytes)} used)",
             f"tokens          {self.num_tokens:,}",
         ]
+        if self.layer_groups:
+            lines += [f"layer groups    {', '.join(self.layer_groups)}",
+                      f"per sequence    {self.context_bytes_per_token:,} B per token of context "
+                      f"({format_bytes(self.context_bytes_per_token)}) + at most "
+                      f"{self.constant_bytes_per_sequence:,} B ({format_bytes(self.constant_bytes_per_sequence)}) "
+                      "in sliding windows"]
         if self.max_seq_len is not None:
             lines += [
                 f"one sequence    {self.max_seq_len:,} tokens = {self.blocks_per_sequence:,} blocks = "
@@ -75,10 +96,27 @@ def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanR
     budget = config.memory_budget if config.memory_budget is not None else config.total_bytes
     nb = config.resolved_num_blocks
     per_seq = blocks = exact = fits = None
+    groups = config.layer_groups
+    bpb = config.bytes_per_block
+    if groups is None:
+        described, per_token, constant = (), config.bytes_per_token, 0
+    else:
+        described = tuple(f"{g.kind} x {len(g.layers)} layers" for g in groups.groups)
+        full = sum(1 for g in groups.groups if not g.window)
+        per_token = full * config.bytes_per_token
+        constant = sum(b for g, b in zip(groups.groups, groups.blocks_held(2**62, config.block_size))
+                       if g.window) * bpb
     if max_seq_len is not None:
-        blocks = config.blocks_for_tokens(max_seq_len)
-        per_seq = blocks * config.bytes_per_block
-        exact = max_seq_len * config.bytes_per_token
+        if groups is None:
+            blocks = config.blocks_for_tokens(max_seq_len)
+            exact = max_seq_len * config.bytes_per_token
+        else:
+            held = groups.blocks_held(max_seq_len, config.block_size)
+            blocks = sum(held)
+            exact = sum(max_seq_len * config.bytes_per_token if not g.window
+                        else min(max_seq_len, g.window - 1 + g.sinks) * config.bytes_per_token
+                        for g in groups.groups)
+        per_seq = blocks * bpb
         fits = nb // blocks
     return PlanResult(
         num_layers=config.num_layers,
@@ -100,6 +138,9 @@ def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanR
         bytes_per_sequence=per_seq,
         exact_bytes_per_sequence=exact,
         num_sequences=fits,
+        layer_groups=described,
+        context_bytes_per_token=per_token,
+        constant_bytes_per_sequence=constant,
     )
 
 
@@ -112,6 +153,7 @@ def plan(
     dtype: Any = "float16",
     kv_dtype: Any = None,
     layout: str = "NHD",
+    attention_sinks: int = 0,
 ) -> PlanResult:
     """Plan a cache for a model.
 
@@ -122,6 +164,7 @@ def plan(
         max_seq_len: the full sequence length to count sequences of.
     """
     cfg = CacheConfig.from_hf_config(
-        model_config, memory_budget=budget, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, layout=layout
+        model_config, memory_budget=budget, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, layout=layout,
+        attention_sinks=attention_sinks,
     )
     return plan_config(cfg, max_seq_len)

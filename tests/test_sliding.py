@@ -267,3 +267,49 @@ def test_million_token_stream_holds_constant_blocks():
     t.check_invariants()
     t.remove(1)
     assert pool.num_in_use_blocks == 0
+
+
+# ---- the planner ---------------------------------------------------------------------------
+
+PLAN_MODEL = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+
+
+def test_plan_alternating_layers_counts_context_and_window_separately():
+    from pagedkv.planner import plan
+
+    full = plan(PLAN_MODEL, "1GiB", max_seq_len=1_000_000)
+    mixed = plan(dict(PLAN_MODEL, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4096),
+                 "1GiB", max_seq_len=1_000_000, attention_sinks=4)
+    assert full.layer_groups == () and full.context_bytes_per_token == full.bytes_per_token
+    assert full.constant_bytes_per_sequence == 0
+    assert mixed.layer_groups == ("full x 2 layers", "sliding(window=4096, sinks=4) x 2 layers")
+    assert mixed.context_bytes_per_token * 2 == full.context_bytes_per_token
+    window_blocks = 1 + 4095 // 16 + 1 + 1           # sink block, window, a partial block at each end
+    assert mixed.constant_bytes_per_sequence == window_blocks * mixed.bytes_per_block
+    assert mixed.blocks_per_sequence == 1_000_000 // 16 + window_blocks
+    assert mixed.num_blocks == 2 * full.num_blocks   # a block holds 2 layer slots instead of 4
+
+
+def test_plan_all_sliding_sequence_cost_is_constant():
+    from pagedkv.planner import plan
+
+    model = dict(PLAN_MODEL, sliding_window=4096)
+    long, short = (plan(model, "1GiB", max_seq_len=n) for n in (10_000_000, 100_000))
+    assert long.context_bytes_per_token == 0
+    assert long.blocks_per_sequence == short.blocks_per_sequence == 4095 // 16 + 2
+    assert long.num_sequences == short.num_sequences > 0
+
+
+def test_plan_cli_attention_sinks(tmp_path, capsys):
+    import json
+
+    from pagedkv.cli import main
+
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(dict(PLAN_MODEL, sliding_window=64)))
+    assert main(["plan", "--model-config", str(p), "--budget", "64MiB", "--attention-sinks", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layer_groups"] == ["sliding(window=64, sinks=8) x 4 layers"]
+    assert out["constant_bytes_per_sequence"] == (1 + 4 + 1) * out["bytes_per_block"]
+    assert main(["plan", "--model-config", str(p), "--budget", "64MiB", "--attention-sinks", "64"]) == 2
+    assert "attention_sinks: expected fewer than the window (64 tokens, layer 0), got 64" in capsys.readouterr().err

@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="fp16", help="model dtype: fp32, fp16 (default), bf16")
     parser.add_argument("--kv-dtype", default=None, help="cache dtype: same as --dtype (default), fp8, fp8_e5m2, int8")
     parser.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
+    parser.add_argument("--attention-sinks", type=int, default=0, metavar="TOKENS",
+                        help="leading tokens every sliding-window layer keeps (StreamingLLM sinks)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``pagedkv plan``; returns the exit status."""
     explicit = (args.num_layers, args.num_kv_heads, args.head_dim)
     opts = dict(memory_budget=args.budget, block_size=args.block_size, dtype=args.dtype,
-                kv_dtype=args.kv_dtype, layout=args.layout)
+                kv_dtype=args.kv_dtype, layout=args.layout, attention_sinks=args.attention_sinks)
     try:
         if args.model_config is not None:
             if any(v is not None for v in explicit):
