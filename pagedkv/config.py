@@ -30,7 +30,11 @@ __all__ = [
 #: canonical model dtype name -> bytes per element
 MODEL_DTYPE_NAMES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: canonical quantized kv dtype name -> bytes per element
-KV_DTYPE_NAMES: Dict[str, int] = {"fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+KV_DTYPE_NAMES: Dict[str, float] = {"fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5}
+#: default recent window (tokens kept in model precision) per quantized kv dtype
+DEFAULT_KV_WINDOW: Dict[str, int] = {"int4": 128}
+#: int4 group size along head_dim when none is given (chosen by measurement; README)
+DEFAULT_INT4_GROUP = 64
 EVICTION_POLICIES = ("lru", "priority", "adaptive", "frequency")
 LAYOUTS = ("NHD", "HND")
 
@@ -43,8 +47,9 @@ _KV_ALIASES = {
     "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
     "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
     "int8": "int8",
+    "int4": "int4", "uint4": "int4",
 }
-_SCALE_BYTES = 4  # float32 scale (and int8 zero point) per (token, head, K/V)
+_SCALE_BYTES = 4  # float32 scale (and int8/int4 zero point) per (token, head, K/V[, group])
 
 _UNITS = {
     "": 1, "b": 1,
@@ -121,7 +126,7 @@ def kv_dtype_name(value: Any, dtype: str, name: str = "kv_dtype") -> Optional[st
     canon = _KV_ALIASES.get(raw) if raw is not None else None
     if canon is None:
         raise DTypeError(
-            expected(name, f"None, the model dtype ({dtype}), or one of fp8_e4m3/fp8, fp8_e5m2, int8", repr(value))
+            expected(name, f"None, the model dtype ({dtype}), or one of fp8_e4m3/fp8, fp8_e5m2, int8, int4", repr(value))
         )
     return canon
 
@@ -155,7 +160,21 @@ class CacheConfig:
 
     After validation, ``dtype`` holds a canonical name (``"float16"``), ``kv_dtype`` is
     ``None`` (store in ``dtype``) or a quantized name (``"fp8_e4m3"``, ``"fp8_e5m2"``,
-    ``"int8"``), ``memory_budget`` is an int and ``device`` a string.
+    ``"int8"``, ``"int4"``), ``memory_budget`` is an int and ``device`` a string.
+
+    Low-bit options (quantized ``kv_dtype`` only; see README "Low-bit KV"):
+
+    - ``kv_group_size``: int4 elements per scale/zero group along ``head_dim``
+      (default 64, capped at ``head_dim``).
+    - ``kv_rotation``: store K/V rotated by a randomized Hadamard transform of
+      ``head_dim`` (fixed per cache by ``kv_rotation_seed``; undone on read). Default:
+      on for int4, off for fp8/int8.
+    - ``kv_window``: the newest ``kv_window`` tokens of each sequence are read back in
+      model precision (default 128 for int4, 0 otherwise), from a window arena that
+      holds ``kv_window_sequences`` sequences' windows (least recently written blocks
+      give way first). Its bytes count in ``total_bytes`` and the budget.
+    - ``kv_full_precision_layers``: layer indices (negative counts from the end) kept
+      in model precision (no scales, no window).
     """
 
     num_layers: int
@@ -179,6 +198,12 @@ class CacheConfig:
     host_num_blocks: int = 0
     shuffle_free_blocks: Optional[int] = None
     enable_kv_events: bool = False
+    kv_group_size: Optional[int] = None
+    kv_rotation: Optional[bool] = None
+    kv_rotation_seed: int = 0
+    kv_window: Optional[int] = None
+    kv_window_sequences: int = 16
+    kv_full_precision_layers: Tuple[int, ...] = ()
     _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -200,6 +225,7 @@ class CacheConfig:
         if self.layout not in LAYOUTS:
             raise InvalidArgumentError(expected("layout", "'NHD' or 'HND'", repr(self.layout)))
         self._validate_options(put)
+        self._validate_lowbit(put)
         if (self.num_blocks is None) == (self.memory_budget is None):
             raise InvalidArgumentError(
                 expected(
@@ -214,12 +240,13 @@ class CacheConfig:
         else:
             budget = parse_bytes(self.memory_budget)
             put("memory_budget", budget)
-            blocks = budget // self.bytes_per_block
+            blocks = (budget - self.window_bytes) // self.bytes_per_block
             if blocks < 1:
                 raise InvalidArgumentError(
                     expected(
                         "memory_budget",
-                        f"at least one block ({self.bytes_per_block} bytes)",
+                        f"at least one block ({self.bytes_per_block} bytes) plus the window arena "
+                        f"({self.window_bytes} bytes)",
                         f"{budget} bytes",
                     )
                 )
@@ -249,7 +276,89 @@ class CacheConfig:
         if self.shuffle_free_blocks is not None:
             put("shuffle_free_blocks", _check_int("shuffle_free_blocks", self.shuffle_free_blocks, 0))
 
+    def _validate_lowbit(self, put) -> None:
+        q = self.kv_dtype
+        if q is None:
+            for name, ok in (("kv_group_size", self.kv_group_size is None), ("kv_rotation", not self.kv_rotation),
+                             ("kv_window", not self.kv_window), ("kv_full_precision_layers",
+                                                                 not self.kv_full_precision_layers)):
+                if not ok:
+                    raise InvalidArgumentError(expected(name, "its default for an unquantized cache (kv_dtype=None)",
+                                                        repr(getattr(self, name))))
+            put("kv_rotation", False)
+            put("kv_window", 0)
+            put("kv_full_precision_layers", ())
+            return
+        if q == "int4":
+            if self.head_dim % 2:
+                raise InvalidArgumentError(expected("head_dim", "an even head_dim for int4 (two codes per byte)",
+                                                    self.head_dim))
+            g = min(DEFAULT_INT4_GROUP, self.head_dim) if self.kv_group_size is None else self.kv_group_size
+            g = _check_int("kv_group_size", g, 1)
+            if self.head_dim % g:
+                raise InvalidArgumentError(expected("kv_group_size", f"a divisor of head_dim ({self.head_dim})", g))
+            put("kv_group_size", g)
+        elif self.kv_group_size is not None:
+            raise InvalidArgumentError(expected("kv_group_size", "None unless kv_dtype='int4'", repr(self.kv_group_size)))
+        rot = q == "int4" if self.kv_rotation is None else _check_bool("kv_rotation", self.kv_rotation)
+        put("kv_rotation", rot)
+        seed = _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
+        if seed >= 2**63:
+            raise InvalidArgumentError(expected("kv_rotation_seed", "an int in [0, 2**63)", seed))
+        put("kv_rotation_seed", seed)
+        w = DEFAULT_KV_WINDOW.get(q, 0) if self.kv_window is None else self.kv_window
+        put("kv_window", _check_int("kv_window", w, 0))
+        put("kv_window_sequences", _check_int("kv_window_sequences", self.kv_window_sequences, 1))
+        layers = self.kv_full_precision_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, set, frozenset)):
+            raise InvalidArgumentError(expected("kv_full_precision_layers", "a tuple of layer indices", repr(layers)))
+        norm = set()
+        for i in layers:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -self.num_layers <= i < self.num_layers:
+                raise InvalidArgumentError(expected("kv_full_precision_layers",
+                                                    f"layer indices in [-{self.num_layers}, {self.num_layers})", repr(i)))
+            norm.add(int(i) % self.num_layers)
+        if len(norm) == self.num_layers:
+            raise InvalidArgumentError(expected("kv_full_precision_layers", "at least one quantized layer "
+                                                "(use kv_dtype=None for none)", sorted(norm)))
+        put("kv_full_precision_layers", tuple(sorted(norm)))
+
     # -- derived sizes ------------------------------------------------------------
+
+    @property
+    def quantized_layers(self) -> Tuple[int, ...]:
+        """Indices of the layers stored in ``kv_dtype`` (all but ``kv_full_precision_layers``)."""
+        if not self.quantized:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.kv_full_precision_layers)
+
+    @property
+    def quant_head_bytes(self) -> int:
+        """Bytes of one quantized (token, head, K or V) row: codes plus scale/zero."""
+        d = self.head_dim
+        if self.kv_dtype == "int4":
+            return d // 2 + 2 * _SCALE_BYTES * (d // self.kv_group_size)
+        return d + _SCALE_BYTES * (2 if self.kv_dtype == "int8" else 1)
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per K/V element of a quantized layer, scales included (model bits if none)."""
+        if not self.quantized:
+            return 8.0 * MODEL_DTYPE_NAMES[self.dtype]
+        return 8.0 * self.quant_head_bytes / self.head_dim
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks in the window arena: ``kv_window_sequences * (ceil(kv_window / block_size) + 1)``."""
+        if not self.kv_window:
+            return 0
+        return self.kv_window_sequences * (-(-self.kv_window // self.block_size) + 1)
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of the window arena (model-precision K/V plus a validity byte per token)."""
+        per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
+        return len(self.quantized_layers) * self.window_blocks * (per_block + self.block_size)
 
     @property
     def quantized(self) -> bool:
@@ -262,17 +371,19 @@ class CacheConfig:
         return self.kv_dtype or self.dtype
 
     @property
-    def element_bytes(self) -> int:
-        """Bytes per stored K/V element."""
+    def element_bytes(self) -> float:
+        """Bytes per stored K/V element, without scales (0.5 for int4)."""
         return KV_DTYPE_NAMES[self.kv_dtype] if self.quantized else MODEL_DTYPE_NAMES[self.dtype]
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token across all layers, K and V, including quantization scales."""
-        per_head = self.head_dim * self.element_bytes
-        if self.quantized:
-            per_head += _SCALE_BYTES * (2 if self.kv_dtype == "int8" else 1)
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        full = self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
+        if not self.quantized:
+            return 2 * self.num_layers * self.num_kv_heads * full
+        lq = len(self.quantized_layers)
+        per_layers = lq * self.quant_head_bytes + (self.num_layers - lq) * full
+        return 2 * self.num_kv_heads * per_layers
 
     @property
     def bytes_per_block(self) -> int:
@@ -286,8 +397,8 @@ class CacheConfig:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the device arenas (data plus scales)."""
-        return self.resolved_num_blocks * self.bytes_per_block
+        """Bytes of the device arenas (data plus scales, plus the window arena)."""
+        return self.resolved_num_blocks * self.bytes_per_block + self.window_bytes
 
     @property
     def num_slots(self) -> int:
@@ -306,12 +417,19 @@ class CacheConfig:
 
     @property
     def scale_arena_shape(self) -> Optional[Tuple[int, ...]]:
-        """Scale (and int8 zero) arena shape: ``arena_shape`` without ``head_dim``; None unquantized."""
-        return self.arena_shape[:-1] if self.quantized else None
+        """Scale (and int8/int4 zero) arena shape: ``arena_shape`` without ``head_dim`` (int4:
+        with ``head_dim / kv_group_size`` groups instead); None unquantized."""
+        if not self.quantized:
+            return None
+        groups = (self.head_dim // self.kv_group_size,) if self.kv_dtype == "int4" else ()
+        return self.arena_shape[:-1] + groups
 
     def layer_shape(self, num_blocks: int) -> Tuple[int, int, int, int, int]:
-        """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too)."""
+        """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too);
+        int4 packs two codes per byte, so its last dim is ``head_dim / 2``."""
         bs, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        if self.kv_dtype == "int4":
+            d //= 2
         return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -333,7 +451,7 @@ class CacheConfig:
         """The data arena's torch dtype (imports torch)."""
         import torch
 
-        names = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"}
+        names = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8", "int4": "uint8"}
         return getattr(torch, names.get(self.cache_dtype, self.cache_dtype))
 
     # -- construction from a model config -----------------------------------------

@@ -129,18 +129,22 @@ def check_layer(
     quantized = is_quantized(kv_layer.dtype)
     if not quantized and kv_layer.dtype not in MODEL_DTYPES:
         raise DTypeError(
-            expected(name, "dtype float32, float16, bfloat16, float8_e4m3fn, float8_e5m2 or int8", kv_layer.dtype)
+            expected(name, "dtype float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8 or uint8 (int4)",
+                     kv_layer.dtype)
         )
     nb = kv_layer.shape[0]
     if layout == "NHD":
         bs, h = kv_layer.shape[2], kv_layer.shape[3]
     else:
         h, bs = kv_layer.shape[2], kv_layer.shape[3]
-    geo = LayerGeometry(nb, bs, h, kv_layer.shape[4], quantized)
+    int4 = kv_layer.dtype == torch.uint8  # packed int4: two codes per byte
+    geo = LayerGeometry(nb, bs, h, kv_layer.shape[4] * (2 if int4 else 1), quantized)
     want_shape = tuple(kv_layer.shape[:-1])
+    if int4:
+        want_shape += (_int4_groups(kv_scale, want_shape, geo.head_dim),)
     if quantized:
         _check_param_view("kv_scale", kv_scale, want_shape, kv_layer.device)
-        if kv_layer.dtype == torch.int8:
+        if kv_layer.dtype in (torch.int8, torch.uint8):
             _check_param_view("kv_zero", kv_zero, want_shape, kv_layer.device)
         elif kv_zero is not None:
             raise InvalidArgumentError(expected("kv_zero", "None for an fp8 kv_layer", "a tensor"))
@@ -151,6 +155,17 @@ def check_layer(
                     expected(pname, f"None for an unquantized {kv_layer.dtype} kv_layer", "a tensor")
                 )
     return geo
+
+
+def _int4_groups(kv_scale: object, lead: tuple, head_dim: int) -> int:
+    """Groups per head of an int4 layer, read from its scale view ``lead + (groups,)``."""
+    if isinstance(kv_scale, torch.Tensor) and kv_scale.dim() == len(lead) + 1:
+        ng = kv_scale.shape[-1]
+        if ng >= 1 and head_dim % ng == 0:
+            return ng
+    raise ShapeError(expected("kv_scale", f"shape {lead} + (groups,), groups dividing head_dim {head_dim}, "
+                              "for an int4 (uint8) kv_layer",
+                              tuple(kv_scale.shape) if isinstance(kv_scale, torch.Tensor) else None))
 
 
 def _check_param_view(name: str, t: object, shape: tuple, device: torch.device) -> None:
@@ -442,7 +457,8 @@ def write_kv(
     off = slots - blk * geo.block_size
     for kv, src in ((0, key[valid]), (1, value[valid])):
         if geo.quantized:
-            q, s, z = quantize(src, kv_layer.dtype)
+            group = geo.head_dim // kv_scale.shape[-1] if kv_layer.dtype == torch.uint8 else None
+            q, s, z = quantize(src, kv_layer.dtype, group_size=group)
             _assign(kv_layer, layout, kv, blk, off, q)
             _assign(kv_scale, layout, kv, blk, off, s)
             if z is not None:
