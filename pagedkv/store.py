@@ -97,11 +97,16 @@ class KVStore:
         self.rotation_signs = None
         if config.kv_rotation:
             self.rotation_signs = rotation_signs(config.head_dim, config.kv_rotation_seed).to(self.device)
-        self.window = None
+        self.window = self.host_window = None
         if config.kv_window:
-            self.window = RecentWindow(self._num_main, config.resolved_num_blocks, config.window_blocks,
-                                       config.block_size, config.num_kv_heads, config.head_dim, config.kv_window,
-                                       config.torch_dtype, self.device)
+            self.window = self._window(config.resolved_num_blocks, self.device)
+            if config.host_num_blocks:
+                self.host_window = self._window(config.host_num_blocks, torch.device("cpu"))
+
+    def _window(self, num_blocks: int, device: torch.device) -> RecentWindow:
+        c = self.config
+        return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.num_kv_heads, c.head_dim,
+                            c.kv_window, c.torch_dtype, device)
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
         cfg = self.config
@@ -191,8 +196,9 @@ class KVStore:
 
     @property
     def host_nbytes(self) -> int:
-        """Bytes of the host-tier arenas."""
-        return sum(t.numel() * t.element_size() for t in self.host_arenas)
+        """Bytes of the host-tier arenas (and the host window arena)."""
+        window = self.host_window.nbytes if self.host_window is not None else 0
+        return sum(t.numel() * t.element_size() for t in self.host_arenas) + window
 
     # -- data ops -----------------------------------------------------------------
 
@@ -300,27 +306,28 @@ class KVStore:
             raise InvalidArgumentError(expected("host_num_blocks", "> 0 for offload/load", 0))
 
     def offload(self, pairs: torch.Tensor) -> None:
-        """Copy device blocks to host blocks: rows ``(device_block, host_block)``.
-
-        The host tier holds codes and scales; a window copy stays on the device."""
+        """Copy device blocks to host blocks: rows ``(device_block, host_block)``: codes,
+        scales, model-precision layers and window copies (to the host window)."""
         self._require_host()
         src, dst = self._groups(), self._groups(host=True)
         reference.validate_swap_blocks(src[0], dst[0], pairs)
         for s, d in zip(src, dst):
             ops.swap_blocks(s, d, pairs)
+        if self.window is not None and pairs.shape[0]:
+            p = pairs.cpu().numpy().astype(np.int64)
+            self.host_window.copy(p[:, 0], p[:, 1], source=self.window)
 
     def load(self, pairs: torch.Tensor) -> None:
-        """Copy host blocks back to device blocks: rows ``(host_block, device_block)``.
-
-        The loaded blocks read from their codes (their window copies, if the device
-        blocks had any, belong to the previous contents and are dropped)."""
+        """Copy host blocks back to device blocks: rows ``(host_block, device_block)``, with
+        their window copies (a device block's previous window copy is dropped)."""
         self._require_host()
         src, dst = self._groups(host=True), self._groups()
         reference.validate_swap_blocks(src[0], dst[0], pairs)
         for s, d in zip(src, dst):
             ops.swap_blocks(s, d, pairs)
         if self.window is not None and pairs.shape[0]:
-            self.window.drop(pairs.cpu().numpy().astype(np.int64)[:, 1])
+            p = pairs.cpu().numpy().astype(np.int64)
+            self.window.copy(p[:, 0], p[:, 1], source=self.host_window)
 
     def __repr__(self) -> str:
         c = self.config

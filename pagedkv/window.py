@@ -89,20 +89,26 @@ class RecentWindow:
             self.stamp[slots] = 0
             self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
 
-    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy-on-write of whole blocks: ``dst[i]`` gets ``src[i]``'s window copy, if any."""
+    def copy(self, src: np.ndarray, dst: np.ndarray, source: Optional["RecentWindow"] = None) -> None:
+        """Block copies: ``dst[i]`` gets the window copy of ``src[i]`` in ``source`` (default:
+        this window; copy-on-write), or none when ``src[i]`` has none there. ``source`` may
+        be another window (the host tier's) with the same geometry."""
+        source = self if source is None else source
         self.drop(dst)
-        has = self.slot_of[src] >= 0
+        has = source.slot_of[src] >= 0
         if not has.any():
             return
         src, dst = src[has], dst[has]
-        self._claim(_distinct_by_last(np.concatenate([src, dst])))  # dst stamped newest
-        both = (self.slot_of[src] >= 0) & (self.slot_of[dst] >= 0)
+        if source is self:
+            self._claim(_distinct_by_last(np.concatenate([src, dst])))  # dst stamped newest
+        else:
+            self._claim(_distinct_by_last(dst))
+        both = (source.slot_of[src] >= 0) & (self.slot_of[dst] >= 0)
         src, dst = src[both], dst[both]
-        s = torch.from_numpy(self.slot_of[src]).to(self.data.device)
+        s = torch.from_numpy(source.slot_of[src]).to(source.data.device)
         d = torch.from_numpy(self.slot_of[dst]).to(self.data.device)
-        self.data[:, d] = self.data[:, s]
-        self.valid[:, d] = self.valid[:, s]
+        self.data[:, d] = source.data[:, s].to(self.data.device)
+        self.valid[:, d] = source.valid[:, s].to(self.valid.device)
 
     # -- data -------------------------------------------------------------------------
 
