@@ -11,7 +11,11 @@ compared with a baseline measured in the same process:
 - hashing: Python's ``hashlib.sha256`` over the same token bytes (what vLLM's
   default prefix hash does).
 
-Usage: ``python benchmarks/core.py [--smoke] [--repeats N] [--only W1,W2,W3,hash]``.
+- exports: CSR/padded block tables of 256 sequences against the same CSR built in
+  numpy from Python lists;
+- eviction: allocation from a pool of cached blocks against one of clean blocks.
+
+Usage: ``python benchmarks/core.py [--smoke] [--repeats N] [--only W1,W2,W3,export,evict,hash]``.
 """
 from __future__ import annotations
 
@@ -71,12 +75,19 @@ class DequeAllocator:
                 self.free_ids.appendleft(b)
 
 
-def w1_loop(pool, seqs, per_seq):
+def w1_loop(pool, seqs, per_seq, tail_first=False):
     def run():
         alloc, free = pool.allocate, pool.free
         for _ in range(seqs):
             free(alloc(per_seq))
-    return run
+
+    def run_tail_first():
+        # vLLM frees a sequence's blocks tail first, so the shared head blocks stay
+        # cached longest: a reversed (negative-stride) view of the allocation.
+        alloc, free = pool.allocate, pool.free
+        for _ in range(seqs):
+            free(alloc(per_seq)[::-1])
+    return run_tail_first if tail_first else run
 
 
 def w1(args):
@@ -89,6 +100,13 @@ def w1(args):
          sequences=seqs, ns_per_block=round(per_block, 2), bar_ns=10.0, **{"pass": per_block <= 10.0})
     emit(bench="W1", impl="python-deque", sequences=seqs, ns_per_block=round(base / (seqs * per_seq), 2),
          ratio_vs_pagedkv=round(base / ns, 1))
+
+    nst = median_of(w1_loop(BlockPool(blocks), seqs, per_seq, tail_first=True), args.repeats)
+    pt = nst / (seqs * per_seq)
+    baset = median_of(w1_loop(DequeAllocator(blocks), seqs, per_seq, tail_first=True), args.repeats)
+    emit(bench="W1", impl="pagedkv.BlockPool", api="allocate(32)+free(ids[::-1]) per sequence (tail first)",
+         blocks=blocks, sequences=seqs, ns_per_block=round(pt, 2), bar_ns=10.0, **{"pass": pt <= 10.0},
+         deque_ns_per_block=round(baset / (seqs * per_seq), 2), ratio_vs_deque=round(baset / nst, 1))
 
     # The engine's shape: one crossing per scheduler step for 256 sequences.
     batch = 256
@@ -274,6 +292,91 @@ def w3(args):
          model_us_per_request=round(model_us, 1), ratio_vs_model=round(model_us / us, 1))
 
 
+# ---- exports ----------------------------------------------------------------------------
+def exports(args):
+    """Block-table exports an attention kernel plans from, for a decode batch of 256
+    sequences (the size FlashInfer's ``plan()`` figure is quoted at). Host-only numpy
+    output: nothing waits on a device."""
+    batch, blocks_per_seq = 256, (8 if args.smoke else 64)
+    cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16,
+                      num_blocks=batch * blocks_per_seq + 16)
+    cache = PagedKVCache(cfg, allocate_store=False)
+    ids = list(range(batch))
+    for i in ids:
+        cache.add_sequence(i)
+    lens = np.random.default_rng(5).integers(16 * (blocks_per_seq - 1), 16 * blocks_per_seq, batch)
+    cache.reserve(ids, lens)
+    cache.commit(ids, lens)
+    reps = 20 if args.smoke else 2000
+    arr = np.arange(batch, dtype=np.int64)
+
+    def timed(fn):
+        def run():
+            for _ in range(reps):
+                fn()
+        return median_of(run, args.repeats) / reps / 1000
+
+    csr = timed(lambda: cache.page_table_csr(arr))
+    padded = timed(lambda: cache.block_tables(arr))
+    lens_us = timed(lambda: cache.seq_lens(arr))
+    # Baseline in the same process: the same CSR built in numpy from per-sequence tables
+    # an engine keeps as Python lists (what a Python block manager would hand over).
+    tables = [cache.block_table(i).tolist() for i in ids]
+
+    def py_csr():
+        indptr = np.zeros(batch + 1, np.int32)
+        np.cumsum([len(t) for t in tables], out=indptr[1:])
+        indices = np.fromiter((b for t in tables for b in t), np.int32, int(indptr[-1]))
+        return indptr, indices
+    base = timed(py_csr)
+    cache.free(ids)
+    for api, us in (("page_table_csr", csr), ("block_tables (padded)", padded), ("seq_lens", lens_us)):
+        emit(bench="export", api=api, sequences=batch, blocks_per_sequence=blocks_per_seq,
+             us_per_call=round(us, 2), bar_us=20.0, **{"pass": us <= 20.0},
+             python_csr_us=round(base, 1), ratio_vs_python=round(base / us, 1),
+             flashinfer_plan_us_quoted=87.0)
+
+
+# ---- eviction -----------------------------------------------------------------------------
+def eviction(args):
+    """Cost of reclaiming a cached (evictable) block: allocating from a pool whose free
+    blocks all hold registered prefixes, minus allocating from a pool of clean blocks."""
+    blocks, per_seq = (4096 if args.smoke else 65536), 32
+    prompts = blocks // per_seq
+
+    def filled(prefix):
+        cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=blocks,
+                          enable_prefix_caching=prefix)
+        cache = PagedKVCache(cfg, allocate_store=False)
+        base = np.arange(per_seq * 16, dtype=np.int32)
+        for i in range(prompts):   # distinct full prompts, freed: every block cached and evictable
+            cache.add_sequence(i, base + i * 100_000)
+            cache.reserve(i, per_seq * 16)
+            cache.commit(i, per_seq * 16)
+            cache.free(i)
+        return cache
+
+    def reclaim(prefix):
+        runs = []
+        for _ in range(args.repeats + 1):
+            cache = filled(prefix)
+            pool = cache.pool
+            t0 = time.perf_counter_ns()
+            got = [pool.allocate(per_seq) for _ in range(prompts)]
+            runs.append(time.perf_counter_ns() - t0)
+            for g in got:
+                pool.free(g)
+            evicted = cache.stats().eviction_count
+        return statistics.median(runs[1:]) / blocks, evicted
+
+    with_ns, evicted = reclaim(True)
+    clean_ns, _ = reclaim(False)
+    per_block = max(with_ns - clean_ns, 0.0)
+    emit(bench="eviction", blocks=blocks, evicted=evicted, ns_per_block_allocate_evicting=round(with_ns, 2),
+         ns_per_block_allocate_clean=round(clean_ns, 2), eviction_ns_per_block=round(per_block, 2),
+         bar_ns=1000.0, **{"pass": per_block <= 1000.0})
+
+
 # ---- hashing ----------------------------------------------------------------------------
 def hashing(args):
     n_tokens = 1 << (16 if args.smoke else 22)
@@ -300,11 +403,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--only", default="W1,W2,W3,hash")
+    ap.add_argument("--only", default="W1,W2,W3,export,evict,hash")
     args = ap.parse_args(argv)
     if args.smoke:
         args.repeats = min(args.repeats, 2)
-    todo = {"W1": w1, "W2": w2, "W3": w3, "hash": hashing}
+    todo = {"W1": w1, "W2": w2, "W3": w3, "export": exports, "evict": eviction, "hash": hashing}
     for name in args.only.split(","):
         todo[name](args)
 

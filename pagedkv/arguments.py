@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
+from pagedkv.errors import ArgumentTypeError, DeviceError, InvalidArgumentError, expected
 
 __all__ = ["as_int", "as_count", "as_counts", "as_token_ids", "optional_int", "INT64_MAX"]
 
@@ -49,7 +49,7 @@ def as_counts(value: Any, argument: str = "num_tokens") -> np.ndarray:
     if type(value) is int or isinstance(value, np.integer):
         return np.array([as_count(value, argument)], dtype=np.int64)
     if _is_tensor(value):
-        value = value.detach().cpu().numpy()
+        value = tensor_values(value, argument)
     if not isinstance(value, np.ndarray):
         if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
             raise ArgumentTypeError(expected(argument, "an int or a flat sequence of ints", _describe(value)))
@@ -81,7 +81,7 @@ def as_token_ids(token_ids: Any, argument: str = "token_ids") -> np.ndarray:
     if _is_tensor(token_ids):
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or str(token_ids.dtype) == "torch.bool":
             raise ArgumentTypeError(expected(argument, "integer token ids", f"a {token_ids.dtype} tensor"))
-        token_ids = token_ids.detach().cpu().reshape(-1).numpy()
+        token_ids = tensor_values(token_ids, argument).reshape(-1)
     if isinstance(token_ids, (str, bytes)) or not (isinstance(token_ids, np.ndarray) or hasattr(token_ids, "__iter__")):
         raise ArgumentTypeError(expected(argument, "a flat sequence of integer token ids", _describe(token_ids)))
     arr = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
@@ -114,3 +114,14 @@ def _describe(value: Any) -> str:
 def _is_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
+
+
+def tensor_values(t: Any, argument: str) -> np.ndarray:
+    """A tensor argument's values as a host array. Sparse and meta tensors are refused
+    by name: they have no dense data to read (torch would raise its own errors)."""
+    torch = sys.modules["torch"]
+    if t.layout != torch.strided:
+        raise ArgumentTypeError(expected(argument, "a dense (strided) tensor", f"a {t.layout} tensor"))
+    if t.device.type == "meta":
+        raise DeviceError(expected(argument, "a tensor with data (cpu or cuda)", "a meta tensor"))
+    return t.detach().cpu().resolve_conj().resolve_neg().numpy()

@@ -25,6 +25,7 @@ from typing import Any, Dict, Hashable, List, Tuple, Union
 
 import numpy as np
 
+from pagedkv.arguments import tensor_values
 from pagedkv.errors import InvalidArgumentError, SequenceNotFoundError, expected
 
 __all__ = ["SequenceIds", "strict_key", "BATCH_TYPES"]
@@ -147,7 +148,7 @@ class SequenceIds:
             keys = np.fromiter((self.key(s, "seq_ids") for s in seq_ids), dtype=np.int64, count=len(seq_ids))
             return keys, True
         if _is_tensor(seq_ids):
-            return self._array(seq_ids.detach().cpu().numpy()), True
+            return self._array(tensor_values(seq_ids, "seq_ids")), True
         return self.key(seq_ids), True             # one id (tuples included)
 
     def _array(self, arr: np.ndarray) -> np.ndarray:

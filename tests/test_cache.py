@@ -219,3 +219,31 @@ def test_stats_dump_and_capacity_queries():
     text = cache.dump_stats()
     assert "1: 6/6 tokens, 2 blocks" in text and "Block map:" in text
     cache.free(1)
+
+
+@pytest.mark.parametrize("form", ["sparse", "meta"])
+@pytest.mark.parametrize("call", ["add_sequence", "reserve_counts", "reserve_ids", "advance_tokens", "commit_tokens"])
+def test_sparse_and_meta_tensor_arguments_get_typed_errors(form, call):
+    from pagedkv.errors import ArgumentTypeError, DeviceError
+    cache = make()
+    cache.add_sequence(0, [1, 2, 3])
+    cache.reserve(0, 3)
+    before = (cache.stats().allocated_blocks, cache.num_reserved(0), cache.num_tokens(0))
+
+    def bad(t):
+        return t.to_sparse() if form == "sparse" else t.to("meta")
+    calls = {
+        "add_sequence": lambda: cache.add_sequence(1, bad(torch.tensor([1, 2]))),
+        "reserve_counts": lambda: cache.reserve(torch.tensor([0]), bad(torch.tensor([1]))),
+        "reserve_ids": lambda: cache.reserve(bad(torch.tensor([0])), 1),
+        "advance_tokens": lambda: cache.advance([0], bad(torch.tensor([7]))),
+        "commit_tokens": lambda: cache.commit([0], [3], bad(torch.tensor([1, 2, 3]))),
+    }
+    exc, msg = ((ArgumentTypeError, "expected a dense \\(strided\\) tensor, got a torch.sparse_coo tensor")
+                if form == "sparse" else (DeviceError, "expected a tensor with data \\(cpu or cuda\\), got a meta tensor"))
+    with pytest.raises(exc, match=msg):
+        calls[call]()
+    assert (cache.stats().allocated_blocks, cache.num_reserved(0), cache.num_tokens(0)) == before
+    assert 1 not in cache
+    cache.check_invariants()
+    cache.free(0)

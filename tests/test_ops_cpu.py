@@ -3,6 +3,8 @@
 Every behaviour test runs on both CPU backends ("reference" and "cpu") through the
 dispatch layer; equality tests compare them element for element (bit patterns).
 """
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -609,3 +611,82 @@ def test_fast_path_accepts_all_model_dtypes_without_casting():
         k, v = rand_kv(3, 2, 3, dt)
         ops.write_kv(L.kv, torch.tensor([0, 5, 7]), k, v, backend="cpu")
         assert same(L.kv[1, 0, 1], k[1]) and same(L.kv[1, 1, 3], v[2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partly_overlapping_outputs_are_refused(backend):
+    L = Layer(6, 4, 2, 8, torch.float32, random=True)
+    tables, lens = [[4, 0]], [6]
+    buf = torch.full((12, 2, 8), 7.0)
+    _err(backend, InvalidArgumentError, r"^out_value: expected memory disjoint from out_key, got bytes",
+         ops.gather_kv, L.kv, *csr(tables, lens), out_key=buf[0:6], out_value=buf[3:9])
+    assert torch.equal(buf, torch.full((12, 2, 8), 7.0))       # nothing written
+    k, v = ops.gather_kv(L.kv, *csr(tables, lens), out_key=buf[0:6], out_value=buf[6:12], backend=backend)
+    assert same(k, torch.cat([L.kv[4, 0], L.kv[0, 0, :2]])) and same(v, torch.cat([L.kv[4, 1], L.kv[0, 1, :2]]))
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_slots_rewritten_by_another_thread_never_store_out_of_range(backend):
+    # The arena is a view of a larger buffer: a slot past the view lands in the canary
+    # region, so a check-then-reread race shows up as changed canaries (or a crash).
+    nb, bs, h, d = 4, 4, 2, 8
+    whole = torch.zeros(nb + 4, 2, bs, h, d)
+    kv = whole[:nb]
+    k, v = rand_kv(8, h, d, torch.float32)
+    slots = torch.arange(8, dtype=torch.int64)
+    stop = threading.Event()
+
+    def flip():
+        bad = nb * bs + 3
+        while not stop.is_set():
+            slots[5] = bad
+            slots[5] = 5
+
+    t = threading.Thread(target=flip)
+    t.start()
+    refused = 0
+    try:
+        for _ in range(3000):
+            try:
+                ops.write_kv(kv, slots, k, v, backend=backend)
+            except InvalidArgumentError as e:
+                assert "got 19 at index 5" in str(e)
+                refused += 1
+    finally:
+        stop.set()
+        t.join()
+    assert torch.count_nonzero(whole[nb:]) == 0
+    assert refused < 3000
+
+
+def _sparse(t):
+    return t.to_sparse()
+
+
+def _meta(t):
+    return t.to("meta")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make, exc, got", [(_sparse, InvalidArgumentError, "a torch.sparse_coo tensor"),
+                                            (_meta, DeviceError, "device")], ids=["sparse", "meta"])
+@pytest.mark.parametrize("arg", ["kv_layer", "slot_mapping", "key", "indices", "pairs"])
+def test_sparse_and_meta_tensors_get_typed_errors_and_change_nothing(backend, make, exc, got, arg):
+    L = Layer(4, 4, 2, 8, torch.float32, random=True)
+    before = L.state()
+    k, v = rand_kv(3, 2, 8, torch.float32)
+    args = dict(kv_layer=L.kv, slot_mapping=torch.tensor([0, 5, 9]), key=k)
+    indptr, indices, lens = csr([[1, 2]], [6])
+    pairs = torch.tensor([[0, 1]])
+    if arg in args:
+        args[arg] = make(args[arg])
+        call = lambda: ops.write_kv(args["kv_layer"], args["slot_mapping"], args["key"], v, backend=backend)
+    elif arg == "indices":
+        call = lambda: ops.gather_kv(L.kv, indptr, make(indices), lens, backend=backend)
+    else:
+        call = lambda: ops.copy_blocks([L.kv[None]], make(pairs), backend=backend)
+    with pytest.raises(exc, match=r"expected device \S+, got (meta|cpu)$" if exc is DeviceError
+                       else f"expected a dense \\(strided\\) tensor, got {got}"):
+        call()
+    assert same_state(L.state(), before)

@@ -23,6 +23,7 @@ cdef class BlockTables:
     cdef int64_t stamp                     # batch calls so far (duplicate detection)
     # the current call's private snapshots of its arguments
     cdef int64_t single_key                # the key of a call given one int key
+    cdef int32_t single_row                # its row (rows_buf keeps the batch's hints)
     cdef const int64_t* kp                 # keys of the current call (single_key or keys_buf)
     cdef IntBuf keys_buf                   # int64 keys
     cdef IntBuf counts_buf                 # int64 counts

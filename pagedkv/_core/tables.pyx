@@ -190,6 +190,14 @@ cdef class BlockTables:
         cdef int64_t i, bad = -1, hints, key, bad_key = 0
         cdef int32_t r
         cdef int err = ERR_NONE
+        if kp == &self.single_key:
+            # A one-sequence call (admission, a prefill chunk) between two batch steps
+            # must not overwrite the batch's hints.
+            r = rs_find(&self.store, self.single_key)
+            if r < 0 or (self.single_key < 0 and not internal):
+                raise SequenceNotFoundError(self.namer(self.single_key), "seq_ids")
+            self.single_row = r
+            return &self.single_row
         buf_reserve(&self.rows_buf, m * sizeof(int32_t))
         cdef int32_t* out = <int32_t*>self.rows_buf.data
         cdef SeqRow* rows = self.store.rows
@@ -215,7 +223,10 @@ cdef class BlockTables:
                     break
                 rows[r].stamp = stamp
                 out[i] = r
-        self.hint_len = m if bad < 0 else bad
+        # Every hint is verified before use, so a short call (freeing the few finished
+        # sequences) keeps the batch's hints past its own length.
+        if m > self.hint_len:
+            self.hint_len = m
         if err == ERR_NOT_FOUND:
             raise SequenceNotFoundError(self.namer(bad_key), "seq_ids")
         if err == ERR_DUPLICATE:

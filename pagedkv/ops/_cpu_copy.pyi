@@ -20,7 +20,7 @@ def write_rows(
     num_heads: int,
     row_bytes: int,
     hnd: bool,
-) -> int: ...
+) -> tuple[int, int]: ...
 def validate_csr(
     indptr_ptr: int,
     indices_ptr: int,

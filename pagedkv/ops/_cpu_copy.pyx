@@ -20,7 +20,7 @@ Work of at least ``PARALLEL_BYTES`` is split over OpenMP threads (the runtime to
 itself loads, so ``torch.set_num_threads`` applies). Smaller calls stay serial: waking
 threads costs more than it saves.
 """
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport INT64_MAX, int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from cython.parallel cimport parallel, prange
@@ -136,10 +136,19 @@ def write_rows(
     """Store K/V token rows at their slots in a contiguous per-layer view.
 
     Strides are in bytes; ``row_bytes`` is ``head_dim * element_size``.
-    Returns -1, or the index of the first slot ``>= num_blocks * block_size`` (then
-    nothing was written). Negative slots are skipped.
+    Returns ``(-1, 0)``, or the index and value of the first slot
+    ``>= num_blocks * block_size`` (then nothing was written). Negative slots are skipped.
+
+    The slots are copied once into a private buffer and validated and used from it: a
+    thread rewriting the caller's tensor meanwhile cannot turn a checked slot into an
+    out-of-range store.
     """
-    cdef const int64_t* slots = <const int64_t*> slots_ptr
+    if num_tokens < 0 or num_tokens > INT64_MAX // 8:
+        raise OverflowError("write_rows: num_tokens out of range")
+    cdef int64_t* slots = <int64_t*> malloc(<size_t> (num_tokens if num_tokens else 1) * 8)
+    if slots == NULL:
+        raise MemoryError("write_rows: cannot snapshot the slot mapping")
+    memcpy(slots, <const void*> slots_ptr, <size_t> num_tokens * 8)
     cdef char* layer = <char*> layer_ptr
     cdef const char* key = <const char*> key_ptr
     cdef const char* value = <const char*> value_ptr
@@ -160,7 +169,9 @@ def write_rows(
                         write_token(layer, value + t * value_tok_stride, value_head_stride, slots[t], 1,
                                     block_size, num_heads, row_bytes, hnd)
                 pkv_store_fence()  # each thread fences its own streaming stores
-    return bad
+    cdef int64_t bad_value = slots[bad] if bad >= 0 else 0
+    free(slots)
+    return bad, bad_value
 
 
 # ------------------------------------------------------------------------------------

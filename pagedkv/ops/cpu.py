@@ -63,8 +63,8 @@ def write_kv(
     kv_zero: Optional[torch.Tensor] = None,
 ) -> None:
     """:func:`pagedkv.ops.reference.write_kv` on CPU tensors."""
-    if _c is not None and kv_scale is None and kv_zero is None and _fast_write(
-        kv_layer, slot_mapping, key, value, layout
+    if _c is not None and kv_scale is None and kv_zero is None and _sparse_safe(
+        _fast_write, kv_layer, slot_mapping, key, value, layout
     ):
         return
     c = _loops()
@@ -84,6 +84,15 @@ _T = torch.Tensor
 _FAST_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 _I64 = torch.int64
 _I32 = torch.int32
+
+
+def _sparse_safe(fast, *args):
+    # The fast paths read strides, which sparse tensors lack (torch raises RuntimeError
+    # before any byte moves); the checked path then refuses them by name.
+    try:
+        return fast(*args)
+    except RuntimeError:
+        return None
 
 
 def _fast_write(kv_layer, slot_mapping, key, value, layout) -> bool:
@@ -108,24 +117,24 @@ def _fast_write(kv_layer, slot_mapping, key, value, layout) -> bool:
     if ks[1] != h or ks[2] != ls[4] or kst[2] != 1 or vst[2] != 1:
         return False
     es = kv_layer.element_size()
-    bad = _c.write_rows(
+    bad, bad_slot = _c.write_rows(
         kv_layer.data_ptr(), key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), ks[0],
         kst[0] * es, kst[1] * es, vst[0] * es, vst[1] * es, ls[0], bs, h, ls[4] * es, layout == "HND",
     )
-    if bad >= 0:
-        raise _ref.slot_error(int(slot_mapping[bad]), bad, ls[0] * bs)
+    if bad >= 0:   # the value the kernel saw: the caller's tensor may have changed since
+        raise _ref.slot_error(bad_slot, bad, ls[0] * bs)
     return True
 
 
 def _write_rows(c, kv_layer, slots, key, value, nb, bs, h, d, hnd) -> None:
     es = kv_layer.element_size()
     ks, vs = key.stride(), value.stride()
-    bad = c.write_rows(
+    bad, bad_slot = c.write_rows(
         kv_layer.data_ptr(), key.data_ptr(), value.data_ptr(), slots.data_ptr(), key.shape[0],
         ks[0] * es, ks[1] * es, vs[0] * es, vs[1] * es, nb, bs, h, d * es, hnd,
     )
     if bad >= 0:
-        raise _ref.slot_error(int(slots[bad]), bad, nb * bs)
+        raise _ref.slot_error(bad_slot, bad, nb * bs)
 
 
 def _raise_table_error(code: int, b: int, a: int, c: int, padded: bool, bs: int, nb: int, nnz: int = 0):
@@ -179,8 +188,8 @@ def _fast_outputs(out_key, out_value, total, h, d, dt):
     for t in (out_key, out_value):
         if not (t.shape == shape and t.dtype == dt and t.is_cpu and t.is_contiguous()):
             return None
-    if total and out_key.data_ptr() == out_value.data_ptr():
-        return None
+    if total and _ref.contiguous_overlap(out_key, out_value):
+        return None                      # the checked path names the overlap
     return out_key, out_value
 
 
@@ -242,7 +251,7 @@ def gather_kv(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv` on CPU tensors."""
     if _c is not None:
-        outs = _fast_gather_csr(kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
+        outs = _sparse_safe(_fast_gather_csr, kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                 out_key, out_value)
         if outs is not None:
             return outs
@@ -280,7 +289,7 @@ def gather_kv_padded(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv_padded` on CPU tensors."""
     if _c is not None:
-        outs = _fast_gather_padded(kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
+        outs = _sparse_safe(_fast_gather_padded, kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                    out_key, out_value)
         if outs is not None:
             return outs

@@ -87,6 +87,8 @@ class LayerGeometry(NamedTuple):
 def _tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise DTypeError(expected(name, "a torch.Tensor", type(t).__name__))
+    if t.layout != torch.strided:   # sparse/compressed tensors have no slots to index
+        raise InvalidArgumentError(expected(name, "a dense (strided) tensor", f"a {t.layout} tensor"))
     return t
 
 
@@ -268,9 +270,23 @@ def check_out(out_key, out_value, total: int, geo: LayerGeometry, out_dtype, dev
         _same_device(name, t, device)
         if not t.is_contiguous():
             raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {t.stride()}"))
-    if out_key.data_ptr() == out_value.data_ptr() and total > 0:
-        raise InvalidArgumentError(expected("out_value", "memory distinct from out_key", "the same storage"))
+    if total > 0 and contiguous_overlap(out_key, out_value):
+        raise InvalidArgumentError(expected(
+            "out_value", "memory disjoint from out_key",
+            f"bytes [{out_value.data_ptr():#x}, +{_nbytes(out_value)}) overlapping "
+            f"[{out_key.data_ptr():#x}, +{_nbytes(out_key)})"))
     return True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def contiguous_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte (a partial overlap included:
+    writing one would silently change the other)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + _nbytes(b) and b0 < a0 + _nbytes(a)
 
 
 def check_arenas(name: str, arenas: object) -> List[torch.Tensor]:
