@@ -245,8 +245,8 @@ class CacheConfig:
                 raise InvalidArgumentError(
                     expected(
                         "memory_budget",
-                        f"at least one block ({self.bytes_per_block} bytes) plus the window arena "
-                        f"({self.window_bytes} bytes)",
+                        f"at least one block ({self.bytes_per_block} bytes)"
+                        + (f" plus the window arena ({self.window_bytes} bytes)" if self.window_bytes else ""),
                         f"{budget} bytes",
                     )
                 )
