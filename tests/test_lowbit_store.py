@@ -319,3 +319,63 @@ def test_gather_into_outputs_on_the_rotated_path():
     with pytest.raises(Exception, match=r"^out_key: expected shape \(4, 2, 32\)"):
         store.gather(1, one, torch.tensor([0], dtype=torch.int32), torch.tensor([4], dtype=torch.int32),
                      out_key=torch.empty(3, H, D), out_value=ov)
+
+
+# -- the arena holds exactly the reference codes -----------------------------------------
+
+
+def numpy_int4(x: np.ndarray, g: int):
+    """Element-by-element int4 reference (float32 numpy): codes packed low nibble first,
+    float32 scale and zero point per group."""
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    d = rows.shape[1]
+    packed = np.zeros((rows.shape[0], d // 2), dtype=np.uint8)
+    scale = np.zeros((rows.shape[0], d // g), dtype=np.float32)
+    zero = np.zeros_like(scale)
+    for r, row in enumerate(rows):
+        codes = []
+        for j in range(d // g):
+            grp = row[j * g:(j + 1) * g]
+            mn, mx = np.float32(grp.min()), np.float32(grp.max())
+            s = np.float32(np.float32(mx - mn) / np.float32(15.0))
+            s = np.float32(1.0) if s == 0 or not np.isfinite(s) else s
+            scale[r, j], zero[r, j] = s, mn
+            codes += [int(min(15.0, max(0.0, np.rint(np.float32(np.float32(e - mn) / s))))) for e in grp]
+        packed[r] = [codes[2 * i] | codes[2 * i + 1] << 4 for i in range(d // 2)]
+    return packed, scale, zero
+
+
+@pytest.mark.parametrize("group", [8, 32])
+@pytest.mark.parametrize("rotation", [True, False])
+def test_int4_arena_holds_the_reference_codes_scales_and_zeros(group, rotation):
+    cfg = config(kv_dtype="int4", kv_group_size=group, kv_rotation=rotation, kv_window=0)
+    store = KVStore(cfg)
+    k, v = kv_data(7, seed=11)
+    slots = torch.tensor([0, 1, 2, 9, 10, 17, 23])
+    store.write(1, slots, k, v)
+    signs = rotation_signs(D, cfg.kv_rotation_seed)
+    scale, zero = store.layer_scales(1)
+    blk, off = slots // BS, slots % BS
+    for kv_index, x in enumerate((k, v)):
+        ref = rotate(x, signs) if rotation else x
+        codes, s, z = numpy_int4(ref.numpy(), group)
+        assert np.array_equal(store.layer(1)[blk, kv_index, off].reshape(-1, D // 2).numpy(), codes)
+        assert np.array_equal(scale[blk, kv_index, off].reshape(-1, D // group).numpy(), s)
+        assert np.array_equal(zero[blk, kv_index, off].reshape(-1, D // group).numpy(), z)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_rotated_per_head_formats_store_the_quantized_rotation(kv_dtype):
+    cfg = config(kv_dtype=kv_dtype, kv_rotation=True, kv_window=0)
+    store = KVStore(cfg)
+    k, v = kv_data(5, seed=12)
+    slots = torch.tensor([3, 4, 5, 6, 20])
+    store.write(2, slots, k, v)
+    signs = rotation_signs(D, cfg.kv_rotation_seed)
+    blk, off = slots // BS, slots % BS
+    scale, zero = store.layer_scales(2)
+    for kv_index, x in enumerate((k, v)):
+        q, s, z = quantize(rotate(x, signs), kv_dtype)
+        assert torch.equal(store.layer(2)[blk, kv_index, off].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(scale[blk, kv_index, off], s)
+        assert (zero is None and z is None) or torch.equal(zero[blk, kv_index, off], z)
