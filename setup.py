@@ -47,6 +47,8 @@ setup(
         "pagedkv.kernels",
         "pagedkv.integrations",
         "pagedkv.compat",
+        "pagedkv.tiers",
+        "pagedkv.transfer",
         "pagedkv.cli",
         "pagedkv.testing",
         "pagedkv._cuda_src",

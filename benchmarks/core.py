@@ -5,7 +5,7 @@ Every figure is the median of ``--repeats`` runs after a warm-up run, and each i
 compared with a baseline measured in the same process:
 
 - W1: a plain-Python ``deque`` allocator, and the pure-Python model of the core
-  (:mod:`pagedkv.pymodel`), driven by the same loop;
+  (:mod:`pagedkv.testing.core_model`), driven by the same loop;
 - W2/W3: the pure-Python model (pool + tables + content-keyed prefix index) on the
   same operation trace (at a reduced size, reported per op);
 - hashing: Python's ``hashlib.sha256`` over the same token bytes (what vLLM's
@@ -35,7 +35,7 @@ import numpy as np
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
-from pagedkv.pymodel import PyBlockPool, PyTables
+from pagedkv.testing.core_model import PyBlockPool, PyTables
 
 
 def emit(**fields):
@@ -360,7 +360,7 @@ def eviction(args):
         runs = []
         for _ in range(args.repeats + 1):
             cache = filled(prefix)
-            pool = cache.pool
+            pool = cache.tables.pool   # the core pool itself: this measures the core, not the manager
             t0 = time.perf_counter_ns()
             got = [pool.allocate(per_seq) for _ in range(prompts)]
             runs.append(time.perf_counter_ns() - t0)

@@ -33,7 +33,7 @@ from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
 from pagedkv.errors import PagedKVError
-from pagedkv.pymodel import PyBlockPool, PyTables
+from pagedkv.testing.core_model import PyBlockPool, PyTables
 
 POLICIES = ["lru", "priority", "adaptive", "frequency"]
 

@@ -37,12 +37,13 @@ import numpy as np
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
-from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int
+from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int, tensor_values
 from pagedkv.config import CacheConfig, format_bytes
 from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, PagedKVError, SequenceExistsError,
                             SequenceNotFoundError, expected)
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
-from pagedkv.namespaces import NamespaceRegistry
+from pagedkv.namespaces import NamespaceRegistry, namespace_key
+from pagedkv.pool_view import PoolView
 from pagedkv.seq_ids import SequenceIds
 from pagedkv.stats import CacheStats, render_block_map
 
@@ -95,6 +96,11 @@ class PagedKVCache:
 
     (A cache whose block hash collides on purpose, for tests, comes from
     :func:`pagedkv.testing.weak_hash_cache`.)
+
+    With prefix tiers configured (``config.prefix_host_blocks``,
+    ``config.prefix_disk_blocks``), evicted prefix blocks move down to host memory and
+    disk and come back on admission (:mod:`pagedkv.tiers`); :meth:`close` releases the
+    disk tier's files (also on leaving a ``with`` block).
     """
 
     def __init__(self, config: CacheConfig, *, allocate_store: bool = True):
@@ -111,10 +117,11 @@ class PagedKVCache:
         self.config = config
         nb = config.resolved_num_blocks
         self.index: Optional[PrefixIndex] = self._prefix_index(config) if config.enable_prefix_caching else None
-        self.pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
+        self._pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
                               low_watermark=config.low_watermark, high_watermark=config.high_watermark,
                               shuffle_seed=config.shuffle_free_blocks, index=self.index)
-        self.tables = BlockTables(self.pool, config.block_size, self.index)
+        self.pool = PoolView(self._pool)   # callers watch the pool; the cache alone changes it
+        self.tables = BlockTables(self._pool, config.block_size, self.index)
         self._lock = threading.RLock()
         self._caller_lock = CallerLock(self._lock)
         self._ids = SequenceIds()
@@ -127,11 +134,20 @@ class PagedKVCache:
             from pagedkv.offload import HostTier
 
             self._host = HostTier(self.tables, self.store, config.host_num_blocks, self._namespaces.hash_of)
+        self._tiers = None
+        if config.has_prefix_tiers:
+            if self.store is None:
+                raise InvalidArgumentError(expected("allocate_store", "True with prefix tiers (they hold KV)", False))
+            from pagedkv.tiers import PrefixTiers
+
+            self._tiers = PrefixTiers(self)
+            if self._host is not None:
+                self._host.sync = self._tiers.sync
 
     def _prefix_index(self, config: CacheConfig) -> PrefixIndex:
         """The prefix index (a hook: :func:`pagedkv.testing.weak_hash_cache` overrides it)."""
         return PrefixIndex(config.block_size, config.resolved_num_blocks, hash_seed=config.hash_seed,
-                           events=config.enable_kv_events)
+                           events=config.enable_kv_events, tier_log=config.has_prefix_tiers)
 
     # ---- lifecycle ----------------------------------------------------------------
     def add_sequence(self, seq_id: SeqId, prompt_token_ids: Optional[Iterable[int]] = None, *,
@@ -158,12 +174,21 @@ class PagedKVCache:
                 if self._host is not None and self._host.holds(key):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
-                return self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+                hit = self.tables.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
             except BaseException:
                 if fresh:
                     self._ids.forget(key)
                 self._namespaces.rollback(mark)
                 raise
+            if self._tiers is not None and tokens is not None:
+                try:
+                    hit = self._tiers.promote(key, tokens, ns_id, hit)
+                except BaseException:
+                    self.tables.remove(key, internal=True)
+                    if fresh:
+                        self._ids.forget(key)
+                    raise
+            return hit
 
     def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
         """Slots (int64, concatenated in batch order) for the next tokens of each sequence.
@@ -180,6 +205,8 @@ class PagedKVCache:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
             slots = self.tables.reserve(keys, num_tokens, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()      # evicted KV goes down before anything overwrites it
             if self.tables.num_pending_copies:
                 self._copy_on_write()
             return slots
@@ -198,18 +225,80 @@ class PagedKVCache:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
             slots = self.tables.advance(keys, token_ids, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()
             if self.tables.num_pending_copies:
                 self._copy_on_write()
             return slots
 
     def _copy_on_write(self) -> None:
-        pairs = self.tables.take_copies()
+        self._copy_pairs(self.tables.take_copies())
+
+    def _copy_pairs(self, pairs: np.ndarray) -> None:
+        """Copy KV of (src, dst) block pairs now, or owe them (bookkeeping-only cache)."""
         if self.store is not None:
             import torch
 
             self.store.copy_blocks(torch.from_numpy(pairs))
         else:
             self._copies.append(pairs)
+
+    def relocate(self, seq_id: SeqId, moves) -> np.ndarray:
+        """Move blocks of one sequence into free blocks of the caller's choice.
+
+        ``moves``: int ``[P, 2]`` of (a block of ``seq_id``'s table, a free unpinned
+        block). The KV is copied across all layers and the table rewritten; token
+        counts, token ids, namespace and priorities are unchanged, and the old block is
+        released. Works for any sequence and namespace, but only for blocks it holds
+        alone: a block shared with a fork or a prefix hit is refused with
+        ``InvalidBlockError`` (moving it for one holder would cost a block, not free
+        one). A registered prefix block stays registered where it is (cached-free, its
+        content intact), as after a copy-on-write. All or nothing: a bad move raises a
+        typed error and changes nothing. Returns the int32 (old, new) pairs. Slots and
+        tables taken before are stale afterwards. (A bookkeeping-only cache owes the
+        copies: :meth:`take_copies`.)
+        """
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            pairs = self.tables.relocate(self._ids.key(seq_id), moves)
+            if len(pairs):
+                self._copy_pairs(pairs)
+            return pairs
+
+    def compact(self, seq_ids: Optional[SeqIds] = None) -> np.ndarray:
+        """Move blocks into the lowest empty blocks, highest first (see
+        :mod:`pagedkv.compaction`), so the blocks in use sit at the bottom of the pool.
+
+        ``seq_ids``: the sequences whose blocks may move (all device-resident ones by
+        default). Only blocks a sequence holds alone move (as :meth:`relocate`); shared
+        blocks, pinned blocks and cached prefixes stay where they are, and no cached
+        prefix is evicted to make room. Returns the int32 ``[P, 2]`` (old, new) pairs,
+        highest old block first; KV is copied as by :meth:`relocate`."""
+        from pagedkv.compaction import plan_compaction
+
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            if seq_ids is None:
+                keys = self.tables.keys().tolist()
+            else:
+                keys, internal = self._ids.batch(seq_ids)
+                keys = list(dict.fromkeys(np.atleast_1d(keys).tolist()))
+                for k in keys:
+                    if k < 0 and not internal:      # negative keys name interned ids only
+                        raise SequenceNotFoundError(k, "seq_ids")
+                    self.tables.blocks(k)           # unknown ids raise before anything moves
+            plan = plan_compaction(self._pool, self.tables, keys)
+            done = []
+            try:
+                for k, moves in plan.items():
+                    done.append(self.tables.relocate(k, moves))
+            finally:                   # moves applied are copied whatever happens next
+                pairs = np.concatenate(done) if done else np.empty((0, 2), dtype=np.int32)
+                if len(pairs):
+                    self._copy_pairs(pairs)
+            return pairs[np.argsort(-pairs[:, 0].astype(np.int64), kind="stable")]
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write pairs ``[P, 2]`` (src, dst) a bookkeeping-only cache owes its
@@ -235,6 +324,8 @@ class PagedKVCache:
         with self._lock:
             keys, internal = self._ids.batch(seq_ids)
             self.tables.commit(keys, num_tokens, token_ids, internal=internal)
+            if self._tiers is not None:
+                self._tiers.sync()
 
     def unreserve(self, seq_ids: SeqIds, num_tokens=None) -> None:
         """Give back reserved, uncommitted tokens (all when ``num_tokens`` is None), e.g.
@@ -247,6 +338,25 @@ class PagedKVCache:
                 else:
                     num_tokens = as_counts(num_tokens)
             self.tables.unreserve(keys, num_tokens, internal=internal)
+
+    def truncate(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> None:
+        """Drop the last ``num_tokens`` committed tokens of each sequence, e.g. draft
+        tokens a speculative step rejected; reserved, uncommitted slots go back too.
+
+        Blocks left empty return to the pool. Shared blocks (forks, prefix hits) and
+        registered ones are never altered: the next write into a kept, partially filled
+        one copies it first. The sequence registers full blocks again from its last
+        remaining full block. All or nothing."""
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            keys, internal = self._ids.batch(seq_ids)
+            if type(num_tokens) is int or isinstance(num_tokens, np.integer):
+                num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens, "num_tokens"),
+                                     np.int64)
+            else:
+                num_tokens = as_counts(num_tokens, "num_tokens")
+            self.tables.truncate(keys, num_tokens, internal=internal)
 
     def num_blocks(self, seq_id: SeqId) -> int:
         """Blocks the sequence holds (``ceil(num_reserved / block_size)``)."""
@@ -429,8 +539,13 @@ class PagedKVCache:
 
     def match_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
-        """Tokens of ``token_ids`` a new sequence would find cached now (no side effects)."""
-        return len(self._prefix_blocks(token_ids, cache_salt, adapter_id, required=False)) * self.config.block_size
+        """Tokens of ``token_ids`` a new sequence would find cached now (no side effects),
+        on the device or in a prefix tier (whichever holds more full blocks)."""
+        found = len(self._prefix_blocks(token_ids, cache_salt, adapter_id, required=False)) * self.config.block_size
+        if self._tiers is not None:
+            with self._lock:
+                found = max(found, self._tiers.match(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id)))
+        return found
 
     def has_available_blocks(self, n: int = 1) -> bool:
         """Whether ``n`` blocks can be allocated now (free or evictable).
@@ -440,7 +555,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            return self.pool.num_free_blocks >= n
+            return self._pool.num_free_blocks >= n
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` tokens' worth of new blocks can be allocated now."""
@@ -467,8 +582,8 @@ class PagedKVCache:
                 self._run_deferred()
             hits = self._prefix_blocks(tokens, cache_salt, adapter_id, required=False)
             hits = hits[:max(0, (len(tokens) - 1) // bs)]
-            ref = self.pool.ref_cnt
-            revived = sum(1 for b in hits[ref[hits] == 0].tolist() if not self.pool.pin_count(b))
+            ref = self._pool.ref_cnt
+            revived = sum(1 for b in hits[ref[hits] == 0].tolist() if not self._pool.pin_count(b))
             return -(-total // bs) - len(hits) + revived
 
     def can_admit(self, prompt_token_ids: Iterable[int], num_tokens: Optional[int] = None, *,
@@ -478,7 +593,7 @@ class PagedKVCache:
         (see :meth:`blocks_to_admit`)."""
         with self._lock:
             need = self.blocks_to_admit(prompt_token_ids, num_tokens, cache_salt=cache_salt, adapter_id=adapter_id)
-            return need <= self.pool.num_free_blocks
+            return need <= self._pool.num_free_blocks
 
     # ---- prefix cache ---------------------------------------------------------------
     def pin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
@@ -486,18 +601,27 @@ class PagedKVCache:
         """Pin the cached full blocks of ``token_ids``; returns the tokens pinned.
 
         Pinned blocks are never evicted, under any policy, until :meth:`unpin_prefix`.
+        The blocks of this prefix that a prefix tier holds are pinned there too (the
+        count is then the longest prefix pinned in any medium).
         """
         with self._lock:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
-            self.pool.pin(blocks)
-        return len(blocks) * self.config.block_size
+            self._pool.pin(blocks)
+            tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, True)
+        return max(len(blocks) * self.config.block_size, tiers)
 
     def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
         with self._lock:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
-            self.pool.unpin(blocks)
-        return len(blocks) * self.config.block_size
+            self._pool.unpin(blocks)
+            tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, False)
+        return max(len(blocks) * self.config.block_size, tiers)
+
+    def _pin_tiers(self, token_ids, cache_salt, adapter_id, pin: bool) -> int:
+        if self._tiers is None:
+            return 0
+        return self._tiers.pin(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id), pin)
 
     def _prefix_blocks(self, token_ids, cache_salt, adapter_id, required: bool = True) -> np.ndarray:
         """Blocks of the verified cached prefix of ``token_ids`` in a namespace, looked up
@@ -514,9 +638,12 @@ class PagedKVCache:
             return self.index.match(tokens, ns[0], ns[1])
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix. Raises :class:`CacheBusyError` while any block is in use."""
+        """Forget every cached prefix, in the prefix tiers too. Raises
+        :class:`CacheBusyError` while any block is in use."""
         with self._lock:
-            self.pool.reset_cache()
+            self._pool.reset_cache()
+            if self._tiers is not None:
+                self._tiers.clear()
 
     def set_priority(self, seq_id: SeqId, priority: int, start_token: int = 0,
                      end_token: Optional[int] = None) -> None:
@@ -532,6 +659,8 @@ class PagedKVCache:
         if self.index is None or not self.index.events_enabled:
             raise InvalidArgumentError(expected("config.enable_kv_events", "True to drain events", False))
         with self._lock:
+            if self._tiers is not None:
+                return self._tiers.drain_events()
             records = self.index.drain_events()
             return events_from_records(records, self._namespaces.name, self.config.block_size, self.index.root)
 
@@ -646,13 +775,13 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            return CacheStats.collect(self.pool, self.tables, self.config, self._host)
+            return CacheStats.collect(self._pool, self.tables, self.config, self._host, self._tiers)
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""
         width = as_int(width, "width", 1)
         with self._lock:
-            return render_block_map(self.pool, width)
+            return render_block_map(self._pool, width)
 
     def dump_stats(self) -> str:
         s = self.stats()
@@ -666,7 +795,7 @@ class PagedKVCache:
                 lines.append(f"  {self._ids.name(k)!r}: {info['num_computed']}/{info['num_reserved']} tokens, "
                              f"{info['num_blocks']} blocks [{shown}]")
             lines.append("Block map:")
-            lines.append(render_block_map(self.pool, 64))
+            lines.append(render_block_map(self._pool, 64))
         return "\n".join(lines)
 
     def check_invariants(self) -> None:
@@ -681,16 +810,33 @@ class PagedKVCache:
             self.tables.check_invariants()
             if self._host is not None:
                 self._host.check_invariants()
+            if self._tiers is not None:
+                self._tiers.check_invariants()
             for k in self._ids.interned_keys():
                 if k not in self.tables and not (self._host is not None and self._host.holds(k)):
                     raise InternalError(f"sequence id {self._ids.name(k)!r} is interned as key {k}, "
                                         "which no live or swapped-out sequence has")
 
+    def close(self) -> None:
+        """Release what outlives the process: the disk prefix tier's files are flushed
+        and unlocked, so another cache (or process) can open them. Idempotent; the
+        cache must not be used afterwards."""
+        with self._lock:
+            if self._tiers is not None:
+                self._tiers.close()
+                self._tiers = None
+
+    def __enter__(self) -> "PagedKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         c = self.config
         return (f"PagedKVCache(blocks={c.resolved_num_blocks}x{c.block_size}, layers={c.num_layers}, "
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, kv_dtype={c.cache_dtype}, "
-                f"sequences={len(self)}, free_blocks={self.pool.num_free_blocks}, "
+                f"sequences={len(self)}, free_blocks={self._pool.num_free_blocks}, "
                 f"arena={format_bytes(c.total_bytes)})")
 
 
@@ -704,5 +850,7 @@ def _slots_tensor(slot_mapping, device):
             raise DTypeError(expected("slot_mapping", "an int64 array", f"{slot_mapping.dtype} array"))
         slot_mapping = torch.from_numpy(slot_mapping)
     if isinstance(slot_mapping, torch.Tensor) and slot_mapping.device != device:
+        if slot_mapping.layout != torch.strided or slot_mapping.device.type == "meta":
+            tensor_values(slot_mapping, "slot_mapping")      # raises the typed error
         slot_mapping = slot_mapping.to(device, non_blocking=True)
     return slot_mapping

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from pagedkv import dtypes
 from pagedkv.errors import DTypeError, InvalidArgumentError, expected
 from pagedkv.gguf_metadata import GGUF_MAGIC, hf_fields_from_gguf, read_gguf_metadata
 
@@ -25,30 +26,25 @@ __all__ = [
     "format_bytes",
     "dtype_name",
     "kv_dtype_name",
+    "TIER_EVICTION_POLICIES",
+    "TIER_WRITE_POLICIES",
 ]
 
 #: canonical model dtype name -> bytes per element
-MODEL_DTYPE_NAMES: Dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+MODEL_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 #: canonical quantized kv dtype name -> bytes per element
-KV_DTYPE_NAMES: Dict[str, float] = {"fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5}
+KV_DTYPE_NAMES: Dict[str, float] = {d.name: d.element_bytes for d in dtypes.QUANTIZED}
 #: default recent window (tokens kept in model precision) per quantized kv dtype
 DEFAULT_KV_WINDOW: Dict[str, int] = {"int4": 128}
 #: int4 group size along head_dim when none is given (chosen by measurement; README)
 DEFAULT_INT4_GROUP = 64
 EVICTION_POLICIES = ("lru", "priority", "adaptive", "frequency")
+#: eviction policies of the host and disk prefix tiers
+TIER_EVICTION_POLICIES = ("lru", "frequency")
+#: when a prefix tier receives a block: on device eviction ("back") or on registration too ("through")
+TIER_WRITE_POLICIES = ("back", "through")
 LAYOUTS = ("NHD", "HND")
 
-_DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}
-_KV_ALIASES = {
-    "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
-    "int8": "int8",
-    "int4": "int4", "uint4": "int4",
-}
 _SCALE_BYTES = 4  # float32 scale (and int8/int4 zero point) per (token, head, K/V[, group])
 
 _UNITS = {
@@ -96,39 +92,35 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _torch_dtype_name(value: Any) -> Optional[str]:
-    """The name of a torch dtype (``torch.float16`` -> ``"float16"``), or None if not one."""
-    if type(value).__name__ != "dtype" or type(value).__module__ != "torch":
-        return None
-    return str(value).replace("torch.", "")
+def _short(row: dtypes.DTypeInfo) -> str:
+    return row.name + (f"/{row.aliases[0]}" if row.aliases else "")
+
+
+def _choices(rows) -> str:
+    """``"float32/fp32, float16/fp16 or bfloat16/bf16"``: each name with its short alias."""
+    names = [_short(d) for d in rows]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def dtype_name(value: Any, name: str = "dtype") -> str:
     """Canonical model dtype name of a torch dtype or alias string."""
-    raw = _torch_dtype_name(value)
-    if raw is None and isinstance(value, str):
-        raw = value.lower()
-    canon = _DTYPE_ALIASES.get(raw) if raw is not None else None
-    if canon is None:
-        raise DTypeError(expected(name, "float32/fp32, float16/fp16 or bfloat16/bf16", repr(value)))
-    return canon
+    row = dtypes.lookup(value)
+    if row is None or row.quantized:
+        raise DTypeError(expected(name, _choices(dtypes.MODEL), repr(value)))
+    return row.name
 
 
 def kv_dtype_name(value: Any, dtype: str, name: str = "kv_dtype") -> Optional[str]:
     """Canonical kv dtype: None when it equals the model dtype, else a quantized name."""
     if value is None:
         return None
-    raw = _torch_dtype_name(value)
-    if raw is None and isinstance(value, str):
-        raw = value.lower()
-    if raw is not None and _DTYPE_ALIASES.get(raw) == dtype:
+    row = dtypes.lookup(value)
+    if row is not None and row.name == dtype:
         return None
-    canon = _KV_ALIASES.get(raw) if raw is not None else None
-    if canon is None:
-        raise DTypeError(
-            expected(name, f"None, the model dtype ({dtype}), or one of fp8_e4m3/fp8, fp8_e5m2, int8, int4", repr(value))
-        )
-    return canon
+    if row is None or not row.quantized:
+        quant = ", ".join(_short(d) for d in dtypes.QUANTIZED)
+        raise DTypeError(expected(name, f"None, the model dtype ({dtype}), or one of {quant}", repr(value)))
+    return row.name
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -156,7 +148,7 @@ class CacheConfig:
 
     Exactly one of ``num_blocks`` and ``memory_budget`` is given. A budget (bytes, or a
     string like ``"4GiB"``) counts the device arena: data plus, for quantized
-    ``kv_dtype``, the float32 scale (and int8 zero-point) arenas.
+    ``kv_dtype``, the float32 scale (and int8/int4 zero-point) arenas and the window arena.
 
     After validation, ``dtype`` holds a canonical name (``"float16"``), ``kv_dtype`` is
     ``None`` (store in ``dtype``) or a quantized name (``"fp8_e4m3"``, ``"fp8_e5m2"``,
@@ -175,6 +167,18 @@ class CacheConfig:
       give way first). Its bytes count in ``total_bytes`` and the budget.
     - ``kv_full_precision_layers``: layer indices (negative counts from the end) kept
       in model precision (no scales, no window).
+
+    Tensor parallelism: ``num_kv_heads`` is the model's KV head count; a rank
+    (``tp_rank`` of ``tp_size``) stores :attr:`kv_heads_per_rank` of them
+    (:attr:`kv_head_indices`), replicating heads when there are fewer than ranks, as
+    vLLM does. All sizes (arena shapes, bytes per block, budgets) are per rank.
+
+    Prefix tiers below the device (see :mod:`pagedkv.tiers`): ``prefix_host_blocks``
+    blocks in host memory, ``prefix_disk_blocks`` blocks in a file-backed arena under
+    ``prefix_disk_dir`` (reused across restarts when ``prefix_disk_tag``, the model
+    shape and the settings match); ``prefix_tier_write`` is ``"back"`` (copy a block
+    down when the device evicts it) or ``"through"`` (also when it is registered);
+    ``prefix_tier_eviction`` is ``"lru"`` or ``"frequency"``.
     """
 
     num_layers: int
@@ -204,6 +208,14 @@ class CacheConfig:
     kv_window: Optional[int] = None
     kv_window_sequences: int = 16
     kv_full_precision_layers: Tuple[int, ...] = ()
+    tp_size: int = 1
+    tp_rank: int = 0
+    prefix_host_blocks: int = 0
+    prefix_disk_dir: Optional[str] = None
+    prefix_disk_blocks: int = 0
+    prefix_disk_tag: str = ""
+    prefix_tier_write: str = "back"
+    prefix_tier_eviction: str = "lru"
     _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -211,6 +223,7 @@ class CacheConfig:
         put("num_layers", _check_int("num_layers", self.num_layers, 1))
         put("num_kv_heads", _check_int("num_kv_heads", self.num_kv_heads, 1))
         put("head_dim", _check_int("head_dim", self.head_dim, 1))
+        self._validate_tp(put)
         if self.num_attention_heads is not None:
             nh = _check_int("num_attention_heads", self.num_attention_heads, 1)
             if nh % self.num_kv_heads:
@@ -252,6 +265,41 @@ class CacheConfig:
                 )
             put("_resolved_blocks", blocks)
 
+    def _validate_tp(self, put) -> None:
+        size = _check_int("tp_size", self.tp_size, 1)
+        put("tp_size", size)
+        rank = _check_int("tp_rank", self.tp_rank, 0)
+        if rank >= size:
+            raise InvalidArgumentError(expected("tp_rank", f"an int in [0, {size})", rank))
+        put("tp_rank", rank)
+        heads = self.num_kv_heads
+        if heads % size and size % heads:
+            raise InvalidArgumentError(expected(
+                "tp_size", f"a divisor or a multiple of num_kv_heads ({heads})", size))
+
+    def _validate_tiers(self, put) -> None:
+        put("prefix_host_blocks", _check_int("prefix_host_blocks", self.prefix_host_blocks, 0))
+        put("prefix_disk_blocks", _check_int("prefix_disk_blocks", self.prefix_disk_blocks, 0))
+        if self.prefix_disk_dir is not None:
+            if not isinstance(self.prefix_disk_dir, (str, os.PathLike)):
+                raise InvalidArgumentError(expected("prefix_disk_dir", "None or a directory path",
+                                                    type(self.prefix_disk_dir).__name__))
+            put("prefix_disk_dir", os.fspath(self.prefix_disk_dir))
+        if (self.prefix_disk_dir is None) != (self.prefix_disk_blocks == 0):
+            raise InvalidArgumentError(expected(
+                "prefix_disk_dir", "a directory together with prefix_disk_blocks > 0 (or neither)",
+                f"prefix_disk_dir={self.prefix_disk_dir!r}, prefix_disk_blocks={self.prefix_disk_blocks}"))
+        if not isinstance(self.prefix_disk_tag, str):
+            raise InvalidArgumentError(expected("prefix_disk_tag", "a str", type(self.prefix_disk_tag).__name__))
+        if self.prefix_tier_write not in TIER_WRITE_POLICIES:
+            raise InvalidArgumentError(expected("prefix_tier_write", "'back' or 'through'",
+                                                repr(self.prefix_tier_write)))
+        if self.prefix_tier_eviction not in TIER_EVICTION_POLICIES:
+            raise InvalidArgumentError(expected("prefix_tier_eviction", "'lru' or 'frequency'",
+                                                repr(self.prefix_tier_eviction)))
+        if self.has_prefix_tiers and not self.enable_prefix_caching:
+            raise InvalidArgumentError(expected("enable_prefix_caching", "True with prefix tiers", False))
+
     def _validate_options(self, put) -> None:
         put("enable_prefix_caching", _check_bool("enable_prefix_caching", self.enable_prefix_caching))
         put("enable_kv_events", _check_bool("enable_kv_events", self.enable_kv_events))
@@ -275,6 +323,12 @@ class CacheConfig:
         put("host_num_blocks", _check_int("host_num_blocks", self.host_num_blocks, 0))
         if self.shuffle_free_blocks is not None:
             put("shuffle_free_blocks", _check_int("shuffle_free_blocks", self.shuffle_free_blocks, 0))
+        if self.tp_size > 1 and self.enable_prefix_caching and self.hash_seed is None:
+            # Every rank must take the same prefix decisions; a per-process hash root
+            # could (on a 64-bit collision) differ between ranks.
+            raise InvalidArgumentError(expected(
+                "hash_seed", f"an int shared by all ranks when tp_size > 1 (tp_size={self.tp_size})", None))
+        self._validate_tiers(put)
 
     def _validate_lowbit(self, put) -> None:
         q = self.kv_dtype
@@ -335,10 +389,9 @@ class CacheConfig:
     @property
     def quant_head_bytes(self) -> int:
         """Bytes of one quantized (token, head, K or V) row: codes plus scale/zero."""
-        d = self.head_dim
-        if self.kv_dtype == "int4":
-            return d // 2 + 2 * _SCALE_BYTES * (d // self.kv_group_size)
-        return d + _SCALE_BYTES * (2 if self.kv_dtype == "int8" else 1)
+        row, d = dtypes.info(self.kv_dtype), self.head_dim
+        params = d // self.kv_group_size if row.grouped else 1
+        return d // row.codes_per_byte * row.itemsize + _SCALE_BYTES * params * (2 if row.zero_point else 1)
 
     @property
     def bits_per_element(self) -> float:
@@ -357,7 +410,7 @@ class CacheConfig:
     @property
     def window_bytes(self) -> int:
         """Bytes of the window arena (model-precision K/V plus a validity byte per token)."""
-        per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
+        per_block = 2 * self.block_size * self.kv_heads_per_rank * self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
         return len(self.quantized_layers) * self.window_blocks * (per_block + self.block_size)
 
     @property
@@ -371,6 +424,29 @@ class CacheConfig:
         return self.kv_dtype or self.dtype
 
     @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads this rank stores: ``num_kv_heads // tp_size``, at least 1 (replicated)."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def kv_head_indices(self) -> Tuple[int, ...]:
+        """The model's KV heads this rank stores, in order.
+
+        With at least as many heads as ranks, rank ``r`` holds a contiguous slice;
+        with fewer, each head is replicated on ``tp_size // num_kv_heads`` consecutive
+        ranks (vLLM's rule), so rank ``r`` holds head ``r * num_kv_heads // tp_size``.
+        """
+        k = self.kv_heads_per_rank
+        if self.num_kv_heads >= self.tp_size:
+            return tuple(range(self.tp_rank * k, (self.tp_rank + 1) * k))
+        return (self.tp_rank * self.num_kv_heads // self.tp_size,)
+
+    @property
+    def has_prefix_tiers(self) -> bool:
+        """True when a host or disk prefix tier is configured."""
+        return bool(self.prefix_host_blocks or self.prefix_disk_blocks)
+
+    @property
     def element_bytes(self) -> float:
         """Bytes per stored K/V element, without scales (0.5 for int4)."""
         return KV_DTYPE_NAMES[self.kv_dtype] if self.quantized else MODEL_DTYPE_NAMES[self.dtype]
@@ -380,10 +456,10 @@ class CacheConfig:
         """Bytes of one token across all layers, K and V, including quantization scales."""
         full = self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
         if not self.quantized:
-            return 2 * self.num_layers * self.num_kv_heads * full
+            return 2 * self.num_layers * self.kv_heads_per_rank * full
         lq = len(self.quantized_layers)
         per_layers = lq * self.quant_head_bytes + (self.num_layers - lq) * full
-        return 2 * self.num_kv_heads * per_layers
+        return 2 * self.kv_heads_per_rank * per_layers
 
     @property
     def bytes_per_block(self) -> int:
@@ -421,15 +497,14 @@ class CacheConfig:
         with ``head_dim / kv_group_size`` groups instead); None unquantized."""
         if not self.quantized:
             return None
-        groups = (self.head_dim // self.kv_group_size,) if self.kv_dtype == "int4" else ()
+        groups = (self.head_dim // self.kv_group_size,) if dtypes.info(self.kv_dtype).grouped else ()
         return self.arena_shape[:-1] + groups
 
     def layer_shape(self, num_blocks: int) -> Tuple[int, int, int, int, int]:
         """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too);
         int4 packs two codes per byte, so its last dim is ``head_dim / 2``."""
-        bs, h, d = self.block_size, self.num_kv_heads, self.head_dim
-        if self.kv_dtype == "int4":
-            d //= 2
+        bs, h = self.block_size, self.kv_heads_per_rank
+        d = self.head_dim // dtypes.info(self.cache_dtype).codes_per_byte
         return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -442,17 +517,12 @@ class CacheConfig:
     @property
     def torch_dtype(self):
         """The model dtype as a torch dtype (imports torch)."""
-        import torch
-
-        return getattr(torch, self.dtype)
+        return dtypes.info(self.dtype).torch_dtype
 
     @property
     def torch_cache_dtype(self):
         """The data arena's torch dtype (imports torch)."""
-        import torch
-
-        names = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8", "int4": "uint8"}
-        return getattr(torch, names.get(self.cache_dtype, self.cache_dtype))
+        return dtypes.info(self.cache_dtype).torch_dtype
 
     # -- construction from a model config -----------------------------------------
 

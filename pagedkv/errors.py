@@ -27,6 +27,8 @@ __all__ = [
     "PrefillMemoryError",
     "ModelUnavailableError",
     "InternalError",
+    "TierFileError",
+    "TransferError",
     "expected",
 ]
 
@@ -148,3 +150,15 @@ class InternalError(PagedKVError, RuntimeError):
 
     def __init__(self, what: str):
         super().__init__(f"internal invariant broken (this is a bug in pagedkv): {what}")
+
+
+class TierFileError(PagedKVError, ValueError):
+    """A disk prefix tier's files are corrupt, truncated, locked by another process, or
+    were written for another model shape or settings. They are refused, never used."""
+
+
+class TransferError(PagedKVError, RuntimeError):
+    """A KV transfer between processes failed (the peer refused, died or timed out).
+
+    The receiving cache is left as it was before the call: nothing half-registered,
+    no block leaked."""

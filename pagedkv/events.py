@@ -3,6 +3,12 @@
 Enable with ``CacheConfig(enable_kv_events=True)`` and drain with
 :meth:`pagedkv.PagedKVCache.drain_events`. Consecutive stores of one chain (each
 block's parent is the previous block) are grouped into one :class:`BlockStored`.
+
+Every event carries the ``medium`` it happened in: ``"device"``, or a prefix tier
+(``"host"``, ``"disk"``). Block ids are that medium's (device block ids, tier slots);
+hashes are always this process's device hashes, so a router mirrors one hash space.
+A device store of blocks promoted from a tier names it in ``loaded_from``: that is
+the tier that served the hit.
 """
 from __future__ import annotations
 
@@ -25,19 +31,24 @@ class BlockStored:
     token_count: int
     namespace: Optional[Tuple[Any, Any]]
     block_ids: List[int]
+    medium: str = "device"
+    loaded_from: Optional[str] = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Blocks were evicted: their hashes no longer resolve."""
+    """Blocks were evicted from ``medium``: their hashes no longer resolve there."""
 
     block_hashes: List[int]
     block_ids: List[int]
+    medium: str = "device"
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """The prefix cache was reset."""
+    """The prefix cache of ``medium`` was reset."""
+
+    medium: str = "device"
 
 
 @dataclass(frozen=True)

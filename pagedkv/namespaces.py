@@ -14,6 +14,10 @@ An id, once given, stays with its namespace for the cache's life: cached blocks 
 it after every sequence of the namespace is gone, and a later sequence of the same
 namespace must find them. Only admissions register a namespace; lookups
 (``match_prefix``, ``pin_prefix``...) of an unknown namespace register nothing.
+
+Ids are per process. What leaves the process (a prefix tier's disk files, a peer over
+:mod:`pagedkv.distributed`) names a namespace by its *key*, the bytes its hash is
+computed from (:func:`namespace_key`).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 from pagedkv.seq_ids import strict_key
 
-__all__ = ["NamespaceRegistry", "DEFAULT"]
+__all__ = ["NamespaceRegistry", "DEFAULT", "namespace_key", "namespace_hash"]
 
 #: the default namespace (no salt, no adapter): id 0, hash 0
 DEFAULT: Tuple[int, int] = (0, 0)
@@ -34,12 +38,15 @@ _NS_MAX = 2**31 - 1   # ns ids are int32 in the core
 class NamespaceRegistry:
     """The namespaces a cache has admitted (see the module docstring)."""
 
-    __slots__ = ("_ids", "_names", "_hashes")
+    __slots__ = ("_ids", "_names", "_hashes", "_keys", "_by_key")
 
     def __init__(self) -> None:
         self._ids: Dict[Hashable, int] = {(None, None): 0}       # strict key -> ns id
         self._names: Dict[int, Tuple[Any, Any]] = {0: (None, None)}
         self._hashes: Dict[int, int] = {0: 0}
+        default = namespace_key(None, None)
+        self._keys: Dict[int, bytes] = {0: default}               # ns id -> namespace key
+        self._by_key: Dict[bytes, int] = {default: 0}
 
     def __len__(self) -> int:
         return len(self._names)
@@ -65,7 +72,10 @@ class NamespaceRegistry:
                                                 "one more"))
         self._ids[key] = ns_id
         self._names[ns_id] = (cache_salt, adapter_id)
-        self._hashes[ns_id] = namespace_hash(cache_salt, adapter_id)
+        nkey = namespace_key(cache_salt, adapter_id)
+        self._hashes[ns_id] = hash_bytes(nkey)
+        self._keys[ns_id] = nkey
+        self._by_key[nkey] = ns_id
         return ns_id, self._hashes[ns_id]
 
     def rollback(self, size: int) -> None:
@@ -75,6 +85,7 @@ class NamespaceRegistry:
             name = self._names.pop(ns_id)
             del self._hashes[ns_id]
             del self._ids[_key(*name)]
+            del self._by_key[self._keys.pop(ns_id)]
 
     def name(self, ns_id: int) -> Tuple[Any, Any]:
         """``(cache_salt, adapter_id)`` of a namespace id."""
@@ -82,6 +93,25 @@ class NamespaceRegistry:
 
     def hash_of(self, ns_id: int) -> int:
         return self._hashes[ns_id]
+
+    def key_of(self, ns_id: int) -> bytes:
+        """The process-independent key of a namespace id."""
+        return self._keys[ns_id]
+
+    def hash_of_key(self, nkey: bytes) -> int:
+        """The hash seed of a namespace key (registered here or not). The default
+        namespace's seed is 0 by convention, not the hash of its key."""
+        ns_id = self._by_key.get(nkey)
+        return hash_bytes(nkey) if ns_id is None else self._hashes[ns_id]
+
+    def name_of_key(self, nkey: bytes):
+        """``(cache_salt, adapter_id)`` of a namespace key as KV events name it (None for
+        the default); the raw key when this process has not used that namespace."""
+        ns_id = self._by_key.get(nkey)
+        if ns_id is None:
+            return nkey
+        name = self._names[ns_id]
+        return None if name == (None, None) else name
 
 
 def _key(cache_salt: Optional[str], adapter_id: Any) -> Hashable:
@@ -95,9 +125,16 @@ def _key(cache_salt: Optional[str], adapter_id: Any) -> Hashable:
 
 
 def namespace_hash(cache_salt: Optional[str], adapter_id: Any) -> int:
-    """The namespace's hash seed. Domain separation: each field is tagged and
-    length-prefixed, with its type, so a salt "X" and an adapter "X" (or "a" + "bc" vs
-    "ab" + "c", or adapter 1 vs True) never hash alike by construction."""
+    """The namespace's hash seed: the hash of :func:`namespace_key` (0 for the default)."""
+    if cache_salt is None and adapter_id is None:
+        return 0
+    return hash_bytes(namespace_key(cache_salt, adapter_id))
+
+
+def namespace_key(cache_salt: Optional[str], adapter_id: Any) -> bytes:
+    """The process-independent key of a namespace. Domain separation: each field is
+    tagged and length-prefixed, with its type, so a salt "X" and an adapter "X" (or
+    "a" + "bc" vs "ab" + "c", or adapter 1 vs True) never collide by construction."""
     parts = [b"pagedkv-namespace-v1"]
     for tag, value in ((b"salt", cache_salt), (b"adapter", adapter_id)):
         if value is None:
@@ -106,4 +143,4 @@ def namespace_hash(cache_salt: Optional[str], adapter_id: Any) -> int:
             raw = value.encode() if isinstance(value, str) else repr(value).encode()
             kind = type(value).__name__.encode()
             parts.append(tag + b":" + kind + b":" + str(len(raw)).encode() + b":" + raw)
-    return hash_bytes(b"\x00".join(parts))
+    return b"\x00".join(parts)

@@ -8,7 +8,7 @@ full blocks for prefix reuse. Both are all or nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -49,6 +49,9 @@ class HostTier:
         self.pool = BlockPool(num_blocks)
         self._namespace_hash = namespace_hash
         self.swapped: Dict[int, _Swapped] = {}
+        # Set by a cache with prefix tiers: moves the prefix blocks an allocation evicted
+        # down to the tiers before anything overwrites their KV.
+        self.sync: Optional[Callable[[], None]] = None
 
     @property
     def num_swapped(self) -> int:
@@ -97,6 +100,8 @@ class HostTier:
         keys = np.array([key], dtype=np.int64)
         tables.add(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority, False)
         tables.reserve(keys, rec.num_computed, internal=True)
+        if self.sync is not None:
+            self.sync()     # prefix blocks it evicted go down before the load overwrites them
         device_blocks = tables.blocks(key)
         if self.store is not None and n:
             import torch
@@ -104,6 +109,8 @@ class HostTier:
             pairs = np.stack([rec.host_blocks, device_blocks], axis=1).astype(np.int64)
             self.store.load(torch.from_numpy(pairs))
         tables.commit(keys, rec.num_computed, internal=True)
+        if self.sync is not None:
+            self.sync()
         self.pool.free(rec.host_blocks)
         del self.swapped[key]
         return n

@@ -45,6 +45,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from pagedkv import dtypes
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 
 __all__ = [
@@ -62,46 +63,38 @@ __all__ = [
     "DEFAULT_INT4_GROUP",
 ]
 
-FP8_E4M3_MAX = 448.0
-FP8_E5M2_MAX = 57344.0
+FP8_E4M3_MAX = dtypes.info("fp8_e4m3").max_finite
+FP8_E5M2_MAX = dtypes.info("fp8_e5m2").max_finite
 
 #: dtypes a model computes K/V in (and the dtypes a gather may return).
-MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MODEL_DTYPES = tuple(d.torch_dtype for d in dtypes.MODEL)
 
 #: storage dtype of each quantized kv_dtype name.
-QUANT_STORAGE_DTYPES = {
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "int4": torch.uint8,  # packed: two 4-bit codes per byte
-}
+QUANT_STORAGE_DTYPES = {d.name: d.torch_dtype for d in dtypes.QUANTIZED}
+
+_FP8_MAX = {d.torch_dtype: d.max_finite for d in dtypes.QUANTIZED if d.float8}
+
+_QUANTIZED = frozenset(QUANT_STORAGE_DTYPES.values())
 
 #: int4 group size used when none is given (measured: see README, "Low-bit KV").
 DEFAULT_INT4_GROUP = 64
-
-_FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
-_NAME_ALIASES = {"fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
 KVDType = Union[str, torch.dtype]
 
 
 def storage_dtype(kv_dtype: KVDType) -> torch.dtype:
     """The torch storage dtype of a quantized ``kv_dtype`` (name or torch dtype)."""
-    if isinstance(kv_dtype, torch.dtype):
-        if kv_dtype in _FP8_MAX or kv_dtype in (torch.int8, torch.uint8):
-            return kv_dtype
-    elif isinstance(kv_dtype, str):
-        name = _NAME_ALIASES.get(kv_dtype.lower(), kv_dtype.lower())
-        if name in QUANT_STORAGE_DTYPES:
-            return QUANT_STORAGE_DTYPES[name]
+    row = dtypes.lookup(kv_dtype) if isinstance(kv_dtype, (str, torch.dtype)) else None
+    if row is not None and row.quantized:
+        return row.torch_dtype
     raise DTypeError(
-        expected("kv_dtype", "one of fp8_e4m3, fp8_e5m2, int8, int4 (or their torch dtypes)", kv_dtype)
+        expected("kv_dtype", f"one of {', '.join(dtypes.quantized_names())} (or their torch dtypes)", kv_dtype)
     )
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
     """True when ``dtype`` is a quantized storage dtype (fp8, int8, or uint8 = packed int4)."""
-    return dtype in _FP8_MAX or dtype == torch.int8 or dtype == torch.uint8
+    return dtype in _QUANTIZED
 
 
 def fp8_max(dtype: torch.dtype) -> float:

@@ -141,7 +141,7 @@ class SequenceIds:
         if t is int and 0 <= seq_ids <= _INT64_MAX:
             return seq_ids, False                  # a lone int goes to the core as is
         if t is np.ndarray:
-            if seq_ids.dtype == np.int64:
+            if seq_ids.dtype == np.int64 and seq_ids.ndim == 1:
                 return seq_ids, False              # straight to the core (it rejects negatives)
             return self._array(seq_ids), True
         if t is list or t is range or isinstance(seq_ids, (list, range)):

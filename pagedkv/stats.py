@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Tuple
 
 import numpy as np
 
@@ -26,7 +27,7 @@ class CacheStats:
     deallocation_count: int        # references released, ever
     eviction_count: int            # cached blocks whose content was dropped for reuse
     query_tokens: int              # prompt tokens looked up in the prefix cache
-    hit_tokens: int                # of those, served from cached blocks
+    hit_tokens: int                # of those, served from cached blocks (device and tiers)
     hit_rate: float
     cow_copies: int                # copy-on-write block copies
     bytes_per_block: int
@@ -34,20 +35,29 @@ class CacheStats:
     bytes_free: int
     swapped_sequences: int
     host_blocks_in_use: int
+    device_hit_tokens: int = 0     # hit tokens the device index served
+    host_hit_tokens: int = 0       # hit tokens promoted from the host prefix tier
+    disk_hit_tokens: int = 0       # hit tokens promoted from the disk prefix tier
+    tiers: Tuple = ()              # TierStats per prefix tier below the device
 
     @property
     def is_full(self) -> bool:
         return self.free_blocks == 0
 
     @classmethod
-    def collect(cls, pool, tables, config, host=None) -> "CacheStats":
+    def collect(cls, pool, tables, config, host=None, tiers=None) -> "CacheStats":
         """Read the figures from the core objects (``BlockPool``, ``BlockTables``), the
-        ``CacheConfig`` and the host tier (``HostTier`` or None), under the caller's lock."""
+        ``CacheConfig``, the host tier (``HostTier`` or None) and the prefix tiers
+        (:class:`~pagedkv.tiers.PrefixTiers` or None), under the caller's lock."""
         cfg = config
         tokens, waste = tables.total_tokens()
         used = pool.num_in_use_blocks
         bpb = cfg.bytes_per_block
         q, h = tables.num_query_tokens, tables.num_hit_tokens
+        tiers = tuple(tiers.stats()) if tiers is not None else ()
+        by_medium = {t.medium: t.hit_tokens for t in tiers}
+        device_hits = h
+        h += sum(by_medium.values())
         return cls(
             total_blocks=pool.num_blocks,
             allocated_blocks=used,
@@ -71,6 +81,10 @@ class CacheStats:
             bytes_free=(pool.num_blocks - used) * bpb,
             swapped_sequences=host.num_swapped if host is not None else 0,
             host_blocks_in_use=host.num_blocks_in_use if host is not None else 0,
+            device_hit_tokens=device_hits,
+            host_hit_tokens=by_medium.get("host", 0),
+            disk_hit_tokens=by_medium.get("disk", 0),
+            tiers=tiers,
         )
 
     def as_dict(self) -> dict:
@@ -90,7 +104,9 @@ class CacheStats:
             f"Prefix cache: {self.hit_tokens}/{self.query_tokens} tokens hit ({100 * self.hit_rate:.1f}%), "
             f"{self.eviction_count} evictions, {self.cow_copies} copy-on-write copies",
             f"Counters: {self.allocation_count} blocks allocated, {self.deallocation_count} released",
-        ])
+        ] + ([f"Hits by medium: device {self.device_hit_tokens}, host {self.host_hit_tokens}, "
+              f"disk {self.disk_hit_tokens} tokens"] if self.tiers else [])
+          + [t.describe() for t in self.tiers])
 
 
 _STATE_CHARS = np.frombuffer(b".#c", dtype=np.uint8)

@@ -23,7 +23,7 @@ import torch
 
 import numpy as np
 
-from pagedkv import ops
+from pagedkv import dtypes, ops
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.ops import reference
@@ -68,7 +68,7 @@ class KVStore:
             raise InvalidArgumentError(expected("config", "a CacheConfig", type(config).__name__))
         self.requested_config = config
         self.device = torch.device(config.device)
-        if config.kv_dtype in ("fp8_e4m3", "fp8_e5m2") and not fp8_check(self.device):
+        if config.quantized and dtypes.info(config.kv_dtype).float8 and not fp8_check(self.device):
             msg = (
                 f"pagedkv: kv_dtype={config.kv_dtype} needs fp8 support (CUDA compute capability "
                 f">= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}), which {self.device} lacks; "
@@ -105,7 +105,7 @@ class KVStore:
 
     def _window(self, num_blocks: int, device: torch.device) -> RecentWindow:
         c = self.config
-        return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.num_kv_heads, c.head_dim,
+        return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.kv_heads_per_rank, c.head_dim,
                             c.kv_window, c.torch_dtype, device)
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
@@ -115,9 +115,9 @@ class KVStore:
         kv = torch.zeros(shape, dtype=cfg.torch_cache_dtype, **kw)
         scale = zero = full = None
         if cfg.quantized:
-            groups = (cfg.head_dim // cfg.kv_group_size,) if cfg.kv_dtype == "int4" else ()
+            groups = (cfg.head_dim // cfg.kv_group_size,) if dtypes.info(cfg.kv_dtype).grouped else ()
             scale = torch.zeros(shape[:-1] + groups, dtype=torch.float32, **kw)
-            if cfg.kv_dtype in ("int8", "int4"):
+            if dtypes.info(cfg.kv_dtype).zero_point:
                 zero = torch.zeros(shape[:-1] + groups, dtype=torch.float32, **kw)
         if self._num_full:
             d = cfg.head_dim

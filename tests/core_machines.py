@@ -15,7 +15,7 @@ from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
 from pagedkv.errors import PagedKVError
-from pagedkv.pymodel import PyBlockPool, PyTables
+from pagedkv.testing.core_model import PyBlockPool, PyTables
 
 POLICIES = ["lru", "priority", "adaptive", "frequency"]
 
@@ -340,6 +340,25 @@ class TablesMachine(RuleBasedStateMachine):
             for k, n in zip(keys, counts):
                 if n:
                     del self.pending[k][-n:]
+
+    @rule(data=st.data(), tail=st.lists(ALPHABET, max_size=6))
+    def truncate(self, data, tail):
+        """Roll back committed tokens (rejected draft tokens); a later continuation differs."""
+        if not self.seq_tokens:
+            return
+        keys = data.draw(st.lists(st.sampled_from(self.keys()), unique=True, min_size=1, max_size=3))
+        counts = [data.draw(st.integers(0, self.tables.num_computed(k) + 1)) for k in keys]
+        lengths = {k: self.tables.num_computed(k) - n for k, n in zip(keys, counts)}
+        _, _, err = self.same(lambda: self.tables.truncate(np.array(keys, np.int64), np.array(counts, np.int64)),
+                              lambda: self.model.truncate(keys, counts))
+        if err is not None:
+            assert any(n > self.tables.num_computed(k) for k, n in zip(keys, counts))
+            return
+        for k in keys:
+            assert self.tables.num_computed(k) == self.tables.num_reserved(k) == lengths[k]
+            assert len(self.tables.tokens(k)) <= lengths[k]
+            self.pending[k] = []
+            self.seq_tokens[k] = self.seq_tokens[k][:lengths[k]] + list(tail)
 
     @rule(data=st.data())
     def fork(self, data):

@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from pagedkv.compat.cortex import INVALID_HANDLE, KVBlockAllocator, KVCache, KVHandle
+from pagedkv.compat.cortex import INVALID_HANDLE, BuddyBlockAllocator, KVBlockAllocator, KVCache, KVHandle
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError, SequenceExistsError, SequenceNotFoundError
 
@@ -204,3 +204,82 @@ def test_from_pagedkv_config():
     cfg = CacheConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=5, dtype="bfloat16")
     c = KVCache.from_config(cfg)
     assert c.k.shape == (L, H, 5 * BS, D) and c.k.dtype == torch.bfloat16 and c.config.num_blocks == 5
+
+
+# ---- KVCache in buddy mode -------------------------------------------------------------------
+@pytest.fixture
+def bcache():
+    c = KVCache(L, H, D, BS, max_total_tokens=16 * BS, dtype="float32", allocator="buddy")
+    yield c
+    for rid in list(c._sequences):
+        c.free_for(rid)
+    assert c.allocator.pool.num_free_blocks == 16       # every run went back to the pool
+
+
+def fill_view(cache, rid, seed):
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for layer in range(L):
+        k, v = torch.randn(H, cache.used_tokens(rid), D, generator=g), torch.randn(H, cache.used_tokens(rid), D, generator=g)
+        cache.get_k_view(rid, layer).copy_(k)
+        cache.get_v_view(rid, layer).copy_(v)
+        data.append((k, v))
+    return data
+
+
+def assert_view(cache, rid, data):
+    for layer, (k, v) in enumerate(data):
+        n = k.shape[1]
+        assert torch.equal(cache.get_k_view(rid, layer)[:, :n], k) and torch.equal(cache.get_v_view(rid, layer)[:, :n], v)
+
+
+def test_buddy_runs_are_power_of_two_and_aligned(bcache):
+    assert isinstance(bcache.allocator, BuddyBlockAllocator)
+    assert bcache.allocate_for("a", 9)            # 3 blocks -> a run of 4
+    assert bcache.allocate_for("b", 4)            # 1 block
+    assert bcache._sequences["a"].handle == KVHandle(0, 4) and bcache._sequences["b"].handle == KVHandle(4, 1)
+    assert bcache.capacity("a") == 12 and bcache.allocator.used_blocks() == 5
+    k = bcache.get_k_view("a", 1)                 # zero copy over the run
+    assert k.shape == (H, 9, D) and k.data_ptr() == bcache.k[1, 0, 0].data_ptr()
+    assert not bcache.allocate_for("big", 16 * BS)
+
+
+def test_buddy_grow_in_place_then_by_move_keeps_the_kv(bcache):
+    bcache.allocate_for("a", 2 * BS)              # blocks 0-1
+    data = fill_view(bcache, "a", 0)
+    assert bcache.grow_for("a", 4 * BS)           # buddy 2-3 free: merged, no move
+    assert bcache._sequences["a"].handle == KVHandle(0, 4) and bcache.capacity("a") == 4 * BS
+    assert_view(bcache, "a", data)
+    bcache.allocate_for("b", 4 * BS)              # blocks 4-7: a's next buddy is taken
+    other = fill_view(bcache, "b", 1)
+    for _ in range(2 * BS):
+        assert bcache.append_token("a")
+    data = fill_view(bcache, "a", 2)
+    assert bcache.grow_for("a", 5 * BS)           # moves to blocks 8-15, K/V copied
+    assert bcache._sequences["a"].handle == KVHandle(8, 8)
+    assert_view(bcache, "a", data)
+    assert_view(bcache, "b", other)
+    assert not bcache.grow_for("b", 16 * BS) and bcache._sequences["b"].handle == KVHandle(4, 4)
+    assert bcache.free_for("a") and bcache.free_for("b")
+    assert bcache.allocator.buddy.free_candidates() == {4: [0]}
+
+
+def test_buddy_mode_arguments():
+    with pytest.raises(InvalidArgumentError, match=r"allocator: expected 'first_fit' or 'buddy', got 'best'"):
+        KVCache(L, H, D, BS, 64, allocator="best")
+    c = KVCache(L, H, D, BS, 16 * BS, dtype="float32")
+    c.allocate_for("a", 1)
+    with pytest.raises(InvalidArgumentError, match=r"allocator: expected 'buddy' for grow_for, got 'first_fit'"):
+        c.grow_for("a", 8)
+    c.free_for("a")
+    b = KVCache(L, H, D, BS, 16 * BS, dtype="float32", allocator="buddy")
+    b.allocate_for("a", 1)
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens: expected an int >= 1, got 0"):
+        b.grow_for("a", 0)
+    with pytest.raises(SequenceNotFoundError):
+        b.grow_for("zz", 8)
+    h = b._sequences["a"].handle
+    b.free_for("a")
+    with pytest.raises(InvalidBlockError, match=r"handle: expected a live handle"):
+        b.allocator.free(h)
+    assert b.allocator.pool.num_free_blocks == 16

@@ -243,3 +243,41 @@ def test_from_hf_config_errors(tmp_path):
         CacheConfig.from_hf_config(QWEN3_06B, blocks=1)
     with pytest.raises(InvalidArgumentError, match=r"num_blocks: expected exactly one"):
         CacheConfig.from_hf_config(QWEN3_06B)
+
+
+# ---- tensor parallelism ------------------------------------------------------------------
+def test_tp_keeps_a_share_of_the_kv_heads_per_rank():
+    cfgs = [CacheConfig(num_layers=2, num_kv_heads=8, head_dim=4, num_blocks=4, tp_size=4, tp_rank=r, hash_seed=1)
+            for r in range(4)]
+    assert [c.kv_head_indices for c in cfgs] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert {c.kv_heads_per_rank for c in cfgs} == {2}
+    assert cfgs[0].kv_cache_shape == (4, 2, 16, 2, 4)
+    full = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=4, num_blocks=4)
+    assert cfgs[0].bytes_per_block * 4 == full.bytes_per_block
+
+
+def test_tp_replicates_kv_heads_when_there_are_fewer_than_ranks():
+    cfgs = [CacheConfig(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=4, tp_size=8, tp_rank=r, hash_seed=1)
+            for r in range(8)]
+    assert [c.kv_head_indices for c in cfgs] == [(0,), (0,), (0,), (0,), (1,), (1,), (1,), (1,)]
+    assert {c.kv_heads_per_rank for c in cfgs} == {1}
+
+
+def test_from_hf_config_takes_tp_size():
+    cfg = CacheConfig.from_hf_config({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                      "hidden_size": 576}, num_blocks=8, tp_size=3, tp_rank=2, hash_seed=0)
+    assert (cfg.num_kv_heads, cfg.kv_heads_per_rank, cfg.kv_head_indices) == (3, 1, (2,))
+    assert cfg.kv_cache_shape == (8, 2, 16, 1, 64)
+
+
+def test_tp_options_are_validated():
+    base = dict(num_layers=1, num_kv_heads=6, head_dim=4, num_blocks=4, hash_seed=1)
+    with pytest.raises(InvalidArgumentError, match=r"tp_size: expected a divisor or a multiple of num_kv_heads \(6\), got 4"):
+        CacheConfig(**base, tp_size=4)
+    with pytest.raises(InvalidArgumentError, match=r"tp_rank: expected an int in \[0, 2\), got 2"):
+        CacheConfig(**base, tp_size=2, tp_rank=2)
+    with pytest.raises(InvalidArgumentError, match="tp_size: expected an int >= 1, got 0"):
+        CacheConfig(**base, tp_size=0)
+    with pytest.raises(InvalidArgumentError, match=r"hash_seed: expected an int shared by all ranks when "
+                                                   r"tp_size > 1 \(tp_size=2\), got None"):
+        CacheConfig(**dict(base, hash_seed=None), tp_size=2)

@@ -1,12 +1,12 @@
-"""The CUDA kernels, run on the CPU through the host emulation, match the torch
-reference bit for bit.
+"""What only the host emulation of the CUDA kernels has: its number conversions
+against torch's casts, 64-bit offsets, the plans' own checks, the CUDA launchers'
+refusals without a GPU, and an AddressSanitizer run.
 
 The emulation compiles the unchanged .cu sources with g++ (see
 pagedkv/kernels/emulation.py) and runs the launch plans the CUDA launchers would
-run, over the whole grid: once with the planned dims and once with a grid far
-smaller than the work, so every grid-stride loop takes several turns. Outputs are
-compared as raw bytes (NaN outputs, whose payload bits are not part of the
-contract, are compared as "both NaN").
+run, over the whole grid. That every op matches the reference bit for bit, with the
+planned dims and with grids far smaller than the work, is tested for every backend
+at once in test_backends.py (the 'emulated' backend).
 """
 from __future__ import annotations
 
@@ -23,104 +23,16 @@ from pagedkv.errors import (
     DeviceError,
     DTypeError,
     InvalidArgumentError,
-    InvalidBlockError,
     ShapeError,
 )
+from backend_cases import BS, H, LAYOUTS, NB, assert_same, layer_shape, name, random_layer, tokens
 from pagedkv.kernels import emulation as emu
 from pagedkv.kernels import plans
 from pagedkv.ops import reference as ref
 
 pytestmark = pytest.mark.skipif(shutil.which(emu.CXX) is None, reason=f"the host emulation needs {emu.CXX}")
 
-MODEL = (torch.float32, torch.float16, torch.bfloat16)
-QUANT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
-LAYOUTS = ("NHD", "HND")
-SMALL_GRID = dict(grid=(2, 3, 1), block=(4, 2, 1))  # 48 threads for hundreds of items
-ONE_THREAD = dict(grid=(1, 1, 1), block=(1, 1, 1))
-NB, BS, H = 7, 5, 3  # odd sizes: partial blocks everywhere
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-def name(x) -> str:
-    return str(x).replace("torch.", "")
-
-
-# ----------------------------------------------------------------------------------
-# helpers
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Byte-for-byte equal; NaNs of float tensors only need to be NaN on both sides."""
-    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
-    if got.dtype.is_floating_point and got.element_size() > 1:
-        gn, wn = torch.isnan(got.float()), torch.isnan(want.float())
-        assert torch.equal(gn, wn), "NaN positions differ"
-        got, want = got.masked_fill(gn, 0), want.masked_fill(wn, 0)
-    same = raw(got) == raw(want)
-    assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} bytes differ"
-
-
-def layer_shape(layout: str, nb: int, bs: int, h: int, d: int):
-    return (nb, 2, bs, h, d) if layout == "NHD" else (nb, 2, h, bs, d)
-
-
-def offset_view(t: torch.Tensor, offset: int) -> torch.Tensor:
-    """A copy of ``t`` whose data starts ``offset`` elements into its storage, so the
-    pointer is not 16-byte aligned for offset 1."""
-    buf = torch.empty(t.numel() + offset, dtype=t.dtype)
-    view = buf[offset:].view(t.shape)
-    view.copy_(t)
-    return view
-
-
-def random_layer(layout, dtype, d, *, nb=NB, bs=BS, h=H, offset=0, gen=None):
-    shape = layer_shape(layout, nb, bs, h, d)
-    if dtype in MODEL:
-        t = torch.randn(shape, generator=gen).to(dtype)
-    else:
-        t = torch.randint(0, 256, shape, dtype=torch.int32, generator=gen).to(torch.uint8).view(dtype)
-    return offset_view(t, offset) if offset else t
-
-
-def quantized_layer(layout, qdtype, d, *, gen, nb=NB, bs=BS, h=H):
-    """A quantized layer whose every slot holds reference-quantized data."""
-    shape = layer_shape(layout, nb, bs, h, d)
-    kv = torch.zeros(shape, dtype=qdtype)
-    scale = torch.zeros(shape[:-1])
-    zero = torch.zeros(shape[:-1]) if qdtype == torch.int8 else None
-    slots = torch.arange(nb * bs)
-    k = torch.randn(nb * bs, h, d, generator=gen) * 4
-    v = torch.randn(nb * bs, h, d, generator=gen)
-    ref.write_kv(kv, slots, k, v, layout=layout, kv_scale=scale, kv_zero=zero)
-    return kv, scale, zero
-
-
-def clones(*ts):
-    return [None if t is None else t.clone() for t in ts]
-
-
-def tokens(n, d, dtype, kind, gen):
-    """key/value inputs [n, H, d]: contiguous, a slice of a fused qkv row (token
-    stride 3*H*d), or an element-offset copy (pointer misaligned for vectors)."""
-    if kind == "qkv":
-        qkv = torch.randn(n, 3 * H * d, generator=gen).to(dtype)
-        return qkv[:, H * d : 2 * H * d].view(n, H, d), qkv[:, 2 * H * d :].view(n, H, d)
-    k = torch.randn(n, H, d, generator=gen).to(dtype)
-    v = torch.randn(n, H, d, generator=gen).to(dtype)
-    if kind == "misaligned":
-        return offset_view(k, 1), offset_view(v, 1)
-    return k, v
-
-
-def slot_mapping(n, gen, nb=NB, bs=BS):
-    """n distinct slots, every fourth one padding (-1)."""
-    slots = torch.randperm(nb * bs, generator=gen)[:n].to(torch.int64)
-    slots[::4] = -1
-    return slots
 
 
 # ----------------------------------------------------------------------------------
@@ -184,276 +96,6 @@ def test_float_to_fp8_over_every_float32(qdtype):
         want = torch.clamp(x, -FMAX[qdtype], FMAX[qdtype]).to(qdtype).view(torch.uint8)
         got = emu.conversion(conv, x, torch.uint8)
         assert torch.equal(got, want), f"mismatch in chunk starting at bits {start & 0xFFFFFFFF:#010x}"
-
-
-# ----------------------------------------------------------------------------------
-# write_kv
-
-
-@pytest.mark.parametrize("kind", ["contiguous", "qkv", "misaligned"])
-@pytest.mark.parametrize("d", [3, 17, 80])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", MODEL, ids=name)
-def test_write_kv_copies_like_the_reference(dtype, layout, d, kind):
-    gen = torch.Generator().manual_seed(d * 7 + len(kind))
-    layer = random_layer(layout, dtype, d, gen=gen, offset=1 if kind == "misaligned" else 0)
-    key, value = tokens(23, d, dtype, kind, gen)
-    slots = slot_mapping(23, gen)
-    want = layer.clone()
-    ref.write_kv(want, slots, key, value, layout=layout)
-
-    vector = kind != "misaligned" and (d * key.element_size()) % 16 == 0
-    launch = plans.plan_write_kv(layer, slots, key, value, layout=layout)[0]
-    assert launch.kernel.endswith("_v16" if vector else f"_e{key.element_size()}")
-    for dims in ({}, SMALL_GRID, ONE_THREAD):
-        got = layer.clone()
-        emu.write_kv(got, slots, key, value, layout=layout, **dims)
-        assert_same(got, want)
-
-
-def _special_rows(x: torch.Tensor) -> torch.Tensor:
-    """Rows the quantizer must handle: zeros (scale 0 -> 1), a constant, +-inf, NaN
-    of both signs, huge and tiny magnitudes."""
-    x = x.clone()
-    x[0, 0] = 0.0
-    x[1, 0] = 2.5
-    x[2, 0, 0] = float("inf")
-    x[2, 1, 1 % x.shape[2]] = float("-inf")
-    x[3, 0, 0] = float("nan")
-    x[3, 1, 0] = -float("nan")
-    x[4, 0] = x[4, 0] * 1e30
-    x[4, 1] = x[4, 1] * 1e-30
-    return x
-
-
-@pytest.mark.parametrize("d", [3, 17, 80])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("qdtype", QUANT, ids=name)
-@pytest.mark.parametrize("dtype", MODEL, ids=name)
-def test_write_kv_quantizes_like_the_reference(dtype, qdtype, layout, d):
-    gen = torch.Generator().manual_seed(d + 100 * QUANT.index(qdtype))
-    shape = layer_shape(layout, NB, BS, H, d)
-    layer = torch.zeros(shape, dtype=qdtype)
-    scale = torch.full(shape[:-1], -7.0)
-    zero = torch.full(shape[:-1], -9.0) if qdtype == torch.int8 else None
-    key = _special_rows(torch.randn(23, H, d, generator=gen) * 3).to(dtype)
-    value = (torch.randn(23, H, d, generator=gen) * 1e3).to(dtype)
-    slots = torch.randperm(NB * BS, generator=gen)[:23]
-    slots[6::4] = -1  # padding, but never one of the special rows 0..4
-    want = clones(layer, scale, zero)
-    ref.write_kv(want[0], slots, key, value, layout=layout, kv_scale=want[1], kv_zero=want[2])
-    for dims in ({}, SMALL_GRID):
-        got = clones(layer, scale, zero)
-        emu.write_kv(got[0], slots, key, value, layout=layout, kv_scale=got[1], kv_zero=got[2], **dims)
-        for g, w in zip(got, want):
-            if w is not None:
-                assert_same(g, w)
-
-
-def test_write_kv_skips_slots_past_the_end_instead_of_writing_them():
-    # The reference raises; on a GPU the slots are not read on the host, so the
-    # kernel's own guard must keep the write inside the layer.
-    gen = torch.Generator().manual_seed(5)
-    layer = random_layer("NHD", torch.float32, 16, gen=gen)
-    key, value = tokens(6, 16, torch.float32, "contiguous", gen)
-    slots = torch.tensor([0, NB * BS, 7, NB * BS + 100, 2**40, 9])
-    with pytest.raises(InvalidArgumentError, match=r"slot_mapping: expected slots < 35"):
-        ref.write_kv(layer.clone(), slots, key, value)
-    want = layer.clone()
-    ref.write_kv(want, torch.where(slots >= NB * BS, -1, slots), key, value)
-    got = layer.clone()
-    emu.write_kv(got, slots, key, value)
-    assert_same(got, want)
-
-
-# ----------------------------------------------------------------------------------
-# gather_kv / gather_kv_padded
-
-
-def _tables(gen, bs=BS, nb=NB):
-    """Sequences of 0, 1, bs (one full block) and 2*bs+3 tokens over distinct blocks.
-    CSR rows list one spare block past what each sequence needs and the padded table
-    pads with -1: neither may be read."""
-    lens = [0, 1, bs, 2 * bs + 3]
-    blocks = torch.randperm(nb, generator=gen).tolist()
-    need = [-(-n // bs) for n in lens]
-    rows, k = [], 0
-    for n in need:
-        rows.append(blocks[k : k + n])
-        k += n
-    spare = [999, -3, 12345, -1]  # out of range on purpose: never read
-    indices, indptr = [], [0]
-    for row, extra in zip(rows, spare):
-        indices += row + [extra]
-        indptr.append(len(indices))
-    width = max(need) + 1
-    table = torch.full((len(lens), width), -1, dtype=torch.int32)
-    for b, row in enumerate(rows):
-        table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    as32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    return as32(indptr), as32(indices), table, as32(lens)
-
-
-def _gather_both(fn_ref, fn_emu, layer, table_args, **kw):
-    want = fn_ref(layer, *table_args, **kw)
-    for dims in ({}, SMALL_GRID, ONE_THREAD):
-        got = fn_emu(layer, *table_args, **kw, **dims)
-        for g, w in zip(got, want):
-            assert_same(g, w)
-    return want
-
-
-@pytest.mark.parametrize("out", ["fresh", "given", "misaligned"])
-@pytest.mark.parametrize("table", ["csr", "padded"])
-@pytest.mark.parametrize("d", [3, 17, 80])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", MODEL, ids=name)
-def test_gather_copies_like_the_reference(dtype, layout, d, table, out):
-    gen = torch.Generator().manual_seed(d * 3 + len(out))
-    layer = random_layer(layout, dtype, d, gen=gen)
-    indptr, indices, block_table, lens = _tables(gen)
-    kw = {"layout": layout}
-    total = int(lens.sum())
-    if out != "fresh":
-        offset = 1 if out == "misaligned" else 0
-        kw["out_key"] = offset_view(torch.zeros(total, H, d, dtype=dtype), offset)
-        kw["out_value"] = offset_view(torch.zeros(total, H, d, dtype=dtype), offset)
-    if table == "csr":
-        args, fns = (indptr, indices, lens), (ref.gather_kv, emu.gather_kv)
-        launch = plans.plan_gather(layer, lens, indptr=indptr, indices=indices, **kw)[0][0]
-    else:
-        args, fns = (block_table, lens), (ref.gather_kv_padded, emu.gather_kv_padded)
-        launch = plans.plan_gather(layer, lens, block_table=block_table, **kw)[0][0]
-    vector = out != "misaligned" and (d * layer.element_size()) % 16 == 0
-    assert launch.kernel.endswith("_v16" if vector else f"_e{layer.element_size()}")
-    if out != "fresh":  # reference and emulation each get their own outputs
-        kw_ref = dict(kw, out_key=kw["out_key"].clone(), out_value=kw["out_value"].clone())
-        want = fns[0](layer, *args, **kw_ref)
-        got = fns[1](layer, *args, **kw)
-        assert got[0] is kw["out_key"] and got[1] is kw["out_value"]
-        for g, w in zip(got, want):
-            assert_same(g, w)
-    else:
-        _gather_both(fns[0], fns[1], layer, args, **kw)
-
-
-@pytest.mark.parametrize("table", ["csr", "padded"])
-@pytest.mark.parametrize("d", [3, 80])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("out_dtype", MODEL, ids=name)
-@pytest.mark.parametrize("qdtype", QUANT, ids=name)
-def test_gather_dequantizes_like_the_reference(qdtype, out_dtype, layout, d, table):
-    gen = torch.Generator().manual_seed(d + 11 * MODEL.index(out_dtype))
-    layer, scale, zero = quantized_layer(layout, qdtype, d, gen=gen)
-    indptr, indices, block_table, lens = _tables(gen)
-    args = (indptr, indices, lens) if table == "csr" else (block_table, lens)
-    fns = (ref.gather_kv, emu.gather_kv) if table == "csr" else (ref.gather_kv_padded, emu.gather_kv_padded)
-    _gather_both(*fns, layer, args, layout=layout, out_dtype=out_dtype, kv_scale=scale, kv_zero=zero)
-
-
-def test_gather_reads_zeros_for_a_bad_block_id_instead_of_other_memory():
-    gen = torch.Generator().manual_seed(9)
-    layer = random_layer("HND", torch.float16, 8, gen=gen)
-    indptr, indices, _, lens = _tables(gen)
-    bad = indices.clone()
-    bad[int(indptr[3])] = NB + 4  # the first block of the last sequence
-    with pytest.raises(InvalidBlockError, match=r"indices: expected block ids in \[0, 7\)"):
-        ref.gather_kv(layer, indptr, bad, lens, layout="HND")
-    want_k, want_v = ref.gather_kv(layer, indptr, indices, lens, layout="HND")
-    first = int(lens[:3].sum())
-    want_k[first : first + BS] = 0
-    want_v[first : first + BS] = 0
-    got = emu.gather_kv(layer, indptr, bad, lens, layout="HND")
-    assert_same(got[0], want_k)
-    assert_same(got[1], want_v)
-
-
-# ----------------------------------------------------------------------------------
-# copy_blocks / swap_blocks
-
-
-def _arenas(kind: str, d: int, gen, nb=NB, layers=3):
-    """All-layer arenas: [data] or [data, scale] or [data, scale, zero]."""
-    if kind == "f16":
-        return [torch.randn(layers, nb, 2, BS, H, d, generator=gen).to(torch.float16)]
-    qdtype = torch.float8_e5m2 if kind == "fp8" else torch.int8
-    data = torch.randint(0, 256, (layers, nb, 2, BS, H, d), dtype=torch.int32, generator=gen)
-    out = [data.to(torch.uint8).view(qdtype), torch.randn(layers, nb, 2, BS, H, generator=gen)]
-    if kind == "int8":
-        out.append(torch.randn(layers, nb, 2, BS, H, generator=gen))
-    return out
-
-
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=name)
-@pytest.mark.parametrize("d", [3, 16])
-@pytest.mark.parametrize("kind", ["f16", "fp8", "int8"])
-def test_copy_blocks_like_the_reference(kind, d, index_dtype):
-    gen = torch.Generator().manual_seed(d + len(kind))
-    arenas = _arenas(kind, d, gen)
-    pairs = torch.tensor([[0, 3], [5, 1], [2, 6]], dtype=index_dtype)
-    want = clones(*arenas)
-    ref.copy_blocks(want, pairs)
-    for dims in ({}, SMALL_GRID):
-        got = clones(*arenas)
-        emu.copy_blocks(got, pairs, **dims)
-        for g, w in zip(got, want):
-            assert_same(g, w)
-
-
-def test_copy_blocks_rejects_host_pairs_like_the_reference():
-    arenas = _arenas("f16", 4, torch.Generator().manual_seed(0))
-    for pairs, message in (
-        (torch.tensor([[0, 3], [1, 3]]), r"pairs: expected distinct dst block ids, got 3 twice \(row 1\)"),
-        (torch.tensor([[0, 3], [3, 1]]), r"pairs: expected dst ids that are not also src ids, got 3 \(row 0\)"),
-        (torch.tensor([[0, NB]]), r"pairs: expected block ids in \[0, 7\), got 7 at dst row 0"),
-    ):
-        for fn in (ref.copy_blocks, emu.copy_blocks):
-            before = clones(*arenas)
-            with pytest.raises(InvalidBlockError, match=message):
-                fn(arenas, pairs)
-            assert_same(arenas[0], before[0])  # nothing was written
-
-
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=name)
-@pytest.mark.parametrize("kind", ["f16", "fp8", "int8"])
-def test_swap_blocks_between_arenas_of_different_sizes(kind, index_dtype):
-    gen = torch.Generator().manual_seed(len(kind))
-    src = _arenas(kind, 5, gen, nb=6)
-    dst = _arenas(kind, 5, gen, nb=9)
-    pairs = torch.tensor([[5, 8], [0, 0], [3, 4]], dtype=index_dtype)
-    want = clones(*dst)
-    ref.swap_blocks(src, want, pairs)
-    got = clones(*dst)
-    emu.swap_blocks(src, got, pairs, **SMALL_GRID)
-    for g, w in zip(got, want):
-        assert_same(g, w)
-
-
-# ----------------------------------------------------------------------------------
-# convert_layout
-
-
-@pytest.mark.parametrize("offset", [0, 1])
-@pytest.mark.parametrize("whole", [True, False], ids=["arena", "layer"])
-@pytest.mark.parametrize("d", [3, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=name)
-def test_convert_layout_like_the_reference(dtype, d, whole, offset):
-    gen = torch.Generator().manual_seed(d)
-    data = random_layer("NHD", dtype, d, gen=gen)
-    if whole:
-        data = torch.stack([data, random_layer("NHD", dtype, d, gen=gen)])
-    data = offset_view(data, offset) if offset else data
-    scale = offset_view(torch.randn(data.shape[:-1], generator=gen), offset)
-    for src, dst in (("NHD", "HND"), ("HND", "NHD"), ("NHD", "NHD")):
-        for t, is_scale in ((data, False), (scale, True)):
-            want = ref.convert_layout(t, src, dst, scale=is_scale)
-            for dims in ({}, SMALL_GRID):
-                assert_same(emu.convert_layout(t, src, dst, scale=is_scale, **dims), want)
-
-
-def test_convert_layout_round_trip_restores_the_arena():
-    data = random_layer("HND", torch.float16, 8, gen=torch.Generator().manual_seed(1))
-    assert_same(emu.convert_layout(emu.convert_layout(data, "HND", "NHD"), "NHD", "HND"), data)
 
 
 # ----------------------------------------------------------------------------------
@@ -611,12 +253,15 @@ def test_cuda_launchers_refuse_non_tensors():
 _ASAN_DRIVER = r"""
 import dataclasses, sys, torch
 sys.path[:0] = [sys.argv[1]]
-import test_kernels_emulated as t
+import backend_cases as c
+import test_backends as t
 from pagedkv.kernels import emulation as emu, plans
 
+B = c.Backend("emulated")
+
 if sys.argv[2:] == ["overflow"]:  # negative control: one token more than key/value hold
-    layer = t.random_layer("NHD", torch.float32, 4)
-    k, v = t.tokens(2, 4, torch.float32, "contiguous", None)
+    layer = c.random_layer("NHD", torch.float32, 4)
+    k, v = c.tokens(2, 4, torch.float32, "contiguous", None)
     ln = plans.plan_write_kv(layer, torch.tensor([0, 1]), k, v)[0]
     args = list(ln.args)
     args[4] = ("i64", 3)
@@ -624,22 +269,22 @@ if sys.argv[2:] == ["overflow"]:  # negative control: one token more than key/va
     print("NOT-CAUGHT", flush=True)
     sys.exit(0)
 # one small case of every kernel family, incl. vector and scalar paths and the guards
-for layout in t.LAYOUTS:
+for layout in c.LAYOUTS:
     for d, kind in ((16, "contiguous"), (3, "misaligned")):
-        t.test_write_kv_copies_like_the_reference(torch.float16, layout, d, kind)
-        t.test_gather_copies_like_the_reference(torch.float32, layout, d, "csr", "fresh")
-        t.test_gather_copies_like_the_reference(torch.bfloat16, layout, d, "padded", "misaligned")
-    for q in t.QUANT:
-        t.test_write_kv_quantizes_like_the_reference(torch.bfloat16, q, layout, 17)
-        t.test_gather_dequantizes_like_the_reference(q, torch.float16, layout, 3, "padded")
-        t.test_gather_dequantizes_like_the_reference(q, torch.float32, layout, 17, "csr")
-t.test_write_kv_skips_slots_past_the_end_instead_of_writing_them()
-t.test_gather_reads_zeros_for_a_bad_block_id_instead_of_other_memory()
+        t.test_write_kv_copies_like_the_reference(B, torch.float16, layout, d, kind)
+        t.test_gather_copies_like_the_reference(B, torch.float32, layout, d, "csr", "fresh")
+        t.test_gather_copies_like_the_reference(B, torch.bfloat16, layout, d, "padded", "misaligned")
+    for q in c.QUANT:
+        t.test_write_kv_quantizes_like_the_reference(B, torch.bfloat16, q, layout, 17)
+        t.test_gather_dequantizes_like_the_reference(B, q, torch.float16, layout, 3, "padded", "fresh")
+        t.test_gather_dequantizes_like_the_reference(B, q, torch.float32, layout, 17, "csr", "given")
+t.test_write_kv_skips_slots_past_the_end_instead_of_writing_them(B)
+t.test_gather_reads_zeros_for_a_bad_block_id_instead_of_other_memory(B)
 for kind in ("f16", "fp8", "int8"):
-    t.test_copy_blocks_like_the_reference(kind, 3, torch.int32)
-    t.test_swap_blocks_between_arenas_of_different_sizes(kind, torch.int64)
+    t.test_copy_blocks_like_the_reference(B, kind, 3, torch.int32)
+    t.test_swap_blocks_between_arenas_of_different_sizes(B, kind, torch.int64)
 for dtype in (torch.float32, torch.float8_e4m3fn):
-    t.test_convert_layout_like_the_reference(dtype, 3, True, 1)
+    t.test_convert_layout_like_the_reference(B, dtype, 3, True, 1)
 print("ASAN-CLEAN", flush=True)
 """
 

@@ -1,16 +1,17 @@
 """KV data ops: the fast CPU backend against the torch reference and a dense model.
 
 Every behaviour test runs on both CPU backends ("reference" and "cpu") through the
-dispatch layer; equality tests compare them element for element (bit patterns).
+dispatch layer. Equality with the reference over random shapes runs for every
+backend in test_backends.py; here only what the CPU loops add (the parallel path,
+threads rewriting the slot mapping) is compared element for element.
 """
 import threading
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import pagedkv.ops as ops
+from backend_cases import KV_DTYPES, MODEL_DTYPES, Layer, csr, expected_rows, padded, rand_kv, same, same_state
 from pagedkv.errors import (
     DeviceError,
     DTypeError,
@@ -21,97 +22,10 @@ from pagedkv.errors import (
 )
 from pagedkv.ops import cpu as cpu_ops
 from pagedkv.ops import reference as ref
-from pagedkv.quant import dequantize, quantize
 
 needs_cpu_ops = pytest.mark.skipif(not cpu_ops.AVAILABLE, reason="pagedkv.ops._cpu_copy is not built")
 
 BACKENDS = ["reference", pytest.param("cpu", marks=needs_cpu_ops)]
-MODEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-KV_DTYPES = MODEL_DTYPES + ["fp8_e4m3", "fp8_e5m2", "int8"]
-STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
-
-
-class Layer:
-    """A per-layer view plus its scale/zero views, and a dense model of what it holds."""
-
-    def __init__(self, nb, bs, h, d, kv_dtype, layout="NHD", seed=0, random=False):
-        self.nb, self.bs, self.h, self.d, self.layout = nb, bs, h, d, layout
-        self.quant = kv_dtype if isinstance(kv_dtype, str) else None
-        self.model_dtype = torch.float16 if self.quant else kv_dtype
-        storage = STORAGE[self.quant] if self.quant else kv_dtype
-        shape = (nb, 2, bs, h, d) if layout == "NHD" else (nb, 2, h, bs, d)
-        g = torch.Generator().manual_seed(seed)
-        if random:  # start from garbage so untouched slots are checked too
-            self.kv = torch.randint(-100, 100, shape, generator=g).to(storage)
-        else:
-            self.kv = torch.zeros(shape, dtype=storage)
-        self.scale = torch.rand(shape[:-1], generator=g) if self.quant else None
-        self.zero = torch.rand(shape[:-1], generator=g) if self.quant == "int8" else None
-
-    def kw(self):
-        return dict(layout=self.layout, kv_scale=self.scale, kv_zero=self.zero)
-
-    def gather_kw(self):
-        return dict(self.kw(), out_dtype=self.model_dtype if self.quant else None)
-
-    def clone(self):
-        c = object.__new__(Layer)
-        c.__dict__.update(self.__dict__)
-        c.kv = self.kv.clone()
-        c.scale = None if self.scale is None else self.scale.clone()
-        c.zero = None if self.zero is None else self.zero.clone()
-        return c
-
-    def state(self):
-        return [t.clone() for t in (self.kv, self.scale, self.zero) if t is not None]
-
-
-def bits(t):
-    """Bit pattern of a tensor (NaN-safe, -0.0-safe equality)."""
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
-        return t.view(torch.uint8)
-    if t.is_floating_point():
-        return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-    return t
-
-
-def same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def same_state(xs, ys):
-    return len(xs) == len(ys) and all(same(x, y) for x, y in zip(xs, ys))
-
-
-def rand_kv(n, h, d, dtype, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, h, d, generator=g) * 3).to(dtype), (torch.randn(n, h, d, generator=g) * 3).to(dtype)
-
-
-def expected_rows(x, quant, out_dtype):
-    """What a gather returns for rows written from ``x``: exact, or quantize->dequantize."""
-    if quant is None:
-        return x
-    return dequantize(*quantize(x, quant), out_dtype)
-
-
-def csr(tables, seq_lens):
-    indptr = [0]
-    for t in tables:
-        indptr.append(indptr[-1] + len(t))
-    return (
-        torch.tensor(indptr, dtype=torch.int32),
-        torch.tensor([b for t in tables for b in t], dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32),
-    )
-
-
-def padded(tables, seq_lens, width=None):
-    width = width or max([len(t) for t in tables] + [0])
-    table = torch.full((len(tables), width), -1, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return table, torch.tensor(seq_lens, dtype=torch.int32)
 
 
 # -- round trips against a dense model -------------------------------------------------
@@ -220,57 +134,6 @@ def _both(kv_dtype, layout, nb, bs, h, d, seed):
 
 
 @needs_cpu_ops
-@settings(max_examples=40, deadline=None)
-@given(
-    kv_dtype=st.sampled_from(KV_DTYPES),
-    layout=st.sampled_from(["NHD", "HND"]),
-    nb=st.integers(1, 20),
-    bs=st.integers(1, 9),
-    h=st.integers(1, 4),
-    d=st.integers(1, 70),
-    n=st.integers(0, 60),
-    seed=st.integers(0, 2**16),
-)
-def test_cpu_write_equals_reference(kv_dtype, layout, nb, bs, h, d, n, seed):
-    a, b = _both(kv_dtype, layout, nb, bs, h, d, seed)
-    g = torch.Generator().manual_seed(seed)
-    n = min(n, nb * bs)
-    slots = torch.randperm(nb * bs, generator=g)[:n]
-    slots[torch.rand(n, generator=g) < 0.2] = -1  # padding tokens
-    k, v = rand_kv(n, h, d, a.model_dtype, seed=seed)
-    ops.write_kv(a.kv, slots, k, v, backend="reference", **a.kw())
-    ops.write_kv(b.kv, slots, k, v, backend="cpu", **b.kw())
-    assert same_state(a.state(), b.state())
-
-
-@needs_cpu_ops
-@settings(max_examples=40, deadline=None)
-@given(
-    kv_dtype=st.sampled_from(KV_DTYPES),
-    layout=st.sampled_from(["NHD", "HND"]),
-    bs=st.integers(1, 9),
-    h=st.integers(1, 4),
-    d=st.integers(1, 40),
-    lens=st.lists(st.integers(0, 40), min_size=0, max_size=6),
-    seed=st.integers(0, 2**16),
-)
-def test_cpu_gather_equals_reference(kv_dtype, layout, bs, h, d, lens, seed):
-    nb = 24
-    a = Layer(nb, bs, h, d, kv_dtype, layout, seed=seed, random=True)
-    g = torch.Generator().manual_seed(seed)
-    tables = []
-    for n in lens:
-        need = -(-n // bs) + int(torch.randint(0, 2, (1,), generator=g))  # sometimes a spare block
-        tables.append(torch.randint(0, nb, (need,), generator=g).tolist())  # repeats allowed on read
-    r = ops.gather_kv(a.kv, *csr(tables, lens), backend="reference", **a.gather_kw())
-    c = ops.gather_kv(a.kv, *csr(tables, lens), backend="cpu", **a.gather_kw())
-    assert same(r[0], c[0]) and same(r[1], c[1])
-    rp = ops.gather_kv_padded(a.kv, *padded(tables, lens), backend="reference", **a.gather_kw())
-    cp = ops.gather_kv_padded(a.kv, *padded(tables, lens), backend="cpu", **a.gather_kw())
-    assert same(rp[0], c[0]) and same(cp[0], c[0]) and same(cp[1], c[1])
-
-
-@needs_cpu_ops
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_large_calls_parallel_path_equals_reference(threads, layout):
@@ -299,33 +162,6 @@ def test_large_calls_parallel_path_equals_reference(threads, layout):
         assert same(arenas_a[0], arenas_b[0])
     finally:
         torch.set_num_threads(old)
-
-
-@needs_cpu_ops
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
-@pytest.mark.parametrize("pair_dtype", [torch.int64, torch.int32])
-def test_cpu_copy_and_swap_equal_reference(kv_dtype, pair_dtype):
-    layers, nb = 3, 10
-    # all-layer arenas (data, scale, zero) with different garbage in every layer
-    arenas = [torch.stack([Layer(nb, 4, 2, 5, kv_dtype, seed=s, random=True).state()[i] for s in range(layers)])
-              for i in range(len(Layer(nb, 4, 2, 5, kv_dtype).state()))]
-    pairs = torch.tensor([[1, 4], [2, 5], [1, 9]], dtype=pair_dtype)
-    ra, ca = [a.clone() for a in arenas], [a.clone() for a in arenas]
-    ops.copy_blocks(ra, pairs, backend="reference")
-    ops.copy_blocks(ca, pairs, backend="cpu")
-    assert same_state(ra, ca)
-    for before, after in zip(arenas, ca):  # every arena, every layer
-        assert same(after[:, 4], before[:, 1]) and same(after[:, 9], before[:, 1])
-        assert same(after[:, 5], before[:, 2]) and same(after[:, 0], before[:, 0])
-    host_r = [torch.zeros((layers, 4) + a.shape[2:], dtype=a.dtype) for a in arenas]
-    host_c = [h.clone() for h in host_r]
-    hp = torch.tensor([[7, 0], [1, 3]], dtype=pair_dtype)
-    ops.swap_blocks(arenas, host_r, hp, backend="reference")
-    ops.swap_blocks(arenas, host_c, hp, backend="cpu")
-    assert same_state(host_r, host_c)
-    for before, host in zip(arenas, host_c):
-        assert same(host[:, 0], before[:, 7]) and same(host[:, 3], before[:, 1])
-        assert not bool(host[:, 1].view(torch.uint8).any())  # untouched host blocks stay zero
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -223,3 +223,45 @@ def test_result_arrays_are_recycled_only_once_the_caller_dropped_them():
     got = pool.allocate(4)
     assert got.shape == (4,) and got.dtype == np.int32 and got.flags.writeable
     assert len(set(got.tolist()) & set(kept.tolist() + view.tolist() + exported.tolist())) == 0
+
+
+def test_take_allocates_exactly_the_ids_given_all_or_nothing():
+    pool = BlockPool(8)
+    pool.take(np.array([5, 2], dtype=np.int32))
+    assert pool.ref_cnt.tolist() == [0, 0, 1, 0, 0, 1, 0, 0] and pool.num_free_blocks == 6
+    assert not pool.is_free(5) and pool.is_free(4)
+    assert 5 not in pool.free_block_queue().tolist() and 2 not in pool.allocate(6).tolist()
+    pool.free(np.arange(8, dtype=np.int32))
+    assert pool.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("ids, err, match", [
+    ([1, 8], InvalidBlockError, r"block_ids: expected block ids in \[0, 8\), got 8 at index 1"),
+    ([1, 3], InvalidBlockError, r"block_ids: expected free blocks, got block 3 at index 1, which is in use"),
+    ([1, 1], InvalidArgumentError, r"block_ids: expected each block at most once, got block 1 repeated at index 1"),
+])
+def test_take_refuses_and_changes_nothing(ids, err, match):
+    pool = BlockPool(8)
+    pool.take([3])
+    queue = pool.free_block_queue().tolist()
+    with pytest.raises(err, match=match):
+        pool.take(ids)
+    assert pool.free_block_queue().tolist() == queue and pool.ref_cnt.tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+    pool.take([1])                              # the scratch marks were cleared
+    pool.free([1, 3])
+
+
+def test_take_of_a_cached_free_block_evicts_it_and_pinned_ones_are_refused():
+    pool = BlockPool(4)
+    ids = pool.allocate(2)
+    pool.mark_cached(ids)
+    pool.free(ids)
+    assert pool.is_cached(int(ids[0]))
+    pool.take([int(ids[0])])
+    assert not pool.is_cached(int(ids[0])) and pool.num_cached_free_blocks == 1
+    pool.pin([int(ids[1])])
+    assert not pool.is_free(int(ids[1]))
+    with pytest.raises(InvalidBlockError, match=f"expected free, unpinned blocks, got block {ids[1]} at index 0, which is pinned"):
+        pool.take([int(ids[1])])
+    pool.unpin([int(ids[1])])
+    pool.free([int(ids[0])])

@@ -241,3 +241,20 @@ def test_tier_log_needs_to_be_enabled():
 
     with pytest.raises(InvalidArgumentError, match="tier_log: expected True to drain the tier log, got False"):
         PrefixIndex(4, 6).drain_tier_log()
+
+
+def test_block_info_names_the_parent_registration():
+    from pagedkv import BlockPool, BlockTables
+
+    index = PrefixIndex(4, 6, hash_seed=1)
+    pool = BlockPool(6, index=index)
+    tables = BlockTables(pool, 4, index)
+    tables.add(1, np.arange(8, dtype=np.int32))
+    tables.reserve(1, 8)
+    tables.commit(1, 8)
+    first, second = tables.blocks(1).tolist()
+    info = index.block_info(second)
+    assert info["parent_block"] == first
+    assert info["parent_generation"] == index.generation(first)
+    assert index.block_info(first)["parent_block"] == -1
+    tables.remove(1)

@@ -48,6 +48,8 @@ cdef class BlockPool:
     # allocation and release
     cdef int32_t num_free(self) noexcept nogil
     cdef void alloc_into(self, block_id_t* out, int32_t n) noexcept nogil
+    cdef int check_takeable(self, const block_id_t* ids, int64_t n, str name) except -1
+    cdef void take_into(self, const block_id_t* ids, int64_t n) noexcept nogil
     cdef int64_t release_batch(self, const block_id_t* ids, int64_t n,
                                const int32_t* classes, int8_t cls) noexcept nogil
     cdef void incref(self, block_id_t b) noexcept nogil

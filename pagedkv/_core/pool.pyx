@@ -462,6 +462,72 @@ cdef class BlockPool:
         self.alloc_into(<block_id_t*>cnp.PyArray_DATA(out), <int32_t>total)
         return indptr, out
 
+    cdef int check_takeable(self, const block_id_t* ids, int64_t n, str name) except -1:
+        # Each id in range, free (ref_cnt 0), not pinned, listed once; changes nothing
+        # (scratch marks the ids seen and is cleared again on every path).
+        cdef int64_t i, j, bad = -1
+        cdef block_id_t b = 0
+        cdef int why = 0
+        for i in range(n):
+            b = ids[i]
+            if b < 0 or b >= self.num_blocks:
+                why = 1
+            elif self.ref_cnt[b] != 0:
+                why = 2
+            elif self.queue.where[b] == PINNED_FREE:
+                why = 3
+            elif self.scratch[b]:
+                why = 4
+            if why:
+                bad = i
+                break
+            self.scratch[b] = 1
+        for j in range(bad if bad >= 0 else n):
+            self.scratch[ids[j]] = 0
+        if why == 1:
+            raise InvalidBlockError(expected(name, f"block ids in [0, {self.num_blocks})", f"{b} at index {bad}"))
+        if why == 2:
+            raise InvalidBlockError(expected(name, "free blocks", f"block {b} at index {bad}, which is in use"))
+        if why == 3:
+            raise InvalidBlockError(expected(name, "free, unpinned blocks", f"block {b} at index {bad}, which is pinned"))
+        if why == 4:
+            raise InvalidArgumentError(expected(name, "each block at most once", f"block {b} repeated at index {bad}"))
+        return 0
+
+    cdef void take_into(self, const block_id_t* ids, int64_t n) noexcept nogil:
+        # Allocate exactly these blocks (checked by check_takeable): off their free list,
+        # a cached one losing its content as a victim would.
+        cdef int64_t i
+        cdef block_id_t b
+        for i in range(n):
+            b = ids[i]
+            bl_unlink(&self.queue, b)
+            if self.cached[b]:
+                self.evict(b)
+            self.ref_cnt[b] = 1
+            self.hits[b] = 0
+        self.num_in_use_blocks += <int32_t>n
+        self.num_allocations += n
+        if n and self.policy.kind == POLICY_ADAPTIVE:
+            self.maybe_batch_evict()
+
+    def take(self, block_ids):
+        """Allocate exactly these free blocks, all or nothing.
+
+        For callers that place blocks themselves (contiguous runs, compaction targets).
+        Each must be free and unpinned, and listed once; a cached-free block loses its
+        prefix as an eviction victim would. Release them with :meth:`free`.
+        """
+        cdef int64_t n = self.load_ids(block_ids)
+        cdef const block_id_t* ip = <const block_id_t*>self.arg.data
+        self.check_takeable(ip, n, "block_ids")
+        self.take_into(ip, n)
+
+    def is_free(self, block_id):
+        """Whether the block can be taken now (ref_cnt 0 and not pinned)."""
+        cdef block_id_t b = self._block(block_id)
+        return self.ref_cnt[b] == 0 and self.queue.where[b] != PINNED_FREE
+
     def free(self, block_ids, priority=None):
         """Release one reference to each id, in the order given.
 

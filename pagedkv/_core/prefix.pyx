@@ -296,14 +296,17 @@ cdef class PrefixIndex:
         return bool(self.is_live(b))
 
     def block_info(self, block_id):
-        """Registration record of a block: hash, parent hash, tokens, namespace, parent block."""
+        """Registration record of a block: hash, parent hash, tokens, namespace, parent
+        block and the parent's generation when this block was registered (None when the
+        block is not registered)."""
         cdef block_id_t b = self._check_block(block_id)
         if not self.is_live(b):
             return None
         tokens = [self.block_tokens[<size_t>b * self.block_size + i] for i in range(self.block_size)]
         return {"hash": self.block_hash[b], "parent_hash": self.parent_hash[b],
                 "tokens": tokens, "namespace": self.block_ns[b],
-                "parent_block": self.parent_block[b], "generation": self.gen[b]}
+                "parent_block": self.parent_block[b], "parent_generation": self.parent_gen[b],
+                "generation": self.gen[b]}
 
     def generation(self, block_id):
         """The block's registration generation (bumped whenever a registration ends)."""

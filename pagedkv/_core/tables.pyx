@@ -38,7 +38,7 @@ from pagedkv._core.export cimport padded_table, csr_table, slots_of, lengths
 
 import numpy as np
 from pagedkv.errors import (ArgumentTypeError, HostMemoryError, InternalError, InvalidArgumentError,
-                            OutOfBlocksError, SequenceExistsError, SequenceNotFoundError, ShapeError, expected)
+                            InvalidBlockError, OutOfBlocksError, SequenceExistsError, SequenceNotFoundError, ShapeError, expected)
 
 cnp.import_array()
 
@@ -198,7 +198,8 @@ cdef class BlockTables:
                 raise SequenceNotFoundError(self.namer(self.single_key), "seq_ids")
             self.single_row = r
             return &self.single_row
-        buf_reserve(&self.rows_buf, m * sizeof(int32_t))
+        # m + 1: an empty batch still gets a non-NULL buffer (NULL means "raised").
+        buf_reserve(&self.rows_buf, (m + 1) * sizeof(int32_t))
         cdef int32_t* out = <int32_t*>self.rows_buf.data
         cdef SeqRow* rows = self.store.rows
         cdef int32_t num_rows = self.store.num_rows
@@ -594,6 +595,67 @@ cdef class BlockTables:
                 self.pool.release_batch(row.blocks + keep, row.num_blocks - keep, NULL, 0)
                 row.num_blocks = <int32_t>keep
 
+    def truncate(self, keys, counts, bint internal=False):
+        """Drop the last ``counts`` committed tokens of each sequence (rollback of
+        rejected draft tokens); reserved, uncommitted slots after them go back too.
+
+        Blocks left covering no token return to the pool, tail first. A block that
+        stays is never written in place while shared or registered: the next reserve
+        copies it first (copy-on-write), so forks and prefix hits keep their KV. The
+        prefix cursor steps back to the last full block that remains; if that block's
+        chain was evicted meanwhile, the sequence stops registering (a later lookup can
+        only miss). All or nothing."""
+        cdef int64_t m = self.load_keys(keys), i, n, keep, L, scalar, most = 0, nh, j
+        self.load_counts(counts, m, "num_tokens", &scalar)
+        cdef const int64_t* cp = <const int64_t*>self.counts_buf.data
+        cdef int32_t* rp = self.rows_for(m, internal)
+        cdef SeqRow* rows = self.store.rows
+        cdef SeqRow* row
+        cdef int32_t bs = self.block_size, sh = self.bs_shift, got
+        cdef block_id_t t
+        cdef block_id_t* scratch
+        for i in range(m):
+            row = &rows[rp[i]]
+            if cp[i] > row.num_computed:
+                raise InvalidArgumentError(expected(
+                    "num_tokens", f"at most {row.num_computed} (the committed tokens) for sequence "
+                    f"{self.namer(row.key)!r}", f"{cp[i]} at index {i}"))
+            nh = blk_of(row.num_computed - cp[i], bs, sh)
+            if nh > most:
+                most = nh
+        buf_reserve(&self.cls_buf, most * sizeof(block_id_t))   # the cursor walk's scratch
+        scratch = <block_id_t*>self.cls_buf.data
+        for i in range(m):
+            row = &rows[rp[i]]
+            L = row.num_computed - cp[i]
+            keep = nblocks_for(L, bs, sh)
+            if keep < row.num_blocks:
+                n = row.num_blocks - keep
+                for j in range(n // 2):       # tail first: the last block is evicted first
+                    t = row.blocks[keep + j]
+                    row.blocks[keep + j] = row.blocks[row.num_blocks - 1 - j]
+                    row.blocks[row.num_blocks - 1 - j] = t
+                if self.pool.release_batch(row.blocks + keep, n, NULL, 0) >= 0:
+                    raise InternalError(f"truncate: sequence {self.namer(row.key)!r} held a block "
+                                        "the pool counts as free (a bug)")
+                row.num_blocks = <int32_t>keep
+            row.num_computed = row.num_reserved = L
+            if row.num_known > L:
+                row.num_known = L
+            if row.prompt_len > L:
+                row.prompt_len = L
+            if row.num_prefix_hit > keep:
+                row.num_prefix_hit = <int32_t>keep
+            nh = blk_of(L, bs, sh)
+            if row.cur.num_hashed > nh:
+                if row.cur.track and self.indexed:
+                    got = self.index.lookup(row.tokens, nh * bs, row.cur.ns_id, row.cur.ns_hash,
+                                            scratch, &row.cur, <int32_t>nh)
+                    if got < nh:
+                        row.cur.track = 0
+                else:
+                    row.cur.num_hashed = <int32_t>nh
+
     def take_copies(self):
         """Pending copy-on-write pairs as an int32 ``[P, 2]`` array of (src, dst); clears them.
 
@@ -666,6 +728,70 @@ cdef class BlockTables:
         """Tokens per sequence (int64): reserved (default) or committed."""
         cdef int64_t m = self.load_keys(keys)
         return lengths(self.store.rows, self.rows_for(m, internal), m, computed)
+
+    def relocate(self, key, moves):
+        """Move blocks of one sequence's table into free blocks chosen by the caller.
+
+        ``moves``: int ``[P, 2]`` of (block in this sequence's table, free block). Each
+        new block is taken from the pool and replaces the old one at its position, and
+        the old block is released. Only blocks this sequence holds alone move: a block
+        shared with a fork or another sequence's prefix hit is refused
+        (``InvalidBlockError``), since moving it for one holder would leave the others on
+        the old block and cost a block instead of freeing one. A registered prefix block
+        stays registered where it is, as cached-free with its content intact (as after a
+        copy-on-write), so later prefix hits still find it. Counts, token ids, namespace
+        and priorities are untouched. All or nothing.
+
+        Returns the int32 ``[P, 2]`` (old, new) pairs: the caller copies their KV before
+        the pool allocates again (the old blocks' data is intact until then).
+        """
+        cdef SeqRow* row = self.row_of(key, "seq_id")
+        try:
+            pairs = np.array(moves, copy=True)
+        except (TypeError, ValueError, OverflowError):
+            pairs = None
+        if pairs is None or pairs.dtype.kind not in "iu" or pairs.size and pairs.dtype.kind == "u" and pairs.max() > 2**62:
+            raise ArgumentTypeError(expected("moves", "an int [P, 2] array of (old block, new block)",
+                                             type(moves).__name__ if pairs is None else f"{pairs.dtype} values"))
+        pairs = pairs.astype(np.int64)
+        if pairs.ndim != 2 or pairs.shape[1] != 2:
+            raise ShapeError(expected("moves", "an int [P, 2] array of (old block, new block)", pairs.shape))
+        cdef int64_t p = pairs.shape[0], i, pos
+        if p == 0:
+            return new_i32(0).reshape(0, 2)
+        position = {}
+        for i in range(row.num_blocks):
+            position[row.blocks[i]] = i
+        olds = pairs[:, 0].tolist()
+        at = []
+        for i in range(p):
+            pos = position.get(olds[i], -1)
+            if pos < 0:
+                raise InvalidBlockError(expected("moves", f"old blocks of sequence {self.namer(row.key)!r}'s table",
+                                                 f"block {olds[i]} at row {i}"))
+            at.append(pos)
+        if len(set(at)) != p:
+            raise InvalidArgumentError(expected("moves", "each old block at most once", olds))
+        for i in range(p):
+            if self.pool.ref_cnt[<block_id_t>olds[i]] != 1:
+                raise InvalidBlockError(expected("moves", "old blocks held by this sequence only",
+                                                 f"block {olds[i]} at row {i}, held by "
+                                                 f"{self.pool.ref_cnt[<block_id_t>olds[i]]} sequences"))
+        news = pairs[:, 1]
+        if news.min() < 0 or news.max() >= self.pool.num_blocks:
+            raise InvalidBlockError(expected("moves", f"new block ids in [0, {self.pool.num_blocks})",
+                                             news.tolist()))
+        out = np.ascontiguousarray(pairs.astype(np.int32))
+        cdef int32_t[:, ::1] ov = out
+        cdef cnp.ndarray newc = np.ascontiguousarray(out[:, 1])
+        cdef cnp.ndarray oldc = np.ascontiguousarray(out[:, 0])
+        self.pool.check_takeable(<const block_id_t*>cnp.PyArray_DATA(newc), p, "moves")
+        self.pool.take_into(<const block_id_t*>cnp.PyArray_DATA(newc), p)
+        for i in range(p):
+            row.blocks[<int64_t>at[i]] = ov[i, 1]
+        if self.pool.release_batch(<const block_id_t*>cnp.PyArray_DATA(oldc), p, NULL, 0) >= 0:
+            raise InternalError("relocate: an old block was not in use")
+        return out
 
     # ---- Python API: single sequences ------------------------------------------------
     def blocks(self, key):

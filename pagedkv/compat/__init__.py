@@ -19,22 +19,9 @@
 Each module's docstring lists where it departs from its seed and why. Submodules are
 imported on first use, so ``import pagedkv.compat`` needs no torch.
 
-Core calls these adapters work around (they would make them thinner):
-
-- ``BlockPool.allocate_ids(block_ids) -> None``: allocate exactly these free blocks,
-  all or nothing (``InvalidBlockError`` naming the first that is not free). Seed 002's
-  contiguous runs could then live in pagedkv's pool (a run is ``allocate_ids(range(s,
-  s + n))`` after a first-fit scan of ``states()``), and compaction could place blocks
-  without staging the free queue.
-- ``PagedKVCache.relocate(seq_id, moves) -> None`` (``moves``: int32 ``[P, 2]`` of
-  (old block, new free block) of that sequence's table): validate all, copy the KV of
-  each pair across all layers, swap the table entries, release the old blocks; token
-  counts, token ids, namespace and priorities untouched. Compaction now frees and
-  re-adds the sequence, staging the pool's free queue itself (see
-  ``ContinuousBatchKVCacheManager.compact_cache``); it is the one place an adapter
-  still allocates on ``cache.pool`` directly, until the core's ``relocate()`` and
-  ``compact()`` replace it. It uses only the cache's public API otherwise
-  (``PagedKVCache.lock``, ``sequence_info``).
+Core calls the adapters use in place of their own machinery: seed 000's compaction is
+``PagedKVCache.compact`` (``relocate`` underneath), and seed 002's contiguous runs come
+from :class:`pagedkv.buddy.BuddyAllocator` over the cache's one ``BlockPool``.
 """
 from __future__ import annotations
 

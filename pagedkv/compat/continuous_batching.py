@@ -14,16 +14,15 @@ page_size_tokens * cache_block_size_bytes``. ``KVCacheConfiguration.for_cache`` 
 
 ``compact_cache`` is real (the seed left a placeholder): when compaction is enabled
 and utilization is below target, blocks of this manager's requests move down into the
-lowest free blocks, highest first, with their KV copied (see
-:meth:`ContinuousBatchKVCacheManager.compact_cache` for the rules and the limits of
-doing it through the cache's public API).
+lowest free blocks, highest first, with their KV copied, by the cache's own
+``compact`` (see :meth:`ContinuousBatchKVCacheManager.compact_cache`).
 
 A request swapped out through the cache's host tier holds no device pages (its
 allocation lists none, it cannot be extended) until it is swapped back in, with the
 pages of its committed tokens (the host tier keeps those).
 
-Thread safety: a lock serialises the manager's calls; compaction also holds the
-cache's lock, so no other user of the cache can allocate in the middle of it.
+Thread safety: a lock serialises the manager's calls; the cache's ``compact`` holds
+the cache's lock, so no other user of the cache can allocate in the middle of it.
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from typing import ClassVar, Dict, Hashable, List, Optional, Tuple
 import numpy as np
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.errors import (InternalError, InvalidArgumentError, OutOfBlocksError, SequenceExistsError,
+from pagedkv.errors import (InvalidArgumentError, OutOfBlocksError, SequenceExistsError,
                             expected)
 
 __all__ = ["KVCacheConfiguration", "CachePage", "CacheAllocation", "ContinuousBatchKVCacheManager"]
@@ -267,90 +266,18 @@ class ContinuousBatchKVCacheManager:
         int32 (src, dst) moves; with a bookkeeping-only cache (no store) nothing is
         copied, and the caller must copy these pairs before the cache allocates again.
 
-        A request is movable only if it is exactly as this manager admitted it, so
-        that re-creating its table loses nothing: every block private (``ref_cnt`` 1,
-        no fork or prefix sharing) and not a cached prefix, no token ids known, the
-        default namespace and priority. Its reserved and committed token counts are
-        preserved. Other requests and sequences stay where they are.
-
-        Done through the cache's public API, pending a core call that remaps a table
-        (see the compat package docstring): the moved requests are freed and re-added,
-        with their final blocks first in the free queue, so the pool's allocation and
-        free counters also count these moves. The cache's lock is held throughout
-        (every call of the cache takes it, so another thread never sees a request
-        half moved). Slots taken before a compaction are stale after it.
+        Done by the cache's :meth:`~pagedkv.cache.PagedKVCache.compact` over this
+        manager's device-resident requests: any of them moves (prefix-registered,
+        namespaced, with token ids), but only the blocks it holds alone; blocks shared
+        by forks or prefix hits, and other users' sequences, stay where they are.
+        Token counts, token ids and priorities are unchanged. Slots taken before a
+        compaction are stale after it.
         """
         with self._lock:
             c = self._config
             if not c.enable_compaction or self.utilization() >= c.target_utilization:
                 return np.empty((0, 2), dtype=np.int32)
-            with self.cache.lock:    # atomic for every user of the cache, not only this manager
-                return self._defragment()
-
-    def _movable(self) -> List[RequestId]:
-        pool = self.cache.pool
-        ref = pool.ref_cnt
-        out = []
-        for rid in self._allocated_at:
-            if rid not in self.cache:            # swapped out to the host tier
-                continue
-            blocks = self.cache.block_table(rid)
-            info = self.cache.sequence_info(rid)
-            if (len(blocks) and (ref[blocks] == 1).all() and not any(pool.is_cached(int(b)) for b in blocks)
-                    and info["num_known"] == 0 and info["namespace"] == (None, None) and info["priority"] == -1):
-                out.append(rid)
-        return out
-
-    def _defragment(self) -> np.ndarray:
-        cache, pool = self.cache, self.cache.pool
-        tables = {rid: cache.block_table(rid) for rid in self._movable()}
-        holes = np.flatnonzero(pool.states() == 0)                       # free, no content; ascending
-        cands = sorted(((int(b), rid, i) for rid, t in tables.items() for i, b in enumerate(t.tolist())),
-                       reverse=True)                                      # highest block first
-        moves = []
-        for hole, (block, rid, i) in zip(holes.tolist(), cands):
-            if hole >= block:
-                break
-            tables[rid][i] = hole
-            moves.append((block, hole))
-        if not moves:
-            return np.empty((0, 2), dtype=np.int32)
-        pairs = np.asarray(moves, dtype=np.int32)
-        moved = {rid: t for rid, t in tables.items() if np.isin(t, pairs[:, 1]).any()}
-        counts = {rid: (cache.num_reserved(rid), cache.num_tokens(rid)) for rid in moved}
-        if cache.store is not None:
-            cache.copy_blocks(pairs)           # into free blocks: nothing else can take them (cache lock held)
-        cache.free(list(moved))
-        self._queue_first(np.concatenate(list(moved.values())))
-        for rid, table in moved.items():       # reserve takes the queue front, in order
-            reserved, committed = counts[rid]
-            cache.add_sequence(rid)
-            cache.reserve([rid], [reserved])
-            if committed:
-                cache.commit([rid], [committed])
-            if not np.array_equal(cache.block_table(rid), table):
-                raise InternalError(f"compaction of request {rid!r} got blocks "
-                                    f"{cache.block_table(rid).tolist()}, expected {table.tolist()}")
-        return pairs
-
-    def _queue_first(self, blocks: np.ndarray) -> None:
-        """Put free ``blocks`` at the front of the pool's free queue, in this order.
-
-        ``free`` queues content-free blocks at the front in the order given, so take
-        the queue's prefix up to the last of them and give it back reordered. They are
-        all content-free and the EMPTY list comes first, so no cached prefix is evicted
-        to serve this (the adaptive policy may still run its low-watermark batch, as
-        after any allocation).
-        """
-        pool = self.cache.pool
-        queue = pool.free_block_queue()
-        where = np.full(pool.num_blocks, -1, dtype=np.int64)
-        where[queue] = np.arange(len(queue))
-        if (where[blocks] < 0).any():
-            raise InternalError(f"compaction: blocks {blocks[where[blocks] < 0].tolist()} are not free")
-        head = pool.allocate(int(where[blocks].max()) + 1)
-        rest = head[~np.isin(head, blocks)]
-        pool.free(np.concatenate([blocks, rest]).astype(np.int32))
+            return self.cache.compact([rid for rid in self._allocated_at if rid in self.cache])
 
     def __repr__(self) -> str:
         return f"ContinuousBatchKVCacheManager(requests={len(self._allocated_at)}, cache={self.cache!r})"

@@ -2,12 +2,19 @@
 
 CortexStream's design rests on one invariant that paged caches drop on purpose: a
 sequence owns ONE contiguous run of blocks, so its K (or V) for a layer is a single
-zero-copy tensor view. pagedkv's :class:`~pagedkv._core.pool.BlockPool` hands out
-whichever blocks are at the front of its free queue and has no call that takes a
-chosen run, so this module keeps the seed's own small allocator: a bitmap scanned
-first-fit, O(total_blocks) per allocation as the seed states, under a lock. (A
-``BlockPool.allocate_ids`` call would let it share pagedkv's pool; see the compat
-package docstring.) Sizes and validation come from :class:`pagedkv.CacheConfig`.
+zero-copy tensor view. Two allocators of runs:
+
+- ``allocator="buddy"``: :class:`BuddyBlockAllocator`, pagedkv's
+  :class:`~pagedkv.buddy.BuddyAllocator` over a :class:`~pagedkv._core.pool.BlockPool`:
+  power-of-two runs, ``O(log n)`` allocate and free, and :meth:`KVCache.grow_for`
+  grows a run by merging its free buddies in place, or by moving it (the K/V copied).
+  A request's run is its block count rounded up to a power of two.
+- ``allocator="first_fit"`` (the default, the seed's own): a bitmap scanned first fit,
+  ``O(total_blocks)`` per allocation as the seed states, runs of exactly the blocks
+  asked for. It stays the default because the seed promises that: a pool of 10
+  blocks serves one 10-block request, which power-of-two runs cannot.
+
+Sizes and validation come from :class:`pagedkv.CacheConfig`.
 
 Memory layout. The seed's arena ``[layers, blocks, heads, block_size, head_dim]`` cannot
 give the promised ``[heads, tokens, head_dim]`` view once a run spans two blocks (the
@@ -37,11 +44,13 @@ from typing import Dict, Hashable, Optional, TextIO, Tuple
 import numpy as np
 import torch
 
+from pagedkv._core.pool import BlockPool
+from pagedkv.buddy import BuddyAllocator
 from pagedkv.config import CacheConfig
-from pagedkv.errors import (InvalidArgumentError, InvalidBlockError, SequenceExistsError,
+from pagedkv.errors import (InvalidArgumentError, InvalidBlockError, OutOfBlocksError, SequenceExistsError,
                             SequenceNotFoundError, expected)
 
-__all__ = ["KVHandle", "INVALID_HANDLE", "KVBlockAllocator", "KVCache"]
+__all__ = ["KVHandle", "INVALID_HANDLE", "KVBlockAllocator", "BuddyBlockAllocator", "KVCache"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,64 @@ class KVBlockAllocator:
         return f"KVBlockAllocator(total={self.total_blocks()}, used={self.used_blocks()})"
 
 
+class BuddyBlockAllocator(KVBlockAllocator):
+    """:class:`KVBlockAllocator`'s interface on pagedkv's buddy allocator: runs of
+    ``2**k`` blocks from a :class:`~pagedkv._core.pool.BlockPool` (``self.pool``), so a
+    handle's ``num_blocks`` is the run's power-of-two size."""
+
+    def __init__(self, total_blocks: int):
+        total_blocks = _check_int("total_blocks", total_blocks, 1)
+        self.pool = BlockPool(total_blocks)
+        self.buddy = BuddyAllocator(self.pool)
+        self._lock = threading.Lock()
+
+    @property
+    def _used(self) -> np.ndarray:            # the bitmap view the statistics read
+        return np.asarray(self.pool.ref_cnt) > 0
+
+    def allocate(self, blocks_needed: int) -> KVHandle:
+        """A free aligned run of ``2**ceil(log2(blocks_needed))`` blocks, or
+        :data:`INVALID_HANDLE` (nothing allocated)."""
+        n = _check_int("blocks_needed", blocks_needed, 1)
+        with self._lock:
+            try:
+                start = self.buddy.allocate(n)
+            except OutOfBlocksError:
+                return INVALID_HANDLE
+            return KVHandle(start, 1 << self.buddy.order_of(start))
+
+    def grow(self, handle: KVHandle, blocks_needed: int, copy) -> KVHandle:
+        """The run of ``handle`` grown to hold ``blocks_needed`` blocks (in place, or
+        moved with ``copy(old_start, new_start, num_blocks)``); :data:`INVALID_HANDLE`
+        and nothing changed when no run fits."""
+        n = _check_int("blocks_needed", blocks_needed, 1)
+        with self._lock:
+            self._check_live(handle)
+            try:
+                start = self.buddy.grow(handle.start_block_index, n, copy)
+            except OutOfBlocksError:
+                return INVALID_HANDLE
+            return KVHandle(start, 1 << self.buddy.order_of(start))
+
+    def free(self, handle: KVHandle) -> None:
+        with self._lock:
+            self._check_live(handle)
+            self.buddy.free(handle.start_block_index)
+
+    def _check_live(self, handle: object) -> None:
+        if not isinstance(handle, KVHandle):
+            raise InvalidArgumentError(expected("handle", "a KVHandle", type(handle).__name__))
+        try:
+            size = 1 << self.buddy.order_of(handle.start_block_index)
+        except InvalidBlockError:
+            size = 0
+        if not handle.is_valid or size != handle.num_blocks:
+            raise InvalidBlockError(expected("handle", "a live handle from allocate() (double free?)", handle))
+
+    def __repr__(self) -> str:
+        return f"BuddyBlockAllocator(total={self.total_blocks()}, used={self.used_blocks()})"
+
+
 @dataclass
 class _Entry:
     handle: KVHandle
@@ -174,10 +241,13 @@ class KVCache:
         num_layers, num_heads, head_dim, block_size: the model and block shape.
         max_total_tokens: arena capacity; ``max_total_tokens // block_size`` blocks.
         dtype, device: of the arena (validated as :class:`pagedkv.CacheConfig` does).
+        allocator: ``"first_fit"`` (the seed's) or ``"buddy"`` (see the module docstring).
     """
 
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, block_size: int,
-                 max_total_tokens: int, *, dtype="float16", device="cpu"):
+                 max_total_tokens: int, *, dtype="float16", device="cpu", allocator: str = "first_fit"):
+        if allocator not in ("first_fit", "buddy"):
+            raise InvalidArgumentError(expected("allocator", "'first_fit' or 'buddy'", repr(allocator)))
         block_size = _check_int("block_size", block_size, 1)
         total = _check_int("max_total_tokens", max_total_tokens, block_size) // block_size
         self.config = CacheConfig(num_layers=num_layers, num_kv_heads=num_heads, head_dim=head_dim,
@@ -187,17 +257,17 @@ class KVCache:
         shape = (c.num_layers, c.num_kv_heads, total * block_size, c.head_dim)
         self.k = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
         self.v = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
-        self.allocator = KVBlockAllocator(total)
+        self.allocator = KVBlockAllocator(total) if allocator == "first_fit" else BuddyBlockAllocator(total)
         self._sequences: Dict[Hashable, _Entry] = {}
         self._lock = threading.RLock()
 
     @classmethod
-    def from_config(cls, config: CacheConfig) -> "KVCache":
+    def from_config(cls, config: CacheConfig, allocator: str = "first_fit") -> "KVCache":
         """A cache with the shape, block count, dtype and device of a pagedkv config."""
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError(expected("config", "a CacheConfig", type(config).__name__))
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, config.block_size,
-                   config.num_slots, dtype=config.dtype, device=config.device)
+                   config.num_slots, dtype=config.dtype, device=config.device, allocator=allocator)
 
     @property
     def block_size(self) -> int:
@@ -227,6 +297,33 @@ class KVCache:
                 return False
             self.allocator.free(entry.handle)
             return True
+
+    def grow_for(self, request_id: Hashable, max_tokens: int) -> bool:
+        """Raise the request's capacity to ``max_tokens`` (``allocator="buddy"`` only).
+
+        The run grows in place when its buddies are free; otherwise it moves to a new
+        run and its K/V (every layer and head) are copied, so views taken before are
+        stale. False (nothing changed) when no run of the new size is free.
+        """
+        request_id = _request(request_id)
+        max_tokens = _check_int("max_tokens", max_tokens, 1)
+        if not isinstance(self.allocator, BuddyBlockAllocator):
+            raise InvalidArgumentError(expected("allocator", "'buddy' for grow_for", "'first_fit'"))
+        with self._lock:
+            e = self._entry(request_id)
+            if max_tokens <= e.max_allowed:
+                return True
+            blocks = -(-max_tokens // self.block_size)
+            handle = self.allocator.grow(e.handle, blocks, self._copy_run)
+            if not handle.is_valid:
+                return False
+            e.handle, e.max_allowed = handle, blocks * self.block_size
+            return True
+
+    def _copy_run(self, old: int, new: int, num_blocks: int) -> None:
+        bs = self.block_size
+        for arena in (self.k, self.v):
+            arena[:, :, new * bs:(new + num_blocks) * bs] = arena[:, :, old * bs:(old + num_blocks) * bs]
 
     def _entry(self, request_id: Hashable) -> _Entry:
         entry = self._sequences.get(_request(request_id))

@@ -65,7 +65,7 @@ class PagedLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
     # generate/export may pre-allocate layers with fake tensors; a paged layer has
     # nothing to pre-allocate, so early_initialization must skip it.
     supports_early_init = False
@@ -97,7 +97,9 @@ class PagedLayer(CacheLayerMixin):
         self.parent.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.parent.crop(tokens_to_remove)
+        # Rows are shared by every layer: cropping one layer would crop them all.
+        raise InvalidArgumentError(expected("crop", "PagedCache.crop (all layers at once)",
+                                            f"PagedLayer.crop on layer {self.layer_idx}"))
 
     def reorder_cache(self, beam_idx) -> None:
         self.parent.reorder_cache(beam_idx)
@@ -465,19 +467,33 @@ class PagedCache(Cache):
             self._replace_rows([int(i) for i in torch.as_tensor(beam_idx).reshape(-1).tolist()])
 
     def crop(self, tokens_to_remove: int) -> None:
-        # 5.x: a negative count to drop; 4.x also allows an absolute length.
+        """Drop the last columns (5.x: ``-n`` drops n; 4.x: ``n > 0`` keeps n; 0 is a
+        no-op in both, which 5.x's assisted generation relies on), e.g. the
+        draft tokens an assisted-generation step rejected. Every row loses the same
+        columns; blocks left empty go back to the pool, shared ones are never altered
+        (see :meth:`PagedKVCache.truncate`)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
+            raise InvalidArgumentError(expected("tokens_to_remove", "an int", repr(tokens_to_remove)))
+        if self._plan is not None:
+            raise InvalidArgumentError(expected("crop", "no forward pass in progress", "a pending step"))
         n = int(tokens_to_remove)
-        if n == 0 or (n > 0 and n >= self._columns):
+        if n == 0:
             return
-        raise InvalidArgumentError(expected(
-            "tokens_to_remove", "0 (a paged cache cannot drop committed tokens)", tokens_to_remove))
+        target = n if n > 0 else max(self._columns + n, 0)
+        if target >= self._columns or not self.seq_ids:
+            return
+        have = self.kv.seq_lens(self.seq_ids, computed=True).astype(np.int64)
+        keep = np.maximum(target - self._pads, 0)
+        self.kv.truncate(self.seq_ids, np.maximum(have - keep, 0))
+        self._pads = np.minimum(self._pads, target)
+        self._columns = target
 
     def reset(self) -> None:
         self.release()
 
     @property
     def is_croppable(self) -> bool:
-        return False
+        return True
 
     def __repr__(self) -> str:
         return f"PagedCache(rows={len(self.seq_ids)}, columns={self._columns}, kv={self.kv!r})"

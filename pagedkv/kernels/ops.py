@@ -22,6 +22,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from pagedkv import op_checks as checks
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, expected
 from pagedkv.kernels import build, driver, plans
 from pagedkv.kernels.plans import as_tensor
@@ -179,7 +180,7 @@ def copy_blocks(arenas, pairs, *, stream=None) -> None:
     like the reference, then uploaded) or on the arenas' device (not read)."""
     arenas = _listed(arenas)
     if not arenas:
-        plans.ref.check_arenas("arenas", arenas)  # raises the reference's error
+        checks.check_arenas("arenas", arenas)  # raises the reference's error
     device = _cuda_device("arenas[0]", arenas[0])
     with _on_stream(device, stream) as ts:
         launches = plans.plan_copy_blocks([as_tensor(a) for a in arenas], as_tensor(pairs))
@@ -194,7 +195,7 @@ def swap_blocks(src_arenas, dst_arenas, pairs, *, stream=None) -> None:
     srcs, dsts = _listed(src_arenas), _listed(dst_arenas)
     for label, group in (("src_arenas", srcs), ("dst_arenas", dsts)):
         if not group:
-            plans.ref.check_arenas(label, group)  # raises the reference's error
+            checks.check_arenas(label, group)  # raises the reference's error
     sides = [_device_of("src_arenas[0]", srcs[0]), _device_of("dst_arenas[0]", dsts[0])]
     device = next((d for d in sides if d.type == "cuda"), None)
     if device is None:

@@ -24,9 +24,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from pagedkv import dtypes
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.kernels import sources
-from pagedkv.ops import reference as ref
+from pagedkv import op_checks as checks
 
 __all__ = [
     "Launch",
@@ -44,8 +45,8 @@ THREADS = 256  # per CTA: enough to hide latency, small enough to fill every SM
 MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 
-_MODEL_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-_QUANT_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.int8: "int8"}
+_MODEL_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.MODEL}
+_QUANT_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.QUANTIZED if d.kernel_name in sources.QUANT_TYPES}
 _CHUNK_NAMES = {16: "v16", 4: "e4", 2: "e2", 1: "e1"}
 
 Arg = Tuple[str, int]  # ("ptr" | "i64", value)
@@ -118,6 +119,13 @@ def as_tensor(x: object) -> object:
 # checks the kernels add to the reference's
 
 
+def _check_kernel_dtype(kv_layer: torch.Tensor) -> None:
+    row = dtypes.lookup(kv_layer.dtype)
+    if row.quantized and kv_layer.dtype not in _QUANT_NAMES:
+        raise DTypeError(expected("kv_layer", f"a kv dtype with a CUDA kernel ({', '.join(sources.QUANT_TYPES)} "
+                                  "or a model dtype)", f"{row.name} ({row.torch_name})"))
+
+
 def _check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {tuple(t.stride())}"))
@@ -162,7 +170,8 @@ def _i64(v: int) -> Arg:
 
 def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None) -> List[Launch]:
     """Plan :func:`pagedkv.ops.reference.write_kv` (same arguments)."""
-    geo = ref.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
+    geo = checks.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
+    _check_kernel_dtype(kv_layer)
     _check_contiguous("kv_layer", kv_layer)
     if geo.quantized:
         _check_contiguous("kv_scale", kv_scale)
@@ -221,13 +230,14 @@ def plan_gather(
     which syncs when ``seq_lens`` is on a GPU; pass ``out_key``/``out_value`` to
     avoid that.
     """
-    geo, out_dtype = ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    geo, out_dtype = checks.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    _check_kernel_dtype(kv_layer)
     device = kv_layer.device
     if block_table is None:
-        batch = ref.check_csr(indptr, indices, seq_lens, device)
+        batch = checks.check_csr(indptr, indices, seq_lens, device)
         table, kind, width, entries = indices, "csr", 0, indices.shape[0]
     else:
-        batch = ref.check_padded(block_table, seq_lens, device)
+        batch = checks.check_padded(block_table, seq_lens, device)
         table, kind, width = block_table, "pad", block_table.shape[1]
         entries = batch * width
     _check_contiguous("kv_layer", kv_layer)
@@ -241,7 +251,7 @@ def plan_gather(
         given = out_key if isinstance(out_key, torch.Tensor) else out_value
         total = given.shape[0] if isinstance(given, torch.Tensor) and given.dim() >= 1 else 0
     heads, dim = geo.num_heads, geo.head_dim
-    if ref.check_out(out_key, out_value, total, geo, out_dtype, device):
+    if checks.check_out(out_key, out_value, total, geo, out_dtype, device):
         _check_aligned("out_key", out_key)
         _check_aligned("out_value", out_value)
     else:
@@ -303,10 +313,10 @@ def _no_pairs(pairs: object) -> object:
 def plan_copy_blocks(arenas, pairs) -> List[Launch]:
     """Plan :func:`pagedkv.ops.reference.copy_blocks`: one launch per arena."""
     if _host_pairs(pairs):
-        arenas, _, _ = ref.validate_copy_blocks(arenas, pairs)  # every check, same messages
+        arenas, _, _ = checks.validate_copy_blocks(arenas, pairs)  # every check, same messages
     else:
-        arenas, _, _ = ref.validate_copy_blocks(arenas, _no_pairs(pairs))
-        pairs = ref.check_pairs(pairs, arenas[0].device)
+        arenas, _, _ = checks.validate_copy_blocks(arenas, _no_pairs(pairs))
+        pairs = checks.check_pairs(pairs, arenas[0].device)
     for i, a in enumerate(arenas):
         _check_contiguous(f"arenas[{i}]", a)
     pairs = pairs.to(arenas[0].device).contiguous()
@@ -321,10 +331,10 @@ def plan_swap_blocks(src_arenas, dst_arenas, pairs, *, launch_device: Optional[t
     in pinned host memory, which the kernel reads or writes in place.
     """
     if _host_pairs(pairs):
-        srcs, dsts, _, _ = ref.validate_swap_blocks(src_arenas, dst_arenas, pairs)
+        srcs, dsts, _, _ = checks.validate_swap_blocks(src_arenas, dst_arenas, pairs)
     else:
-        srcs, dsts, _, _ = ref.validate_swap_blocks(src_arenas, dst_arenas, _no_pairs(pairs))
-        pairs = ref.check_pairs(pairs, srcs[0].device, dsts[0].device)
+        srcs, dsts, _, _ = checks.validate_swap_blocks(src_arenas, dst_arenas, _no_pairs(pairs))
+        pairs = checks.check_pairs(pairs, srcs[0].device, dsts[0].device)
     for name, group in (("src_arenas", srcs), ("dst_arenas", dsts)):
         for i, a in enumerate(group):
             if launch_device is not None and a.device != launch_device:
@@ -346,8 +356,8 @@ def plan_swap_blocks(src_arenas, dst_arenas, pairs, *, launch_device: Optional[t
 
 def plan_convert_layout(arena, src_layout, dst_layout, *, scale=False):
     """Plan :func:`pagedkv.ops.reference.convert_layout`; returns ``(launches, out)``."""
-    ref.check_layout(src_layout, "src_layout")
-    ref.check_layout(dst_layout, "dst_layout")
+    checks.check_layout(src_layout, "src_layout")
+    checks.check_layout(dst_layout, "dst_layout")
     if not isinstance(arena, torch.Tensor):
         raise DTypeError(expected("arena", "a torch.Tensor", type(arena).__name__))
     ndims = (4, 5) if scale else (5, 6)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Tuple
 
+from pagedkv import dtypes
 from pagedkv.errors import InvalidArgumentError, expected
 
 __all__ = [
@@ -41,8 +42,9 @@ SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout
 #: variant axes, in the spelling of the entry-point names
 LAYOUTS = ("nhd", "hnd")
 CHUNKS = {"v16": 16, "e4": 4, "e2": 2, "e1": 1}  # copy unit -> bytes
-MODEL_TYPES = ("f32", "f16", "bf16")
-QUANT_TYPES = ("e4m3", "e5m2", "int8")
+MODEL_TYPES = tuple(d.kernel_name for d in dtypes.MODEL)
+# packed formats (int4) have no kernel variant yet; their ops run in the torch reference
+QUANT_TYPES = tuple(d.kernel_name for d in dtypes.QUANTIZED if d.codes_per_byte == 1)
 TABLES = ("csr", "pad")
 INDEX_TYPES = ("i32", "i64")
 

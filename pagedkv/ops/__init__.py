@@ -1,7 +1,8 @@
 """KV data ops, dispatched to a backend.
 
 Every function has the signature of its :mod:`pagedkv.ops.reference` twin plus a
-keyword ``backend``:
+keyword ``backend`` (see :mod:`pagedkv.ops.backends` for the protocol and the
+dispatcher):
 
 - ``"auto"`` (default): the CUDA kernels (:mod:`pagedkv.kernels.ops`) when the
   arena is on a CUDA device (for :func:`swap_blocks`, when either side is); the fast
@@ -14,17 +15,13 @@ there is no silent fallback from a GPU tensor to the slow reference.
 """
 from __future__ import annotations
 
-import importlib
-import logging
-import warnings
 from types import ModuleType
 from typing import Optional, Tuple
 
 import torch
 
-from pagedkv.errors import InvalidArgumentError, KernelUnavailableError, expected
-from pagedkv.ops import cpu as _cpu_ops
-from pagedkv.ops import reference
+from pagedkv.ops import backends
+from pagedkv.ops.backends import BACKENDS, resolve_backend
 
 __all__ = [
     "BACKENDS",
@@ -37,59 +34,11 @@ __all__ = [
     "resolve_backend",
 ]
 
-BACKENDS = ("auto", "cpu", "cuda", "reference")
-
-_log = logging.getLogger("pagedkv.ops")
-_cpu_missing_warned = False
-
-
-def _cuda_module() -> ModuleType:
-    try:
-        return importlib.import_module("pagedkv.kernels.ops")
-    except Exception as e:  # ImportError, or a driver/cuda-python failure at import
-        raise KernelUnavailableError(
-            f"the CUDA kernels (pagedkv.kernels.ops) cannot be loaded: {type(e).__name__}: {e}. "
-            "Install the 'cuda' extra (cuda-python with NVRTC) or move the tensors to the CPU"
-        ) from e
-
-
-# The fast CPU module when its loops are built, for the per-call fast path.
-_CPU: Optional[ModuleType] = _cpu_ops if _cpu_ops.AVAILABLE else None
+# The fast CPU module when its loops are built: the per-call fast path skips the
+# dispatcher for the common case (CPU tensor, backend="auto").
+_CPU: Optional[ModuleType] = backends.load("cpu") if backends.cpu_ops_built() else None
 _Tensor = torch.Tensor
-
-
-def resolve_backend(backend: str, *devices: torch.device) -> str:
-    """The concrete backend (``"cuda"``, ``"cpu"`` or ``"reference"``) for tensors on ``devices``."""
-    global _cpu_missing_warned
-    if backend not in BACKENDS:
-        raise InvalidArgumentError(expected("backend", "one of " + ", ".join(map(repr, BACKENDS)), repr(backend)))
-    if backend != "auto":
-        return backend
-    if any(d.type == "cuda" for d in devices):
-        return "cuda"
-    if all(d.type == "cpu" for d in devices):
-        if _CPU is not None:
-            return "cpu"
-        if not _cpu_missing_warned:
-            _cpu_missing_warned = True
-            msg = "pagedkv.ops: the fast CPU ops are not built; using the (slow) torch reference"
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
-            _log.warning(msg)
-    return "reference"
-
-
-def _impl(name: str, backend: str, *devices: torch.device):
-    chosen = resolve_backend(backend, *devices)
-    if chosen == "reference":
-        return getattr(reference, name)
-    if chosen == "cpu":
-        return getattr(_cpu_ops, name)  # raises KernelUnavailableError itself when not built
-    module = _cuda_module()
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise KernelUnavailableError(f"the CUDA kernels provide no {name}()")
-    return fn
-
+_impl = backends.implementation
 
 _NOT_A_TENSOR = torch.device("meta")
 

@@ -16,368 +16,58 @@ Shapes (``NB`` blocks, ``bs`` tokens per block, ``H`` kv heads, ``D`` head dim):
 
 Every function validates all its inputs before touching any tensor, so a call that
 raises leaves every arena unchanged. Nothing is cast silently: a dtype mismatch is a
-:class:`~pagedkv.errors.DTypeError`. The structural checks (``check_*``) are public
-so the other backends share them and raise the same messages.
+:class:`~pagedkv.errors.DTypeError`. The checks (``check_*``) live in
+:mod:`pagedkv.op_checks`, shared by every backend (and re-exported here).
 
 Duplicate non-negative slots in one :func:`write_kv` call are the caller's bug:
 which of the tokens lands is unspecified (as in every GPU implementation).
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple
 
 import torch
 
-from pagedkv.errors import (
-    DeviceError,
-    DTypeError,
-    InvalidArgumentError,
-    InvalidBlockError,
-    ShapeError,
-    expected,
+from pagedkv import dtypes
+from pagedkv.op_checks import (  # re-exported: the checks were first published here
+    LAYOUTS,
+    Arenas,
+    LayerGeometry,
+    block_id_error,
+    check_arenas,
+    check_block_ids,
+    check_csr,
+    check_gather,
+    check_layer,
+    check_layout,
+    check_out,
+    check_padded,
+    check_pairs,
+    check_slot_values,
+    check_tensor,
+    check_write_kv,
+    contiguous_overlap,
+    csr_block_where,
+    indptr_error,
+    padded_block_where,
+    seq_len_error,
+    slot_error,
+    validate_copy_blocks,
+    validate_swap_blocks,
 )
-from pagedkv.quant import MODEL_DTYPES, dequantize, is_quantized, quantize
+from pagedkv.errors import ShapeError, expected
+from pagedkv.quant import dequantize, is_quantized, quantize
+
+from pagedkv import op_checks as _op_checks
 
 __all__ = [
-    "LAYOUTS",
-    "LayerGeometry",
     "write_kv",
     "gather_kv",
     "gather_kv_padded",
     "copy_blocks",
     "swap_blocks",
     "convert_layout",
-    "check_layout",
-    "check_layer",
-    "check_write_kv",
-    "check_gather",
-    "check_csr",
-    "check_padded",
-    "check_out",
-    "check_pairs",
-    "check_arenas",
-    "check_block_ids",
-    "validate_copy_blocks",
-    "validate_swap_blocks",
-    "slot_error",
-    "indptr_error",
-    "seq_len_error",
-    "block_id_error",
-]
-
-LAYOUTS = ("NHD", "HND")
-
-Arenas = Union[torch.Tensor, Sequence[torch.Tensor]]
-
-
-class LayerGeometry(NamedTuple):
-    """Sizes of a per-layer view, whatever its layout."""
-
-    num_blocks: int
-    block_size: int
-    num_heads: int
-    head_dim: int
-    quantized: bool
-
-
-# ----------------------------------------------------------------------------------
-# structural checks (shared by every backend)
-
-
-def _tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise DTypeError(expected(name, "a torch.Tensor", type(t).__name__))
-    if t.layout != torch.strided:   # sparse/compressed tensors have no slots to index
-        raise InvalidArgumentError(expected(name, "a dense (strided) tensor", f"a {t.layout} tensor"))
-    return t
-
-
-def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise DeviceError(expected(name, f"device {device}", t.device))
-
-
-def _index_vector(name: str, t: object, dtypes: Tuple[torch.dtype, ...], device) -> torch.Tensor:
-    t = _tensor(name, t)
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise DTypeError(expected(name, f"dtype {want}", t.dtype))
-    if t.dim() != 1:
-        raise ShapeError(expected(name, "a 1-D tensor", tuple(t.shape)))
-    _same_device(name, t, device)
-    return t
-
-
-def check_layout(layout: object, name: str = "layout") -> str:
-    """Return ``layout`` if it is ``"NHD"`` or ``"HND"``."""
-    if layout not in LAYOUTS:
-        raise InvalidArgumentError(expected(name, "'NHD' or 'HND'", repr(layout)))
-    return layout  # type: ignore[return-value]
-
-
-def check_layer(
-    kv_layer: object,
-    layout: str,
-    kv_scale: object = None,
-    kv_zero: object = None,
-    name: str = "kv_layer",
-) -> LayerGeometry:
-    """Validate a per-layer view (and its scale/zero views when quantized)."""
-    layout = check_layout(layout)
-    kv_layer = _tensor(name, kv_layer)
-    if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
-        want = "[num_blocks, 2, block_size, H, D]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D]"
-        raise ShapeError(expected(name, f"a {layout} layer view {want}", tuple(kv_layer.shape)))
-    quantized = is_quantized(kv_layer.dtype)
-    if not quantized and kv_layer.dtype not in MODEL_DTYPES:
-        raise DTypeError(
-            expected(name, "dtype float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8 or uint8 (int4)",
-                     kv_layer.dtype)
-        )
-    nb = kv_layer.shape[0]
-    if layout == "NHD":
-        bs, h = kv_layer.shape[2], kv_layer.shape[3]
-    else:
-        h, bs = kv_layer.shape[2], kv_layer.shape[3]
-    int4 = kv_layer.dtype == torch.uint8  # packed int4: two codes per byte
-    geo = LayerGeometry(nb, bs, h, kv_layer.shape[4] * (2 if int4 else 1), quantized)
-    want_shape = tuple(kv_layer.shape[:-1])
-    if int4:
-        want_shape += (_int4_groups(kv_scale, want_shape, geo.head_dim),)
-    if quantized:
-        _check_param_view("kv_scale", kv_scale, want_shape, kv_layer.device)
-        if kv_layer.dtype in (torch.int8, torch.uint8):
-            _check_param_view("kv_zero", kv_zero, want_shape, kv_layer.device)
-        elif kv_zero is not None:
-            raise InvalidArgumentError(expected("kv_zero", "None for an fp8 kv_layer", "a tensor"))
-    else:
-        for pname, p in (("kv_scale", kv_scale), ("kv_zero", kv_zero)):
-            if p is not None:
-                raise InvalidArgumentError(
-                    expected(pname, f"None for an unquantized {kv_layer.dtype} kv_layer", "a tensor")
-                )
-    return geo
-
-
-def _int4_groups(kv_scale: object, lead: tuple, head_dim: int) -> int:
-    """Groups per head of an int4 layer, read from its scale view ``lead + (groups,)``."""
-    if isinstance(kv_scale, torch.Tensor) and kv_scale.dim() == len(lead) + 1:
-        ng = kv_scale.shape[-1]
-        if ng >= 1 and head_dim % ng == 0:
-            return ng
-    raise ShapeError(expected("kv_scale", f"shape {lead} + (groups,), groups dividing head_dim {head_dim}, "
-                              "for an int4 (uint8) kv_layer",
-                              tuple(kv_scale.shape) if isinstance(kv_scale, torch.Tensor) else None))
-
-
-def _check_param_view(name: str, t: object, shape: tuple, device: torch.device) -> None:
-    if t is None:
-        raise InvalidArgumentError(expected(name, f"a float32 tensor of shape {shape} for a quantized kv_layer", None))
-    t = _tensor(name, t)
-    if t.dtype != torch.float32:
-        raise DTypeError(expected(name, "dtype float32", t.dtype))
-    if tuple(t.shape) != shape:
-        raise ShapeError(expected(name, f"shape {shape}", tuple(t.shape)))
-    _same_device(name, t, device)
-
-
-def check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero) -> LayerGeometry:
-    """Structural checks of :func:`write_kv` (not the slot values)."""
-    geo = check_layer(kv_layer, layout, kv_scale, kv_zero)
-    device = kv_layer.device
-    key = _tensor("key", key)
-    value = _tensor("value", value)
-    if key.dim() != 3 or tuple(key.shape[1:]) != (geo.num_heads, geo.head_dim):
-        raise ShapeError(
-            expected("key", f"[num_tokens, {geo.num_heads}, {geo.head_dim}]", tuple(key.shape))
-        )
-    if tuple(value.shape) != tuple(key.shape):
-        raise ShapeError(expected("value", f"shape {tuple(key.shape)} (as key)", tuple(value.shape)))
-    want = kv_layer.dtype if not geo.quantized else None
-    for name, t in (("key", key), ("value", value)):
-        if want is not None and t.dtype != want:
-            raise DTypeError(expected(name, f"dtype {want} (the kv_layer dtype)", t.dtype))
-        if t.dtype not in MODEL_DTYPES:
-            raise DTypeError(expected(name, "dtype float32, float16 or bfloat16", t.dtype))
-        _same_device(name, t, device)
-    if value.dtype != key.dtype:
-        raise DTypeError(expected("value", f"dtype {key.dtype} (as key)", value.dtype))
-    _index_vector("slot_mapping", slot_mapping, (torch.int64,), device)
-    if slot_mapping.shape[0] != key.shape[0]:
-        raise ShapeError(expected("slot_mapping", f"[{key.shape[0]}] (one slot per token)", tuple(slot_mapping.shape)))
-    return geo
-
-
-def check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero) -> Tuple[LayerGeometry, torch.dtype]:
-    """Structural checks of a gather's arena side; returns the resolved out dtype."""
-    geo = check_layer(kv_layer, layout, kv_scale, kv_zero)
-    if geo.quantized:
-        if out_dtype is None:
-            raise DTypeError(
-                expected("out_dtype", f"float32, float16 or bfloat16 for a quantized {kv_layer.dtype} kv_layer", None)
-            )
-        if out_dtype not in MODEL_DTYPES:
-            raise DTypeError(expected("out_dtype", "float32, float16 or bfloat16", out_dtype))
-        return geo, out_dtype
-    if out_dtype is not None and out_dtype != kv_layer.dtype:
-        raise DTypeError(expected("out_dtype", f"None or {kv_layer.dtype} (the kv_layer dtype)", out_dtype))
-    return geo, kv_layer.dtype
-
-
-def check_csr(indptr, indices, seq_lens, device) -> int:
-    """Structural checks of CSR block tables; returns the batch size."""
-    _index_vector("indptr", indptr, (torch.int32,), device)
-    _index_vector("indices", indices, (torch.int32,), device)
-    _index_vector("seq_lens", seq_lens, (torch.int32,), device)
-    if indptr.shape[0] < 1:
-        raise ShapeError(expected("indptr", "[batch_size + 1]", tuple(indptr.shape)))
-    batch = indptr.shape[0] - 1
-    if seq_lens.shape[0] != batch:
-        raise ShapeError(expected("seq_lens", f"[{batch}] (len(indptr) - 1)", tuple(seq_lens.shape)))
-    return batch
-
-
-def check_padded(block_table, seq_lens, device) -> int:
-    """Structural checks of a padded block table; returns the batch size."""
-    block_table = _tensor("block_table", block_table)
-    if block_table.dtype != torch.int32:
-        raise DTypeError(expected("block_table", "dtype int32", block_table.dtype))
-    if block_table.dim() != 2:
-        raise ShapeError(expected("block_table", "[batch_size, max_blocks]", tuple(block_table.shape)))
-    _same_device("block_table", block_table, device)
-    _index_vector("seq_lens", seq_lens, (torch.int32,), device)
-    if seq_lens.shape[0] != block_table.shape[0]:
-        raise ShapeError(
-            expected("seq_lens", f"[{block_table.shape[0]}] (block_table rows)", tuple(seq_lens.shape))
-        )
-    return block_table.shape[0]
-
-
-def check_out(out_key, out_value, total: int, geo: LayerGeometry, out_dtype, device) -> bool:
-    """Validate optional gather outputs; returns True when they were given."""
-    if out_key is None and out_value is None:
-        return False
-    if out_key is None or out_value is None:
-        missing = "out_key" if out_key is None else "out_value"
-        raise InvalidArgumentError(expected(missing, "a tensor when the other output is given", None))
-    shape = (total, geo.num_heads, geo.head_dim)
-    for name, t in (("out_key", out_key), ("out_value", out_value)):
-        t = _tensor(name, t)
-        if tuple(t.shape) != shape:
-            raise ShapeError(expected(name, f"shape {shape}", tuple(t.shape)))
-        if t.dtype != out_dtype:
-            raise DTypeError(expected(name, f"dtype {out_dtype}", t.dtype))
-        _same_device(name, t, device)
-        if not t.is_contiguous():
-            raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {t.stride()}"))
-    if total > 0 and contiguous_overlap(out_key, out_value):
-        raise InvalidArgumentError(expected(
-            "out_value", "memory disjoint from out_key",
-            f"bytes [{out_value.data_ptr():#x}, +{_nbytes(out_value)}) overlapping "
-            f"[{out_key.data_ptr():#x}, +{_nbytes(out_key)})"))
-    return True
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def contiguous_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share any byte (a partial overlap included:
-    writing one would silently change the other)."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + _nbytes(b) and b0 < a0 + _nbytes(a)
-
-
-def check_arenas(name: str, arenas: object) -> List[torch.Tensor]:
-    """Normalize a tensor or a sequence of tensors to a non-empty list of all-layer arenas
-    ``[num_layers, num_blocks, ...]`` that agree on ``num_layers``, ``num_blocks`` and device."""
-    if isinstance(arenas, torch.Tensor):
-        arenas = [arenas]
-    if not isinstance(arenas, (list, tuple)) or len(arenas) == 0:
-        raise InvalidArgumentError(expected(name, "a tensor or a non-empty list of tensors", type(arenas).__name__))
-    out = []
-    for i, a in enumerate(arenas):
-        a = _tensor(f"{name}[{i}]", a)
-        if a.dim() < 2:
-            raise ShapeError(expected(f"{name}[{i}]", "[num_layers, num_blocks, ...]", tuple(a.shape)))
-        if i:
-            if tuple(a.shape[:2]) != tuple(out[0].shape[:2]):
-                raise ShapeError(
-                    expected(f"{name}[{i}]", f"leading dims {tuple(out[0].shape[:2])} (as {name}[0])", tuple(a.shape[:2]))
-                )
-            _same_device(f"{name}[{i}]", a, out[0].device)
-        out.append(a)
-    return out
-
-
-def check_pairs(pairs: object, *devices: torch.device) -> torch.Tensor:
-    """Structural checks of a ``[P, 2]`` (src, dst) block-id tensor.
-
-    ``pairs`` may live on the CPU or on one of the arenas' ``devices``.
-    """
-    pairs = _tensor("pairs", pairs)
-    if pairs.dtype not in (torch.int64, torch.int32):
-        raise DTypeError(expected("pairs", "dtype int64 or int32", pairs.dtype))
-    if pairs.dim() != 2 or pairs.shape[1] != 2:
-        raise ShapeError(expected("pairs", "[num_pairs, 2] (src, dst)", tuple(pairs.shape)))
-    if pairs.device.type != "cpu" and pairs.device not in devices:
-        allowed = ", ".join(["cpu"] + sorted({str(d) for d in devices if d.type != "cpu"}))
-        raise DeviceError(expected("pairs", f"device {allowed}", pairs.device))
-    return pairs
-
-
-# ----------------------------------------------------------------------------------
-# value checks (reference implementation reads the index tensors)
-
-
-def slot_error(value: int, index: int, num_slots: int) -> InvalidArgumentError:
-    """The error for an out-of-range slot (shared so every backend says the same)."""
-    return InvalidArgumentError(
-        expected(
-            "slot_mapping",
-            f"slots < {num_slots} (num_blocks * block_size), or negative to skip",
-            f"{value} at index {index}",
-        )
-    )
-
-
-def indptr_error(b: int, lo: int, hi: int, nnz: int) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        expected("indptr", f"non-decreasing offsets in [0, {nnz}]", f"indptr[{b}:{b + 2}] = [{lo}, {hi}]")
-    )
-
-
-def seq_len_error(b: int, n: int, num_blocks: int, bs: int, padded: bool) -> InvalidArgumentError:
-    what = "(max_blocks * block_size)" if padded else f"({num_blocks} blocks)"
-    return InvalidArgumentError(expected("seq_lens", f"0 <= seq_lens[{b}] <= {num_blocks * bs} {what}", n))
-
-
-def block_id_error(name: str, value: int, num_blocks: int, where: str) -> InvalidBlockError:
-    return InvalidBlockError(expected(name, f"block ids in [0, {num_blocks})", f"{value} at {where}"))
-
-
-def csr_block_where(b: int, j: int) -> str:
-    return f"sequence {b}, block {j}"
-
-
-def padded_block_where(b: int, j: int) -> str:
-    return f"row {b}, column {j}"
-
-
-def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    bad = (slot_mapping >= num_slots).nonzero()
-    if bad.numel():
-        i = int(bad[0, 0])
-        raise slot_error(int(slot_mapping[i]), i, num_slots)
-
-
-def check_block_ids(name: str, ids: Sequence[int], num_blocks: int, where=lambda i: f"row {i}") -> None:
-    """Raise InvalidBlockError naming the first id outside ``[0, num_blocks)``."""
-    for i, b in enumerate(ids):
-        if b < 0 or b >= num_blocks:
-            raise block_id_error(name, b, num_blocks, where(i))
-
+] + _op_checks.__all__     # the shared checks, re-exported
 
 def _csr_token_index(indptr, indices, seq_lens, bs: int, nb: int):
     """Per-token (block_id, offset) tensors of CSR tables, after checking their values."""
@@ -466,14 +156,14 @@ def write_kv(
         InvalidArgumentError: a slot is ``>= NB * bs`` (checked before any write).
     """
     geo = check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
-    _check_slots(slot_mapping, geo.num_blocks * geo.block_size)
+    check_slot_values(slot_mapping, geo.num_blocks * geo.block_size)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blk = torch.div(slots, geo.block_size, rounding_mode="floor")
     off = slots - blk * geo.block_size
     for kv, src in ((0, key[valid]), (1, value[valid])):
         if geo.quantized:
-            group = geo.head_dim // kv_scale.shape[-1] if kv_layer.dtype == torch.uint8 else None
+            group = geo.head_dim // kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else None
             q, s, z = quantize(src, kv_layer.dtype, group_size=group)
             _assign(kv_layer, layout, kv, blk, off, q)
             _assign(kv_scale, layout, kv, blk, off, s)
@@ -560,39 +250,6 @@ def gather_kv_padded(
     return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value)
 
 
-def _pair_lists(pairs: torch.Tensor) -> Tuple[List[int], List[int]]:
-    rows = pairs.tolist()
-    return [r[0] for r in rows], [r[1] for r in rows]
-
-
-def _check_distinct_dst(dst: List[int]) -> None:
-    seen = set()
-    for i, d in enumerate(dst):
-        if d in seen:
-            raise InvalidBlockError(expected("pairs", "distinct dst block ids", f"{d} twice (row {i})"))
-        seen.add(d)
-
-
-def _check_dst_not_src(src: List[int], dst: List[int]) -> None:
-    srcs = set(src)
-    for i, d in enumerate(dst):
-        if d in srcs:
-            raise InvalidBlockError(expected("pairs", "dst ids that are not also src ids", f"{d} (row {i})"))
-
-
-def validate_copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> Tuple[List[torch.Tensor], List[int], List[int]]:
-    """All checks of :func:`copy_blocks`; returns (arenas as a list, src ids, dst ids)."""
-    arenas = check_arenas("arenas", arenas)
-    pairs = check_pairs(pairs, arenas[0].device)
-    nb = arenas[0].shape[1]
-    src, dst = _pair_lists(pairs)
-    check_block_ids("pairs", src, nb, where=lambda i: f"src row {i}")
-    check_block_ids("pairs", dst, nb, where=lambda i: f"dst row {i}")
-    _check_distinct_dst(dst)
-    _check_dst_not_src(src, dst)
-    return arenas, src, dst
-
-
 def copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> None:
     """Copy whole blocks inside arenas, across all layers (copy-on-write, fork).
 
@@ -611,30 +268,6 @@ def copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> None:
     for a in arenas:
         a = _copyable(a)
         a.index_copy_(1, d, a.index_select(1, s))
-
-
-def validate_swap_blocks(
-    src_arenas: Arenas, dst_arenas: Arenas, pairs: torch.Tensor
-) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[int], List[int]]:
-    """All checks of :func:`swap_blocks`; returns (src list, dst list, src ids, dst ids)."""
-    srcs = check_arenas("src_arenas", src_arenas)
-    dsts = check_arenas("dst_arenas", dst_arenas)
-    if len(srcs) != len(dsts):
-        raise InvalidArgumentError(expected("dst_arenas", f"{len(srcs)} tensors (as src_arenas)", len(dsts)))
-    for i, (s, d) in enumerate(zip(srcs, dsts)):
-        if s.dtype != d.dtype:
-            raise DTypeError(expected(f"dst_arenas[{i}]", f"dtype {s.dtype} (as src_arenas[{i}])", d.dtype))
-        if s.dim() != d.dim() or s.shape[0] != d.shape[0] or s.shape[2:] != d.shape[2:]:
-            want = (s.shape[0], "num_blocks") + tuple(s.shape[2:])
-            raise ShapeError(expected(f"dst_arenas[{i}]", f"shape {want} (as src_arenas[{i}])", tuple(d.shape)))
-    pairs = check_pairs(pairs, srcs[0].device, dsts[0].device)
-    src, dst = _pair_lists(pairs)
-    check_block_ids("pairs", src, srcs[0].shape[1], where=lambda i: f"src row {i}")
-    check_block_ids("pairs", dst, dsts[0].shape[1], where=lambda i: f"dst row {i}")
-    _check_distinct_dst(dst)
-    if any(_overlaps(s, d) for s, d in zip(srcs, dsts)):
-        _check_dst_not_src(src, dst)
-    return srcs, dsts, src, dst
 
 
 def swap_blocks(src_arenas: Arenas, dst_arenas: Arenas, pairs: torch.Tensor) -> None:
@@ -657,15 +290,14 @@ def swap_blocks(src_arenas: Arenas, dst_arenas: Arenas, pairs: torch.Tensor) -> 
         d.index_copy_(1, di, s.index_select(1, si).to(d.device))
 
 
+_FP8 = frozenset(d.torch_dtype for d in dtypes.QUANTIZED if d.float8)
+
+
 def _copyable(t: torch.Tensor) -> torch.Tensor:
     # index_copy_ has no fp8 kernel; a same-size integer view moves the same bytes.
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if t.dtype in _FP8:
         return t.view(torch.uint8)
     return t
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def convert_layout(arena: torch.Tensor, src_layout: str, dst_layout: str, *, scale: bool = False) -> torch.Tensor:
@@ -678,7 +310,7 @@ def convert_layout(arena: torch.Tensor, src_layout: str, dst_layout: str, *, sca
     """
     check_layout(src_layout, "src_layout")
     check_layout(dst_layout, "dst_layout")
-    arena = _tensor("arena", arena)
+    arena = check_tensor("arena", arena)
     ndims = (4, 5) if scale else (5, 6)
     kv_dim = arena.dim() - (3 if scale else 4)
     if arena.dim() not in ndims or arena.shape[kv_dim] != 2:

@@ -2,6 +2,8 @@
 
 - :mod:`pagedkv.testing.models`: the test-model loader (SmolLM2-135M from a pinned
   wheel, and a tiny random Llama that needs no network);
+- :mod:`pagedkv.testing.core_model`: a pure-Python model of the Cython core (the
+  oracle of the stateful tests, the fuzzer and the core benchmark's baseline);
 - :func:`weak_hash_cache` (:mod:`pagedkv.testing.caches`): a ``PagedKVCache`` whose
   block hash collides on purpose, to prove that collisions cost misses, never wrong KV.
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["models", "caches", "weak_hash_cache"]
+__all__ = ["models", "caches", "core_model", "weak_hash_cache"]
 
 _LAZY = {"weak_hash_cache": "caches"}
 

@@ -11,7 +11,8 @@ __all__ = ["weak_hash_cache"]
 class _WeakHashCache(PagedKVCache):
     def _prefix_index(self, config: CacheConfig) -> PrefixIndex:
         return PrefixIndex(config.block_size, config.resolved_num_blocks, hash_seed=config.hash_seed,
-                           weak_hash=True, events=config.enable_kv_events)
+                           weak_hash=True, events=config.enable_kv_events,
+                           tier_log=config.has_prefix_tiers)
 
 
 def weak_hash_cache(config: CacheConfig, *, allocate_store: bool = True) -> PagedKVCache:

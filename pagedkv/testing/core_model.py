@@ -420,6 +420,34 @@ class PyTables:
                 self.pool.free(row.blocks[keep:])
                 del row.blocks[keep:]
 
+    def truncate(self, keys, counts) -> None:
+        keys = list(keys)
+        rows = self._rows(keys)
+        counts = [counts] * len(keys) if isinstance(counts, int) else [int(c) for c in counts]
+        for row, n in zip(rows, counts):
+            if not 0 <= n <= row.computed:
+                raise InvalidArgumentError(expected("num_tokens", "at most the committed tokens", n))
+        for row, n in zip(rows, counts):
+            length = row.computed - n
+            keep = -(-length // self.bs)
+            if keep < len(row.blocks):
+                self.pool.free(row.blocks[keep:][::-1])
+                del row.blocks[keep:]
+            row.computed = row.reserved = length
+            del row.tokens[length:]
+            row.prompt_len = min(row.prompt_len, length)
+            row.prefix_hit = min(row.prefix_hit, keep)
+            full = length // self.bs
+            if row.hashed > full:
+                if row.track and self.prefix:
+                    # step the cursor back along the registered chain of the kept blocks
+                    hits = self.match(row.tokens, row.ns, full)
+                    row.hashed = len(hits)
+                    row.canon, row.canon_gen = (hits[-1], self.gen[hits[-1]]) if hits else (-1, 0)
+                    row.track = len(hits) == full
+                else:
+                    row.hashed = full
+
     def _must_copy(self, b: int) -> bool:
         return self.pool.ref[b] > 1 or self.pool.cached[b]
 

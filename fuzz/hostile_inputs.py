@@ -1,0 +1,286 @@
+"""Hostile input against the public API, with the verdict for each: typed error and
+state unchanged, or a failure class (crash, untyped error, state changed by a failing
+call, a bad input accepted).
+
+Every case builds a fresh small cache (sequences committed, forked, swapped out, a
+cached prefix, KV written), snapshots everything a caller can observe (sequences,
+tables, token ids, pool lists and counts, the K/V bytes), makes one bad call and
+compares. Each bad value is tried in every argument position of every call that
+takes that kind of argument, so the count grows with the API, not by hand.
+
+Crashes are caught by running the cases in a child process that reports each case
+before running it; when the child dies, the case it was on is a crash and a new child
+resumes after it.
+
+Usage: ``python fuzz/hostile_inputs.py [--json]``; exit status 1 on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from collections import Counter
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+
+# ---- bad values, by the kind of argument they attack ------------------------------------
+INT_BAD: List[Tuple[str, Any]] = [
+    ("-1", -1), ("2**31", 2**31), ("2**62", 2**62), ("2**63", 2**63), ("2**64", 2**64), ("-2**63-1", -2**63 - 1),
+    ("1.5", 1.5), ("2.0", 2.0), ("nan", float("nan")), ("inf", float("inf")), ("True", True), ("None", None),
+    ("'8'", "8"), ("b'8'", b"8"), ("np.int8(-1)", np.int8(-1)), ("np.uint64(2**64-1)", np.uint64(2**64 - 1)),
+    ("np.float64(3)", np.float64(3.0)), ("[1]", [1]), ("object()", object()), ("complex", 1 + 2j),
+]
+COUNTS_BAD: List[Tuple[str, Any]] = INT_BAD + [
+    ("[2**62]*2", [2**62, 2**62]), ("[-1, 1]", [-1, 1]), ("[1.5, 1]", [1.5, 1]), ("[[1]]", [[1]]),
+    ("np >i8 [2**40]*2", np.array([2**40] * 2, ">i8")), ("np float [1,1]", np.array([1.0, 1.0])),
+    ("np bool", np.array([True, True])), ("np uint64 max", np.array([2**64 - 1] * 2, np.uint64)),
+    ("np object", np.array([1, "x"], dtype=object)), ("np 2-D", np.ones((2, 1), np.int64)),
+    ("wrong length [1]*3", [1, 1, 1]), ("str '11'", "11"),
+]
+IDS_BAD: List[Tuple[str, Any]] = [
+    ("unknown 99", 99), ("[0, 0]", [0, 0]), ("[0, 99]", [0, 99]), ("-1", -1), ("2**64", 2**64),
+    ("nan", float("nan")), ("None", None), ("[None]", [None]), ("np >i8 [0, 99]", np.array([0, 99], ">i8")),
+    ("np float [0.0]", np.array([0.0])), ("np 2-D", np.zeros((1, 1), np.int64)), ("[[0]]", [[0]]),
+    ("set", {0}), ("dict", {0: 1}), ("swapped 5 twice", [5, 5]), ("live and swapped twice", [0, 5, 5]),
+]
+TOKENS_BAD: List[Tuple[str, Any]] = [
+    ("[2**31]", [2**31]), ("[-2**31-1]", [-2**31 - 1]), ("[1.5]", [1.5]), ("'abc'", "abc"), ("None-in", [1, None]),
+    ("np float", np.array([1.0])), ("np >i4", np.array([1, 2], ">i4")), ("np 2-D", np.ones((1, 2), np.int32)),
+    ("np object", np.array(["a"], dtype=object)), ("[[1]]", [[1]]), ("object()", object()),
+]
+
+
+def _torch_bad():
+    import torch
+    k = torch.randn(2, 2, 4)
+    return [
+        ("fp16 for fp32", k.half()), ("complex", k.to(torch.complex64)), ("int", k.int()), ("2-D", k[0]),
+        ("wrong heads", torch.randn(2, 3, 4)), ("wrong dim", torch.randn(2, 2, 5)), ("sparse", k.to_sparse()),
+        ("meta", k.to("meta")), ("numpy", k.numpy()), ("list", k.tolist()), ("rows 3", torch.randn(3, 2, 4)),
+    ]
+
+
+def _slots_bad():
+    import torch
+    return [
+        ("slot past arena", torch.tensor([0, 10**6])), ("int32 slots", torch.tensor([0, 1], dtype=torch.int32)),
+        ("float slots", torch.tensor([0.0, 1.0])), ("2-D slots", torch.tensor([[0, 1]])), ("3 slots", torch.tensor([0, 1, 2])),
+        ("sparse slots", torch.tensor([0, 1]).to_sparse()), ("meta slots", torch.tensor([0, 1]).to("meta")),
+        ("np >i8 slots", np.array([0, 1], ">i8")), ("list slots", [0, 1]), ("2**63 slot", torch.tensor([0, 2**63 - 1])),
+    ]
+
+
+def _pairs_bad():
+    import torch
+    return [
+        ("block -1", torch.tensor([[-1, 1]])), ("block past", torch.tensor([[0, 10**6]])), ("float", torch.tensor([[0.0, 1.0]])),
+        ("shape [3]", torch.tensor([0, 1, 2])), ("dst in use twice", torch.tensor([[0, 9], [1, 9]])),
+        ("sparse", torch.tensor([[0, 1]]).to_sparse()), ("meta", torch.tensor([[0, 1]]).to("meta")),
+        ("numpy", np.array([[0, 1]])), ("int8", torch.tensor([[0, 1]], dtype=torch.int8)),
+    ]
+
+
+# ---- the fixture and what a caller can observe -------------------------------------------
+def fixture():
+    import torch
+    from pagedkv import CacheConfig, PagedKVCache
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=24, host_num_blocks=8,
+                      dtype=torch.float32)
+    cache = PagedKVCache(cfg)
+    g = torch.Generator().manual_seed(0)
+    prompt = list(range(100, 110))
+    for sid in (0, 5):
+        cache.add_sequence(sid, prompt if sid == 0 else [7, 8, 9, 10, 11])
+        n = cache.num_tokens(sid)
+        todo = len(prompt if sid == 0 else [7] * 5) - n
+        slots = cache.reserve(sid, todo)
+        for layer in range(2):
+            cache.write(layer, slots, torch.randn(todo, 2, 4, generator=g), torch.randn(todo, 2, 4, generator=g))
+        cache.commit(sid, todo)
+    cache.fork(0, 1)
+    cache.add_sequence("req-a", prompt)            # a prefix hit on sequence 0's blocks
+    cache.reserve("req-a", 2)
+    cache.swap_out(5)
+    return cache
+
+
+def observe(cache) -> Tuple:
+    seqs = []
+    for s in sorted(cache.sequences(), key=repr):
+        seqs.append((repr(s), cache.num_tokens(s), cache.num_reserved(s), tuple(cache.block_table(s).tolist()),
+                     tuple(cache.token_ids(s).tolist())))
+    pool = cache.pool
+    kv = hashlib.sha256(cache.store.kv.numpy().tobytes()).hexdigest()
+    return (tuple(seqs), tuple(map(tuple, pool.free_lists())), tuple(pool.ref_cnt.tolist()), tuple(pool.states().tolist()),
+            tuple(pool.pinned_blocks().tolist()), cache.is_swapped(5), kv)
+
+
+# ---- the cases --------------------------------------------------------------------------
+def cases() -> List[Tuple[str, Callable[[Any], Any]]]:
+    import torch
+    out: List[Tuple[str, Callable[[Any], Any]]] = []
+
+    def add(name, fn):
+        out.append((name, fn))
+
+    k2 = torch.randn(2, 2, 4)
+    for label, v in COUNTS_BAD:
+        add(f"reserve([0, 1], {label})", lambda c, v=v: c.reserve([0, 1], v))
+        add(f"commit([0, 1], {label})", lambda c, v=v: c.commit([0, 1], v))
+        add(f"unreserve(['req-a'], {label})", lambda c, v=v: c.unreserve(["req-a"], v))
+    for label, v in INT_BAD:
+        add(f"reserve(0, {label})", lambda c, v=v: c.reserve(0, v))
+        add(f"set_priority(0, {label})", lambda c, v=v: c.set_priority(0, v))
+        add(f"set_priority(0, 1, {label})", lambda c, v=v: c.set_priority(0, 1, v))
+        add(f"set_priority(0, 1, 0, {label})", lambda c, v=v: c.set_priority(0, 1, 0, v))
+        add(f"slot_mapping(0, {label}, 1)", lambda c, v=v: c.slot_mapping(0, v, 1))
+        add(f"slot_mapping(0, 0, {label})", lambda c, v=v: c.slot_mapping(0, 0, v))
+        add(f"gather(0, {label})", lambda c, v=v: c.gather(0, v))
+        add(f"gather(0, 0, {label})", lambda c, v=v: c.gather(0, 0, v))
+        add(f"block_tables([0], pad={label})", lambda c, v=v: c.block_tables([0], pad=v))
+        add(f"block_tables([0], width={label})", lambda c, v=v: c.block_tables([0], width=v))
+        add(f"write({label}, slots, k, v)", lambda c, v=v: c.write(v, torch.tensor([-1, -1]), k2, k2))
+        add(f"can_admit([1]*8, {label})", lambda c, v=v: c.can_admit([1] * 8, v))
+        add(f"add_sequence(9, priority={label})", lambda c, v=v: c.add_sequence(9, [1, 2], priority=v))
+        add(f"pool.allocate({label})", lambda c, v=v: c.pool.allocate(v))
+    for label, v in IDS_BAD:
+        add(f"reserve({label}, 1)", lambda c, v=v: c.reserve(v, 1))
+        add(f"commit({label}, 0)", lambda c, v=v: c.commit(v, 0))
+        add(f"advance({label}, tokens)", lambda c, v=v: c.advance(v, [1] * (len(v) if isinstance(v, list) else 1)))
+        add(f"free({label})", lambda c, v=v: c.free(v))
+        add(f"block_tables({label})", lambda c, v=v: c.block_tables(v))
+        add(f"page_table_csr({label})", lambda c, v=v: c.page_table_csr(v))
+        add(f"seq_lens({label})", lambda c, v=v: c.seq_lens(v))
+        add(f"fork({label}, 9)", lambda c, v=v: c.fork(v, 9))
+        add(f"swap_in({label})", lambda c, v=v: c.swap_in(v))
+        add(f"pool.free({label} as blocks)", lambda c, v=v: c.pool.free(v))
+        add(f"pool.unpin({label} as blocks)", lambda c, v=v: c.pool.unpin(v))
+    add("fork(0, 1) onto a live id", lambda c: c.fork(0, 1))
+    add("add_sequence(0) again", lambda c: c.add_sequence(0))
+    add("add_sequence(5) while swapped", lambda c: c.add_sequence(5))
+    add("add_sequence(('req', 1)) tuple id then batch use", lambda c: c.add_sequence(("a", "b", "c"), [1]))
+    add("swap_out(5) twice", lambda c: c.swap_out(5))
+    add("pool.free(allocated block twice)", lambda c: c.pool.free([c.block_table(0)[0]] * 40))
+    add("pool.unpin([-1])", lambda c: c.pool.unpin([-1]))
+    for label, v in TOKENS_BAD:
+        add(f"add_sequence(9, {label})", lambda c, v=v: c.add_sequence(9, v))
+        add(f"advance([0], {label})", lambda c, v=v: c.advance([0], v))
+        add(f"commit(['req-a'], 2, {label})", lambda c, v=v: c.commit(["req-a"], 2, v))
+        add(f"match_prefix({label})", lambda c, v=v: c.match_prefix(v))
+        add(f"pin_prefix({label})", lambda c, v=v: c.pin_prefix(v))
+    for label, v in [("int", 5), ("list", ["x"]), ("object", object())]:
+        add(f"add_sequence(9, cache_salt={label})", lambda c, v=v: c.add_sequence(9, [1], cache_salt=v))
+        add(f"match_prefix(cache_salt={label})", lambda c, v=v: c.match_prefix([1], cache_salt=v))
+    for label, v in _torch_bad():
+        add(f"write(0, slots, key={label})", lambda c, v=v: c.write(0, torch.tensor([-1, -1]), v, k2))
+        add(f"write(0, slots, value={label})", lambda c, v=v: c.write(0, torch.tensor([-1, -1]), k2, v))
+    for label, v in _slots_bad():
+        add(f"write(0, {label}, k, v)", lambda c, v=v: c.write(0, v, k2, k2))
+    for label, v in _pairs_bad():
+        add(f"copy_blocks({label})", lambda c, v=v: c.copy_blocks(v))
+    return out
+
+
+# Calls where a value in the catalog is valid in context (a count of 1 as 1.0 is not:
+# floats are refused; but e.g. unreserving 0 tokens via False would be a bool and is refused).
+def verdict(cache, fn) -> str:
+    from pagedkv.errors import PagedKVError
+    before = observe(cache)
+    try:
+        fn(cache)
+    except PagedKVError:
+        return "typed" if observe(cache) == before else "state-changed"
+    except Exception as e:   # noqa: BLE001 - classifying is the point
+        return f"untyped:{type(e).__name__}" + ("" if observe(cache) == before else "+state-changed")
+    return "accepted"
+
+
+def child(start: int) -> None:
+    todo = cases()
+    for i in range(start, len(todo)):
+        name, fn = todo[i]
+        print(json.dumps({"start": i}), flush=True)
+        cache = fixture()
+        v = verdict(cache, fn)
+        try:
+            cache.check_invariants()
+        except Exception as e:   # noqa: BLE001 - a broken invariant is this case's verdict
+            v = f"invariant-broken:{type(e).__name__}: {e}"
+        print(json.dumps({"case": i, "name": name, "verdict": v}), flush=True)
+
+
+def run() -> Dict[str, Any]:
+    n = len(cases())
+    results: List[Dict[str, Any]] = []
+    start = 0
+    while start < n:
+        p = subprocess.run([sys.executable, __file__, "--child", str(start)], capture_output=True, text=True)
+        current = start
+        for line in p.stdout.splitlines():
+            rec = json.loads(line)
+            if "start" in rec:
+                current = rec["start"]
+            else:
+                results.append(rec)
+                current = rec["case"] + 1
+        if p.returncode != 0:
+            if current >= n:
+                break
+            name = cases()[current][0]
+            results.append({"case": current, "name": name,
+                            "verdict": f"crash (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:]}"})
+            current += 1
+        start = current
+    counts = Counter(r["verdict"].split(":")[0].split(" ")[0] for r in results)
+    return {"inputs": len(results), "counts": dict(counts), "results": results}
+
+
+# Inputs that are valid in the position they are tried in, so accepting them is right
+# (each was checked by hand; the reason is given so the list stays honest):
+ACCEPTABLE = {
+    # -1 is the documented default padding value; np.int8(-1) is the same integer
+    "block_tables([0], pad=-1)", "block_tables([0], pad=np.int8(-1))",
+    # can_admit answers a question: a huge request is simply "no"; None is the default
+    "can_admit([1]*8, 2**31)", "can_admit([1]*8, 2**62)", "can_admit([1]*8, 2**63)", "can_admit([1]*8, 2**64)",
+    "can_admit([1]*8, None)",
+    # None is each argument's documented default
+    "gather(0, 0, None)", "block_tables([0], width=None)", "add_sequence(9, priority=None)",
+    "set_priority(0, 1, 0, None)", "unreserve(['req-a'], None)",
+    # one count per id: a one-element list for one id (req-a holds 2 reserved slots)
+    "unreserve(['req-a'], [1])", "reserve(0, [1])",
+    # any hashable is a sequence id, tuples included
+    "add_sequence(('req', 1)) tuple id then batch use",
+    # non-native byte order is converted, not misread (tests pin the converted values)
+    "add_sequence(9, np >i4)", "match_prefix(np >i4)", "pin_prefix(np >i4)",
+    # array-likes of block pairs are accepted like tensors
+    "copy_blocks(numpy)",
+    # K/V as nested lists are converted by torch like any array-like
+    "write(0, slots, key=list)", "write(0, slots, value=list)",
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true", help="print every case's verdict")
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        child(args.child)
+        return 0
+    rep = run()
+    bad = [r for r in rep["results"]
+           if r["verdict"] != "typed" and not (r["verdict"] == "accepted" and r["name"] in ACCEPTABLE)]
+    if args.json:
+        for r in rep["results"]:
+            print(json.dumps(r))
+    for r in bad:
+        print(f"FAIL {r['verdict']:28s} {r['name']}")
+    print(json.dumps({"inputs": rep["inputs"], "verdicts": rep["counts"], "failures": len(bad)}))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

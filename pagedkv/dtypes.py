@@ -1,0 +1,140 @@
+"""The one table of dtypes pagedkv knows: model dtypes and quantized storage dtypes.
+
+Every module that names, sizes or maps a dtype reads it from here: the config's
+canonical names and aliases, the quantizer's storage dtypes and fp8 maxima, the
+kernels' variant spellings (``f16``, ``e4m3``...) and the ops' dtype checks. A new
+storage format is one more :class:`DTypeInfo` row.
+
+torch stays optional (the bookkeeping core needs only numpy): rows hold the torch
+dtype's attribute name, and :attr:`DTypeInfo.torch_dtype` imports torch on first use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+__all__ = [
+    "DTypeInfo",
+    "MODEL",
+    "QUANTIZED",
+    "ALL",
+    "BY_NAME",
+    "info",
+    "lookup",
+    "model_names",
+    "quantized_names",
+    "torch_names",
+]
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    """One dtype.
+
+    Attributes:
+        name: canonical name (``"float16"``, ``"fp8_e4m3"``), as stored in a config.
+        aliases: other accepted spellings, lower case (the torch name is always one).
+        torch_name: attribute of the ``torch`` module (``"float8_e4m3fn"``).
+        kernel_name: spelling in kernel entry points and C type macros (``"e4m3"``).
+        itemsize: bytes per element of the torch storage dtype.
+        max_finite: largest finite value the dtype holds (the fp8 clamp bound; the top
+            code for integer formats).
+        quantized: True for storage formats that need a scale per (token, head).
+        zero_point: True when quantization also stores a zero point (asymmetric).
+        codes_per_byte: values packed in one storage element (2 for int4: two 4-bit
+            codes per uint8, so the stored last dim is ``head_dim / 2``).
+        grouped: True when scales (and zero points) are kept per group of
+            ``kv_group_size`` elements along ``head_dim`` instead of per (token, head).
+    """
+
+    name: str
+    aliases: Tuple[str, ...]
+    torch_name: str
+    kernel_name: str
+    itemsize: int
+    max_finite: float
+    quantized: bool
+    zero_point: bool = False
+    codes_per_byte: int = 1
+    grouped: bool = False
+
+    @property
+    def torch_dtype(self) -> Any:
+        """The torch dtype (imports torch)."""
+        import torch
+
+        return getattr(torch, self.torch_name)
+
+    @property
+    def element_bytes(self) -> float:
+        """Bytes per logical K/V element, scales excluded (0.5 for int4)."""
+        return self.itemsize / self.codes_per_byte
+
+    @property
+    def float8(self) -> bool:
+        """True for the fp8 storage formats (symmetric, clamped to ``max_finite``)."""
+        return self.torch_name.startswith("float8")
+
+    @property
+    def spellings(self) -> Tuple[str, ...]:
+        """Every accepted name: canonical, torch name, aliases (no duplicates)."""
+        out = [self.name]
+        for s in (self.torch_name,) + self.aliases:
+            if s not in out:
+                out.append(s)
+        return tuple(out)
+
+
+MODEL: Tuple[DTypeInfo, ...] = (
+    DTypeInfo("float32", ("fp32", "float"), "float32", "f32", 4, 3.4028234663852886e38, False),
+    DTypeInfo("float16", ("fp16", "half"), "float16", "f16", 2, 65504.0, False),
+    DTypeInfo("bfloat16", ("bf16",), "bfloat16", "bf16", 2, 3.3895313892515355e38, False),
+)
+
+QUANTIZED: Tuple[DTypeInfo, ...] = (
+    DTypeInfo("fp8_e4m3", ("fp8", "fp8_e4m3fn"), "float8_e4m3fn", "e4m3", 1, 448.0, True),
+    DTypeInfo("fp8_e5m2", (), "float8_e5m2", "e5m2", 1, 57344.0, True),
+    DTypeInfo("int8", (), "int8", "int8", 1, 127.0, True, zero_point=True),
+    # Unsigned 4-bit codes 0..15, two per byte (low nibble first), with a float32 scale
+    # and zero point per group along head_dim.
+    DTypeInfo("int4", ("uint4",), "uint8", "int4", 1, 15.0, True, zero_point=True, codes_per_byte=2,
+              grouped=True),
+)
+
+ALL: Tuple[DTypeInfo, ...] = MODEL + QUANTIZED
+BY_NAME: Dict[str, DTypeInfo] = {d.name: d for d in ALL}
+_BY_SPELLING: Dict[str, DTypeInfo] = {s: d for d in ALL for s in d.spellings}
+
+
+def _spelling(value: Any) -> Optional[str]:
+    """Lower-case spelling of a name, or the torch name of a torch dtype."""
+    if isinstance(value, str):
+        return value.lower()
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return str(value).replace("torch.", "")
+    return None
+
+
+def lookup(value: Any) -> Optional[DTypeInfo]:
+    """The row for a name, alias or torch dtype; None when pagedkv does not know it."""
+    spelling = _spelling(value)
+    return _BY_SPELLING.get(spelling) if spelling is not None else None
+
+
+def info(name: str) -> DTypeInfo:
+    """The row of a canonical name (a KeyError for an unknown one: callers validate first)."""
+    return BY_NAME[name]
+
+
+def model_names() -> Tuple[str, ...]:
+    return tuple(d.name for d in MODEL)
+
+
+def quantized_names() -> Tuple[str, ...]:
+    return tuple(d.name for d in QUANTIZED)
+
+
+def torch_names(rows: Tuple[DTypeInfo, ...]) -> str:
+    """``"float32, float16 or bfloat16"``: the rows' torch names, for error messages."""
+    names = [d.torch_name for d in rows]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]

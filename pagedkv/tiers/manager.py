@@ -1,0 +1,436 @@
+"""PrefixTiers: the host and disk prefix tiers of one :class:`~pagedkv.PagedKVCache`.
+
+The device is the top tier; below it a host tier, a disk tier, or both, in that order.
+A block moves down:
+
+- **write-back** (always): when the device evicts a cached block, it is copied to the
+  top lower tier; when the host tier evicts a block, it is copied to the disk tier;
+- **write-through** (``prefix_tier_write="through"``): also when the device registers a
+  block, to every lower tier.
+
+Admission is chain-closed (see :mod:`pagedkv.tiers.chain`): a block enters a tier under
+its parent's slot in that tier, so its still-registered ancestors are copied too when
+the tier lacks them (their device KV is intact). A block whose chain cannot be closed
+(its parent's KV is gone and the tier never held it) is not admitted: a later miss,
+never wrong KV.
+
+A block moves up at admission (:meth:`promote`): the device misses, a tier's verified
+chain goes further, so the sequence reserves device blocks for those tokens, the KV is
+copied in (the disk tier checks each block's CRC first), and committing registers them
+exactly like computed blocks.
+
+Timing is what keeps write-back exact. The device index logs every registration and
+every end of one; an evicted block's KV is intact until its new owner writes, and the
+manager calls :meth:`sync` right after each call that allocates (before copy-on-write
+copies run and before slots reach the caller), so the copies read intact KV.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.kvformat import kv_format
+from pagedkv.tiers.base import Tier
+from pagedkv.tiers.chain import ROOT
+from pagedkv.tiers.disk import DiskPrefixTier
+from pagedkv.tiers.host import HostPrefixTier
+from pagedkv.tiers.stats import TierStats
+
+__all__ = ["PrefixTiers"]
+
+DEVICE = "device"
+_MAX_LINKS = 8        # device incarnations remembered per tier slot (more only cost a miss)
+
+
+class _Rec(NamedTuple):
+    """A block as a source of a copy: its content, its parent's key, and where its data is."""
+
+    tokens: np.ndarray
+    ns_key: bytes
+    parent: Optional[Tuple[int, int]]   # (id, generation) of the parent in the same source
+    data: int                           # device block or tier slot holding the KV
+    dev_hash: Optional[int]             # this process's device hash (for KV events)
+    pins: int = 0                       # pins it holds there (a copy holds them too)
+
+
+class PrefixTiers:
+    def __init__(self, cache):
+        cfg = cache.config
+        self.cache = cache
+        self.index = cache.index
+        self.store = cache.store
+        self.bs = cfg.block_size
+        self.through = cfg.prefix_tier_write == "through"
+        self.events = cfg.enable_kv_events
+        weak = self.index.weak_hash
+        self.host: Optional[HostPrefixTier] = None
+        self.disk: Optional[DiskPrefixTier] = None
+        if cfg.prefix_host_blocks:
+            self.host = HostPrefixTier(self.store.arenas, cfg.prefix_host_blocks, self.bs,
+                                       eviction=cfg.prefix_tier_eviction, weak_hash=weak,
+                                       pin=self.store.device.type == "cuda",
+                                       on_evict=lambda s: self._evicting(self.host, s))
+            self.host.index.on_removed = lambda s: self._removed_slot(self.host, s)
+        if cfg.prefix_disk_blocks:
+            self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
+                                       kv_format(self.store, cfg.prefix_disk_tag),
+                                       eviction=cfg.prefix_tier_eviction, weak_hash=weak,
+                                       on_evict=lambda s: self._evicting(self.disk, s))
+            persist = self.disk.index.on_removed
+            self.disk.index.on_removed = lambda s: (persist(s), self._removed_slot(self.disk, s))
+        self.tiers: List[Tier] = [t for t in (self.host, self.disk) if t is not None]
+        # (target medium, source medium, id, gen) -> (slot, slot gen); per target slot its keys
+        self._links: Dict[tuple, Tuple[int, int]] = {}
+        self._link_keys: Dict[Tuple[str, int], List[tuple]] = defaultdict(list)
+        self._dev_hash: Dict[Tuple[str, int], int] = {}
+        self._removed: Dict[Tuple[int, int], _Rec] = {}       # this drain's ended registrations
+        self._copies: Dict[Tuple[str, str], List[Tuple[int, int]]] = defaultdict(list)
+        self._new: Dict[str, List[int]] = defaultdict(list)
+        self._buffer: list = []                                 # KV events, all media, in order
+        self.num_lost = 0
+
+    # ---- write-back / write-through -----------------------------------------------------
+    def sync(self, promoted: Optional[Dict[int, str]] = None) -> None:
+        """Copy down what the last device call evicted (and, write-through, registered).
+
+        Must run before anything writes into the blocks that call allocated."""
+        if self.events:
+            self._pull_device_events(promoted)
+        log = self.index.drain_tier_log()
+        self.num_lost += int(log["lost"])
+        kinds = log["kind"]
+        if not len(kinds):
+            return
+        blocks, gens = log["block"].tolist(), log["gen"].tolist()
+        pblocks, pgens = log["parent_block"].tolist(), log["parent_gen"].tolist()
+        hashes, ns = log["hash"].tolist(), log["ns"].tolist()
+        tokens = log["tokens"]
+
+        def rec(i):
+            parent = None if pblocks[i] < 0 else (pblocks[i], pgens[i])
+            return _Rec(tokens[i], self.cache._namespaces.key_of(ns[i]), parent, blocks[i], hashes[i])
+
+        removed = np.flatnonzero(kinds == 2).tolist()
+        self._removed = {(blocks[i], gens[i]): rec(i) for i in removed}
+        try:
+            for i in removed:
+                self._admit(self.tiers[0], DEVICE, (blocks[i], gens[i]))
+            if self.through:
+                for i in np.flatnonzero(kinds == 1).tolist():
+                    for t in self.tiers:
+                        self._admit(t, DEVICE, (blocks[i], gens[i]))
+            self._flush()
+        finally:
+            self._removed = {}
+
+    def _record(self, src: str, key: Tuple[int, int]) -> Optional[_Rec]:
+        if src == DEVICE:
+            found = self._removed.get(key)
+            if found is not None:
+                return found
+            b, g = key
+            if not self.index.is_cached(b) or self.index.generation(b) != g:
+                return None                 # its KV is gone
+            info = self.index.block_info(b)
+            parent = None if info["parent_block"] < 0 else (info["parent_block"], info["parent_generation"])
+            return _Rec(np.asarray(info["tokens"], dtype=np.int32), self.cache._namespaces.key_of(info["namespace"]),
+                        parent, b, info["hash"], self.cache.pool.pin_count(b))
+        tier = self._tier(src)
+        s, g = key
+        r = tier.index.rec
+        if r["valid"][s] != 1 or r["gen"][s] != g:
+            return None
+        p = int(r["parent"][s])
+        parent = None if p == ROOT else (p, int(r["parent_gen"][s]))
+        return _Rec(np.array(r["tokens"][s]), tier.ns_keys[int(r["ns"][s])], parent, s,
+                    self._dev_hash.get((src, s)), int(tier.index.pins[s]))
+
+    def _linked(self, target: Tier, src: str, key: Tuple[int, int]) -> int:
+        found = self._links.get((target.medium, src) + key)
+        if found is None:
+            return -1
+        s, g = found
+        r = target.index.rec
+        if r["valid"][s] != 1 or r["gen"][s] != g:
+            return -1
+        target.index.touch(s)
+        return s
+
+    def _link(self, target: Tier, src: str, key: Tuple[int, int], slot: int) -> None:
+        k = (target.medium, src) + key
+        if k not in self._links:
+            keys = self._link_keys[(target.medium, slot)]
+            keys.append(k)
+            if len(keys) > _MAX_LINKS:
+                self._links.pop(keys.pop(0), None)
+        self._links[k] = (slot, int(target.index.rec["gen"][slot]))
+
+    def _admit(self, target: Tier, src: str, key: Tuple[int, int]) -> int:
+        """The slot of ``target`` holding the chain ending at ``key`` of ``src``, admitting
+        the blocks it lacks (root first); -1 when the chain cannot be closed."""
+        path = []
+        parent = ROOT
+        while True:
+            s = self._linked(target, src, key)
+            if s >= 0:
+                parent = s
+                break
+            rec = self._record(src, key)
+            if rec is None:
+                return -1
+            path.append((key, rec))
+            if rec.parent is None:
+                break
+            key = rec.parent
+        for key, rec in reversed(path):
+            ns = target.namespace(rec.ns_key, create=True)
+            slot, created = target.index.insert(parent, ns, target.ns_hashes[ns], rec.tokens)
+            if slot < 0:
+                return -1
+            if created:
+                for _ in range(rec.pins):        # a pinned prefix stays pinned wherever it goes
+                    target.index.pin(slot)
+                self._copies[(src, target.medium)].append((rec.data, slot))
+                self._new[target.medium].append(slot)
+                if rec.dev_hash is not None:
+                    self._dev_hash[(target.medium, slot)] = rec.dev_hash
+                if self.events:
+                    self._tier_event(target, slot, stored=True)
+            self._link(target, src, key, slot)
+            parent = slot
+        return parent
+
+    def _evicting(self, tier: Tier, slot: int) -> None:
+        # The host's victim moves to the disk before its slot is reused (the copy is
+        # queued ahead of the copy that overwrites it, see _flush).
+        if tier is self.host and self.disk is not None:
+            self._admit(self.disk, tier.medium, (slot, int(tier.index.rec["gen"][slot])))
+        if self.events:
+            self._tier_event(tier, slot, stored=False)
+
+    def _removed_slot(self, tier: Tier, slot: int) -> None:
+        for k in self._link_keys.pop((tier.medium, slot), ()):
+            self._links.pop(k, None)
+        self._dev_hash.pop((tier.medium, slot), None)
+
+    def _flush(self) -> None:
+        # Host -> disk first: a host slot evicted in this batch may be overwritten below.
+        order = [("host", "disk"), (DEVICE, "disk"), (DEVICE, "host")]
+        try:
+            for src, dst in order:
+                pairs = self._copies.pop((src, dst), None)
+                if pairs:
+                    src_arenas = self.store.arenas if src == DEVICE else self._tier(src).arenas
+                    self._tier(dst).write(src_arenas, [p[0] for p in pairs], [p[1] for p in pairs])
+            for t in self.tiers:
+                new = self._new.pop(t.medium, None)
+                if new:
+                    t.written(np.asarray(new))
+                    t.index.release(new)
+        except BaseException:
+            for t in self.tiers:                 # data that never landed must not be found
+                for s in reversed(self._new.pop(t.medium, [])):
+                    t.index.release([s])
+                    if not t.index.children[s]:
+                        t.index.remove(s)
+            self._copies.clear()
+            raise
+
+    def _tier(self, medium: str) -> Tier:
+        return self.host if medium == "host" else self.disk
+
+    # ---- promotion ------------------------------------------------------------------------
+    def promote(self, key: int, tokens: np.ndarray, ns_id: int, hit: int) -> int:
+        """Extend a just-admitted sequence's device hit (``hit`` tokens) from the tiers;
+        returns the new hit. Verified like a device hit; limited by free device blocks."""
+        bs = self.bs
+        max_blocks = (len(tokens) - 1) // bs
+        have = hit // bs
+        if have >= max_blocks:
+            return hit
+        ns_key = self.cache._namespaces.key_of(ns_id)
+        chains = []
+        for t in self.tiers:
+            ns = t.namespace(ns_key, create=False)
+            if ns is not None:
+                chains.append((t, t.index.lookup(tokens, ns, t.ns_hashes[ns], max_blocks)))
+        best = max([len(c) for _, c in chains], default=0)
+        n = min(best, have + self.cache.pool.num_free_blocks) - have
+        if n <= 0:
+            return hit
+        sources = []                      # per promoted block: (tier, slot), upper tier first
+        for i in range(have, have + n):
+            sources.append(next((t, c[i]) for t, c in chains if len(c) > i))
+        leases = {t.medium: list(c[:have + n]) for t, c in chains}
+        for t, c in chains:
+            t.index.lease(leases[t.medium])
+        tables = self.cache.tables
+        reserved = False
+        try:
+            for j, (t, s) in enumerate(sources):
+                if not t.verify(s):
+                    n = j
+                    t.index.release(leases.pop(t.medium))
+                    self._drop_corrupt(t, s)
+                    break
+            if n == 0:
+                return hit
+            sources = sources[:n]
+            tables.reserve(key, n * bs, internal=True)
+            reserved = True
+            self.sync()                   # evicted blocks go down before we overwrite them
+            blocks = tables.blocks(key)[have:have + n].tolist()
+            by_tier = defaultdict(list)
+            for (t, s), b in zip(sources, blocks):
+                by_tier[t.medium].append((s, b))
+            for medium, pairs in by_tier.items():
+                self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
+            tables.commit(key, n * bs, internal=True)
+            reserved = False
+        except BaseException:
+            if reserved:
+                tables.unreserve(key, internal=True)
+            raise
+        finally:
+            for medium, held in leases.items():
+                self._tier(medium).index.release(held)
+        deepest = {}
+        for (t, s), b in zip(sources, blocks):
+            if self.index.is_cached(b):
+                self._link(t, DEVICE, (b, self.index.generation(b)), s)
+                for _ in range(int(t.index.pins[s])):   # pinned there: pinned here too
+                    self.cache._pool.pin([b])   # the tier manager is part of the cache
+            t.num_hit_tokens += bs
+            deepest[t.medium] = s
+        for medium, s in deepest.items():
+            t = self._tier(medium)
+            for a in t.index.chain(s):
+                t.index.touch(a, hit=True)
+        self.sync({b: t.medium for (t, _), b in zip(sources, blocks)})
+        return (have + n) * bs
+
+    def _drop_corrupt(self, tier: Tier, slot: int) -> None:
+        # Its data failed its checksum: it and everything below it leave the tier.
+        for s in tier.index.descendants(slot) + [slot]:
+            if self.events:
+                self._tier_event(tier, s, stored=False)
+            tier.index.remove(s)
+
+    # ---- queries, pins, reset -----------------------------------------------------------------
+    def _chains(self, tokens: np.ndarray, ns_key: bytes):
+        for t in self.tiers:
+            ns = t.namespace(ns_key, create=False)
+            if ns is not None:
+                yield t, t.index.lookup(tokens, ns, t.ns_hashes[ns], len(tokens) // self.bs)
+
+    def match(self, tokens: np.ndarray, ns_key: bytes) -> int:
+        """Tokens of ``tokens`` (full blocks) the tiers hold; no side effects."""
+        return max([len(c) for _, c in self._chains(tokens, ns_key)], default=0) * self.bs
+
+    def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool) -> int:
+        """Pin (or unpin) the blocks of this prefix each tier holds: pinned slots never
+        leave. Returns the tokens of the longest chain (un)pinned."""
+        longest = 0
+        for t, chain in self._chains(tokens, ns_key):
+            for s in chain:
+                t.index.pin(s) if pin else t.index.unpin(s)
+            longest = max(longest, len(chain))
+        return longest * self.bs
+
+    def clear(self) -> None:
+        """Forget every prefix in every tier (with ``reset_prefix_cache``)."""
+        self.index.drain_tier_log()          # the device registrations all ended
+        for t in self.tiers:
+            for s in t.index.clear():
+                self._removed_slot(t, s)
+            t.cleared()
+            if self.events:
+                self._buffer.append(AllBlocksCleared(medium=t.medium))
+        self._links.clear()
+        self._link_keys.clear()
+
+    # ---- events ---------------------------------------------------------------------------------
+    def _pull_device_events(self, promoted: Optional[Dict[int, str]] = None) -> None:
+        c = self.cache
+        events = events_from_records(self.index.drain_events(), c._namespaces.name, self.bs, self.index.root)
+        if promoted:
+            events = [e for ev in events for e in _split_loaded(ev, promoted)]
+        self._buffer.extend(events)
+
+    def drain_events(self) -> list:
+        self._pull_device_events()
+        out, self._buffer = self._buffer, []
+        return out
+
+    def _device_hash(self, tier: Tier, slot: int) -> int:
+        # This process's device hash of a tier block (for events), from its chain.
+        h = self._dev_hash.get((tier.medium, slot))
+        if h is None:
+            chain = tier.index.chain(slot)
+            toks = np.concatenate([np.asarray(tier.index.rec["tokens"][s]) for s in chain])
+            ns_hash = self.cache._namespaces.hash_of_key(tier.ns_keys[int(tier.index.rec["ns"][slot])])
+            for s, hs in zip(chain, self.index.hash_tokens(toks, ns_hash).tolist()):
+                self._dev_hash[(tier.medium, s)] = hs
+            h = self._dev_hash[(tier.medium, slot)]
+        return h
+
+    def _tier_event(self, tier: Tier, slot: int, stored: bool) -> None:
+        h = self._device_hash(tier, slot)
+        if not stored:
+            last = self._buffer[-1] if self._buffer else None
+            if isinstance(last, BlockRemoved) and last.medium == tier.medium:
+                last.block_hashes.append(h)
+                last.block_ids.append(slot)
+            else:
+                self._buffer.append(BlockRemoved([h], [slot], medium=tier.medium))
+            return
+        r = tier.index.rec
+        parent = int(r["parent"][slot])
+        ph = None if parent == ROOT else self._device_hash(tier, parent)
+        ns = self.cache._namespaces.name_of_key(tier.ns_keys[int(r["ns"][slot])])
+        last = self._buffer[-1] if self._buffer else None
+        if (isinstance(last, BlockStored) and last.medium == tier.medium and last.block_hashes[-1] == ph
+                and last.namespace == ns):
+            last.block_hashes.append(h)
+            last.block_ids.append(slot)
+            object.__setattr__(last, "token_count", last.token_count + self.bs)
+        else:
+            self._buffer.append(BlockStored([h], ph, self.bs, ns, [slot], medium=tier.medium))
+
+    # ---- stats, checks, close ------------------------------------------------------------------
+    def stats(self) -> List[TierStats]:
+        return [TierStats(medium=t.medium, capacity=t.capacity, used_blocks=t.index.num_used,
+                          pinned_blocks=t.index.num_pinned, hit_tokens=t.num_hit_tokens,
+                          written_blocks=t.num_written, eviction_count=t.index.num_evictions,
+                          corrupt_blocks=t.num_corrupt) for t in self.tiers]
+
+    def check_invariants(self) -> None:
+        for t in self.tiers:
+            t.index.check_invariants()
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
+
+
+def _split_loaded(event, promoted: Dict[int, str]):
+    """A device BlockStored of promoted blocks, split by the tier each block came from."""
+    if not isinstance(event, BlockStored) or not any(b in promoted for b in event.block_ids):
+        return [event]
+    out = []
+    parent = event.parent_block_hash
+    for h, b in zip(event.block_hashes, event.block_ids):
+        src = promoted.get(b)
+        last = out[-1] if out else None
+        if last is not None and last.loaded_from == src:
+            last.block_hashes.append(h)
+            last.block_ids.append(b)
+            object.__setattr__(last, "token_count", last.token_count + event.token_count // len(event.block_ids))
+        else:
+            out.append(BlockStored([h], parent, event.token_count // len(event.block_ids), event.namespace, [b],
+                                   medium=event.medium, loaded_from=src))
+        parent = h
+    return out

@@ -1,0 +1,1 @@
+"""KV transfer between processes; the public entry points are in :mod:`pagedkv.distributed`."""

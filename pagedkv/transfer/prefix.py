@@ -1,0 +1,113 @@
+"""Cross-instance prefix sharing: send the cached blocks of a prefix to a peer that
+lacks them.
+
+The sender offers its cached full blocks of ``token_ids`` (device, or promoted from its
+tiers) with their chained, process-independent block hashes; the receiver checks that
+the tokens it got reproduce those hashes, looks the prefix up in its own cache (device
+and tiers) and asks only for the blocks past what it already holds. The blocks it
+receives are committed and registered like computed ones, then left cached-free: the
+next admission with that prefix hits them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv._core.prefix import hash_bytes
+from pagedkv.cache import as_token_ids, namespace_key
+from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
+from pagedkv.tiers.chain import ROOT_HASH, chain_hash
+from pagedkv.transfer.protocol import (abort, expect_ok, header, jsonable, recv_tokens, refusal, refuse,
+                                       scratch_id, send_tokens)
+from pagedkv.transfer.wire import Link
+
+__all__ = ["send_prefix", "recv_prefix", "block_hashes"]
+
+KIND = "prefix"
+
+
+def block_hashes(tokens: np.ndarray, block_size: int, cache_salt=None, adapter_id=None) -> list:
+    """Chained hashes of the full blocks of ``tokens``: the same in every process (a
+    fixed seed, unlike the device index's per-process root)."""
+    ns_hash = hash_bytes(namespace_key(cache_salt, adapter_id))
+    out, parent = [], ROOT_HASH
+    for i in range(len(tokens) // block_size):
+        parent = chain_hash(parent, ns_hash, tokens[i * block_size:(i + 1) * block_size], False)
+        out.append(parent)
+    return out
+
+
+def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None, group=None,
+                timeout: float = 60.0) -> int:
+    """Offer rank ``dst`` (calling :func:`recv_prefix`) the cached full blocks of
+    ``token_ids``; returns the blocks it lacked and received."""
+    if cache.store is None:
+        raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
+    link = Link(dst, group, timeout, cache.store.device)
+    bs = cache.config.block_size
+    tmp = scratch_id()
+    try:
+        tokens = as_token_ids(token_ids)
+        jsonable("adapter_id", adapter_id)
+        full = tokens[:len(tokens) // bs * bs]
+        # One token past the full blocks, so admission may reuse every one of them.
+        held = cache.add_sequence(tmp, np.append(full, np.int32(0)), cache_salt=cache_salt, adapter_id=adapter_id)
+    except PagedKVError as e:
+        abort(link, KIND, e)
+        raise
+    try:
+        m = held // bs
+        offered = full[:m * bs]
+        link.send_json(header(KIND, cache, cache_salt=cache_salt, adapter_id=adapter_id, num_tokens=len(offered),
+                              hashes=[str(h) for h in block_hashes(offered, bs, cache_salt, adapter_id)]),
+                       "sending the header")
+        send_tokens(link, offered)
+        start = int(expect_ok(link, "waiting for the receiver's allocation")["start_block"])
+        blocks = cache.block_table(tmp)[start:m].tolist()
+        link.send_blocks(cache.store.arenas, blocks)
+        expect_ok(link, "waiting for the receiver's commit")
+        return len(blocks)
+    finally:
+        cache.free(tmp)
+
+
+def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
+    """Receive the prefix blocks rank ``src`` offers with :func:`send_prefix`; returns
+    the blocks received (0 when this cache already held them all). On failure nothing
+    is registered and nothing leaks."""
+    if cache.store is None:
+        raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
+    link = Link(src, group, timeout, cache.store.device)
+    bs = cache.config.block_size
+    h = link.recv_json("waiting for the header")
+    reason = refusal(h, KIND, cache)
+    if reason is None and "abort" in h:
+        raise TransferError(f"rank {src} aborted the transfer: {h['abort']}")
+    tokens = recv_tokens(link, h)
+    tmp = scratch_id()
+    added = False
+    if reason is None:
+        try:
+            salt, adapter = h["cache_salt"], h["adapter_id"]
+            if len(tokens) % bs or [str(x) for x in block_hashes(tokens, bs, salt, adapter)] != h["hashes"]:
+                raise TransferError("the tokens received do not reproduce the sender's block hashes")
+            m = len(tokens) // bs
+            k = cache.add_sequence(tmp, np.append(tokens, np.int32(0)), cache_salt=salt, adapter_id=adapter) // bs
+            added = True
+            if k < m:
+                cache.reserve(tmp, (m - k) * bs)
+        except (PagedKVError, KeyError) as e:
+            reason = str(e)
+            if added:
+                cache.free(tmp)
+    if reason is not None:
+        refuse(link, reason)
+    try:
+        link.send_json({"ok": True, "start_block": min(k, m)}, "sending the allocation")
+        blocks = cache.block_table(tmp)[k:m].tolist() if k < m else []
+        link.recv_blocks(cache.store.arenas, blocks)
+        if blocks:
+            cache.commit(tmp, (m - k) * bs)
+        link.send_json({"ok": True}, "confirming the commit")
+    finally:
+        cache.free(tmp)          # committed blocks stay cached; uncommitted ones go back
+    return len(blocks)

@@ -1,0 +1,117 @@
+"""Move one sequence (its tokens, metadata and committed KV) to another process."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
+from pagedkv.transfer.protocol import abort, expect_ok, header, jsonable, recv_tokens, refusal, refuse, scratch_id, send_tokens
+from pagedkv.transfer.wire import Link
+
+__all__ = ["send_sequence", "recv_sequence", "ReceivedSequence"]
+
+KIND = "sequence"
+
+
+class ReceivedSequence(NamedTuple):
+    seq_id: Any            # the id it lives under in the receiving cache
+    num_tokens: int        # committed tokens (as on the sender, or more if already cached here)
+    cached_tokens: int     # of those, found in this cache (device or tiers): not transferred
+    metadata: Any          # what the sender passed as ``metadata``
+
+
+def _require_store(cache):
+    if cache.store is None:
+        raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
+
+
+def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, timeout: float = 60.0) -> int:
+    """Send sequence ``seq_id`` of ``cache`` to rank ``dst`` (which calls
+    :func:`recv_sequence`); returns the KV blocks sent.
+
+    Sends the known token ids, the namespace, the priority, ``metadata`` (any
+    JSON-serializable value, e.g. the first sampled token of a prefill) and the KV of
+    every committed token, layer by layer, scales included. Blocks the receiver already
+    holds (a cached prefix) are not sent. The sequence stays here; it may be freed or
+    extended meanwhile (its blocks are held by a private fork until the send ends).
+    Raises :class:`~pagedkv.errors.TransferError` when the receiver refuses, dies or
+    times out.
+    """
+    _require_store(cache)
+    link = Link(dst, group, timeout, cache.store.device)
+    tmp = scratch_id()
+    try:
+        jsonable("metadata", metadata)
+        info = cache.sequence_info(seq_id)
+        salt, adapter = info["namespace"]
+        jsonable("adapter_id", adapter)
+        cache.fork(seq_id, tmp)
+    except PagedKVError as e:
+        abort(link, KIND, e)
+        raise
+    try:
+        tokens = cache.token_ids(seq_id)
+        computed = cache.num_tokens(tmp)
+        link.send_json(header(KIND, cache, seq_id=seq_id if isinstance(seq_id, (str, int)) else None,
+                              cache_salt=salt, adapter_id=adapter, metadata=metadata,
+                              priority=info["priority"] if info["priority"] >= 0 else None,
+                              num_tokens=len(tokens), num_computed=computed), "sending the header")
+        send_tokens(link, tokens)
+        start = int(expect_ok(link, "waiting for the receiver's allocation")["start_block"])
+        bs = cache.config.block_size
+        blocks = cache.block_table(tmp)[start:-(-computed // bs)].tolist() if start * bs < computed else []
+        link.send_blocks(cache.store.arenas, blocks)
+        expect_ok(link, "waiting for the receiver's commit")
+        return len(blocks)
+    finally:
+        cache.free(tmp)
+
+
+def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: float = 60.0) -> ReceivedSequence:
+    """Receive a sequence sent by rank ``src`` with :func:`send_sequence`.
+
+    The sequence is admitted (under ``seq_id``, by default the sender's id) exactly as
+    if its prefill had run here: blocks allocated, KV written, tokens committed, full
+    blocks registered for prefix reuse; decode continues with :meth:`reserve`/
+    :meth:`advance`. On any failure (refusal, dead or silent peer) it is freed before
+    :class:`~pagedkv.errors.TransferError` is raised: nothing half-registered, nothing
+    leaked.
+    """
+    _require_store(cache)
+    link = Link(src, group, timeout, cache.store.device)
+    h = link.recv_json("waiting for the header")
+    reason = refusal(h, KIND, cache)
+    if reason is None and "abort" in h:
+        raise TransferError(f"rank {src} aborted the transfer: {h['abort']}")
+    tokens = recv_tokens(link, h)          # also when refusing: the sender sent them
+    sid = seq_id if seq_id is not None else (h.get("seq_id") if isinstance(h, dict) else None)
+    if reason is None and sid is None:
+        reason = "the sender's sequence id cannot be sent: pass seq_id= to recv_sequence"
+    added = False
+    hit = 0
+    if reason is None:
+        try:
+            hit = cache.add_sequence(sid, tokens, cache_salt=h["cache_salt"], adapter_id=h["adapter_id"],
+                                     priority=h["priority"])
+            added = True
+            need = max(0, int(h["num_computed"]) - hit)
+            if need:
+                cache.reserve(sid, need)
+        except (PagedKVError, KeyError) as e:
+            reason = str(e)
+            if added:
+                cache.free(sid)
+    if reason is not None:
+        refuse(link, reason)
+    try:
+        bs = cache.config.block_size
+        start = hit // bs
+        link.send_json({"ok": True, "start_block": start}, "sending the allocation")
+        blocks = cache.block_table(sid)[start:].tolist() if need else []
+        link.recv_blocks(cache.store.arenas, blocks)
+        if need:
+            cache.commit(sid, need)
+        link.send_json({"ok": True}, "confirming the commit")
+    except BaseException:
+        cache.free(sid)
+        raise
+    return ReceivedSequence(sid, cache.num_tokens(sid), hit, h.get("metadata"))

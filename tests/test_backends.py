@@ -1,0 +1,437 @@
+"""Every data-op backend matches the torch reference bit for bit: one suite over the
+``backend`` fixture (the fast CPU ops, the CUDA kernels run on the host by the
+emulation, and the CUDA kernels on a GPU, which skip with the reason where there is
+none). Outputs are compared as raw bytes; NaN outputs, whose payload bits are not
+part of the contract, are compared as "both NaN".
+
+Kernel-only behaviour (values of device-side indices are not read on the host, so
+the kernels' own guards must hold) runs over ``kernel_backend``. What only one
+backend has lives beside it: test_ops_cpu.py, test_kernels_emulated.py,
+test_kernels_cuda.py.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend_cases import (
+    BS,
+    H,
+    KV_DTYPES,
+    LAYOUTS,
+    MODEL,
+    NB,
+    QUANT,
+    Layer,
+    arenas,
+    assert_same,
+    clones,
+    csr,
+    layer_shape,
+    make_backend,
+    name,
+    offset_view,
+    padded,
+    quantized_layer,
+    rand_kv,
+    random_layer,
+    same,
+    same_state,
+    slot_mapping,
+    special_rows,
+    tables,
+    tokens,
+)
+from pagedkv.errors import InvalidArgumentError, InvalidBlockError, KernelUnavailableError
+from pagedkv.kernels import plans
+from pagedkv.ops import backends
+from pagedkv.ops import reference as ref
+
+CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
+
+
+@pytest.fixture(scope="module", params=["cpu", "emulated", CUDA])
+def backend(request):
+    return make_backend(request.param)
+
+
+@pytest.fixture(scope="module", params=["emulated", CUDA])
+def kernel_backend(request):
+    return make_backend(request.param)
+
+
+# ----------------------------------------------------------------------------------
+# the protocol and the dispatcher
+
+
+@pytest.mark.parametrize("backend_name", list(backends.MODULES))
+def test_every_registered_backend_implements_the_protocol(backend_name):
+    module = backends.load(backend_name)
+    assert isinstance(module, backends.DataOpsBackend)
+    for op in backends.OP_NAMES:
+        assert callable(getattr(module, op))
+    assert backends.implementation("write_kv", "reference", torch.device("cuda")) is ref.write_kv
+
+
+def test_dispatcher_refuses_unknown_and_incomplete_backends(monkeypatch):
+    with pytest.raises(InvalidArgumentError, match=r"^backend: expected one of 'reference', 'cpu', 'cuda', 'emulated', got 'gpu'$"):
+        backends.load("gpu")
+    partial = types.ModuleType("pagedkv_test_partial_backend")
+    partial.write_kv = ref.write_kv
+    monkeypatch.setitem(__import__("sys").modules, partial.__name__, partial)
+    monkeypatch.setitem(backends.MODULES, "partial", partial.__name__)
+    monkeypatch.setitem(backends._LABELS, "partial", "a partial backend")
+    with pytest.raises(KernelUnavailableError, match=r"provides no gather_kv, gather_kv_padded, copy_blocks, swap_blocks, convert_layout$"):
+        backends.load("partial")
+
+
+def test_kernels_do_not_import_the_ops_package():
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedkv.kernels.plans, pagedkv.kernels.emulation; "
+            "print(sorted(m for m in sys.modules if m == 'pagedkv.ops' or m.startswith('pagedkv.ops.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------
+# write_kv
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "qkv", "misaligned"])
+@pytest.mark.parametrize("d", [3, 17, 80, 128])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", MODEL, ids=name)
+def test_write_kv_copies_like_the_reference(backend, dtype, layout, d, kind):
+    gen = torch.Generator().manual_seed(d * 7 + len(kind))
+    layer = random_layer(layout, dtype, d, gen=gen, offset=1 if kind == "misaligned" else 0)
+    key, value = tokens(23, d, dtype, kind, gen, backend.device)
+    slots = slot_mapping(23, gen)
+    want = layer.clone()
+    ref.write_kv(want, slots, key.cpu(), value.cpu(), layout=layout)
+
+    if backend.kernels:
+        vector = kind != "misaligned" and (d * key.element_size()) % 16 == 0
+        host_key, host_value = (key, value) if key.is_cpu else tokens(23, d, dtype, kind, gen)
+        launch = plans.plan_write_kv(layer, slots, host_key, host_value, layout=layout)[0]
+        assert launch.kernel.endswith("_v16" if vector else f"_e{key.element_size()}")
+    for dims in backend.dims:
+        got = backend.copy(layer)
+        backend.ops.write_kv(got, slots.to(backend.device), key, value, layout=layout, **dims)
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("d", [3, 17, 80, 128])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("qdtype", QUANT, ids=name)
+@pytest.mark.parametrize("dtype", MODEL, ids=name)
+def test_write_kv_quantizes_like_the_reference(backend, dtype, qdtype, layout, d):
+    gen = torch.Generator().manual_seed(d + 100 * QUANT.index(qdtype))
+    shape = layer_shape(layout, NB, BS, H, d)
+    layer = torch.zeros(shape, dtype=qdtype)
+    scale = torch.full(shape[:-1], -7.0)
+    zero = torch.full(shape[:-1], -9.0) if qdtype == torch.int8 else None
+    key = special_rows(torch.randn(23, H, d, generator=gen) * 3).to(dtype)
+    value = (torch.randn(23, H, d, generator=gen) * 1e3).to(dtype)
+    slots = torch.randperm(NB * BS, generator=gen)[:23]
+    slots[6::4] = -1  # padding, but never one of the special rows 0..4
+    want = clones(layer, scale, zero)
+    ref.write_kv(want[0], slots, key, value, layout=layout, kv_scale=want[1], kv_zero=want[2])
+    dev = backend.device
+    for dims in backend.dims:
+        got = [backend.copy(t) for t in (layer, scale, zero)]
+        backend.ops.write_kv(got[0], slots.to(dev), key.to(dev), value.to(dev), layout=layout, kv_scale=got[1],
+                             kv_zero=got[2], **dims)
+        for g, w in zip(got, want):
+            if w is not None:
+                assert_same(g, w)
+
+
+def test_write_kv_skips_slots_past_the_end_instead_of_writing_them(kernel_backend):
+    # The reference raises; on a GPU the slots are not read on the host, so the
+    # kernel's own guard must keep the write inside the layer.
+    gen = torch.Generator().manual_seed(5)
+    layer = random_layer("NHD", torch.float32, 16, gen=gen)
+    key, value = tokens(6, 16, torch.float32, "contiguous", gen)
+    slots = torch.tensor([0, NB * BS, 7, NB * BS + 100, 2**40, 9])
+    with pytest.raises(InvalidArgumentError, match=r"slot_mapping: expected slots < 35"):
+        ref.write_kv(layer.clone(), slots, key, value)
+    want = layer.clone()
+    ref.write_kv(want, torch.where(slots >= NB * BS, -1, slots), key, value)
+    dev = kernel_backend.device
+    got = kernel_backend.copy(layer)
+    kernel_backend.ops.write_kv(got, slots.to(dev), key.to(dev), value.to(dev))
+    assert_same(got, want)
+
+
+# ----------------------------------------------------------------------------------
+# gather_kv / gather_kv_padded
+
+
+def _gather(backend, table, layer, table_args, dims, **kw):
+    fn = backend.ops.gather_kv if table == "csr" else backend.ops.gather_kv_padded
+    dev = {k: backend.copy(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    got = fn(backend.copy(layer), *[a.to(backend.device) for a in table_args], **dev, **dims)
+    return got, dev
+
+
+@pytest.mark.parametrize("out", ["fresh", "given", "misaligned"])
+@pytest.mark.parametrize("table", ["csr", "padded"])
+@pytest.mark.parametrize("d", [3, 17, 64, 80])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", MODEL, ids=name)
+def test_gather_copies_like_the_reference(backend, dtype, layout, d, table, out):
+    gen = torch.Generator().manual_seed(d * 3 + len(out))
+    layer = random_layer(layout, dtype, d, gen=gen)
+    indptr, indices, block_table, lens = tables(gen)
+    kw = {"layout": layout}
+    total = int(lens.sum())
+    if out != "fresh":
+        offset = 1 if out == "misaligned" else 0
+        kw["out_key"] = offset_view(torch.zeros(total, H, d, dtype=dtype), offset)
+        kw["out_value"] = offset_view(torch.zeros(total, H, d, dtype=dtype), offset)
+    args = (indptr, indices, lens) if table == "csr" else (block_table, lens)
+    if backend.kernels:
+        if table == "csr":
+            launch = plans.plan_gather(layer, lens, indptr=indptr, indices=indices, **kw)[0][0]
+        else:
+            launch = plans.plan_gather(layer, lens, block_table=block_table, **kw)[0][0]
+        vector = out != "misaligned" and (d * layer.element_size()) % 16 == 0
+        assert launch.kernel.endswith("_v16" if vector else f"_e{layer.element_size()}")
+    fn_ref = ref.gather_kv if table == "csr" else ref.gather_kv_padded
+    kw_ref = dict(kw, **{k: kw[k].clone() for k in ("out_key", "out_value") if k in kw})
+    want = fn_ref(layer, *args, **kw_ref)  # the zeroed outputs in kw stay for the backend's runs
+    for dims in backend.dims:
+        got, dev = _gather(backend, table, layer, args, dims, **kw)
+        if out != "fresh":
+            assert got[0] is dev["out_key"] and got[1] is dev["out_value"]
+        for g, w in zip(got, want):
+            assert_same(g, w)
+
+
+@pytest.mark.parametrize("out", ["fresh", "given"])
+@pytest.mark.parametrize("table", ["csr", "padded"])
+@pytest.mark.parametrize("d", [3, 80])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("out_dtype", MODEL, ids=name)
+@pytest.mark.parametrize("qdtype", QUANT, ids=name)
+def test_gather_dequantizes_like_the_reference(backend, qdtype, out_dtype, layout, d, table, out):
+    gen = torch.Generator().manual_seed(d + 11 * MODEL.index(out_dtype))
+    layer, scale, zero = quantized_layer(layout, qdtype, d, gen=gen)
+    indptr, indices, block_table, lens = tables(gen)
+    args = (indptr, indices, lens) if table == "csr" else (block_table, lens)
+    kw = dict(layout=layout, out_dtype=out_dtype, kv_scale=scale, kv_zero=zero)
+    fn_ref = ref.gather_kv if table == "csr" else ref.gather_kv_padded
+    want = fn_ref(layer, *args, **kw)
+    if out == "given":
+        kw.update(out_key=torch.empty_like(want[0]), out_value=torch.empty_like(want[1]))
+    for dims in backend.dims:
+        got, dev = _gather(backend, table, layer, args, dims, **kw)
+        if out == "given":
+            assert got[0] is dev["out_key"] and got[1] is dev["out_value"]
+        for g, w in zip(got, want):
+            assert_same(g, w)
+
+
+def test_gather_reads_zeros_for_a_bad_block_id_instead_of_other_memory(kernel_backend):
+    gen = torch.Generator().manual_seed(9)
+    layer = random_layer("HND", torch.float16, 8, gen=gen)
+    indptr, indices, _, lens = tables(gen)
+    bad = indices.clone()
+    bad[int(indptr[3])] = NB + 4  # the first block of the last sequence
+    with pytest.raises(InvalidBlockError, match=r"indices: expected block ids in \[0, 7\)"):
+        ref.gather_kv(layer, indptr, bad, lens, layout="HND")
+    want_k, want_v = ref.gather_kv(layer, indptr, indices, lens, layout="HND")
+    first = int(lens[:3].sum())
+    want_k[first : first + BS] = 0
+    want_v[first : first + BS] = 0
+    got, _ = _gather(kernel_backend, "csr", layer, (indptr, bad, lens), {}, layout="HND")
+    assert_same(got[0], want_k)
+    assert_same(got[1], want_v)
+
+
+# ----------------------------------------------------------------------------------
+# copy_blocks / swap_blocks
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=name)
+@pytest.mark.parametrize("d", [3, 16])
+@pytest.mark.parametrize("kind", ["f16", "fp8", "int8"])
+def test_copy_blocks_like_the_reference(backend, kind, d, index_dtype):
+    gen = torch.Generator().manual_seed(d + len(kind))
+    src = arenas(kind, d, gen)
+    pairs = torch.tensor([[0, 3], [5, 1], [2, 6]], dtype=index_dtype)
+    want = clones(*src)
+    ref.copy_blocks(want, pairs)
+    for pairs_on in backend.pair_devices:
+        for dims in backend.dims:
+            got = [backend.copy(a) for a in src]
+            backend.ops.copy_blocks(got, pairs.to(pairs_on), **dims)
+            for g, w in zip(got, want):
+                assert_same(g, w)
+
+
+def test_copy_blocks_rejects_host_pairs_like_the_reference(backend):
+    host = arenas("f16", 4, torch.Generator().manual_seed(0))
+    for pairs, message in (
+        (torch.tensor([[0, 3], [1, 3]]), r"pairs: expected distinct dst block ids, got 3 twice \(row 1\)"),
+        (torch.tensor([[0, 3], [3, 1]]), r"pairs: expected dst ids that are not also src ids, got 3 \(row 0\)"),
+        (torch.tensor([[0, NB]]), r"pairs: expected block ids in \[0, 7\), got 7 at dst row 0"),
+    ):
+        for fn, group in ((ref.copy_blocks, host), (backend.ops.copy_blocks, [backend.copy(a) for a in host])):
+            before = clones(*group)
+            with pytest.raises(InvalidBlockError, match=message):
+                fn(group, pairs)
+            assert_same(group[0], before[0])  # nothing was written
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=name)
+@pytest.mark.parametrize("kind", ["f16", "fp8", "int8"])
+def test_swap_blocks_between_arenas_of_different_sizes(backend, kind, index_dtype):
+    """Out to host arenas of another size (pinned for CUDA), then back."""
+    gen = torch.Generator().manual_seed(len(kind))
+    src = arenas(kind, 5, gen, nb=6)
+    dst = arenas(kind, 5, gen, nb=9)
+    pairs = torch.tensor([[5, 8], [0, 0], [3, 4]], dtype=index_dtype)
+    back_pairs = pairs.flip(1)
+    want = clones(*dst)
+    ref.swap_blocks(src, want, pairs)
+    want_back = [torch.zeros_like(a) for a in src]
+    ref.swap_blocks(want, want_back, back_pairs)
+    for dims in backend.dims:
+        device_side = [backend.copy(a) for a in src]
+        host_side = [backend.host(a) for a in dst]
+        backend.ops.swap_blocks(device_side, host_side, pairs, **dims)
+        backend.sync()
+        for g, w in zip(host_side, want):
+            assert_same(g, w)
+        back = [backend.copy(torch.zeros_like(a)) for a in src]
+        backend.ops.swap_blocks(host_side, back, back_pairs, **dims)
+        for g, w in zip(back, want_back):
+            assert_same(g, w)
+
+
+# ----------------------------------------------------------------------------------
+# convert_layout
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("whole", [True, False], ids=["arena", "layer"])
+@pytest.mark.parametrize("d", [3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2], ids=name)
+def test_convert_layout_like_the_reference(backend, dtype, d, whole, offset):
+    gen = torch.Generator().manual_seed(d)
+    data = random_layer("NHD", dtype, d, gen=gen)
+    if whole:
+        data = torch.stack([data, random_layer("NHD", dtype, d, gen=gen)])
+    data = offset_view(data, offset) if offset else data
+    scale = offset_view(torch.randn(data.shape[:-1], generator=gen), offset)
+    for src, dst in (("NHD", "HND"), ("HND", "NHD"), ("NHD", "NHD")):
+        for t, is_scale in ((data, False), (scale, True)):
+            want = ref.convert_layout(t, src, dst, scale=is_scale)
+            for dims in backend.dims:
+                assert_same(backend.ops.convert_layout(backend.copy(t), src, dst, scale=is_scale, **dims), want)
+
+
+def test_convert_layout_round_trip_restores_the_arena(backend):
+    data = random_layer("HND", torch.float16, 8, gen=torch.Generator().manual_seed(1))
+    there = backend.ops.convert_layout(backend.copy(data), "HND", "NHD")
+    assert_same(backend.ops.convert_layout(there, "NHD", "HND"), data)
+
+
+# ----------------------------------------------------------------------------------
+# random shapes (hypothesis)
+
+
+def _on(backend, *ts):
+    return [backend.copy(t) for t in ts]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kv_dtype=st.sampled_from(KV_DTYPES),
+    layout=st.sampled_from(["NHD", "HND"]),
+    nb=st.integers(1, 20),
+    bs=st.integers(1, 9),
+    h=st.integers(1, 4),
+    d=st.integers(1, 70),
+    n=st.integers(0, 60),
+    seed=st.integers(0, 2**16),
+)
+def test_write_equals_reference(backend, kv_dtype, layout, nb, bs, h, d, n, seed):
+    a = Layer(nb, bs, h, d, kv_dtype, layout, seed=seed, random=True)
+    g = torch.Generator().manual_seed(seed)
+    n = min(n, nb * bs)
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    slots[torch.rand(n, generator=g) < 0.2] = -1  # padding tokens
+    k, v = rand_kv(n, h, d, a.model_dtype, seed=seed)
+    kv, scale, zero = _on(backend, a.kv, a.scale, a.zero)
+    ref.write_kv(a.kv, slots, k, v, **a.kw())
+    dev = backend.device
+    backend.ops.write_kv(kv, slots.to(dev), k.to(dev), v.to(dev), layout=layout, kv_scale=scale, kv_zero=zero)
+    assert same_state(a.state(), [t.cpu() for t in (kv, scale, zero) if t is not None])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kv_dtype=st.sampled_from(KV_DTYPES),
+    layout=st.sampled_from(["NHD", "HND"]),
+    bs=st.integers(1, 9),
+    h=st.integers(1, 4),
+    d=st.integers(1, 40),
+    lens=st.lists(st.integers(0, 40), min_size=0, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_gather_equals_reference(backend, kv_dtype, layout, bs, h, d, lens, seed):
+    nb = 24
+    a = Layer(nb, bs, h, d, kv_dtype, layout, seed=seed, random=True)
+    g = torch.Generator().manual_seed(seed)
+    tables = []
+    for n in lens:
+        need = -(-n // bs) + int(torch.randint(0, 2, (1,), generator=g))  # sometimes a spare block
+        tables.append(torch.randint(0, nb, (need,), generator=g).tolist())  # repeats allowed on read
+    dev = backend.device
+    kv, scale, zero = _on(backend, a.kv, a.scale, a.zero)
+    kw = dict(layout=layout, kv_scale=scale, kv_zero=zero, out_dtype=a.gather_kw()["out_dtype"])
+    r = ref.gather_kv(a.kv, *csr(tables, lens), **a.gather_kw())
+    c = backend.ops.gather_kv(kv, *[x.to(dev) for x in csr(tables, lens)], **kw)
+    c = [x.cpu() for x in c]
+    assert same(r[0], c[0]) and same(r[1], c[1])
+    rp = ref.gather_kv_padded(a.kv, *padded(tables, lens), **a.gather_kw())
+    cp = backend.ops.gather_kv_padded(kv, *[x.to(dev) for x in padded(tables, lens)], **kw)
+    cp = [x.cpu() for x in cp]
+    assert same(rp[0], c[0]) and same(cp[0], c[0]) and same(cp[1], c[1])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("pair_dtype", [torch.int64, torch.int32])
+def test_copy_and_swap_equal_reference(backend, kv_dtype, pair_dtype):
+    layers, nb = 3, 10
+    # all-layer arenas (data, scale, zero) with different garbage in every layer
+    arenas = [torch.stack([Layer(nb, 4, 2, 5, kv_dtype, seed=s, random=True).state()[i] for s in range(layers)])
+              for i in range(len(Layer(nb, 4, 2, 5, kv_dtype).state()))]
+    pairs = torch.tensor([[1, 4], [2, 5], [1, 9]], dtype=pair_dtype)
+    ra, ca = [a.clone() for a in arenas], _on(backend, *arenas)
+    ref.copy_blocks(ra, pairs)
+    backend.ops.copy_blocks(ca, pairs)
+    ca = [a.cpu() for a in ca]
+    assert same_state(ra, ca)
+    for before, after in zip(arenas, ca):  # every arena, every layer
+        assert same(after[:, 4], before[:, 1]) and same(after[:, 9], before[:, 1])
+        assert same(after[:, 5], before[:, 2]) and same(after[:, 0], before[:, 0])
+    host_r = [torch.zeros((layers, 4) + a.shape[2:], dtype=a.dtype) for a in arenas]
+    host_c = [backend.host(h) for h in host_r]
+    hp = torch.tensor([[7, 0], [1, 3]], dtype=pair_dtype)
+    ref.swap_blocks(arenas, host_r, hp)
+    backend.ops.swap_blocks(_on(backend, *arenas), host_c, hp)
+    backend.sync()
+    assert same_state(host_r, host_c)
+    for before, host in zip(arenas, host_c):
+        assert same(host[:, 0], before[:, 7]) and same(host[:, 3], before[:, 1])
+        assert not bool(host[:, 1].view(torch.uint8).any())  # untouched host blocks stay zero
