@@ -34,7 +34,11 @@ __all__ = [
 #: canonical model dtype name -> bytes per element
 MODEL_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 #: canonical quantized kv dtype name -> bytes per element
-KV_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.QUANTIZED}
+KV_DTYPE_NAMES: Dict[str, float] = {d.name: d.element_bytes for d in dtypes.QUANTIZED}
+#: default recent window (tokens kept in model precision) per quantized kv dtype
+DEFAULT_KV_WINDOW: Dict[str, int] = {"int4": 128}
+#: int4 group size along head_dim when none is given (chosen by measurement; README)
+DEFAULT_INT4_GROUP = 64
 EVICTION_POLICIES = ("lru", "priority", "adaptive", "frequency")
 #: eviction policies of the host and disk prefix tiers
 TIER_EVICTION_POLICIES = ("lru", "frequency")
@@ -42,7 +46,7 @@ TIER_EVICTION_POLICIES = ("lru", "frequency")
 TIER_WRITE_POLICIES = ("back", "through")
 LAYOUTS = ("NHD", "HND")
 
-_SCALE_BYTES = 4  # float32 scale (and int8 zero point) per (token, head, K/V)
+_SCALE_BYTES = 4  # float32 scale (and int8/int4 zero point) per (token, head, K/V[, group])
 
 _UNITS = {
     "": 1, "b": 1,
@@ -145,11 +149,25 @@ class CacheConfig:
 
     Exactly one of ``num_blocks`` and ``memory_budget`` is given. A budget (bytes, or a
     string like ``"4GiB"``) counts the device arena: data plus, for quantized
-    ``kv_dtype``, the float32 scale (and int8 zero-point) arenas.
+    ``kv_dtype``, the float32 scale (and int8/int4 zero-point) arenas and the window arena.
 
     After validation, ``dtype`` holds a canonical name (``"float16"``), ``kv_dtype`` is
     ``None`` (store in ``dtype``) or a quantized name (``"fp8_e4m3"``, ``"fp8_e5m2"``,
-    ``"int8"``), ``memory_budget`` is an int and ``device`` a string.
+    ``"int8"``, ``"int4"``), ``memory_budget`` is an int and ``device`` a string.
+
+    Low-bit options (quantized ``kv_dtype`` only; see README "Low-bit KV"):
+
+    - ``kv_group_size``: int4 elements per scale/zero group along ``head_dim``
+      (default 64, capped at ``head_dim``).
+    - ``kv_rotation``: store K/V rotated by a randomized Hadamard transform of
+      ``head_dim`` (fixed per cache by ``kv_rotation_seed``; undone on read). Default:
+      on for int4, off for fp8/int8.
+    - ``kv_window``: the newest ``kv_window`` tokens of each sequence are read back in
+      model precision (default 128 for int4, 0 otherwise), from a window arena that
+      holds ``kv_window_sequences`` sequences' windows (least recently written blocks
+      give way first). Its bytes count in ``total_bytes`` and the budget.
+    - ``kv_full_precision_layers``: layer indices (negative counts from the end) kept
+      in model precision (no scales, no window).
 
     Tensor parallelism: ``num_kv_heads`` is the model's KV head count; a rank
     (``tp_rank`` of ``tp_size``) stores :attr:`kv_heads_per_rank` of them
@@ -191,6 +209,12 @@ class CacheConfig:
     host_num_blocks: int = 0
     shuffle_free_blocks: Optional[int] = None
     enable_kv_events: bool = False
+    kv_group_size: Optional[int] = None
+    kv_rotation: Optional[bool] = None
+    kv_rotation_seed: int = 0
+    kv_window: Optional[int] = None
+    kv_window_sequences: int = 16
+    kv_full_precision_layers: Tuple[int, ...] = ()
     tp_size: int = 1
     tp_rank: int = 0
     prefix_host_blocks: int = 0
@@ -224,6 +248,7 @@ class CacheConfig:
         if self.layout not in LAYOUTS:
             raise InvalidArgumentError(expected("layout", "'NHD' or 'HND'", repr(self.layout)))
         self._validate_options(put)
+        self._validate_lowbit(put)
         self._validate_groups(put)
         if (self.num_blocks is None) == (self.memory_budget is None):
             raise InvalidArgumentError(
@@ -239,12 +264,13 @@ class CacheConfig:
         else:
             budget = parse_bytes(self.memory_budget)
             put("memory_budget", budget)
-            blocks = budget // self.bytes_per_block
+            blocks = (budget - self.window_bytes) // self.bytes_per_block
             if blocks < 1:
                 raise InvalidArgumentError(
                     expected(
                         "memory_budget",
-                        f"at least one block ({self.bytes_per_block} bytes)",
+                        f"at least one block ({self.bytes_per_block} bytes)"
+                        + (f" plus the window arena ({self.window_bytes} bytes)" if self.window_bytes else ""),
                         f"{budget} bytes",
                     )
                 )
@@ -264,6 +290,10 @@ class CacheConfig:
         if plan is not None and (self.host_num_blocks or self.has_prefix_tiers):
             raise InvalidArgumentError(expected("layer_windows", "full attention in every layer with host or "
                                                 "prefix tiers", "sliding-window layers"))
+        if plan is not None and self.kv_full_precision_layers:
+            # a block's layer slots hold different layers per group: one precision for all
+            raise InvalidArgumentError(expected("kv_full_precision_layers", "() with sliding-window layer groups",
+                                                repr(self.kv_full_precision_layers)))
         put("layer_windows", tuple(windows) if plan is not None else None)
         put("_groups", plan)
 
@@ -342,7 +372,89 @@ class CacheConfig:
                 "hash_seed", f"an int shared by all ranks when tp_size > 1 (tp_size={self.tp_size})", None))
         self._validate_tiers(put)
 
+    def _validate_lowbit(self, put) -> None:
+        q = self.kv_dtype
+        if q is None:
+            for name, ok in (("kv_group_size", self.kv_group_size is None), ("kv_rotation", not self.kv_rotation),
+                             ("kv_window", not self.kv_window), ("kv_full_precision_layers",
+                                                                 not self.kv_full_precision_layers)):
+                if not ok:
+                    raise InvalidArgumentError(expected(name, "its default for an unquantized cache (kv_dtype=None)",
+                                                        repr(getattr(self, name))))
+            put("kv_rotation", False)
+            put("kv_window", 0)
+            put("kv_full_precision_layers", ())
+            return
+        if q == "int4":
+            if self.head_dim % 2:
+                raise InvalidArgumentError(expected("head_dim", "an even head_dim for int4 (two codes per byte)",
+                                                    self.head_dim))
+            g = min(DEFAULT_INT4_GROUP, self.head_dim) if self.kv_group_size is None else self.kv_group_size
+            g = _check_int("kv_group_size", g, 1)
+            if self.head_dim % g:
+                raise InvalidArgumentError(expected("kv_group_size", f"a divisor of head_dim ({self.head_dim})", g))
+            put("kv_group_size", g)
+        elif self.kv_group_size is not None:
+            raise InvalidArgumentError(expected("kv_group_size", "None unless kv_dtype='int4'", repr(self.kv_group_size)))
+        rot = q == "int4" if self.kv_rotation is None else _check_bool("kv_rotation", self.kv_rotation)
+        put("kv_rotation", rot)
+        seed = _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
+        if seed >= 2**63:
+            raise InvalidArgumentError(expected("kv_rotation_seed", "an int in [0, 2**63)", seed))
+        put("kv_rotation_seed", seed)
+        w = DEFAULT_KV_WINDOW.get(q, 0) if self.kv_window is None else self.kv_window
+        put("kv_window", _check_int("kv_window", w, 0))
+        put("kv_window_sequences", _check_int("kv_window_sequences", self.kv_window_sequences, 1))
+        layers = self.kv_full_precision_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, set, frozenset)):
+            raise InvalidArgumentError(expected("kv_full_precision_layers", "a tuple of layer indices", repr(layers)))
+        norm = set()
+        for i in layers:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -self.num_layers <= i < self.num_layers:
+                raise InvalidArgumentError(expected("kv_full_precision_layers",
+                                                    f"layer indices in [-{self.num_layers}, {self.num_layers})", repr(i)))
+            norm.add(int(i) % self.num_layers)
+        if len(norm) == self.num_layers:
+            raise InvalidArgumentError(expected("kv_full_precision_layers", "at least one quantized layer "
+                                                "(use kv_dtype=None for none)", sorted(norm)))
+        put("kv_full_precision_layers", tuple(sorted(norm)))
+
     # -- derived sizes ------------------------------------------------------------
+
+    @property
+    def quantized_layers(self) -> Tuple[int, ...]:
+        """Indices of the layers stored in ``kv_dtype`` (all but ``kv_full_precision_layers``)."""
+        if not self.quantized:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.kv_full_precision_layers)
+
+    @property
+    def quant_head_bytes(self) -> int:
+        """Bytes of one quantized (token, head, K or V) row: codes plus scale/zero."""
+        row, d = dtypes.info(self.kv_dtype), self.head_dim
+        params = d // self.kv_group_size if row.grouped else 1
+        return d // row.codes_per_byte * row.itemsize + _SCALE_BYTES * params * (2 if row.zero_point else 1)
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per K/V element of a quantized layer, scales included (model bits if none)."""
+        if not self.quantized:
+            return 8.0 * MODEL_DTYPE_NAMES[self.dtype]
+        return 8.0 * self.quant_head_bytes / self.head_dim
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks in the window arena: ``kv_window_sequences * (ceil(kv_window / block_size) + 1)``."""
+        if not self.kv_window:
+            return 0
+        return self.kv_window_sequences * (-(-self.kv_window // self.block_size) + 1)
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of the window arena (model-precision K/V plus a validity byte per token)."""
+        per_block = 2 * self.block_size * self.kv_heads_per_rank * self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
+        layers = len(self.quantized_layers) if self._groups is None else self.arena_layers
+        return layers * self.window_blocks * (per_block + self.block_size)
 
     @property
     def quantized(self) -> bool:
@@ -378,18 +490,21 @@ class CacheConfig:
         return bool(self.prefix_host_blocks or self.prefix_disk_blocks)
 
     @property
-    def element_bytes(self) -> int:
-        """Bytes per stored K/V element."""
+    def element_bytes(self) -> float:
+        """Bytes per stored K/V element, without scales (0.5 for int4)."""
         return KV_DTYPE_NAMES[self.kv_dtype] if self.quantized else MODEL_DTYPE_NAMES[self.dtype]
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token across all layers (with sliding layers: across a block's
         :attr:`arena_layers` layer slots), K and V, including quantization scales."""
-        per_head = self.head_dim * self.element_bytes
-        if self.quantized:
-            per_head += _SCALE_BYTES * (2 if dtypes.info(self.kv_dtype).zero_point else 1)
-        return 2 * self.arena_layers * self.kv_heads_per_rank * per_head
+        full = self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
+        layers = self.arena_layers
+        if not self.quantized:
+            return 2 * layers * self.kv_heads_per_rank * full
+        lq = len(self.quantized_layers) if self._groups is None else layers
+        per_layers = lq * self.quant_head_bytes + (layers - lq) * full
+        return 2 * self.kv_heads_per_rank * per_layers
 
     @property
     def bytes_per_block(self) -> int:
@@ -403,8 +518,8 @@ class CacheConfig:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the device arenas (data plus scales)."""
-        return self.resolved_num_blocks * self.bytes_per_block
+        """Bytes of the device arenas (data plus scales, plus the window arena)."""
+        return self.resolved_num_blocks * self.bytes_per_block + self.window_bytes
 
     @property
     def num_slots(self) -> int:
@@ -423,12 +538,18 @@ class CacheConfig:
 
     @property
     def scale_arena_shape(self) -> Optional[Tuple[int, ...]]:
-        """Scale (and int8 zero) arena shape: ``arena_shape`` without ``head_dim``; None unquantized."""
-        return self.arena_shape[:-1] if self.quantized else None
+        """Scale (and int8/int4 zero) arena shape: ``arena_shape`` without ``head_dim`` (int4:
+        with ``head_dim / kv_group_size`` groups instead); None unquantized."""
+        if not self.quantized:
+            return None
+        groups = (self.head_dim // self.kv_group_size,) if dtypes.info(self.kv_dtype).grouped else ()
+        return self.arena_shape[:-1] + groups
 
     def layer_shape(self, num_blocks: int) -> Tuple[int, int, int, int, int]:
-        """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too)."""
-        bs, h, d = self.block_size, self.kv_heads_per_rank, self.head_dim
+        """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too);
+        int4 packs two codes per byte, so its last dim is ``head_dim / 2``."""
+        bs, h = self.block_size, self.kv_heads_per_rank
+        d = self.head_dim // dtypes.info(self.cache_dtype).codes_per_byte
         return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:

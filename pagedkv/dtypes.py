@@ -36,10 +36,15 @@ class DTypeInfo:
         aliases: other accepted spellings, lower case (the torch name is always one).
         torch_name: attribute of the ``torch`` module (``"float8_e4m3fn"``).
         kernel_name: spelling in kernel entry points and C type macros (``"e4m3"``).
-        itemsize: bytes per stored element.
-        max_finite: largest finite value the dtype holds (the fp8 clamp bound).
+        itemsize: bytes per element of the torch storage dtype.
+        max_finite: largest finite value the dtype holds (the fp8 clamp bound; the top
+            code for integer formats).
         quantized: True for storage formats that need a scale per (token, head).
         zero_point: True when quantization also stores a zero point (asymmetric).
+        codes_per_byte: values packed in one storage element (2 for int4: two 4-bit
+            codes per uint8, so the stored last dim is ``head_dim / 2``).
+        grouped: True when scales (and zero points) are kept per group of
+            ``kv_group_size`` elements along ``head_dim`` instead of per (token, head).
     """
 
     name: str
@@ -50,6 +55,8 @@ class DTypeInfo:
     max_finite: float
     quantized: bool
     zero_point: bool = False
+    codes_per_byte: int = 1
+    grouped: bool = False
 
     @property
     def torch_dtype(self) -> Any:
@@ -57,6 +64,11 @@ class DTypeInfo:
         import torch
 
         return getattr(torch, self.torch_name)
+
+    @property
+    def element_bytes(self) -> float:
+        """Bytes per logical K/V element, scales excluded (0.5 for int4)."""
+        return self.itemsize / self.codes_per_byte
 
     @property
     def float8(self) -> bool:
@@ -83,6 +95,10 @@ QUANTIZED: Tuple[DTypeInfo, ...] = (
     DTypeInfo("fp8_e4m3", ("fp8", "fp8_e4m3fn"), "float8_e4m3fn", "e4m3", 1, 448.0, True),
     DTypeInfo("fp8_e5m2", (), "float8_e5m2", "e5m2", 1, 57344.0, True),
     DTypeInfo("int8", (), "int8", "int8", 1, 127.0, True, zero_point=True),
+    # Unsigned 4-bit codes 0..15, two per byte (low nibble first), with a float32 scale
+    # and zero point per group along head_dim.
+    DTypeInfo("int4", ("uint4",), "uint8", "int4", 1, 15.0, True, zero_point=True, codes_per_byte=2,
+              grouped=True),
 )
 
 ALL: Tuple[DTypeInfo, ...] = MODEL + QUANTIZED

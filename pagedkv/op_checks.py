@@ -126,11 +126,14 @@ def check_layer(
         bs, h = kv_layer.shape[2], kv_layer.shape[3]
     else:
         h, bs = kv_layer.shape[2], kv_layer.shape[3]
-    geo = LayerGeometry(nb, bs, h, kv_layer.shape[4], quantized)
+    row = dtypes.lookup(kv_layer.dtype)
+    geo = LayerGeometry(nb, bs, h, kv_layer.shape[4] * row.codes_per_byte, quantized)
     want_shape = tuple(kv_layer.shape[:-1])
+    if quantized and row.grouped:
+        want_shape += (_groups(kv_scale, want_shape, geo.head_dim, row),)
     if quantized:
         _check_param_view("kv_scale", kv_scale, want_shape, kv_layer.device)
-        if kv_layer.dtype == torch.int8:
+        if row.zero_point:
             _check_param_view("kv_zero", kv_zero, want_shape, kv_layer.device)
         elif kv_zero is not None:
             raise InvalidArgumentError(expected("kv_zero", "None for an fp8 kv_layer", "a tensor"))
@@ -141,6 +144,17 @@ def check_layer(
                     expected(pname, f"None for an unquantized {kv_layer.dtype} kv_layer", "a tensor")
                 )
     return geo
+
+
+def _groups(kv_scale: object, lead: tuple, head_dim: int, row: dtypes.DTypeInfo) -> int:
+    """Scale groups per head of a grouped (int4) layer, read from its scale view ``lead + (groups,)``."""
+    if isinstance(kv_scale, torch.Tensor) and kv_scale.dim() == len(lead) + 1:
+        ng = kv_scale.shape[-1]
+        if ng >= 1 and head_dim % ng == 0:
+            return ng
+    raise ShapeError(expected("kv_scale", f"shape {lead} + (groups,), groups dividing head_dim {head_dim}, "
+                              f"for a {row.name} ({row.torch_name}) kv_layer",
+                              tuple(kv_scale.shape) if isinstance(kv_scale, torch.Tensor) else None))
 
 
 def _check_param_view(name: str, t: object, shape: tuple, device: torch.device) -> None:

@@ -24,8 +24,20 @@ int8, asymmetric with a zero point (the minimum)::
     q    = int8(clamp(rint(v), 0, 255) - 128)      # rint: round half to even
     y    = out_dtype(((float(q) + 128) * s) + mn)  # two separate roundings
 
-The scale (and for int8 the zero point ``mn``) are stored float32, shaped like the
-input without its last dimension.
+int4, asymmetric, in groups of ``G`` consecutive elements along ``head_dim`` (``G``
+divides ``D``; ``D`` even), two codes per byte::
+
+    mn, mx = min(g), max(g)         # per group g; NaN propagates
+    s    = (mx - mn) / 15
+    s    = 1 if s == 0 or not finite(s)
+    v    = (g - mn) / s
+    v    = 0 where v is NaN
+    c    = clamp(rint(v), 0, 15)    # unsigned code
+    byte = c[2i] | (c[2i + 1] << 4) # element 2i in the low nibble
+    y    = out_dtype((float(c) * s) + mn)              # two separate roundings
+
+The scale (and for int8/int4 the zero point ``mn``) are stored float32, shaped like
+the input without its last dimension (int4: plus a trailing ``D / G`` groups dim).
 """
 from __future__ import annotations
 
@@ -46,6 +58,9 @@ __all__ = [
     "fp8_max",
     "quantize",
     "dequantize",
+    "int4_group",
+    "unpack_int4",
+    "DEFAULT_INT4_GROUP",
 ]
 
 FP8_E4M3_MAX = dtypes.info("fp8_e4m3").max_finite
@@ -61,6 +76,9 @@ _FP8_MAX = {d.torch_dtype: d.max_finite for d in dtypes.QUANTIZED if d.float8}
 
 _QUANTIZED = frozenset(QUANT_STORAGE_DTYPES.values())
 
+#: int4 group size used when none is given (measured: see README, "Low-bit KV").
+DEFAULT_INT4_GROUP = 64
+
 KVDType = Union[str, torch.dtype]
 
 
@@ -75,7 +93,7 @@ def storage_dtype(kv_dtype: KVDType) -> torch.dtype:
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
-    """True when ``dtype`` is a quantized storage dtype (fp8 or int8)."""
+    """True when ``dtype`` is a quantized storage dtype (fp8, int8, or uint8 = packed int4)."""
     return dtype in _QUANTIZED
 
 
@@ -88,18 +106,21 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def quantize(
-    x: torch.Tensor, kv_dtype: KVDType
+    x: torch.Tensor, kv_dtype: KVDType, *, group_size: Optional[int] = None
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Quantize ``x`` over its last dimension.
 
     Args:
         x: ``[..., D]`` float32, float16 or bfloat16.
         kv_dtype: ``"fp8_e4m3"`` (alias ``"fp8"``), ``"fp8_e5m2"``, ``"int8"`` or the
-            matching torch dtype.
+            matching torch dtype; ``"int4"`` (storage ``torch.uint8``).
+        group_size: int4 only: elements per scale group (divides ``D``; default
+            :data:`DEFAULT_INT4_GROUP` capped at ``D``).
 
     Returns:
-        ``(q, scale, zero)``: ``q`` ``[..., D]`` in the storage dtype; ``scale``
-        ``[...]`` float32; ``zero`` ``[...]`` float32 for int8, else ``None``.
+        ``(q, scale, zero)``: ``q`` ``[..., D]`` in the storage dtype (int4:
+        ``[..., D / 2]`` uint8); ``scale`` ``[...]`` float32 (int4: ``[..., D / G]``);
+        ``zero`` like ``scale`` for int8/int4, else ``None``.
     """
     if not isinstance(x, torch.Tensor):
         raise DTypeError(expected("x", "a torch.Tensor", type(x).__name__))
@@ -111,6 +132,10 @@ def quantize(
         raise ShapeError(expected("x", "a non-empty last dimension", tuple(x.shape)))
     qdtype = storage_dtype(kv_dtype)
     xf = x.to(torch.float32)  # exact widening: every model dtype fits in float32
+    if qdtype == torch.uint8:
+        return _quantize_int4(xf, int4_group(x.shape[-1], group_size))
+    if group_size is not None:
+        raise InvalidArgumentError(expected("group_size", "None for a per-head kv_dtype", repr(group_size)))
     if qdtype == torch.int8:
         return _quantize_int8(xf)
     return _quantize_fp8(xf, qdtype)
@@ -139,6 +164,41 @@ def _quantize_int8(xf: torch.Tensor):
     return v.to(torch.int8), s, mn
 
 
+def int4_group(head_dim: int, group_size: Optional[int]) -> int:
+    """The validated int4 group size for ``head_dim`` (even; ``group_size`` divides it)."""
+    if head_dim % 2:
+        raise ShapeError(expected("x", "an even last dimension for int4 (two codes per byte)", head_dim))
+    g = min(DEFAULT_INT4_GROUP, head_dim) if group_size is None else group_size
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1 or head_dim % g:
+        raise InvalidArgumentError(expected("group_size", f"an int >= 1 that divides head_dim ({head_dim})", repr(g)))
+    return g
+
+
+def _quantize_int4(xf: torch.Tensor, g: int):
+    lead, d = xf.shape[:-1], xf.shape[-1]
+    xg = xf.reshape(lead + (d // g, g))
+    mn = xg.amin(dim=-1)
+    mx = xg.amax(dim=-1)
+    s = _fix_scale((mx - mn) / torch.tensor(15.0, dtype=torch.float32))
+    v = (xg - mn.unsqueeze(-1)) / s.unsqueeze(-1)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    c = torch.clamp(torch.round(v), 0.0, 15.0).to(torch.uint8).reshape(lead + (d // 2, 2))
+    return c[..., 0] | (c[..., 1] << 4), s, mn
+
+
+def unpack_int4(q: torch.Tensor) -> torch.Tensor:
+    """The uint8 codes ``[..., 2 * n]`` (0..15) of packed ``q`` ``[..., n]``."""
+    return torch.stack((q & 15, q >> 4), dim=-1).reshape(q.shape[:-1] + (2 * q.shape[-1],))
+
+
+def _dequantize_int4(q, scale, zero, out_dtype):
+    c = unpack_int4(q).to(torch.float32)
+    lead, d, ng = q.shape[:-1], 2 * q.shape[-1], scale.shape[-1]
+    y = c.reshape(lead + (ng, d // ng)) * scale.unsqueeze(-1)
+    y = y + zero.unsqueeze(-1)
+    return y.reshape(lead + (d,)).to(out_dtype)
+
+
 def dequantize(
     q: torch.Tensor,
     scale: torch.Tensor,
@@ -158,9 +218,16 @@ def dequantize(
     """
     if not isinstance(q, torch.Tensor) or not is_quantized(q.dtype):
         got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
-        raise DTypeError(expected("q", "dtype float8_e4m3fn, float8_e5m2 or int8", got))
+        raise DTypeError(expected("q", "dtype float8_e4m3fn, float8_e5m2, int8 or uint8 (int4)", got))
     if out_dtype not in MODEL_DTYPES:
         raise DTypeError(expected("out_dtype", "float32, float16 or bfloat16", out_dtype))
+    if q.dtype == torch.uint8:
+        _check_groups(scale, q)
+        if zero is None:
+            raise InvalidArgumentError(expected("zero", "a float32 tensor for int4", None))
+        _check_param("zero", zero, q, tuple(scale.shape))
+        _check_param("scale", scale, q, tuple(scale.shape))
+        return _dequantize_int4(q, scale, zero, out_dtype)
     _check_param("scale", scale, q)
     if q.dtype == torch.int8:
         if zero is None:
@@ -175,12 +242,23 @@ def dequantize(
     return y.to(out_dtype)
 
 
-def _check_param(name: str, t: object, q: torch.Tensor) -> None:
+def _check_groups(scale: object, q: torch.Tensor) -> None:
+    if not isinstance(scale, torch.Tensor):
+        raise DTypeError(expected("scale", "a torch.Tensor", type(scale).__name__))
+    d = 2 * q.shape[-1] if q.dim() else 0
+    ok = scale.dim() == q.dim() and tuple(scale.shape[:-1]) == tuple(q.shape[:-1])
+    if not ok or scale.shape[-1] < 1 or d % scale.shape[-1]:
+        want = f"shape {tuple(q.shape[:-1])} + (groups,), groups dividing {d}"
+        raise ShapeError(expected("scale", want, tuple(scale.shape)))
+
+
+def _check_param(name: str, t: object, q: torch.Tensor, shape: Optional[tuple] = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise DTypeError(expected(name, "a torch.Tensor", type(t).__name__))
     if t.dtype != torch.float32:
         raise DTypeError(expected(name, "dtype float32", t.dtype))
-    if tuple(t.shape) != tuple(q.shape[:-1]):
-        raise ShapeError(expected(name, f"shape {tuple(q.shape[:-1])}", tuple(t.shape)))
+    shape = tuple(q.shape[:-1]) if shape is None else shape
+    if tuple(t.shape) != shape:
+        raise ShapeError(expected(name, f"shape {shape}", tuple(t.shape)))
     if t.device != q.device:
         raise DeviceError(expected(name, f"device {q.device}", t.device))

@@ -1,10 +1,16 @@
 """KVStore: the arenas that hold every layer's K/V blocks.
 
 One allocation holds all layers (``[num_layers] + kv_cache_shape``), plus float32
-scale (and int8 zero-point) arenas when the cache is quantized, and optionally a
+scale (and int8/int4 zero-point) arenas when the cache is quantized, and optionally a
 host-tier copy of the same arenas with ``host_num_blocks`` blocks for offload. The
 store allocates once, at construction; nothing is allocated per block at run time.
 The store moves bytes; which block goes where is the caller's decision.
+
+Low-bit options (see :class:`~pagedkv.config.CacheConfig`): layers named in
+``kv_full_precision_layers`` live in a second, model-dtype arena; a rotated cache
+stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.rotation`) and unrotates on read; a
+cache with ``kv_window`` also keeps each sequence's newest tokens in model precision
+(:mod:`pagedkv.window`).
 """
 from __future__ import annotations
 
@@ -15,9 +21,14 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+import numpy as np
+
 from pagedkv import dtypes, ops
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.ops import reference
+from pagedkv.rotation import rotate, rotation_signs, unrotate
+from pagedkv.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
 
@@ -42,10 +53,14 @@ class KVStore:
             fp8 storage fell back to int8 on a GPU without fp8 (seed 004); size the
             bookkeeping from ``config.resolved_num_blocks``.
         requested_config: the config passed in.
-        kv: data arena ``config.arena_shape`` (NHD ``[L, NB, 2, bs, H, D]``).
-        kv_scale, kv_zero: float32 ``config.scale_arena_shape`` arenas, or None.
-        host_kv, host_kv_scale, host_kv_zero: the host tier (``host_num_blocks``
-            blocks; pinned when the device is CUDA), or None.
+        kv: data arena (NHD ``[L, NB, 2, bs, H, D]``; int4: ``D / 2`` bytes). With
+            ``kv_full_precision_layers`` it holds only the quantized layers, in order.
+        kv_scale, kv_zero: float32 ``config.scale_arena_shape``-like arenas, or None.
+        kv_full: model-dtype arena of ``kv_full_precision_layers``, or None.
+        window: the :class:`~pagedkv.window.RecentWindow`, or None.
+        rotation_signs: float32 ``[head_dim]`` signs of the rotation, or None.
+        host_kv, host_kv_scale, host_kv_zero, host_kv_full: the host tier
+            (``host_num_blocks`` blocks; pinned when the device is CUDA), or None.
     """
 
     def __init__(self, config: CacheConfig, *, fp8_check: Callable[[torch.device], bool] = fp8_supported):
@@ -63,25 +78,54 @@ class KVStore:
             _log.warning(msg)
             config = dataclasses.replace(config, kv_dtype="int8")
         self.config = config
-        self.kv, self.kv_scale, self.kv_zero = self._allocate(config.resolved_num_blocks, self.device, pin=False)
-        self.host_kv = self.host_kv_scale = self.host_kv_zero = None
+        full = set(config.kv_full_precision_layers)
+        quant = config.quantized_layers if config.quantized else tuple(range(config.num_layers))
+        if config.layer_groups is not None:   # the arena holds a layer group's slots (pagedkv.layer_groups)
+            quant = tuple(range(config.arena_layers))
+        # layer -> (quantized?, index in its arena)
+        self._where = {}
+        for i, layer in enumerate(quant):
+            self._where[layer] = (config.quantized, i)
+        for i, layer in enumerate(sorted(full)):
+            self._where[layer] = (False, i)
+        self._num_main, self._num_full = len(quant), len(full)
+        (self.kv, self.kv_scale, self.kv_zero, self.kv_full) = self._allocate(
+            config.resolved_num_blocks, self.device, pin=False)
+        self.host_kv = self.host_kv_scale = self.host_kv_zero = self.host_kv_full = None
         if config.host_num_blocks:
             pin = self.device.type == "cuda"
-            self.host_kv, self.host_kv_scale, self.host_kv_zero = self._allocate(
-                config.host_num_blocks, torch.device("cpu"), pin=pin
-            )
+            (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_kv_full) = self._allocate(
+                config.host_num_blocks, torch.device("cpu"), pin=pin)
+        self.rotation_signs = None
+        if config.kv_rotation:
+            self.rotation_signs = rotation_signs(config.head_dim, config.kv_rotation_seed).to(self.device)
+        self.window = self.host_window = None
+        if config.kv_window:
+            self.window = self._window(config.resolved_num_blocks, self.device)
+            if config.host_num_blocks:
+                self.host_window = self._window(config.host_num_blocks, torch.device("cpu"))
+
+    def _window(self, num_blocks: int, device: torch.device) -> RecentWindow:
+        c = self.config
+        return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.kv_heads_per_rank, c.head_dim,
+                            c.kv_window, c.torch_dtype, device)
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
         cfg = self.config
-        shape = (cfg.num_layers,) + cfg.layer_shape(num_blocks)
         kw = dict(device=device, pin_memory=pin) if pin else dict(device=device)
+        shape = (self._num_main,) + cfg.layer_shape(num_blocks)
         kv = torch.zeros(shape, dtype=cfg.torch_cache_dtype, **kw)
-        scale = zero = None
+        scale = zero = full = None
         if cfg.quantized:
-            scale = torch.zeros(shape[:-1], dtype=torch.float32, **kw)
+            groups = (cfg.head_dim // cfg.kv_group_size,) if dtypes.info(cfg.kv_dtype).grouped else ()
+            scale = torch.zeros(shape[:-1] + groups, dtype=torch.float32, **kw)
             if dtypes.info(cfg.kv_dtype).zero_point:
-                zero = torch.zeros(shape[:-1], dtype=torch.float32, **kw)
-        return kv, scale, zero
+                zero = torch.zeros(shape[:-1] + groups, dtype=torch.float32, **kw)
+        if self._num_full:
+            d = cfg.head_dim
+            fshape = (self._num_full,) + cfg.layer_shape(num_blocks)[:-1] + (d,)
+            full = torch.zeros(fshape, dtype=cfg.torch_dtype, **kw)
+        return kv, scale, zero, full
 
     # -- views --------------------------------------------------------------------
 
@@ -103,43 +147,103 @@ class KVStore:
             raise InvalidArgumentError(expected("layer", f"an int in [0, {self.num_layers})", repr(layer)))
         return layer
 
+    def is_quantized_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is stored in ``kv_dtype`` (False for model-precision layers)."""
+        return self._where[self._layer_index(layer)][0]
+
     def layer(self, layer: int) -> torch.Tensor:
-        """Per-layer data view ``config.kv_cache_shape`` (no copy)."""
-        return self.kv[self._layer_index(layer)]
+        """Per-layer data view ``config.kv_cache_shape`` (no copy; model-precision layers:
+        ``head_dim`` wide in the model dtype)."""
+        main, i = self._where[self._layer_index(layer)]
+        return self.kv_full[i] if (self.config.quantized and not main) else self.kv[i]
 
     def layer_scales(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``); None where not stored."""
-        i = self._layer_index(layer)
+        """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4 ``[NB, 2, bs, H, groups]``);
+        None where not stored."""
+        main, i = self._where[self._layer_index(layer)]
+        if not main:
+            return None, None
         scale = self.kv_scale[i] if self.kv_scale is not None else None
         zero = self.kv_zero[i] if self.kv_zero is not None else None
         return scale, zero
 
+    def _groups(self, host: bool = False) -> List[List[torch.Tensor]]:
+        """Arena groups that share a leading ``num_layers`` dim (for block copies)."""
+        if host:
+            main = [self.host_kv, self.host_kv_scale, self.host_kv_zero]
+            full = self.host_kv_full
+        else:
+            main = [self.kv, self.kv_scale, self.kv_zero]
+            full = self.kv_full
+        groups = [[t for t in main if t is not None and t.shape[0]]]
+        if full is not None:
+            groups.append([full])
+        return [g for g in groups if g]
+
     @property
     def arenas(self) -> List[torch.Tensor]:
-        """The device arenas: data, then scale and zero when stored."""
-        return [t for t in (self.kv, self.kv_scale, self.kv_zero) if t is not None]
+        """The device arenas: data, then scale and zero when stored, then the model-precision layers."""
+        return [t for t in (self.kv, self.kv_scale, self.kv_zero, self.kv_full) if t is not None]
 
     @property
     def host_arenas(self) -> List[torch.Tensor]:
         """The host-tier arenas (empty without a host tier)."""
-        return [t for t in (self.host_kv, self.host_kv_scale, self.host_kv_zero) if t is not None]
+        return [t for t in (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_kv_full)
+                if t is not None]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the device arenas (equals ``config.total_bytes``)."""
-        return sum(t.numel() * t.element_size() for t in self.arenas)
+        """Bytes of the device arenas and the window arena (equals ``config.total_bytes``)."""
+        window = self.window.nbytes if self.window is not None else 0
+        return sum(t.numel() * t.element_size() for t in self.arenas) + window
 
     @property
     def host_nbytes(self) -> int:
-        """Bytes of the host-tier arenas."""
-        return sum(t.numel() * t.element_size() for t in self.host_arenas)
+        """Bytes of the host-tier arenas (and the host window arena)."""
+        window = self.host_window.nbytes if self.host_window is not None else 0
+        return sum(t.numel() * t.element_size() for t in self.host_arenas) + window
 
     # -- data ops -----------------------------------------------------------------
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``[num_tokens, H, D]`` K/V at ``slot_mapping`` (int64) in ``layer``."""
+        view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
-        ops.write_kv(self.layer(layer), slot_mapping, key, value, layout=self.layout, kv_scale=scale, kv_zero=zero)
+        main, i = self._where[layer]
+        if not main:
+            ops.write_kv(view, slot_mapping, key, value, layout=self.layout)
+            return
+        kq, vq = key, value
+        if self.rotation_signs is not None:
+            reference.check_write_kv(view, slot_mapping, key, value, self.layout, scale, zero)
+            kq, vq = rotate(key.float(), self.rotation_signs), rotate(value.float(), self.rotation_signs)
+        ops.write_kv(view, slot_mapping, kq, vq, layout=self.layout, kv_scale=scale, kv_zero=zero)
+        if self.window is not None:
+            self.window.write(i, slot_mapping, key, value)
+
+    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value):
+        """Dequantize (``read(out_dtype)``), unrotate, overlay the window, fill outputs."""
+        view = self.layer(layer)
+        scale, zero = self.layer_scales(layer)
+        main, i = self._where[layer]
+        if not main or (self.rotation_signs is None and self.window is None):
+            return read(self._out_dtype(main), out_key, out_value)
+        model = self.config.torch_dtype
+        geo, _ = reference.check_gather(view, self.layout, model, scale, zero)
+        total = int(seq_lens.sum()) if isinstance(seq_lens, torch.Tensor) and seq_lens.numel() else 0
+        reference.check_out(out_key, out_value, total, geo, model, view.device)
+        rotated = self.rotation_signs is not None
+        k, v = read(torch.float32 if rotated else model, None, None)
+        if rotated:
+            k = unrotate(k, self.rotation_signs).to(model)
+            v = unrotate(v, self.rotation_signs).to(model)
+        if self.window is not None:
+            self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v)
+        if out_key is not None:
+            out_key.copy_(k)
+            out_value.copy_(v)
+            return out_key, out_value
+        return k, v
 
     def gather(
         self,
@@ -152,10 +256,17 @@ class KVStore:
         out_value: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables)."""
+        view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
-        return ops.gather_kv(self.layer(layer), indptr, indices, seq_lens, layout=self.layout,
-                             out_dtype=self._out_dtype(), kv_scale=scale, kv_zero=zero,
-                             out_key=out_key, out_value=out_value)
+
+        def read(out_dtype, ok, ov):
+            return ops.gather_kv(view, indptr, indices, seq_lens, layout=self.layout, out_dtype=out_dtype,
+                                 kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov)
+
+        def blocks():
+            return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
+
+        return self._read(layer, read, blocks, seq_lens, out_key, out_value)
 
     def gather_padded(
         self,
@@ -167,37 +278,69 @@ class KVStore:
         out_value: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`gather` with a padded ``[B, max_blocks]`` int32 table."""
+        view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
-        return ops.gather_kv_padded(self.layer(layer), block_table, seq_lens, layout=self.layout,
-                                    out_dtype=self._out_dtype(), kv_scale=scale, kv_zero=zero,
-                                    out_key=out_key, out_value=out_value)
 
-    def _out_dtype(self) -> Optional[torch.dtype]:
-        return self.config.torch_dtype if self.config.quantized else None
+        def read(out_dtype, ok, ov):
+            return ops.gather_kv_padded(view, block_table, seq_lens, layout=self.layout, out_dtype=out_dtype,
+                                        kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov)
+
+        def blocks():
+            return blocks_of_padded(block_table.cpu().numpy())
+
+        return self._read(layer, read, blocks, seq_lens, out_key, out_value)
+
+    def _out_dtype(self, main: bool = True) -> Optional[torch.dtype]:
+        return self.config.torch_dtype if (self.config.quantized and main) else None
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
-        """Copy block ``src`` to ``dst`` for each ``[P, 2]`` row, all layers (copy-on-write)."""
-        ops.copy_blocks(self.arenas, pairs)
+        """Copy block ``src`` to ``dst`` for each ``[P, 2]`` row, all layers (copy-on-write):
+        codes, scales, model-precision layers and window copies."""
+        groups = self._groups()
+        reference.validate_copy_blocks(groups[0], pairs)  # all checks before any copy
+        for g in groups:
+            ops.copy_blocks(g, pairs)
+        if self.window is not None and pairs.shape[0]:
+            p = pairs.cpu().numpy().astype(np.int64)
+            self.window.copy(p[:, 0], p[:, 1])
 
     def _require_host(self) -> None:
         if not self.config.host_num_blocks:
             raise InvalidArgumentError(expected("host_num_blocks", "> 0 for offload/load", 0))
 
     def offload(self, pairs: torch.Tensor) -> None:
-        """Copy device blocks to host blocks: rows ``(device_block, host_block)``."""
+        """Copy device blocks to host blocks: rows ``(device_block, host_block)``: codes,
+        scales, model-precision layers and window copies (to the host window)."""
         self._require_host()
-        ops.swap_blocks(self.arenas, self.host_arenas, pairs)
+        src, dst = self._groups(), self._groups(host=True)
+        reference.validate_swap_blocks(src[0], dst[0], pairs)
+        for s, d in zip(src, dst):
+            ops.swap_blocks(s, d, pairs)
+        if self.window is not None and pairs.shape[0]:
+            p = pairs.cpu().numpy().astype(np.int64)
+            self.host_window.copy(p[:, 0], p[:, 1], source=self.window)
 
     def load(self, pairs: torch.Tensor) -> None:
-        """Copy host blocks back to device blocks: rows ``(host_block, device_block)``."""
+        """Copy host blocks back to device blocks: rows ``(host_block, device_block)``, with
+        their window copies (a device block's previous window copy is dropped)."""
         self._require_host()
-        ops.swap_blocks(self.host_arenas, self.arenas, pairs)
+        src, dst = self._groups(host=True), self._groups()
+        reference.validate_swap_blocks(src[0], dst[0], pairs)
+        for s, d in zip(src, dst):
+            ops.swap_blocks(s, d, pairs)
+        if self.window is not None and pairs.shape[0]:
+            p = pairs.cpu().numpy().astype(np.int64)
+            self.window.copy(p[:, 0], p[:, 1], source=self.host_window)
 
     def __repr__(self) -> str:
         c = self.config
         host = f", host_blocks={c.host_num_blocks}" if c.host_num_blocks else ""
+        extra = ""
+        if c.quantized:
+            extra = (f", bits_per_element={c.bits_per_element:g}, rotation={c.kv_rotation}, window={c.kv_window}"
+                     f", full_precision_layers={list(c.kv_full_precision_layers)}")
         return (
             f"KVStore(layers={c.num_layers}, blocks={c.resolved_num_blocks}, block_size={c.block_size}, "
             f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, dtype={c.cache_dtype}, layout={c.layout}, "
-            f"device={self.device}, nbytes={self.nbytes}{host})"
+            f"device={self.device}, nbytes={self.nbytes}{extra}{host})"
         )

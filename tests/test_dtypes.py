@@ -17,7 +17,10 @@ def test_rows_match_torch():
         t = d.torch_dtype
         assert isinstance(t, torch.dtype)
         assert t.itemsize == d.itemsize, d.name
-        limit = torch.iinfo(t).max if d.name == "int8" else torch.finfo(t).max
+        if d.codes_per_byte > 1:  # packed codes: the top code of 8 / codes_per_byte bits
+            limit = 2 ** (8 // d.codes_per_byte) - 1
+        else:
+            limit = torch.finfo(t).max if t.is_floating_point else torch.iinfo(t).max
         assert float(limit) == d.max_finite, d.name
         assert d.float8 == (t in (torch.float8_e4m3fn, torch.float8_e5m2))
 
@@ -35,7 +38,8 @@ def test_every_spelling_names_one_row():
 
 def test_config_reads_the_table():
     assert MODEL_DTYPE_NAMES == {d.name: d.itemsize for d in dtypes.MODEL}
-    assert KV_DTYPE_NAMES == {d.name: d.itemsize for d in dtypes.QUANTIZED}
+    assert KV_DTYPE_NAMES == {d.name: d.itemsize / d.codes_per_byte for d in dtypes.QUANTIZED}
+    assert KV_DTYPE_NAMES["int4"] == 0.5
     for d in dtypes.MODEL:
         for s in d.spellings + (d.torch_dtype,):
             assert dtype_name(s) == d.name
@@ -72,9 +76,10 @@ def test_quant_reads_the_table():
 
 def test_kernels_read_the_table():
     assert sources.MODEL_TYPES == tuple(d.kernel_name for d in dtypes.MODEL)
-    assert sources.QUANT_TYPES == tuple(d.kernel_name for d in dtypes.QUANTIZED)
+    kernel_rows = [d for d in dtypes.QUANTIZED if d.codes_per_byte == 1]
+    assert sources.QUANT_TYPES == tuple(d.kernel_name for d in kernel_rows)
     names = set(sources.entry_points()["write_kv.cu"])
-    for q in dtypes.QUANTIZED:
+    for q in kernel_rows:
         assert plans._QUANT_NAMES[q.torch_dtype] == q.kernel_name
         for m in dtypes.MODEL:
             assert plans._MODEL_NAMES[m.torch_dtype] == m.kernel_name
@@ -87,6 +92,7 @@ def test_ops_checks_name_every_table_dtype():
     with pytest.raises(DTypeError, match=f"dtype {every}"):
         ref.check_layer(layer, "NHD")
     for d in dtypes.ALL:
-        geo = ref.check_layer(torch.zeros(2, 2, 4, 1, 8, dtype=d.torch_dtype), "NHD",
-                              *((torch.zeros(2, 2, 4, 1),) * (1 + d.zero_point) if d.quantized else ()))
-        assert geo.quantized == d.quantized
+        params = (2, 2, 4, 1) + ((2,) if d.grouped else ())  # int4: 2 groups of 4 along head_dim 8
+        geo = ref.check_layer(torch.zeros(2, 2, 4, 1, 8 // d.codes_per_byte, dtype=d.torch_dtype), "NHD",
+                              *((torch.zeros(params),) * (1 + d.zero_point) if d.quantized else ()))
+        assert geo.quantized == d.quantized and geo.head_dim == 8

@@ -1,26 +1,53 @@
-"""Quantized KV quality on the real model (seed 004: < 2% degradation, ~50% memory)."""
-import pytest
-import torch
-
-from model_fixtures import smollm2  # noqa: F401
-
+"""Quantized KV quality on the real model, on text the benchmark does not use (tokens
+from 12,000 on; ``benchmarks/kv_quality.py`` reads the first 8,192 and its greedy
+prompts end before 11,200)."""
 import importlib.util
 import os
+
+import pytest
+
+from model_fixtures import smollm2  # noqa: F401
 
 _spec = importlib.util.spec_from_file_location(
     "kv_quality", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "kv_quality.py"))
 kv_quality = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kv_quality)
+Variant = kv_quality.Variant
+
+HELD_OUT = 12_000
 
 
 @pytest.mark.slow
 @pytest.mark.model
 def test_int8_and_fp8_kv_lose_under_two_percent_perplexity(smollm2):
     model, tok = smollm2
-    ids = kv_quality.text_ids(tok, 2048)
-    base, base_tokens, base_bytes = kv_quality.evaluate(model, ids, None, 1024, 512, 256)
-    for kv_dtype in ("int8", "fp8_e4m3"):
-        ppl, tokens, nbytes = kv_quality.evaluate(model, ids, kv_dtype, 1024, 512, 256)
-        assert (ppl - base) / base < 0.02, (kv_dtype, ppl, base)
-        assert (tokens == base_tokens).float().mean() > 0.9
-        assert nbytes <= 0.6 * base_bytes / 2          # at most 60% of an fp16 cache (scales included)
+    ids = kv_quality.text_ids(tok, 2048, start=HELD_OUT)
+    todo = [Variant(n, dict(kv_dtype=n)) for n in ("int8", "fp8_e4m3")]
+    q = kv_quality.evaluate(model, ids, todo, 1024, 512, 256)
+    base = q["float32"]["perplexity"]
+    for v in todo:
+        assert (q[v.name]["perplexity"] - base) / base < 0.02, (v.name, q[v.name], base)
+        assert q[v.name]["top1"] > 0.9
+        assert v.sizes(model)["bytes_per_element"] <= 0.6 * 2  # at most 60% of fp16, scales included
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_int4_rotated_with_window_stays_close_to_fp32_and_beats_unrotated(smollm2):
+    # 512 tokens fed in chunks of 128: three of four chunks attend to KV read back from the
+    # cache; a window of 32 leaves most of it in 4-bit codes
+    model, tok = smollm2
+    ids = kv_quality.text_ids(tok, 512, start=HELD_OUT)
+    rotated = Variant("rotated", dict(kv_dtype="int4", kv_window=32))
+    unrotated = Variant("unrotated", dict(kv_dtype="int4", kv_window=32, kv_rotation=False))
+    q = kv_quality.evaluate(model, ids, [rotated, unrotated], 512, 512, 128)
+    base = q["float32"]["perplexity"]
+    rel = (q["rotated"]["perplexity"] - base) / base
+    # stated bound (measured here: +5.5% perplexity, KL 0.047 nats, top-1 84%; without the
+    # rotation KL 0.110): a 32-token window over 512 tokens is the hard case, most of the
+    # context being 4-bit; the issue's protocol (window 128, long text) is the benchmark's
+    assert abs(rel) < 0.08, q
+    assert q["rotated"]["kl"] < 0.07 and q["rotated"]["top1"] >= 0.8, q
+    # the rotation is what buys it: the same codes without it lose measurably more
+    assert q["rotated"]["kl"] < 0.7 * q["unrotated"]["kl"], q
+    assert rotated.sizes(model)["bits_per_element"] <= 5.0

@@ -46,7 +46,7 @@ MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 
 _MODEL_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.MODEL}
-_QUANT_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.QUANTIZED}
+_QUANT_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.QUANTIZED if d.kernel_name in sources.QUANT_TYPES}
 _CHUNK_NAMES = {16: "v16", 4: "e4", 2: "e2", 1: "e1"}
 
 Arg = Tuple[str, int]  # ("ptr" | "i64", value)
@@ -119,6 +119,13 @@ def as_tensor(x: object) -> object:
 # checks the kernels add to the reference's
 
 
+def _check_kernel_dtype(kv_layer: torch.Tensor) -> None:
+    row = dtypes.lookup(kv_layer.dtype)
+    if row.quantized and kv_layer.dtype not in _QUANT_NAMES:
+        raise DTypeError(expected("kv_layer", f"a kv dtype with a CUDA kernel ({', '.join(sources.QUANT_TYPES)} "
+                                  "or a model dtype)", f"{row.name} ({row.torch_name})"))
+
+
 def _check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {tuple(t.stride())}"))
@@ -164,6 +171,7 @@ def _i64(v: int) -> Arg:
 def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None) -> List[Launch]:
     """Plan :func:`pagedkv.ops.reference.write_kv` (same arguments)."""
     geo = checks.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
+    _check_kernel_dtype(kv_layer)
     _check_contiguous("kv_layer", kv_layer)
     if geo.quantized:
         _check_contiguous("kv_scale", kv_scale)
@@ -223,6 +231,7 @@ def plan_gather(
     avoid that.
     """
     geo, out_dtype = checks.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    _check_kernel_dtype(kv_layer)
     device = kv_layer.device
     if block_table is None:
         batch = checks.check_csr(indptr, indices, seq_lens, device)

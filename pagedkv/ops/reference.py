@@ -163,7 +163,8 @@ def write_kv(
     off = slots - blk * geo.block_size
     for kv, src in ((0, key[valid]), (1, value[valid])):
         if geo.quantized:
-            q, s, z = quantize(src, kv_layer.dtype)
+            group = geo.head_dim // kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else None
+            q, s, z = quantize(src, kv_layer.dtype, group_size=group)
             _assign(kv_layer, layout, kv, blk, off, q)
             _assign(kv_scale, layout, kv, blk, off, s)
             if z is not None:

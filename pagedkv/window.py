@@ -1,0 +1,192 @@
+"""The recent window: the newest tokens of each sequence, kept in model precision.
+
+A quantized store writes every token twice: its codes go to the quantized arena (so a
+token that leaves the window is already quantized, exactly as if it were quantized on
+leaving), and its model-precision values go to a small window arena of whole blocks.
+A gather reads a sequence's last ``window`` tokens from the window arena when their
+block holds them there, and everything else from the quantized arena.
+
+The window arena has ``window_blocks`` block slots, shared by all sequences. A block
+gets a slot when it is written and keeps it until the slot is needed for a more
+recently written block (least recently written first); the config sizes the arena for
+``kv_window_sequences`` sequences' windows. A per-token validity mask makes a slot
+answer only for tokens written since the block got it, so a reused block, a copied
+block or a block loaded back from the host never shows stale values.
+
+The slot map lives on the host (numpy): it is bookkeeping, touched once per call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = ["RecentWindow", "blocks_of_csr", "blocks_of_padded"]
+
+
+class RecentWindow:
+    """Window arena and block -> slot map for the quantized layers of one store.
+
+    Args:
+        num_layers: quantized layers (the arena's leading dim).
+        num_blocks: blocks of the main arena (block ids are ``[0, num_blocks)``).
+        capacity: window block slots.
+        block_size, num_heads, head_dim: block geometry.
+        window: tokens per sequence read from the window (``>= 1``).
+        dtype, device: the model dtype and the arena device.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, capacity: int, block_size: int, num_heads: int,
+                 head_dim: int, window: int, dtype: torch.dtype, device: torch.device):
+        self.window = window
+        self.block_size = block_size
+        self.capacity = capacity
+        # NHD whatever the main layout: the window arena is internal
+        self.data = torch.zeros((num_layers, capacity, 2, block_size, num_heads, head_dim), dtype=dtype,
+                                device=device)
+        self.valid = torch.zeros((num_layers, capacity, block_size), dtype=torch.bool, device=device)
+        self.slot_of = np.full(num_blocks, -1, dtype=np.int64)
+        self.block_of = np.full(capacity, -1, dtype=np.int64)
+        self.stamp = np.zeros(capacity, dtype=np.int64)
+        self.clock = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.valid.numel()
+
+    # -- slot map -------------------------------------------------------------------
+
+    def _claim(self, blocks: np.ndarray) -> None:
+        """Give every block in ``blocks`` (distinct, oldest first) a slot, stamped in order."""
+        blocks = blocks[-self.capacity:]
+        stamps = self.clock + 1 + np.arange(len(blocks))
+        self.clock += len(blocks)
+        have = self.slot_of[blocks]
+        keep = have >= 0
+        self.stamp[have[keep]] = stamps[keep]
+        need = blocks[~keep]
+        if len(need):
+            taken = np.zeros(self.capacity, dtype=bool)
+            taken[have[keep]] = True
+            order = np.argsort(np.where(taken, np.iinfo(np.int64).max, self.stamp), kind="stable")
+            slots = order[:len(need)]
+            old = self.block_of[slots]
+            self.slot_of[old[old >= 0]] = -1
+            self.block_of[slots] = need
+            self.slot_of[need] = slots
+            self.stamp[slots] = stamps[~keep]
+            self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
+
+    def drop(self, blocks: np.ndarray) -> None:
+        """Forget the window copies of ``blocks`` (their data was replaced by other means)."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        slots = self.slot_of[blocks]
+        slots = slots[slots >= 0]
+        if len(slots):
+            self.slot_of[self.block_of[slots]] = -1
+            self.block_of[slots] = -1
+            self.stamp[slots] = 0
+            self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, source: Optional["RecentWindow"] = None) -> None:
+        """Block copies: ``dst[i]`` gets the window copy of ``src[i]`` in ``source`` (default:
+        this window; copy-on-write), or none when ``src[i]`` has none there. ``source`` may
+        be another window (the host tier's) with the same geometry."""
+        source = self if source is None else source
+        self.drop(dst)
+        has = source.slot_of[src] >= 0
+        if not has.any():
+            return
+        src, dst = src[has], dst[has]
+        if source is self:
+            self._claim(_distinct_by_last(np.concatenate([src, dst])))  # dst stamped newest
+        else:
+            self._claim(_distinct_by_last(dst))
+        both = (source.slot_of[src] >= 0) & (self.slot_of[dst] >= 0)
+        src, dst = src[both], dst[both]
+        s = torch.from_numpy(source.slot_of[src]).to(source.data.device)
+        d = torch.from_numpy(self.slot_of[dst]).to(self.data.device)
+        self.data[:, d] = source.data[:, s].to(self.data.device)
+        self.valid[:, d] = source.valid[:, s].to(self.valid.device)
+
+    # -- data -------------------------------------------------------------------------
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep the model-precision K/V of the written tokens (slots < 0 skipped).
+
+        Every layer claims the same blocks (an engine writes the same slots in each
+        layer), so the claim after the first layer of a step only refreshes stamps."""
+        slots = slot_mapping.cpu().numpy()
+        ok = np.nonzero(slots >= 0)[0]
+        if not len(ok):
+            return
+        blocks = slots[ok] // self.block_size
+        self._claim(_distinct_by_last(blocks))
+        wslot = self.slot_of[blocks]
+        held = wslot >= 0
+        if not held.any():
+            return
+        dev = self.data.device
+        rows = torch.from_numpy(ok[held]).to(dev)
+        ws = torch.from_numpy(wslot[held]).to(dev)
+        off = torch.from_numpy(slots[ok][held] % self.block_size).to(dev)
+        self.data[layer, ws, 0, off] = key[rows].to(self.data.dtype)
+        self.data[layer, ws, 1, off] = value[rows].to(self.data.dtype)
+        self.valid[layer, ws, off] = True
+
+    def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
+                value: torch.Tensor) -> None:
+        """Overwrite, in gathered ``key``/``value`` ``[sum(seq_lens), H, D]``, each
+        sequence's last ``window`` tokens that the window arena holds.
+
+        ``blocks_per_seq(b)`` returns sequence ``b``'s block ids (numpy int64)."""
+        rows, wsl, offs = [], [], []
+        base = 0
+        for b, n in enumerate(seq_lens.tolist()):
+            lo = max(0, n - self.window)
+            if n > lo:
+                pos = np.arange(lo, n, dtype=np.int64)
+                blk = blocks_per_seq(b)[pos // self.block_size]
+                ws = self.slot_of[blk]
+                held = ws >= 0
+                rows.append(base + pos[held])
+                wsl.append(ws[held])
+                offs.append(pos[held] % self.block_size)
+            base += n
+        if not rows:
+            return
+        rows_np = np.concatenate(rows)
+        if not len(rows_np):
+            return
+        dev = self.data.device
+        ws = torch.from_numpy(np.concatenate(wsl)).to(dev)
+        off = torch.from_numpy(np.concatenate(offs)).to(dev)
+        ok = self.valid[layer, ws, off]
+        r = torch.from_numpy(rows_np).to(key.device)[ok]
+        ws, off = ws[ok], off[ok]
+        key[r] = self.data[layer, ws, 0, off].to(key.dtype)
+        value[r] = self.data[layer, ws, 1, off].to(value.dtype)
+
+    def held(self, block: int) -> Optional[int]:
+        """The window slot of ``block`` (None when it has none)."""
+        s = int(self.slot_of[block])
+        return None if s < 0 else s
+
+    def __len__(self) -> int:
+        return int((self.block_of >= 0).sum())
+
+
+def _distinct_by_last(blocks: np.ndarray) -> np.ndarray:
+    """Distinct ids of ``blocks``, ordered by their last occurrence."""
+    rev = blocks[::-1]
+    _, first = np.unique(rev, return_index=True)
+    return rev[np.sort(first)][::-1].copy()
+
+
+def blocks_of_csr(indptr: np.ndarray, indices: np.ndarray):
+    return lambda b: indices[indptr[b]:indptr[b + 1]].astype(np.int64)
+
+
+def blocks_of_padded(table: np.ndarray):
+    return lambda b: table[b].astype(np.int64)
