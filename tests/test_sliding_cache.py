@@ -324,3 +324,20 @@ def test_admit_caps_fixed_point():
     # own slack (W - 1 = 8 tokens of recomputed excess) covers both rows
     assert admit_caps(np.array([16, 16]), np.array([0, 2]), 4, 9).tolist() == [8, 8]
     assert admit_caps(np.array([16, 16]), np.array([0, 2]), 4, 4).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_store_with_layer_groups(kv_dtype):
+    kv = hybrid(window=6, kv_dtype=kv_dtype, kv_window=0)
+    kv.add_sequence("a")
+    fill(kv, "a", list(range(10)))
+    for layer in range(4):
+        k, v, _, pos = kv.gather_window(["a"], layer)
+        want = kv_of(layer, pos.tolist())       # layers are 1000 apart: a wrong slot is far off
+        for got, ref in ((k, want), (v, -want)):
+            err = (got - ref).norm(dim=(1, 2))
+            assert (err <= 0.2 * ref.norm(dim=(1, 2)) + 1.0).all()
+    kv.free("a")
+    with pytest.raises(InvalidArgumentError, match=r"kv_full_precision_layers: expected \(\) with sliding-window "
+                                                   r"layer groups, got \(1,\)"):
+        hybrid(kv_dtype="int8", kv_full_precision_layers=(1,))
