@@ -383,6 +383,25 @@ class PagedKVCache:
                 num_tokens = as_counts(num_tokens, "num_tokens")
             self._book.truncate(keys, num_tokens, internal=internal)
 
+    def hold_window(self, seq_ids: SeqIds, hold: bool = True) -> None:
+        """Sliding-window layers: keep (``hold=True``) the blocks that leave the window
+        of these sequences until :meth:`slide_window` or ``hold=False``, so that
+        :meth:`truncate` can roll back speculative tokens past the window (what
+        transformers calls recording the past). Forks inherit the hold. No-op when every
+        layer is full attention (nothing is ever released)."""
+        if not isinstance(hold, bool):
+            raise ArgumentTypeError(expected("hold", "True or False", repr(hold)))
+        with self._lock:
+            keys, internal = self._ids.batch(seq_ids)
+            self._book.hold_window(keys, hold, internal=internal)
+
+    def slide_window(self, seq_ids: SeqIds) -> None:
+        """Release, now, the blocks that left the sliding windows of these sequences
+        (held ones included)."""
+        with self._lock:
+            keys, internal = self._ids.batch(seq_ids)
+            self._book.slide(keys, internal=internal)
+
     def num_blocks(self, seq_id: SeqId) -> int:
         """Blocks the sequence holds (``ceil(num_reserved / block_size)``)."""
         return -(-self.num_reserved(seq_id) // self.config.block_size)

@@ -182,6 +182,14 @@ class GroupTables:
                 t.remove(dst, internal=True)
             raise
 
+    def hold_window(self, keys, hold: bool = True, internal: bool = False) -> None:
+        for t in self.tables:
+            t.hold_window(keys, hold, internal=internal)
+
+    def slide(self, keys, internal: bool = False) -> None:
+        for t in self.tables:
+            t.slide(keys, internal=internal)
+
     def remove(self, keys, internal: bool = False) -> None:
         for t in self.tables:
             t.remove(keys, internal=internal)

@@ -480,6 +480,22 @@ class SlidingTablesMachine(TablesMachine):
             self.pending[k] = []
             self.same(lambda: self.tables.commit(k, n), lambda: self.model.commit([k], n))
 
+    @rule(data=st.data(), hold=st.booleans())
+    def hold_window(self, data, hold):
+        """Speculative decoding: hold released blocks for a rollback, or stop holding."""
+        if not self.seq_tokens:
+            return
+        keys = data.draw(st.lists(st.sampled_from(self.keys()), unique=True, min_size=1, max_size=3))
+        self.same(lambda: self.tables.hold_window(np.array(keys, np.int64), hold),
+                  lambda: self.model.hold_window(keys, hold))
+
+    @rule(data=st.data())
+    def slide(self, data):
+        if not self.seq_tokens:
+            return
+        keys = data.draw(st.lists(st.sampled_from(self.keys()), unique=True, min_size=1, max_size=3))
+        self.same(lambda: self.tables.slide(np.array(keys, np.int64)), lambda: self.model.slide(keys))
+
     @invariant()
     def window_held(self):
         if not hasattr(self, "tables"):
@@ -488,7 +504,11 @@ class SlidingTablesMachine(TablesMachine):
         for k in self.keys():
             blocks = self.tables.blocks(k).tolist()
             c = self.tables.num_computed(k)
+            holding = self.tables.info(k)["holding"]
             first = max(c - w + 1, 0)       # the next query's first visible position
             for i, b in enumerate(blocks):
                 needed = i * bs < self.sinks or (i + 1) * bs > first
-                assert (b >= 0) == needed, f"sequence {k}: block {i} held={b >= 0}, needed={needed}"
+                if holding:
+                    assert b >= 0 or not needed, f"sequence {k}: block {i} released but needed"
+                else:
+                    assert (b >= 0) == needed, f"sequence {k}: block {i} held={b >= 0}, needed={needed}"

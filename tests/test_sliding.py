@@ -313,3 +313,26 @@ def test_plan_cli_attention_sinks(tmp_path, capsys):
     assert out["constant_bytes_per_sequence"] == (1 + 4 + 1) * out["bytes_per_block"]
     assert main(["plan", "--model-config", str(p), "--budget", "64MiB", "--attention-sinks", "64"]) == 2
     assert "attention_sinks: expected fewer than the window (64 tokens, layer 0), got 64" in capsys.readouterr().err
+
+
+def test_hold_keeps_released_blocks_for_a_rollback():
+    pool, t = sliding_tables(bs=4, window=6)
+    t.add(1)
+    t.reserve(1, 12)
+    t.commit(1, 12)
+    t.hold_window(1)
+    t.reserve(1, 8)
+    t.commit(1, 8)                            # 20 tokens: the window starts at 15, nothing released
+    assert t.info(1)["num_dropped_blocks"] == 1 and t.info(1)["holding"]
+    t.fork(1, 2)
+    assert t.info(2)["holding"]
+    t.truncate(1, 8)                          # roll the 8 speculative tokens back
+    assert t.num_computed(1) == 12
+    t.check_invariants()
+    t.slide(1)                                # nothing more left the window of position 12
+    assert t.info(1)["num_dropped_blocks"] == 1
+    t.hold_window(2, False)                   # ending the hold releases what left the window
+    assert t.info(2)["num_dropped_blocks"] == 3 and not t.info(2)["holding"]
+    t.check_invariants()
+    t.remove([1, 2])
+    assert pool.num_in_use_blocks == 0

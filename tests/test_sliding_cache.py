@@ -341,3 +341,34 @@ def test_quantized_store_with_layer_groups(kv_dtype):
     with pytest.raises(InvalidArgumentError, match=r"kv_full_precision_layers: expected \(\) with sliding-window "
                                                    r"layer groups, got \(1,\)"):
         hybrid(kv_dtype="int8", kv_full_precision_layers=(1,))
+
+
+def test_assisted_generation_with_sliding_layers_matches_plain_greedy(monkeypatch):
+    """The draft's rejected tokens are rolled back past the window: PagedCache holds
+    what the sliding layers release while the past is recorded, and releases it at each
+    crop. The output equals plain greedy decoding."""
+    from transformers import MistralForCausalLM
+
+    model, tok = tiny_mistral(window=8)
+    draft, _ = tiny_mistral(window=8, seed=5)
+    with torch.no_grad():      # propose the plain model's choice shifted by one id: mostly rejected
+        draft.lm_head.weight = torch.nn.Parameter(torch.roll(draft.lm_head.weight.detach(), 1, 0))
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    assert isinstance(draft, MistralForCausalLM)
+    ids = torch.randint(3, 250, (1, 19), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id, attention_mask=torch.ones_like(ids))
+    plain = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    kv = paged(model, num_blocks=128)
+    crops = []
+    orig = PagedCache.crop
+    monkeypatch.setattr(PagedCache, "crop", lambda cache, n: (crops.append(n), orig(cache, n))[1])
+    with PagedCache(kv) as cache:
+        out = model.generate(ids, past_key_values=cache, assistant_model=draft, **kw)
+        # every crop released what left the window: the sequence holds its window only
+        assert kv.released_tokens(cache.seq_ids, group=0)[0] > 0
+        assert (kv.block_table(cache.seq_ids[0], group=0) >= 0).sum() <= -(-(8 - 1) // 4) + 2
+    assert out.tolist() == plain.tolist()
+    assert sum(n < 0 for n in crops) >= 3, f"too few rollbacks: {crops}"
+    kv.check_invariants()

@@ -17,6 +17,7 @@ cdef struct SeqRow:
     token_t* tokens          # [cap_tokens] known token ids
     int32_t num_blocks       # == ceil(num_reserved / block_size), <= pool size
     uint8_t live             # 1 while the row holds a sequence
+    uint8_t hold             # sliding window: 1 while commits keep blocks that left the window (rollback)
     int8_t priority          # eviction class of all its blocks; -1 = seed 004's default rule
     PrefixCursor cur         # progress through the prefix index (registration of full blocks)
     # cold fields
@@ -107,6 +108,7 @@ cdef inline void row_reset(SeqRow* row, seq_key_t key) noexcept nogil:
     row.num_reserved = row.num_computed = row.num_known = 0
     row.num_blocks = 0
     row.live = 1
+    row.hold = 0
     row.priority = -1
     memset(&row.cur, 0, sizeof(PrefixCursor))
     row.cur.canon_block = -1

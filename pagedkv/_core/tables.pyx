@@ -112,7 +112,7 @@ cdef inline void commit_row(BlockTables t, SeqRow* row, int64_t n, const token_t
         row.cur.track = 0
     elif row.cur.track and t.indexed and <int64_t>(row.cur.num_hashed + 1) * t.block_size <= c:
         t.register_row(row)
-    if t.window:      # after registration: a released block must already be in the index
+    if t.window and not row.hold:   # after registration: a released block is already in the index
         t.slide_row(row)
 
 
@@ -502,6 +502,7 @@ cdef class BlockTables:
         d.priority = s.priority
         d.cur = s.cur
         d.num_dropped = s.num_dropped
+        d.hold = s.hold
         for i in range(nb):
             if d.blocks[i] >= 0:      # a sliding row's released entries are -1
                 self.pool.incref(d.blocks[i])
@@ -817,6 +818,32 @@ cdef class BlockTables:
         cdef int64_t m = self.load_keys(keys)
         return lengths(self.store.rows, self.rows_for(m, internal), m, computed)
 
+    def hold_window(self, keys, bint hold=True, bint internal=False):
+        """Hold (or stop holding) blocks that leave a sliding window, per sequence.
+
+        While held, commits release nothing, so ``truncate`` can roll back speculative
+        tokens past the window; ``slide`` releases what left the window meanwhile, and
+        ending the hold does too. A fork inherits the hold. No-op for full attention."""
+        cdef int64_t m = self.load_keys(keys), i
+        cdef int32_t* rp = self.rows_for(m, internal)
+        cdef SeqRow* row
+        if not self.window:
+            return
+        for i in range(m):
+            row = &self.store.rows[rp[i]]
+            row.hold = hold
+            if not hold:
+                self.slide_row(row)
+
+    def slide(self, keys, bint internal=False):
+        """Release the blocks that left each sequence's sliding window now (held or not)."""
+        cdef int64_t m = self.load_keys(keys), i
+        cdef int32_t* rp = self.rows_for(m, internal)
+        if not self.window:
+            return
+        for i in range(m):
+            self.slide_row(&self.store.rows[rp[i]])
+
     def released_tokens(self, keys, bint internal=False):
         """Per sequence (int64), the tokens a sliding-window table released: positions
         ``[sinks_end, sinks_end + released)`` with ``sinks_end = sink_blocks * block_size``.
@@ -920,7 +947,7 @@ cdef class BlockTables:
                 "prompt_len": row.prompt_len, "num_hashed": row.cur.num_hashed,
                 "num_prefix_hit_blocks": row.num_prefix_hit, "priority": row.priority,
                 "tracking": bool(row.cur.track), "namespace": row.cur.ns_id,
-                "num_dropped_blocks": row.num_dropped}
+                "num_dropped_blocks": row.num_dropped, "holding": bool(row.hold)}
 
     def __contains__(self, key):
         return type(key) is int and INT64_MIN <= key <= INT64_MAX and rs_find(&self.store, key) >= 0
@@ -979,8 +1006,9 @@ cdef class BlockTables:
                 raise InternalError(f"sequence {row.key}: hashed past its computed tokens")
             if row.num_blocks > row.cap_blocks or row.num_known > row.cap_tokens:
                 raise InternalError(f"sequence {row.key}: table or token list over capacity")
-            if self.window and row.num_dropped != max(0, blk_of(max(row.num_computed - self.window + 1, 0),
-                                                                  self.block_size, self.bs_shift) - self.sink_blocks):
+            due = max(0, blk_of(max(row.num_computed - self.window + 1, 0), self.block_size, self.bs_shift)
+                      - self.sink_blocks)
+            if self.window and (row.num_dropped > due or (row.num_dropped < due and not row.hold)):
                 raise InternalError(f"sequence {row.key}: {row.num_dropped} blocks released for {row.num_computed} "
                                     f"committed tokens (window {self.window}, {self.sinks} sinks)")
             if not self.window and row.num_dropped:

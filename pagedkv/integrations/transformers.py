@@ -90,6 +90,16 @@ class PagedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.parent.get_seq_length()
 
+    @property
+    def record_past(self) -> bool:
+        return self.parent._holding
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        # generate() turns recording off layer by layer when it hands the cache back
+        if not value:
+            self.parent._stop_holding()
+
     def get_max_length(self) -> int:
         return -1
 
@@ -188,6 +198,7 @@ class PagedCache(Cache):
         self._reserved: Optional[np.ndarray] = None   # tokens this pass reserved, not yet committed
         self._input_ids: Optional[torch.Tensor] = None
         self._fresh = False  # admitted, no forward pass yet
+        self._holding = False   # recording the past: sliding groups keep blocks until crop
 
     def _new_id(self):
         return ("pagedkv.hf", next(_serial))
@@ -322,6 +333,26 @@ class PagedCache(Cache):
             self._clear_rows()
             self.kv.free(owned)
 
+    def activate_past_recording(self) -> None:
+        """Keep what sliding-window layers would drop until the next :meth:`crop`, so a
+        rejected speculative step can be rolled back (transformers calls this for
+        assisted generation). A no-op without sliding layers."""
+        if not self._windows:
+            return
+        self._holding = True
+        if self.seq_ids:
+            self.kv.hold_window(self.seq_ids, True)
+
+    def _stop_holding(self) -> None:
+        if self._holding:
+            self._holding = False
+            if self.seq_ids:
+                self.kv.hold_window(self.seq_ids, False)
+
+    def _slide(self) -> None:
+        if self._holding and self.seq_ids:
+            self.kv.slide_window(self.seq_ids)
+
     def __enter__(self) -> "PagedCache":
         return self
 
@@ -429,6 +460,8 @@ class PagedCache(Cache):
         if B != len(self.seq_ids):
             raise ShapeError(expected("key_states", f"batch {len(self.seq_ids)} (the cache's rows)", B))
         kv, rows = self.kv, self.seq_ids
+        if self._holding:     # rows created or replaced since the hold began
+            kv.hold_window(rows, True)
         have = kv.seq_lens(rows, computed=True).astype(np.int64)
         positions = self._columns + np.arange(q)[None, :] - self._pads[:, None]   # [B, q]
         new_mask = positions >= have[:, None]
@@ -516,22 +549,27 @@ class PagedCache(Cache):
         no-op in both, which 5.x's assisted generation relies on), e.g. the
         draft tokens an assisted-generation step rejected. Every row loses the same
         columns; blocks left empty go back to the pool, shared ones are never altered
-        (see :meth:`PagedKVCache.truncate`)."""
+        (see :meth:`PagedKVCache.truncate`). While the past is recorded
+        (:meth:`activate_past_recording`), every crop, ``0`` included, then releases what
+        left the sliding windows, as ``DynamicSlidingWindowLayer.crop`` does."""
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
             raise InvalidArgumentError(expected("tokens_to_remove", "an int", repr(tokens_to_remove)))
         if self._plan is not None:
             raise InvalidArgumentError(expected("crop", "no forward pass in progress", "a pending step"))
         n = int(tokens_to_remove)
         if n == 0:
+            self._slide()     # like DynamicSlidingWindowLayer.crop(0): drop what left the window
             return
         target = n if n > 0 else max(self._columns + n, 0)
         if target >= self._columns or not self.seq_ids:
+            self._slide()
             return
         have = self.kv.seq_lens(self.seq_ids, computed=True).astype(np.int64)
         keep = np.maximum(target - self._pads, 0)
         self.kv.truncate(self.seq_ids, np.maximum(have - keep, 0))
         self._pads = np.minimum(self._pads, target)
         self._columns = target
+        self._slide()
 
     def reset(self) -> None:
         self.release()

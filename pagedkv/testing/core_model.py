@@ -227,7 +227,7 @@ class PyBlockPool:
 
 class _Row:
     __slots__ = ("blocks", "tokens", "prompt_len", "computed", "reserved", "hashed", "canon",
-                 "canon_gen", "ns", "priority", "track", "prefix_hit", "cls", "dropped")
+                 "canon_gen", "ns", "priority", "track", "prefix_hit", "cls", "dropped", "hold")
 
     def __init__(self, tokens, ns, priority):
         self.blocks: List[int] = []
@@ -238,6 +238,7 @@ class _Row:
         self.ns, self.priority, self.track = ns, priority, True
         self.cls: Dict[int, int] = {}
         self.dropped = 0    # sliding window: released blocks after the sinks (entries -1)
+        self.hold = False   # sliding window: commits release nothing (rollback pending)
 
 
 class PyTables:
@@ -257,9 +258,9 @@ class PyTables:
         self.num_query_tokens = self.num_hit_tokens = 0
         pool.on_evict = self._unregister
 
-    def _slide(self, row: _Row) -> None:
+    def _slide(self, row: _Row, force: bool = False) -> None:
         """Release the blocks wholly before the next query's window, oldest first."""
-        if not self.window:
+        if not self.window or (row.hold and not force):
             return
         keep_from = row.computed - self.window + 1
         first = self.sink_blocks + row.dropped
@@ -537,11 +538,24 @@ class PyTables:
         d.computed = d.reserved = s.computed
         d.prompt_len, d.hashed, d.prefix_hit = s.prompt_len, s.hashed, s.prefix_hit
         d.canon, d.canon_gen, d.track = s.canon, s.canon_gen, s.track
-        d.dropped = s.dropped
+        d.dropped, d.hold = s.dropped, s.hold
         for b in d.blocks:
             if b >= 0:
                 self.pool.incref(b)
         self.rows[dst] = d
+
+    def hold_window(self, keys, hold: bool = True) -> None:
+        rows = self._rows(keys)
+        if not self.window:
+            return
+        for row in rows:
+            row.hold = hold
+            if not hold:
+                self._slide(row, force=True)
+
+    def slide(self, keys) -> None:
+        for row in self._rows(keys):
+            self._slide(row, force=True)
 
     def set_priority(self, key, priority: int, start_token: int = 0, end_token=None) -> None:
         row = self._row(key)
