@@ -549,7 +549,8 @@ class PagedKVCache:
 
     def _tables_of(self, group: Optional[int]):
         if self._groups is None:
-            if group not in (None, 0):
+            if group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
+                                          and group == 0):
                 raise InvalidArgumentError(expected("group", "None or 0 (every layer is full attention)", repr(group)))
             return self.tables
         return self._groups.group_for(group)

@@ -372,3 +372,57 @@ def test_assisted_generation_with_sliding_layers_matches_plain_greedy(monkeypatc
     assert out.tolist() == plain.tolist()
     assert sum(n < 0 for n in crops) >= 3, f"too few rollbacks: {crops}"
     kv.check_invariants()
+
+
+# ---- hostile input to the new arguments ------------------------------------------------------
+
+BAD = [-1, 2, 2**63, 1.5, float("nan"), True, "0", b"0", np.uint64(2**64 - 1), np.float64(1.0), [0], object(),
+       np.array([0])]
+
+
+def observe(kv, groups):
+    seqs = tuple((s, kv.num_tokens(s), kv.num_reserved(s),
+                  tuple(tuple(kv.block_table(s, group=g).tolist()) for g in range(groups)))
+                 for s in sorted(kv.sequences(), key=repr))
+    return seqs, tuple(kv.pool.ref_cnt.tolist()), tuple(map(tuple, kv.pool.free_lists()))
+
+
+@pytest.mark.parametrize("layered", [True, False])
+def test_bad_group_layer_hold_and_cap_arguments_are_typed_errors(layered):
+    from pagedkv.errors import PagedKVError
+
+    kv = hybrid(window=6) if layered else PagedKVCache(CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8,
+                                                                   block_size=BS, num_blocks=64, dtype="float32"))
+    groups = 2 if layered else 1
+    kv.add_sequence(0, list(range(9)))
+    fill(kv, 0, list(range(9)))
+    k = torch.zeros(1, 2, 8)
+    calls = {
+        "block_tables(group=)": lambda v: kv.block_tables([0], group=v),
+        "page_table_csr(group=)": lambda v: kv.page_table_csr([0], group=v),
+        "slot_mapping(group=)": lambda v: kv.slot_mapping(0, 0, 1, group=v),
+        "block_table(group=)": lambda v: kv.block_table(0, group=v),
+        "released_tokens(group=)": lambda v: kv.released_tokens([0], group=v),
+        "gather_window(layer)": lambda v: kv.gather_window([0], v),
+        "hold_window(hold)": lambda v: kv.hold_window([0], v),
+        "add_sequence(max_cached_tokens=)": lambda v: (kv.add_sequence(9, [1, 2, 3, 4, 5], max_cached_tokens=v),
+                                                      kv.free(9)),
+        "write(layer)": lambda v: kv.write(v, np.full((groups, 1), -1, np.int64) if layered else
+                                           np.full(1, -1, np.int64), k, k),
+    }
+    valid = {("block_tables(group=)", 1), ("page_table_csr(group=)", 1), ("slot_mapping(group=)", 1),
+             ("block_table(group=)", 1), ("released_tokens(group=)", 1), ("gather_window(layer)", 2),
+             ("write(layer)", 2)}
+    for name, call in calls.items():
+        for v in BAD:
+            before = observe(kv, groups)
+            try:
+                call(v)
+            except PagedKVError:
+                assert observe(kv, groups) == before, f"{name} {v!r}: a failing call changed the cache"
+            else:
+                ok = (type(v) is int and (name, v) in valid and (layered or "group" not in name)) or \
+                    (name == "hold_window(hold)" and v is True) or \
+                    (name.startswith("add_sequence") and type(v) is int and v >= 0)
+                assert ok, f"{name} accepted {v!r}"
+    kv.free(0)
