@@ -3,7 +3,8 @@
 Each operation (add with prefix lookup, reserve, advance, commit with and without token
 ids, fork, free, pin/unpin, reset, priority changes, and hostile input: unknown or
 repeated ids, negative, huge and overflowing counts, wrong dtypes, out-of-range blocks)
-is applied to both; array arguments reach the core in random layouts (big-endian,
+is applied to both (every other run over a sliding-window table, which releases blocks
+that leave its window, with hold/slide operations); array arguments reach the core in random layouts (big-endian,
 reversed, strided, lists), and some calls get arrays that a second thread rewrites
 while the call runs (the core must act on one consistent snapshot);
 they must agree on the result or raise the same typed error with the state unchanged.
@@ -89,16 +90,18 @@ def relayout(arr, rng):
 
 
 class Fuzzer:
-    def __init__(self, seed: int, policy: str, rewriter: Rewriter, num_blocks: int = 48, block_size: int = 4):
+    def __init__(self, seed: int, policy: str, rewriter: Rewriter, num_blocks: int = 48, block_size: int = 4,
+                 window: int = 0, sinks: int = 0):
         self.rng = np.random.default_rng(seed)
         self.nb, self.bs = num_blocks, block_size
         order = np.random.default_rng(seed).permutation(num_blocks).tolist()
         self.index = PrefixIndex(block_size, num_blocks, hash_seed=seed)
         self.pool = BlockPool(num_blocks, policy, low_watermark=0.2, high_watermark=0.4,
                               shuffle_seed=seed, index=self.index)
-        self.tables = BlockTables(self.pool, block_size, self.index)
+        self.window = window
+        self.tables = BlockTables(self.pool, block_size, self.index, window=window, sinks=sinks)
         self.mpool = PyBlockPool(num_blocks, policy, low_watermark=0.2, high_watermark=0.4, order=order)
-        self.model = PyTables(self.mpool, block_size)
+        self.model = PyTables(self.mpool, block_size, window=window, sinks=sinks)
         self.keys: list = []
         self.next_key = 0
         self.kv: dict = {}
@@ -166,6 +169,8 @@ class Fuzzer:
         self.ns[k] = ns
         blocks = self.tables.blocks(k).tolist()
         for p in range(a):
+            if blocks[p // self.bs] < 0:
+                continue      # left the sliding window at once
             if self.kv.get(blocks[p // self.bs] * self.bs + p % self.bs) != (ns, tuple(prompt[:p + 1])):
                 raise Mismatch(f"prefix hit returned wrong KV at position {p}")
 
@@ -213,6 +218,7 @@ class Fuzzer:
         k_arr = relayout(np.array(keys, np.int64), self.rng)
         c_arr = relayout(np.array(counts, np.int64), self.rng)
         t_arr = None if ids is None else relayout(np.array(ids, np.int32), self.rng)
+        held = {k: self.tables.blocks(k).tolist() for k in keys}   # a sliding commit may release some
         self.both(lambda: self.tables.commit(k_arr, c_arr, t_arr),
                   lambda: self.model.commit(keys, counts, ids))
         if ids is not None:
@@ -220,7 +226,7 @@ class Fuzzer:
             for k, n in zip(keys, counts):
                 c = self.tables.num_computed(k) - n
                 known = self.tables.tokens(k).tolist()
-                blocks = self.tables.blocks(k).tolist()
+                blocks = held[k]
                 for p in range(c, c + n):
                     slot = blocks[p // self.bs] * self.bs + p % self.bs
                     if self.kv.get(slot, ("?",))[0] == "?" and p < len(known):
@@ -244,6 +250,16 @@ class Fuzzer:
                 raise Mismatch("advance slots differ")
             self.apply_copies(self.tables.take_copies().tolist())
             self.pending_writes(keys, before, a)
+
+    def op_window(self):
+        """Hold a sliding window for a rollback, stop holding, or release what left it."""
+        keys = self.pick(int(self.rng.integers(1, 4)))
+        k_arr = relayout(np.array(keys, np.int64), self.rng)
+        if self.rng.random() < 0.3:
+            self.both(lambda: self.tables.slide(k_arr), lambda: self.model.slide(keys))
+        else:
+            hold = bool(self.rng.random() < 0.5)
+            self.both(lambda: self.tables.hold_window(k_arr, hold), lambda: self.model.hold_window(keys, hold))
 
     def op_fork(self):
         src = self.pick(1)[0]
@@ -411,6 +427,8 @@ class Fuzzer:
             name = "free"
         if self.rng.random() < 0.002:
             name = "reset"
+        elif self.window and self.rng.random() < 0.05:
+            name = "window"
         getattr(self, "op_" + name)()
 
 
@@ -441,7 +459,12 @@ def run_all(args, policies, rewriter):
     while done < args.ops:
         seed = args.seed * 1_000_003 + run
         policy = policies[run % len(policies)]
-        fz = Fuzzer(seed, policy, rewriter)
+        window = sinks = 0
+        if run % 2:       # every other run slides
+            wr = np.random.default_rng(seed)
+            window = int(wr.integers(1, 13))
+            sinks = int(wr.integers(0, window)) if wr.random() < 0.5 else 0
+        fz = Fuzzer(seed, policy, rewriter, window=window, sinks=sinks)
         n = min(args.restart_every, args.ops - done)
         i = 0
         try:
@@ -452,7 +475,7 @@ def run_all(args, policies, rewriter):
                     fz.full_check()
             fz.full_check()
         except Exception as e:  # noqa: BLE001 - report any failure with a replay snapshot
-            print(json.dumps({"result": "FAIL", "seed": seed, "policy": policy, "op": i,
+            print(json.dumps({"result": "FAIL", "seed": seed, "policy": policy, "window": window, "op": i,
                               "error": f"{type(e).__name__}: {e}"}), flush=True)
             snap = pickle.dumps(fz.pool.__getstate__())
             with open(f"fuzz-failure-{seed}.pkl", "wb") as f:
