@@ -697,7 +697,7 @@ class PagedKVCache:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
             self._pool.pin(blocks)
             tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, True)
-        return max(len(blocks) * self.config.block_size, tiers)
+        return max(self._pinned_tokens(blocks, token_ids, cache_salt, adapter_id), tiers)
 
     def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
@@ -705,7 +705,12 @@ class PagedKVCache:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
             self._pool.unpin(blocks)
             tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, False)
-        return max(len(blocks) * self.config.block_size, tiers)
+        return max(self._pinned_tokens(blocks, token_ids, cache_salt, adapter_id), tiers)
+
+    def _pinned_tokens(self, blocks, token_ids, cache_salt, adapter_id) -> int:
+        if self._groups is None:
+            return len(blocks) * self.config.block_size
+        return self.match_prefix_groups(token_ids, cache_salt=cache_salt, adapter_id=adapter_id)["tokens"]
 
     def _pin_tiers(self, token_ids, cache_salt, adapter_id, pin: bool) -> int:
         if self._tiers is None:
@@ -724,6 +729,9 @@ class PagedKVCache:
             ns = self._namespaces.find(cache_salt, adapter_id)
             if ns is None:
                 return np.empty(0, dtype=np.int32)
+            if self._groups is not None:     # every group's cached chain of this prefix
+                return np.concatenate([self.index.match(tokens, *self._groups.namespace(g, ns[0], ns[1]))
+                                       for g in range(len(self._groups.tables))])
             return self.index.match(tokens, ns[0], ns[1])
 
     def reset_prefix_cache(self) -> None:
@@ -751,7 +759,13 @@ class PagedKVCache:
             if self._tiers is not None:
                 return self._tiers.drain_events()
             records = self.index.drain_events()
-            return events_from_records(records, self._namespaces.name, self.config.block_size, self.index.root)
+            name = self._namespaces.name
+            if self._groups is not None:     # every group registers under its own id (group_tables)
+                from pagedkv.group_tables import GROUP_NS_BITS
+
+                low = (1 << GROUP_NS_BITS) - 1
+                name = lambda ns: self._namespaces.name(ns & low)  # noqa: E731
+            return events_from_records(records, name, self.config.block_size, self.index.root)
 
     # ---- data -----------------------------------------------------------------------
     def _require_store(self):

@@ -426,3 +426,33 @@ def test_bad_group_layer_hold_and_cap_arguments_are_typed_errors(layered):
                     (name.startswith("add_sequence") and type(v) is int and v >= 0)
                 assert ok, f"{name} accepted {v!r}"
     kv.free(0)
+
+
+def test_pin_prefix_pins_every_group_and_events_name_the_namespace():
+    kv = hybrid(window=64, enable_kv_events=True)
+    prompt = list(range(13))
+    kv.add_sequence("a", prompt, cache_salt="s")
+    fill(kv, "a", prompt)
+    kv.free("a")
+    free = kv.pool.num_free_blocks
+    assert kv.pin_prefix(prompt, cache_salt="s") == 12
+    assert len(kv.pool.pinned_blocks()) == 6      # 3 full blocks in each of the 2 groups
+    assert kv.pool.num_free_blocks == free - 6    # pinned blocks are not evictable
+    assert kv.unpin_prefix(prompt, cache_salt="s") == 12
+    assert len(kv.pool.pinned_blocks()) == 0 and kv.pool.num_free_blocks == free
+    stored = [e for e in kv.drain_events() if type(e).__name__ == "BlockStored"]
+    assert sum(len(e.block_hashes) for e in stored) == 6
+    assert all(e.namespace == ("s", None) for e in stored)
+
+
+def test_transfers_refuse_layer_groups():
+    from pagedkv.transfer.prefix import send_prefix
+    from pagedkv.transfer.sequence import send_sequence
+
+    kv = hybrid()
+    kv.add_sequence("a", [1, 2, 3])
+    with pytest.raises(InvalidArgumentError, match=r"cache: expected a PagedKVCache whose layers are all full attention"):
+        send_sequence(kv, "a", 1)
+    with pytest.raises(InvalidArgumentError, match=r"cache: expected a PagedKVCache whose layers are all full attention"):
+        send_prefix(kv, [1, 2, 3], 1)
+    kv.free("a")

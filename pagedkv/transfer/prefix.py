@@ -42,6 +42,9 @@ def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None,
     ``token_ids``; returns the blocks it lacked and received."""
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
+    if cache.config.layer_groups is not None:
+        raise InvalidArgumentError(expected("cache", "a PagedKVCache whose layers are all full attention (a "
+                                            "transfer moves one block table)", "sliding-window layer groups"))
     link = Link(dst, group, timeout, cache.store.device)
     bs = cache.config.block_size
     tmp = scratch_id()
@@ -76,6 +79,9 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
     is registered and nothing leaks."""
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
+    if cache.config.layer_groups is not None:
+        raise InvalidArgumentError(expected("cache", "a PagedKVCache whose layers are all full attention (a "
+                                            "transfer moves one block table)", "sliding-window layer groups"))
     link = Link(src, group, timeout, cache.store.device)
     bs = cache.config.block_size
     h = link.recv_json("waiting for the header")

@@ -22,6 +22,9 @@ class ReceivedSequence(NamedTuple):
 def _require_store(cache):
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
+    if cache.config.layer_groups is not None:
+        raise InvalidArgumentError(expected("cache", "a PagedKVCache whose layers are all full attention (a "
+                                            "transfer moves one block table)", "sliding-window layer groups"))
 
 
 def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, timeout: float = 60.0) -> int:
