@@ -77,14 +77,12 @@ def plan_groups_step(kv, rows, pads: np.ndarray, cached: int, q: int, device) ->
 
 
 def assemble(step: GroupStep, k: torch.Tensor, v: torch.Tensor, B: int, H: int, D: int):
-    """The gathered packed K/V as ``[B, H, columns, D]`` (zeros in padding columns)."""
+    """The gathered packed K/V as ``[B, columns, H, D]`` (zeros in padding columns)."""
     if step.dest is None:
-        keys, values = k.view(B, step.columns, H, D), v.view(B, step.columns, H, D)
-    else:
-        keys = k.new_zeros(B * step.columns, H, D).index_copy_(0, step.dest, k.index_select(0, step.src))
-        values = v.new_zeros(B * step.columns, H, D).index_copy_(0, step.dest, v.index_select(0, step.src))
-        keys, values = keys.view(B, step.columns, H, D), values.view(B, step.columns, H, D)
-    return keys.transpose(1, 2), values.transpose(1, 2)
+        return k.view(B, step.columns, H, D), v.view(B, step.columns, H, D)
+    keys = k.new_zeros(B * step.columns, H, D).index_copy_(0, step.dest, k.index_select(0, step.src))
+    values = v.new_zeros(B * step.columns, H, D).index_copy_(0, step.dest, v.index_select(0, step.src))
+    return keys.view(B, step.columns, H, D), values.view(B, step.columns, H, D)
 
 
 def admit_caps(hits: np.ndarray, pads: np.ndarray, block_size: int, window: int) -> np.ndarray:

@@ -414,28 +414,27 @@ class PagedCache(Cache):
         # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
-        if plan.groups is not None:
+        columns = plan.columns
+        if plan.groups is not None:   # layer groups: this layer's group's tables and window
             step = plan.groups[self.kv.config.layer_groups.layer_group[layer_idx]]
             k, v = self.kv.gather_pages(layer_idx, step.indptr, step.indices, step.lens)
             keys, values = hf_windows.assemble(step, k, v, B, H, D)
-            self.layers[layer_idx].is_initialized = True
-            if layer_idx == self.num_layers - 1:
-                self._finish_step()
-            return keys, values
-        k, v = self.kv.gather_pages(layer_idx, plan.indptr, plan.indices, plan.lens)
-        if plan.dest is None:  # no padding: the packed rows are the rectangle
-            keys = k.view(B, plan.columns, H, D)
-            values = v.view(B, plan.columns, H, D)
+            columns = step.columns
         else:
-            keys = k.new_zeros(B * plan.columns, H, D).index_copy_(0, plan.dest, k).view(B, plan.columns, H, D)
-            values = v.new_zeros(B * plan.columns, H, D).index_copy_(0, plan.dest, v).view(B, plan.columns, H, D)
+            k, v = self.kv.gather_pages(layer_idx, plan.indptr, plan.indices, plan.lens)
+            if plan.dest is None:  # no padding: the packed rows are the rectangle
+                keys = k.view(B, columns, H, D)
+                values = v.view(B, columns, H, D)
+            else:
+                keys = k.new_zeros(B * columns, H, D).index_copy_(0, plan.dest, k).view(B, columns, H, D)
+                values = v.new_zeros(B * columns, H, D).index_copy_(0, plan.dest, v).view(B, columns, H, D)
         if self._exact_new:
             # The pass's own tokens attend to their K/V as computed, as in serving engines
             # (prefill attention runs on the in-flight K/V) and HF's QuantizedCache; only
             # earlier tokens are read back from the quantized arena.
             new = torch.from_numpy(plan.new_mask).to(keys.device)
-            keys[:, plan.columns - q:][new] = key_states.transpose(1, 2)[new].to(keys.dtype)
-            values[:, plan.columns - q:][new] = value_states.transpose(1, 2)[new].to(values.dtype)
+            keys[:, columns - q:][new] = key_states.transpose(1, 2)[new].to(keys.dtype)
+            values[:, columns - q:][new] = value_states.transpose(1, 2)[new].to(values.dtype)
         self.layers[layer_idx].is_initialized = True
         if layer_idx == self.num_layers - 1:
             self._finish_step()
