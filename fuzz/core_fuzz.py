@@ -443,6 +443,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.smoke:
         args.ops = min(args.ops, 5_000)
+        args.restart_every = min(args.restart_every, 2_500)   # a full-attention run and a sliding one
     policies = POLICIES if args.policy == "all" else [args.policy]
     sys.setswitchinterval(1e-5)   # let the rewriter thread interleave with the core's calls
     rewriter = Rewriter()
