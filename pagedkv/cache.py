@@ -187,8 +187,9 @@ class PagedKVCache:
                 if self._host is not None and self._host.holds(key):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
-                hit = self._book.add(key, tokens, ns_id, ns_hash, -1 if priority is None else priority,
-                                     max_hit_blocks=cap)
+                prio = -1 if priority is None else priority
+                hit = self._book.add(key, tokens, ns_id, ns_hash, prio) if cap is None else \
+                    self._book.add(key, tokens, ns_id, ns_hash, prio, max_hit_blocks=cap)
             except BaseException:
                 if fresh:
                     self._ids.forget(key)
