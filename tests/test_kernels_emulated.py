@@ -274,7 +274,7 @@ for layout in c.LAYOUTS:
         t.test_write_kv_copies_like_the_reference(B, torch.float16, layout, d, kind)
         t.test_gather_copies_like_the_reference(B, torch.float32, layout, d, "csr", "fresh")
         t.test_gather_copies_like_the_reference(B, torch.bfloat16, layout, d, "padded", "misaligned")
-    for q in c.QUANT:
+    for q in B.quant:
         t.test_write_kv_quantizes_like_the_reference(B, torch.bfloat16, q, layout, 17)
         t.test_gather_dequantizes_like_the_reference(B, q, torch.float16, layout, 3, "padded", "fresh")
         t.test_gather_dequantizes_like_the_reference(B, q, torch.float32, layout, 17, "csr", "given")
