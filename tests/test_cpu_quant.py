@@ -127,3 +127,23 @@ def test_every_quantized_format_has_a_compiled_loop():
 
     assert sorted(_cpu_quant.QUANT_CODES) == sorted(d.name for d in dtypes.QUANTIZED)
     assert sorted(_cpu_quant.MODEL_CODES) == sorted(d.name for d in dtypes.MODEL)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("qdtype", QUANT, ids=quant_name)
+def test_every_code_dequantizes_like_the_reference(qdtype, layout):
+    # every byte value (fp8: NaN, subnormal and largest codes of both signs), under
+    # scales and zero points of every magnitude
+    gen = torch.Generator().manual_seed(QUANT.index(qdtype))
+    nb, bs, h, d = 4, 4, 2, 32
+    shape, sshape, zero_point = quant_views(layout, qdtype, d, nb=nb, bs=bs, h=h)
+    data = (torch.arange(shape[0] * shape[1] * shape[2] * shape[3] * shape[4]) % 256).to(torch.uint8)
+    data = data[torch.randperm(data.numel(), generator=gen)].view(shape).view(qdtype)
+    scale = hostile_rows(1, 1, sshape[0] * sshape[1] * sshape[2] * sshape[3] * (sshape[4] if len(sshape) > 4 else 1),
+                         gen).view(sshape)
+    zero = torch.randn(sshape, generator=gen) * 100 if zero_point else None
+    tables, lens = [[3, 1], [0, 2]], [8, 7]
+    for out_dtype in MODEL:
+        kw = dict(layout=layout, out_dtype=out_dtype, kv_scale=scale, kv_zero=zero)
+        for g, w in zip(cpu_ops.gather_kv(data, *csr(tables, lens), **kw), ref.gather_kv(data, *csr(tables, lens), **kw)):
+            assert_same(g, w)

@@ -23,17 +23,20 @@ cimport openmp
 
 cdef extern from "quant_rows.h" nogil:
     int PKV_F32, PKV_F16, PKV_BF16, PKV_E4M3, PKV_E5M2, PKV_INT8, PKV_INT4
-    void pkv_init_tables()
     void pkv_quantize_row(const char* x, int in_type, int64_t head_dim, int qtype, int64_t groups,
                           uint8_t* q, float* scale, float* zero)
-    void pkv_dequantize_row(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
-                            const float* scale, const float* zero, int out_type, char* out)
-
-pkv_init_tables()
+    ctypedef void (*pkv_dequantize_row_fn)(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
+                                           const float* scale, const float* zero, int out_type, char* out,
+                                           float* tmp)
+    pkv_dequantize_row_fn pkv_pick_dequantize_row()
+    int PKV_HAVE_AVX2
 
 #: codes of the model dtypes (write input, gather output) and of the storage formats
 MODEL_CODES = {"float32": PKV_F32, "float16": PKV_F16, "bfloat16": PKV_BF16}
 QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "int4": PKV_INT4}
+
+# the row function for this CPU (256-bit vectors and F16C where the CPU has them)
+cdef pkv_dequantize_row_fn dequantize_row = pkv_pick_dequantize_row()
 
 # below this many elements moved, a call runs on one thread
 cdef int64_t _PARALLEL_ELEMENTS = 16384
@@ -179,6 +182,11 @@ def gather_quant(
     cdef int64_t b, j, n, first, u = 0, t, h, row
     cdef int kv
     cdef int nth = threads_for(2 * total * num_heads * head_dim)
+    # one scratch row per thread, for narrowing to float16/bfloat16
+    cdef float* tmp = <float*> malloc(<size_t> (nth * head_dim) * 4)
+    if tmp == NULL:
+        free(token_row)
+        raise MemoryError("gather_quant: cannot allocate the row buffers")
     with nogil:
         for b in range(batch):
             first = starts[b] if start_stride == 0 else b * start_stride
@@ -187,12 +195,13 @@ def gather_quant(
                 token_row[2 * u] = blocks[first + j // block_size]
                 token_row[2 * u + 1] = j % block_size
                 u += 1
-        with parallel(num_threads=nth):
-            for t in prange(total, schedule="static"):
-                for kv in range(2):
-                    for h in range(num_heads):
-                        row = row_of(token_row[2 * t], kv, token_row[2 * t + 1], h, block_size, num_heads, hnd)
-                        pkv_dequantize_row(layer + row * row_bytes, qtype, head_dim, groups, scale + row * groups,
-                                           zero + row * groups if zero != NULL else NULL, out_type,
-                                           (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row)
+        for t in prange(total, num_threads=nth, schedule="static"):
+            for kv in range(2):
+                for h in range(num_heads):
+                    row = row_of(token_row[2 * t], kv, token_row[2 * t + 1], h, block_size, num_heads, hnd)
+                    dequantize_row(layer + row * row_bytes, qtype, head_dim, groups, scale + row * groups,
+                                   zero + row * groups if zero != NULL else NULL, out_type,
+                                   (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row,
+                                   tmp + openmp.omp_get_thread_num() * head_dim)
+    free(tmp)
     free(token_row)

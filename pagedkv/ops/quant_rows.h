@@ -38,20 +38,33 @@ static inline float pkv_f16_to_f32(uint16_t h) {
     return pkv_float(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
+/* c ? a : b for c in {0, 1}, as bit masks: gather loops stay branch-free and vectorize */
+static inline uint32_t pkv_sel(uint32_t c, uint32_t a, uint32_t b) {
+    const uint32_t m = 0u - c;
+    return (a & m) | (b & ~m);
+}
+
+/* round to nearest even; every case computed, one selected (NaN: quiet, top payload bits) */
 static inline uint16_t pkv_f32_to_f16(float f) {
-    uint32_t u = pkv_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-    if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u);
-    if (a >= 0x38800000u) return (uint16_t)(sign | (((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10)));
-    return (uint16_t)(sign | (uint32_t)pkv_rint_small(pkv_float(a) * 16777216.0f));
+    const uint32_t u = pkv_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    const int32_t ai = (int32_t)a;
+    const uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
+    const uint32_t normal = ((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10);
+    /* subnormal result: rint(|f| * 2^24) in [0, 1024] (a capped so the product stays small) */
+    const float small = pkv_float((uint32_t)(ai < 0x38800000 ? ai : 0x38800000));
+    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 16777216.0f);
+    uint32_t r = pkv_sel(ai >= 0x38800000, normal, sub);
+    r = pkv_sel(ai >= 0x47800000, 0x7c00u, r);
+    r = pkv_sel(ai > 0x7f800000, nan, r);
+    return (uint16_t)(sign | r);
 }
 
 static inline float pkv_bf16_to_f32(uint16_t b) { return pkv_float((uint32_t)b << 16); }
 
 static inline uint16_t pkv_f32_to_bf16(float f) {
-    uint32_t u = pkv_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t u = pkv_bits(f);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)pkv_sel((int32_t)(u & 0x7fffffffu) > 0x7f800000, (u >> 16) | 0x0040u, rounded);
 }
 
 static inline float pkv_load(const char* row, int dtype, int64_t i) {
@@ -79,24 +92,20 @@ static inline uint8_t pkv_f32_to_e5m2(float f) {
     return (uint8_t)(sign | (uint32_t)pkv_rint_small(pkv_float(a) * 65536.0f));
 }
 
-static inline float pkv_e4m3_to_f32(uint8_t q) {
-    uint32_t sign = (uint32_t)(q & 0x80u) << 24, exp = (q >> 3) & 0xfu, mant = q & 0x7u;
-    if (exp == 15 && mant == 7) return pkv_float(sign | 0x7ff00000u);
-    if (exp == 0) return pkv_float(pkv_bits((float)mant * 0.001953125f) | sign);
-    return pkv_float(sign | ((exp + 120u) << 23) | (mant << 20));
-}
-
-static inline float pkv_e5m2_to_f32(uint8_t q) { return pkv_f16_to_f32((uint16_t)((uint32_t)q << 8)); }
-
-/* code -> float32 of every byte, per 8-bit format (filled once by pkv_init_tables) */
-static float pkv_decode[3][256];
-
-static void pkv_init_tables(void) {
-    for (int c = 0; c < 256; ++c) {
-        pkv_decode[PKV_E4M3][c] = pkv_e4m3_to_f32((uint8_t)c);
-        pkv_decode[PKV_E5M2][c] = pkv_e5m2_to_f32((uint8_t)c);
-        pkv_decode[PKV_INT8][c] = (float)((int)(int8_t)(uint8_t)c + 128);  /* q + 128, exact */
+/* fp8 code -> float32 (exact), without branches on the code's class so loops of it vectorize.
+ * Subnormal codes go through an exact int -> float conversion, never through a
+ * float32 subnormal (which a thread with denormals-are-zero set would read as 0). */
+static inline float pkv_fp8_decode(uint8_t q, int qtype) {
+    const uint32_t sign = (uint32_t)(q & 0x80u) << 24, m = q & 0x7fu;
+    uint32_t u;
+    if (qtype == PKV_E4M3) {
+        u = pkv_sel(m > 7u, (m << 20) + (120u << 23), pkv_bits((float)(int32_t)(m & 7u) * 0.001953125f));
+        u = pkv_sel(m == 0x7fu, 0x7fc00000u, u);
+    } else {
+        u = pkv_sel(m > 3u, (m << 21) + (112u << 23), pkv_bits((float)(int32_t)(m & 3u) * 1.52587890625e-05f));
+        u = pkv_sel(m >= 0x7cu, 0x7f800000u | ((m & 3u) << 21), u);
     }
+    return pkv_float(u | sign);
 }
 
 /* ---- quantize -------------------------------------------------------------- */
@@ -159,43 +168,98 @@ static inline void pkv_quantize_row(const char* x, int in_type, int64_t head_dim
 
 /* ---- dequantize ------------------------------------------------------------ */
 
-static inline void pkv_store(char* row, int dtype, int64_t i, float y) {
-    uint16_t h;
-    if (dtype == PKV_F32) { memcpy(row + 4 * i, &y, 4); return; }
-    h = dtype == PKV_F16 ? pkv_f32_to_f16(y) : pkv_f32_to_bf16(y);
-    memcpy(row + 2 * i, &h, 2);
+/* y = float(q) * s (fp8) or (float(c) * s) + mn (int8: c = q + 128; int4: the nibble).
+ * One loop per (format, output) pair, each simple enough for the compiler to vectorize. */
+#define PKV_DEQUANT_LOOPS(STORE)                                                            \
+    if (qtype == PKV_INT4) {                                                                \
+        const int64_t g_len = head_dim / groups;                                            \
+        for (int64_t g = 0; g < groups; ++g) {                                              \
+            const float s = scale[g], z = zero[g];                                          \
+            const int64_t lo = g * g_len, hi = lo + g_len;                                  \
+            if ((lo | hi) & 1) { /* odd groups: a byte spans two groups */                  \
+                for (int64_t d = lo; d < hi; ++d)                                           \
+                    STORE(d, (float)((q[d >> 1] >> ((d & 1) * 4)) & 15u) * s + z);          \
+            } else {                                                                        \
+                for (int64_t i = lo >> 1; i < hi >> 1; ++i) {                               \
+                    STORE(2 * i, (float)(q[i] & 15u) * s + z);                              \
+                    STORE(2 * i + 1, (float)(q[i] >> 4) * s + z);                           \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    } else if (qtype == PKV_INT8) {                                                         \
+        const float s = scale[0], z = zero[0];                                              \
+        for (int64_t d = 0; d < head_dim; ++d) STORE(d, ((float)(int8_t)q[d] + 128.0f) * s + z); \
+    } else if (qtype == PKV_E4M3) {                                                         \
+        const float s = scale[0];                                                           \
+        for (int64_t d = 0; d < head_dim; ++d) STORE(d, pkv_fp8_decode(q[d], PKV_E4M3) * s);    \
+    } else {                                                                                \
+        const float s = scale[0];                                                           \
+        for (int64_t d = 0; d < head_dim; ++d) STORE(d, pkv_fp8_decode(q[d], PKV_E5M2) * s);    \
+    }
+
+/* Dequantize a row into float32 ``o``; for a float16/bfloat16 output, ``o`` is the
+ * caller's scratch row and pkv_narrow_row converts it. */
+static inline __attribute__((always_inline)) void pkv_dequantize_f32(
+        const uint8_t* q, int qtype, int64_t head_dim, int64_t groups, const float* scale, const float* zero,
+        float* o) {
+#define PKV_STORE_F32(d, y) (o[d] = (y))
+    PKV_DEQUANT_LOOPS(PKV_STORE_F32)
 }
 
-/* y = float(q) * s (fp8) or (float(c) * s) + mn (int8: c = q + 128; int4: the nibble) */
-static inline void pkv_dequantize_row(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
-                                      const float* scale, const float* zero, int out_type, char* out) {
-    if (qtype == PKV_INT4) {
-        int64_t g_len = head_dim / groups;
-        for (int64_t g = 0; g < groups; ++g) {
-            const float s = scale[g], z = zero[g];
-            for (int64_t d = g * g_len; d < (g + 1) * g_len; ++d) {
-                const float c = (float)((q[d >> 1] >> ((d & 1) * 4)) & 15u);
-                pkv_store(out, out_type, d, c * s + z);
-            }
-        }
+static inline __attribute__((always_inline)) void pkv_narrow_row(const float* y, int64_t n, int out_type,
+                                                                  uint16_t* out) {
+    if (out_type == PKV_F16)
+        for (int64_t d = 0; d < n; ++d) out[d] = pkv_f32_to_f16(y[d]);
+    else
+        for (int64_t d = 0; d < n; ++d) out[d] = pkv_f32_to_bf16(y[d]);
+}
+
+#define PKV_DEQUANT_ROW_ARGS                                                                     \
+    const uint8_t *q, int qtype, int64_t head_dim, int64_t groups, const float *scale,           \
+        const float *zero, int out_type, char *out, float *tmp
+
+static void pkv_dequantize_row_base(PKV_DEQUANT_ROW_ARGS) {
+    if (out_type == PKV_F32) {
+        pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, (float*)out);
         return;
     }
-    const float* lut = pkv_decode[qtype];
-    const float s = scale[0];
-    if (qtype == PKV_INT8) {
-        const float z = zero[0];
-        if (out_type == PKV_F32) {
-            float* o = (float*)out;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] = lut[q[d]] * s + z;
-        } else {
-            for (int64_t d = 0; d < head_dim; ++d) pkv_store(out, out_type, d, lut[q[d]] * s + z);
-        }
-    } else if (out_type == PKV_F32) {
-        float* o = (float*)out;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = lut[q[d]] * s;
-    } else {
-        for (int64_t d = 0; d < head_dim; ++d) pkv_store(out, out_type, d, lut[q[d]] * s);
+    pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
+    pkv_narrow_row(tmp, head_dim, out_type, (uint16_t*)out);
+}
+
+/* The same row with 256-bit vectors, and float16 by the F16C instruction (round to
+ * nearest even like pkv_f32_to_f16, which does the tail), chosen at run time. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define PKV_HAVE_AVX2 1
+__attribute__((target("avx2,f16c"))) static void pkv_dequantize_row_avx2(PKV_DEQUANT_ROW_ARGS) {
+    if (out_type == PKV_F32) {
+        pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, (float*)out);
+        return;
     }
+    pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
+    if (out_type == PKV_BF16) {
+        pkv_narrow_row(tmp, head_dim, out_type, (uint16_t*)out);
+        return;
+    }
+    int64_t d = 0;
+    for (; d + 8 <= head_dim; d += 8)
+        _mm_storeu_si128((__m128i*)(out + 2 * d), _mm256_cvtps_ph(_mm256_loadu_ps(tmp + d), _MM_FROUND_TO_NEAREST_INT));
+    pkv_narrow_row(tmp + d, head_dim - d, out_type, (uint16_t*)out + d);
+}
+#else
+#define PKV_HAVE_AVX2 0
+#endif
+
+typedef void (*pkv_dequantize_row_fn)(PKV_DEQUANT_ROW_ARGS);
+
+/* the row function for this CPU */
+static pkv_dequantize_row_fn pkv_pick_dequantize_row(void) {
+#if PKV_HAVE_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return pkv_dequantize_row_avx2;
+#endif
+    return pkv_dequantize_row_base;
 }
 
 #endif
