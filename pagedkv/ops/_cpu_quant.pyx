@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-# distutils: extra_compile_args = -fopenmp -ffp-contract=off -fno-fast-math
+# distutils: extra_compile_args = -fopenmp -ffp-contract=off -fno-fast-math -fno-trapping-math
 # distutils: extra_link_args = -fopenmp
 """Quantizing write and dequantizing gather of the fast CPU ops, on raw tensor pointers.
 
@@ -23,8 +23,9 @@ cimport openmp
 
 cdef extern from "quant_rows.h" nogil:
     int PKV_F32, PKV_F16, PKV_BF16, PKV_E4M3, PKV_E5M2, PKV_INT8, PKV_INT4
-    void pkv_quantize_row(const char* x, int in_type, int64_t head_dim, int qtype, int64_t groups,
-                          uint8_t* q, float* scale, float* zero)
+    ctypedef void (*pkv_quantize_row_fn)(const char* x, int in_type, int64_t head_dim, int qtype, int64_t groups,
+                                         uint8_t* q, float* scale, float* zero, float* tmp, uint8_t* codes)
+    pkv_quantize_row_fn pkv_pick_quantize_row()
     ctypedef void (*pkv_dequantize_row_fn)(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
                                            const float* scale, const float* zero, int out_type, char* out,
                                            float* tmp)
@@ -35,7 +36,8 @@ cdef extern from "quant_rows.h" nogil:
 MODEL_CODES = {"float32": PKV_F32, "float16": PKV_F16, "bfloat16": PKV_BF16}
 QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "int4": PKV_INT4}
 
-# the row function for this CPU (256-bit vectors and F16C where the CPU has them)
+# the row functions for this CPU (256-bit vectors and F16C where the CPU has them)
+cdef pkv_quantize_row_fn quantize_row = pkv_pick_quantize_row()
 cdef pkv_dequantize_row_fn dequantize_row = pkv_pick_dequantize_row()
 
 # below this many elements moved, a call runs on one thread
@@ -110,27 +112,38 @@ def write_quant(
     cdef int kv
     cdef const char* src
     cdef int nth = threads_for(2 * num_tokens * num_heads * head_dim)
+    # per thread: a row widened to float32 (head_dim floats) and its codes (head_dim bytes),
+    # each thread's share a whole number of cache lines (so the floats stay aligned)
+    cdef int64_t share = (head_dim * 5 + 63) // 64 * 64
+    cdef char* scratch = <char*> malloc(<size_t> (nth * share))
+    if scratch == NULL:
+        free(slots)
+        raise MemoryError("write_quant: cannot allocate the row buffers")
+    cdef int tid
     with nogil:
         for t in range(num_tokens):
             if slots[t] >= num_slots:
                 bad = t
                 break
         if bad < 0:
-            with parallel(num_threads=nth):
-                for t in prange(num_tokens, schedule="static"):
-                    if slots[t] < 0:
-                        continue
-                    blk = slots[t] // block_size
-                    off = slots[t] - blk * block_size
-                    for kv in range(2):
-                        for h in range(num_heads):
-                            if kv == 0:
-                                src = key + t * key_tok_stride + h * key_head_stride
-                            else:
-                                src = value + t * value_tok_stride + h * value_head_stride
-                            row = row_of(blk, kv, off, h, block_size, num_heads, hnd)
-                            pkv_quantize_row(src, in_type, head_dim, qtype, groups, layer + row * row_bytes,
-                                             scale + row * groups, zero + row * groups if zero != NULL else NULL)
+            for t in prange(num_tokens, num_threads=nth, schedule="static"):
+                if slots[t] < 0:
+                    continue
+                tid = openmp.omp_get_thread_num()
+                blk = slots[t] // block_size
+                off = slots[t] - blk * block_size
+                for kv in range(2):
+                    for h in range(num_heads):
+                        if kv == 0:
+                            src = key + t * key_tok_stride + h * key_head_stride
+                        else:
+                            src = value + t * value_tok_stride + h * value_head_stride
+                        row = row_of(blk, kv, off, h, block_size, num_heads, hnd)
+                        quantize_row(src, in_type, head_dim, qtype, groups, layer + row * row_bytes,
+                                     scale + row * groups, zero + row * groups if zero != NULL else NULL,
+                                     <float*> (scratch + tid * share),
+                                     <uint8_t*> (scratch + tid * share + head_dim * 4))
+    free(scratch)
     cdef int64_t bad_value = slots[bad] if bad >= 0 else 0
     free(slots)
     return bad, bad_value

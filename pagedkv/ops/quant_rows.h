@@ -1,8 +1,9 @@
 /* quant_rows.h - quantize and dequantize one (token, head) row on the CPU.
  *
  * The arithmetic of pagedkv/quant.py, bit for bit: float32 throughout, each step
- * rounds once (the module is built with -ffp-contract=off, no -ffast-math), NaN
- * and infinities as torch treats them. The number conversions are cuda/common.cuh's
+ * rounds once (the module is built with -ffp-contract=off, no -ffast-math; its
+ * -fno-trapping-math only lets selects between computed values vectorize), NaN and
+ * infinities as torch treats them. The number conversions are cuda/common.cuh's
  * (proven against torch's casts by tests/test_kernels_emulated.py), written in C.
  */
 #ifndef PAGEDKV_QUANT_ROWS_H
@@ -23,7 +24,6 @@
 
 static inline uint32_t pkv_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float pkv_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline int pkv_isnan(float x) { return (pkv_bits(x) & 0x7fffffffu) > 0x7f800000u; }
 static inline int pkv_isfinite(float x) { return (pkv_bits(x) & 0x7f800000u) != 0x7f800000u; }
 
 /* round half to even for 0 <= x < 2^23 (adding 2^23 leaves no fraction bits) */
@@ -31,17 +31,20 @@ static inline float pkv_rint_small(float x) { return (x + 8388608.0f) - 8388608.
 
 /* ---- model dtypes ---------------------------------------------------------- */
 
-static inline float pkv_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    if (exp == 0) return pkv_float(pkv_bits((float)mant * 5.9604644775390625e-8f) | sign);
-    if (exp == 31) return pkv_float(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
-    return pkv_float(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
 /* c ? a : b for c in {0, 1}, as bit masks: gather loops stay branch-free and vectorize */
 static inline uint32_t pkv_sel(uint32_t c, uint32_t a, uint32_t b) {
     const uint32_t m = 0u - c;
     return (a & m) | (b & ~m);
+}
+
+static inline float pkv_f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, m = h & 0x7fffu, mant = h & 0x3ffu;
+    const uint32_t normal = (m << 13) + (112u << 23);
+    const uint32_t sub = pkv_bits((float)(int32_t)mant * 5.9604644775390625e-8f);  /* exact */
+    const uint32_t special = 0x7f800000u | (mant << 13) | pkv_sel(mant != 0u, 0x400000u, 0u);  /* inf, quiet NaN */
+    uint32_t u = pkv_sel(m >= 0x400u, normal, sub);
+    u = pkv_sel(m >= 0x7c00u, special, u);
+    return pkv_float(sign | u);
 }
 
 /* round to nearest even; every case computed, one selected (NaN: quiet, top payload bits) */
@@ -67,29 +70,30 @@ static inline uint16_t pkv_f32_to_bf16(float f) {
     return (uint16_t)pkv_sel((int32_t)(u & 0x7fffffffu) > 0x7f800000, (u >> 16) | 0x0040u, rounded);
 }
 
-static inline float pkv_load(const char* row, int dtype, int64_t i) {
-    uint16_t h;
-    if (dtype == PKV_F32) { float f; memcpy(&f, row + 4 * i, 4); return f; }
-    memcpy(&h, row + 2 * i, 2);
-    return dtype == PKV_F16 ? pkv_f16_to_f32(h) : pkv_bf16_to_f32(h);
-}
-
 /* ---- fp8 (saturating: torch's cast of clamp(x, -FMAX, FMAX); NaN keeps its sign) ---- */
 
 static inline uint8_t pkv_f32_to_e4m3(float f) {
-    uint32_t u = pkv_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
-    if (a >= 0x43e00000u) return (uint8_t)(sign | 0x7eu);
-    if (a >= 0x3c800000u) return (uint8_t)(sign | (((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3)));
-    return (uint8_t)(sign | (uint32_t)pkv_rint_small(pkv_float(a) * 512.0f));
+    const uint32_t u = pkv_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    const int32_t ai = (int32_t)a;
+    const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);  /* >= 2^-6 */
+    const float small = pkv_float((uint32_t)(ai < 0x3c800000 ? ai : 0x3c800000));
+    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 512.0f);  /* rint(|f| * 2^9) in [0, 8] */
+    uint32_t r = pkv_sel(ai >= 0x3c800000, normal, sub);
+    r = pkv_sel(ai >= 0x43e00000, 0x7eu, r);  /* >= 448 */
+    r = pkv_sel(ai > 0x7f800000, 0x7fu, r);
+    return (uint8_t)(sign | r);
 }
 
 static inline uint8_t pkv_f32_to_e5m2(float f) {
-    uint32_t u = pkv_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
-    if (a >= 0x47600000u) return (uint8_t)(sign | 0x7bu);
-    if (a >= 0x38800000u) return (uint8_t)(sign | (((a + 0xfffffu + ((a >> 21) & 1u)) >> 21) - (112u << 2)));
-    return (uint8_t)(sign | (uint32_t)pkv_rint_small(pkv_float(a) * 65536.0f));
+    const uint32_t u = pkv_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    const int32_t ai = (int32_t)a;
+    const uint32_t normal = ((a + 0xfffffu + ((a >> 21) & 1u)) >> 21) - (112u << 2);  /* >= 2^-14 */
+    const float small = pkv_float((uint32_t)(ai < 0x38800000 ? ai : 0x38800000));
+    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 65536.0f);  /* rint(|f| * 2^16) in [0, 4] */
+    uint32_t r = pkv_sel(ai >= 0x38800000, normal, sub);
+    r = pkv_sel(ai >= 0x47600000, 0x7bu, r);  /* >= 57344 */
+    r = pkv_sel(ai > 0x7f800000, 0x7fu, r);
+    return (uint8_t)(sign | r);
 }
 
 /* fp8 code -> float32 (exact), without branches on the code's class so loops of it vectorize.
@@ -111,59 +115,121 @@ static inline float pkv_fp8_decode(uint8_t q, int qtype) {
 /* ---- quantize -------------------------------------------------------------- */
 
 static inline float pkv_fix_scale(float s) { return (s == 0.0f || !pkv_isfinite(s)) ? 1.0f : s; }
-/* min/max that propagate NaN like torch.amin/amax */
-static inline float pkv_max_nan(float acc, float x) { return (x > acc || pkv_isnan(x)) ? x : acc; }
-static inline float pkv_min_nan(float acc, float x) { return (x < acc || pkv_isnan(x)) ? x : acc; }
 
-/* fp8: q = fp8(clamp(x / s, -FMAX, FMAX)), s = fix(amax / FMAX) */
-static inline void pkv_quantize_fp8(const char* x, int in_type, int64_t n, int qtype, uint8_t* q, float* scale) {
-    float amax = pkv_float(pkv_bits(pkv_load(x, in_type, 0)) & 0x7fffffffu);
-    for (int64_t d = 1; d < n; ++d) amax = pkv_max_nan(amax, pkv_float(pkv_bits(pkv_load(x, in_type, d)) & 0x7fffffffu));
-    float s = pkv_fix_scale(amax / (qtype == PKV_E4M3 ? 448.0f : 57344.0f));
-    for (int64_t d = 0; d < n; ++d) {
-        float v = pkv_load(x, in_type, d);
-        v = pkv_isnan(v) ? v : v / s;
-        q[d] = qtype == PKV_E4M3 ? pkv_f32_to_e4m3(v) : pkv_f32_to_e5m2(v);
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* amax (fp8: absolute) or min and max (int8/int4) of y[0, n), NaN-propagating like
+ * torch.amax/amin: any NaN makes the result NaN. With SSE2, four lanes at a time
+ * (maxps(v, acc) is exactly v > acc ? v : acc); the lanes only change which of two
+ * equal zeros wins (the sign of a zero minimum is not part of the contract: torch.amin
+ * itself picks either, by position and vector width). */
+static inline __attribute__((always_inline)) void pkv_reduce(const float* y, int64_t n, int absolute,
+                                                             float* lo_out, float* hi_out) {
+    float lo = pkv_float(0x7f800000u), hi = absolute ? 0.0f : pkv_float(0xff800000u);
+    uint32_t nan = 0;
+    int64_t d = 0;
+#if defined(__SSE2__)
+    if (n >= 4) {
+        const __m128 mask = _mm_castsi128_ps(_mm_set1_epi32(absolute ? 0x7fffffff : -1));
+        __m128 vlo = _mm_set1_ps(lo), vhi = _mm_set1_ps(hi), vnan = _mm_setzero_ps();
+        for (; d + 4 <= n; d += 4) {
+            const __m128 v = _mm_and_ps(_mm_loadu_ps(y + d), mask);
+            vnan = _mm_or_ps(vnan, _mm_cmpunord_ps(v, v));
+            vlo = _mm_min_ps(v, vlo);
+            vhi = _mm_max_ps(v, vhi);
+        }
+        float l[4], h[4];
+        _mm_storeu_ps(l, vlo);
+        _mm_storeu_ps(h, vhi);
+        nan = (uint32_t)_mm_movemask_ps(vnan);
+        for (int i = 0; i < 4; ++i) {
+            lo = l[i] < lo ? l[i] : lo;
+            hi = h[i] > hi ? h[i] : hi;
+        }
     }
-    *scale = s;
+#endif
+    for (; d < n; ++d) {
+        const uint32_t bits = pkv_bits(y[d]) & 0x7fffffffu;
+        const float v = absolute ? pkv_float(bits) : y[d];
+        nan |= (uint32_t)(bits > 0x7f800000u);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    *lo_out = nan ? pkv_float(0x7fc00000u) : lo;
+    *hi_out = nan ? pkv_float(0x7fc00000u) : hi;
 }
 
-/* Asymmetric codes of elements [first, first + n): c = clamp(rint((x - mn) / s), 0, top)
- * with s = fix((mx - mn) / top), NaN -> 0. int8 stores c - 128 per byte; int4 packs c
- * into the nibble of element i (low nibble for even i). */
-static inline void pkv_quantize_asym(const char* x, int in_type, int64_t first, int64_t n, int qtype,
-                                     uint8_t* q, float* scale, float* zero) {
-    const float top = qtype == PKV_INT8 ? 255.0f : 15.0f;
-    float mn = pkv_load(x, in_type, first), mx = mn;
-    for (int64_t d = first + 1; d < first + n; ++d) {
-        float v = pkv_load(x, in_type, d);
-        mn = pkv_min_nan(mn, v);
-        mx = pkv_max_nan(mx, v);
-    }
-    float s = pkv_fix_scale((mx - mn) / top);
-    for (int64_t d = first; d < first + n; ++d) {
-        float v = (pkv_load(x, in_type, d) - mn) / s;
-        if (pkv_isnan(v)) v = 0.0f;
-        v = v < 0.0f ? 0.0f : (v > top ? top : v);  /* clamp then round == round then clamp here */
-        uint32_t c = (uint32_t)pkv_rint_small(v);
-        if (qtype == PKV_INT8) q[d] = (uint8_t)(c - 128u);
-        else if (d & 1) q[d >> 1] = (uint8_t)(q[d >> 1] | (c << 4));
-        else q[d >> 1] = (uint8_t)c;
-    }
-    *scale = s;
-    *zero = mn;
-}
-
-/* one row of head_dim elements: groups == 1 except for int4 */
-static inline void pkv_quantize_row(const char* x, int in_type, int64_t head_dim, int qtype, int64_t groups,
-                                    uint8_t* q, float* scale, float* zero) {
+/* The row's codes from its float32 values y (the caller's scratch row): per group,
+ * fp8 q = fp8(clamp(y / s, -FMAX, FMAX)) with s = fix(amax / FMAX) (a NaN keeps its
+ * sign); int8/int4 c = clamp(rint((y - mn) / s), 0, top) with s = fix((mx - mn) / top)
+ * and NaN -> 0, stored as c - 128 (int8) or packed two per byte, element 2i in the low
+ * nibble (int4; ``codes`` is the caller's scratch of head_dim bytes). */
+static inline __attribute__((always_inline)) void pkv_quantize_values(
+        const float* y, int qtype, int64_t head_dim, int64_t groups, uint8_t* q, float* scale, float* zero,
+        uint8_t* codes) {
     if (qtype == PKV_E4M3 || qtype == PKV_E5M2) {
-        pkv_quantize_fp8(x, in_type, head_dim, qtype, q, scale);
+        float unused, amax;
+        pkv_reduce(y, head_dim, 1, &unused, &amax);
+        const float s = pkv_fix_scale(amax / (qtype == PKV_E4M3 ? 448.0f : 57344.0f));
+        /* y / s is computed for NaN too and then replaced: the NaN keeps its own sign */
+        if (qtype == PKV_E4M3)
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const float v = y[d] / s;
+                q[d] = pkv_f32_to_e4m3(y[d] != y[d] ? y[d] : v);
+            }
+        else
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const float v = y[d] / s;
+                q[d] = pkv_f32_to_e5m2(y[d] != y[d] ? y[d] : v);
+            }
+        *scale = s;
         return;
     }
-    int64_t g_len = head_dim / groups;
-    for (int64_t g = 0; g < groups; ++g)
-        pkv_quantize_asym(x, in_type, g * g_len, g_len, qtype, q, scale + g, zero + g);
+    const float top = qtype == PKV_INT8 ? 255.0f : 15.0f;
+    const uint32_t offset = qtype == PKV_INT8 ? 128u : 0u;
+    uint8_t* out = qtype == PKV_INT8 ? q : codes;
+    const int64_t g_len = head_dim / groups;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float* yg = y + g * g_len;
+        uint8_t* og = out + g * g_len;
+        float mn, mx;
+        pkv_reduce(yg, g_len, 0, &mn, &mx);
+        const float s = pkv_fix_scale((mx - mn) / top);
+        for (int64_t d = 0; d < g_len; ++d) {
+            float v = (yg[d] - mn) / s;
+            v = v != v ? 0.0f : v;
+            v = v < 0.0f ? 0.0f : (v > top ? top : v);  /* clamp then round == round then clamp here */
+            og[d] = (uint8_t)((uint32_t)(int32_t)pkv_rint_small(v) - offset);
+        }
+        scale[g] = s;
+        zero[g] = mn;
+    }
+    if (qtype == PKV_INT4)
+        for (int64_t i = 0; i < head_dim / 2; ++i) q[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+}
+
+static inline __attribute__((always_inline)) void pkv_widen_row(const char* x, int in_type, int64_t n, float* y) {
+    if (in_type == PKV_F32) {
+        memcpy(y, x, (size_t)n * 4);
+    } else if (in_type == PKV_F16) {
+        const uint16_t* h = (const uint16_t*)x;
+        for (int64_t d = 0; d < n; ++d) y[d] = pkv_f16_to_f32(h[d]);
+    } else {
+        const uint16_t* h = (const uint16_t*)x;
+        for (int64_t d = 0; d < n; ++d) y[d] = pkv_bf16_to_f32(h[d]);
+    }
+}
+
+#define PKV_QUANTIZE_ROW_ARGS                                                                    \
+    const char *x, int in_type, int64_t head_dim, int qtype, int64_t groups, uint8_t *q,          \
+        float *scale, float *zero, float *tmp, uint8_t *codes
+
+/* one (token, head) row of the model dtype; tmp: head_dim floats, codes: head_dim bytes */
+static void pkv_quantize_row_base(PKV_QUANTIZE_ROW_ARGS) {
+    pkv_widen_row(x, in_type, head_dim, tmp);
+    pkv_quantize_values(tmp, qtype, head_dim, groups, q, scale, zero, codes);
 }
 
 /* ---- dequantize ------------------------------------------------------------ */
@@ -247,11 +313,33 @@ __attribute__((target("avx2,f16c"))) static void pkv_dequantize_row_avx2(PKV_DEQ
         _mm_storeu_si128((__m128i*)(out + 2 * d), _mm256_cvtps_ph(_mm256_loadu_ps(tmp + d), _MM_FROUND_TO_NEAREST_INT));
     pkv_narrow_row(tmp + d, head_dim - d, out_type, (uint16_t*)out + d);
 }
+
+__attribute__((target("avx2,f16c"))) static void pkv_quantize_row_avx2(PKV_QUANTIZE_ROW_ARGS) {
+    if (in_type == PKV_F16) {  /* the F16C widening is exact, like pkv_f16_to_f32 */
+        int64_t d = 0;
+        for (; d + 8 <= head_dim; d += 8)
+            _mm256_storeu_ps(tmp + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + 2 * d))));
+        pkv_widen_row(x + 2 * d, in_type, head_dim - d, tmp + d);
+    } else {
+        pkv_widen_row(x, in_type, head_dim, tmp);
+    }
+    pkv_quantize_values(tmp, qtype, head_dim, groups, q, scale, zero, codes);
+}
 #else
 #define PKV_HAVE_AVX2 0
 #endif
 
 typedef void (*pkv_dequantize_row_fn)(PKV_DEQUANT_ROW_ARGS);
+typedef void (*pkv_quantize_row_fn)(PKV_QUANTIZE_ROW_ARGS);
+
+/* the quantizing row function for this CPU */
+static pkv_quantize_row_fn pkv_pick_quantize_row(void) {
+#if PKV_HAVE_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return pkv_quantize_row_avx2;
+#endif
+    return pkv_quantize_row_base;
+}
 
 /* the row function for this CPU */
 static pkv_dequantize_row_fn pkv_pick_dequantize_row(void) {
