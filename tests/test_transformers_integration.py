@@ -345,3 +345,36 @@ def test_out_of_blocks_leaves_cache_usable(tiny):
             model(torch.tensor([tok.encode("far too long for two blocks")]), past_key_values=cache)
     cache.release()
     assert_all_free(kv)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8_e4m3"])
+def test_quantized_cache_returns_the_pass_own_kv_exactly_and_history_from_the_arena(kv_dtype):
+    # Attention over the tokens of the current pass sees their K/V as computed (as in
+    # serving engines and HF's QuantizedCache); earlier tokens are read back quantized.
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=16, block_size=4,
+                      dtype=torch.float32, kv_dtype=kv_dtype, kv_window=0)
+    kv = PagedKVCache(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with PagedCache(kv) as cache:
+        cache.admit(ids, mask)
+        first = [(torch.randn(2, 2, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)) for _ in range(2)]
+        for layer, (k, v) in enumerate(first):
+            ok, ov = cache.update(k, v, layer)
+            torch.testing.assert_close(ok[1], k[1], rtol=0, atol=0)    # all new: exact
+            torch.testing.assert_close(ok[0, :, 2:], k[0, :, 2:], rtol=0, atol=0)
+            assert not ok[0, :, :2].any() and not ov[0, :, :2].any()  # left padding stays zero
+            torch.testing.assert_close(ov[0, :, 2:], v[0, :, 2:], rtol=0, atol=0)
+        step = [(torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g)) for _ in range(2)]
+        for layer, (k, v) in enumerate(step):
+            ok, ov = cache.update(k, v, layer)
+            assert ok.shape == (2, 2, 6, 32)
+            torch.testing.assert_close(ok[:, :, -1:], k, rtol=0, atol=0)
+            torch.testing.assert_close(ov[:, :, -1:], v, rtol=0, atol=0)
+            hist_k, hist_v = first[layer]
+            # history: the arena's dequantized values, close to but not equal to the originals
+            assert not torch.equal(ok[1, :, :5], hist_k[1])
+            torch.testing.assert_close(ok[1, :, :5], hist_k[1], rtol=0, atol=0.6)
+            torch.testing.assert_close(ov[1, :, :5], hist_v[1], rtol=0, atol=0.6)
+            assert not ok[0, :, :2].any()

@@ -1,0 +1,119 @@
+"""Which layers lose the most to quantized KV: a short calibration pass.
+
+Quantizing KV hurts some layers far more than others (a layer whose keys carry large
+outlier channels, for instance). :func:`layer_sensitivity` measures each layer on a
+short text: for every layer ``l`` it runs the model with only layer ``l`` stored in the
+quantized ``kv_dtype`` (every other layer in model precision) and reports the mean KL
+divergence of the next-token distributions from those of a model-precision cache.
+:func:`choose_full_precision_layers` picks the most sensitive layers; passing them as
+``kv_full_precision_layers`` keeps them in model precision. Every pass goes through a
+real :class:`~pagedkv.cache.PagedKVCache` via the transformers
+:class:`~pagedkv.integrations.transformers.PagedCache`, fed in chunks so that most
+tokens attend to KV read back from the arena, as in serving.
+
+The pass costs ``num_layers + 1`` forward passes over the text; a few hundred tokens
+are enough to rank the layers.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, List, Sequence, Tuple
+
+import torch
+
+from pagedkv import dtypes
+from pagedkv.config import CacheConfig
+from pagedkv.errors import InvalidArgumentError, ShapeError, expected
+
+__all__ = ["layer_sensitivity", "choose_full_precision_layers"]
+
+
+def _check_ids(input_ids: Any) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
+        got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise InvalidArgumentError(expected("input_ids", "an int64 (long) torch.Tensor", got))
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
+        raise ShapeError(expected("input_ids", "shape [1, n] with n >= 2", tuple(input_ids.shape)))
+    return input_ids
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise InvalidArgumentError(expected(name, f"an int >= {minimum}", repr(value)))
+    return int(value)
+
+
+@torch.no_grad()
+def _log_probs(model, input_ids: torch.Tensor, config: CacheConfig, chunk: int) -> torch.Tensor:
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.integrations.transformers import PagedCache
+
+    kv = PagedKVCache(config)
+    with PagedCache(kv) as cache:
+        logits = torch.cat([model(input_ids[:, s:s + chunk], past_key_values=cache, use_cache=True).logits
+                            for s in range(0, input_ids.shape[1], chunk)], dim=1)
+    return torch.log_softmax(logits[0].float(), dim=-1)
+
+
+@torch.no_grad()
+def layer_sensitivity(model: Any, input_ids: torch.Tensor, *, chunk: int = 128, block_size: int = 16,
+                      **lowbit: Any) -> List[float]:
+    """Mean KL (nats per token) added by quantizing each layer's KV alone.
+
+    Args:
+        model: a transformers causal LM (its ``config`` sizes the cache).
+        input_ids: ``[1, n]`` int64 calibration tokens (``n >= 2``).
+        chunk: tokens fed per forward pass (later chunks read earlier KV back from the
+            arena).
+        block_size: the cache's block size.
+        **lowbit: the quantized cache's options: ``kv_dtype`` (required, quantized) and
+            any of ``kv_group_size``, ``kv_rotation``, ``kv_rotation_seed``,
+            ``kv_window``. ``kv_full_precision_layers`` is set by the pass itself.
+
+    Returns:
+        ``[num_layers]`` floats: entry ``l`` is the KL divergence from the
+        model-precision cache's next-token distributions when only layer ``l`` is
+        quantized, averaged over the ``n`` positions.
+    """
+    ids = _check_ids(input_ids)
+    chunk = _check_count("chunk", chunk, 1)
+    if "kv_full_precision_layers" in lowbit:
+        raise InvalidArgumentError(expected("kv_full_precision_layers", "not given (the pass sets it per layer)",
+                                            repr(lowbit["kv_full_precision_layers"])))
+    row = dtypes.lookup(lowbit.get("kv_dtype"))
+    if row is None or not row.quantized:
+        names = ", ".join(dtypes.quantized_names())
+        raise InvalidArgumentError(expected("kv_dtype", f"a quantized kv dtype ({names})", repr(lowbit.get("kv_dtype"))))
+    dtype = next(model.parameters()).dtype
+    num_blocks = -(-ids.shape[1] // _check_count("block_size", block_size, 1)) + 2
+    base_cfg = CacheConfig.from_hf_config(model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+    base = _log_probs(model, ids, base_cfg, chunk)
+    p = base.exp()
+    out = []
+    for layer in range(base_cfg.num_layers):
+        others = tuple(i for i in range(base_cfg.num_layers) if i != layer)
+        cfg = CacheConfig.from_hf_config(model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                                         kv_window_sequences=1, kv_full_precision_layers=others, **lowbit)
+        logq = _log_probs(model, ids, cfg, chunk)
+        # KL >= 0; float32 rounding can leave a tiny negative for a near-lossless layer
+        out.append(max(0.0, float((p * (base - logq)).sum(-1).mean())))
+    return out
+
+
+def choose_full_precision_layers(sensitivity: Sequence[float], count: int) -> Tuple[int, ...]:
+    """The ``count`` most sensitive layers (ties: the lower index), sorted, for
+    ``kv_full_precision_layers``. ``count`` must leave at least one quantized layer."""
+    try:
+        values = [float(s) for s in sensitivity]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(expected("sensitivity", "a sequence of floats (one per layer)",
+                                            type(sensitivity).__name__)) from None
+    if not values or any(v != v for v in values):
+        raise InvalidArgumentError(expected("sensitivity", "a non-empty sequence of floats without NaN",
+                                            values[:8]))
+    count = _check_count("count", count, 0)
+    if count >= len(values):
+        raise InvalidArgumentError(expected("count", f"an int in [0, {len(values)}) (one layer must stay quantized)",
+                                            count))
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    return tuple(sorted(order[:count]))
