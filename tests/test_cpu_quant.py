@@ -147,3 +147,52 @@ def test_every_code_dequantizes_like_the_reference(qdtype, layout):
         kw = dict(layout=layout, out_dtype=out_dtype, kv_scale=scale, kv_zero=zero)
         for g, w in zip(cpu_ops.gather_kv(data, *csr(tables, lens), **kw), ref.gather_kv(data, *csr(tables, lens), **kw)):
             assert_same(g, w)
+
+
+def _structured_floats() -> torch.Tensor:
+    """Every sign/exponent/top-11-mantissa float32 pattern with the low 12 bits 0, 1,
+    0x7ff, 0x800, 0x801, 0xfff: each round-down, tie and round-up case of a cast to
+    fp8, float16 or bfloat16 (as tests/test_kernels_emulated.py proves the kernels')."""
+    high = torch.arange(1 << 20, dtype=torch.int64) << 12
+    low = torch.tensor([0, 1, 0x7FF, 0x800, 0x801, 0xFFF], dtype=torch.int64)
+    return (high[:, None] | low[None, :]).view(-1).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=quant_name)
+def test_every_float_rounds_to_fp8_like_the_reference(qdtype, in_dtype):
+    # A NaN in every row makes the scale 1, so each other element's code is the
+    # saturating cast itself: the structured floats (float32 input) or every float16
+    # pattern (float16 input, through the widening) reach the encoder unscaled.
+    d = 64
+    if in_dtype == torch.float32:
+        x = _structured_floats()
+    else:
+        x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    rows = -(-x.numel() // (d - 1))
+    x = torch.cat([x, torch.zeros(rows * (d - 1) - x.numel(), dtype=in_dtype)]).view(rows, 1, d - 1)
+    x = torch.cat([torch.full((rows, 1, 1), float("nan"), dtype=in_dtype), x], dim=2)
+    bs = 64
+    nb = -(-rows // bs)
+    slots = torch.arange(rows)
+    want, got = fresh("NHD", qdtype, d, nb, bs, 1), fresh("NHD", qdtype, d, nb, bs, 1)
+    half = rows // 2
+    for w, fn in ((want, ref.write_kv), (got, cpu_ops.write_kv)):
+        fn(w[0], slots[:half], x[:half], x[half:2 * half], kv_scale=w[1], kv_zero=w[2])
+    assert bool((got[1][got[1] != -3.0] == 1.0).all())
+    assert_same_views(got, want)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_float_narrows_like_the_reference(out_dtype):
+    # Code 1.0 under scale s dequantizes to s exactly: the structured floats as scales
+    # reach the float32 -> float16/bfloat16 narrowing unchanged.
+    s = _structured_floats()
+    bs, d = 64, 2
+    nb = -(-s.numel() // (2 * bs))
+    scale = torch.cat([s, torch.ones(nb * 2 * bs - s.numel())]).view(nb, 2, bs, 1)
+    data = torch.full((nb, 2, bs, 1, d), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)  # e4m3 1.0
+    tables, lens = [list(range(nb))], [nb * bs]
+    kw = dict(out_dtype=out_dtype, kv_scale=scale)
+    for g, w in zip(cpu_ops.gather_kv(data, *csr(tables, lens), **kw), ref.gather_kv(data, *csr(tables, lens), **kw)):
+        assert_same(g, w)
