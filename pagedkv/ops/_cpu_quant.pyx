@@ -30,7 +30,6 @@ cdef extern from "quant_rows.h" nogil:
                                            const float* scale, const float* zero, int out_type, char* out,
                                            float* tmp)
     pkv_dequantize_row_fn pkv_pick_dequantize_row()
-    int PKV_HAVE_AVX2
 
 #: codes of the model dtypes (write input, gather output) and of the storage formats
 MODEL_CODES = {"float32": PKV_F32, "float16": PKV_F16, "bfloat16": PKV_BF16}

@@ -3,8 +3,10 @@
  * The arithmetic of pagedkv/quant.py, bit for bit: float32 throughout, each step
  * rounds once (the module is built with -ffp-contract=off, no -ffast-math; its
  * -fno-trapping-math only lets selects between computed values vectorize), NaN and
- * infinities as torch treats them. The number conversions are cuda/common.cuh's
- * (proven against torch's casts by tests/test_kernels_emulated.py), written in C.
+ * infinities as torch treats them. The number conversions compute what
+ * cuda/common.cuh's do, without branches so that row loops vectorize;
+ * tests/test_cpu_quant.py sweeps them over every rounding case against torch's casts.
+ * Each row function has a baseline build and an AVX2/F16C build, picked at run time.
  */
 #ifndef PAGEDKV_QUANT_ROWS_H
 #define PAGEDKV_QUANT_ROWS_H
