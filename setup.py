@@ -57,7 +57,7 @@ setup(
     package_data={
         "pagedkv": ["py.typed", "*.pyi"],
         "pagedkv._core": ["*.pxd", "*.pyi", "*.h"],
-        "pagedkv.ops": ["*.pyi"],
+        "pagedkv.ops": ["*.pyi", "*.h"],
         "pagedkv._cuda_src": ["*.cu", "*.cuh", "*.h"],
     },
     ext_modules=extensions(),

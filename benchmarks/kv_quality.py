@@ -31,6 +31,9 @@ from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.integrations.transformers import PagedCache
 from pagedkv.testing.kv_peers import PEERS, FakeQuantCache
 
+CALIBRATED = "calibrated"  # placeholder resolved by main() from a calibration pass
+CALIBRATED_LAYERS = 2
+
 #: name -> (CacheConfig overrides, goal in % perplexity increase or None). The issue-11
 #: table first, then the variants that show what each part of the int4 scheme buys.
 PRECISIONS = {
@@ -43,6 +46,10 @@ PRECISIONS = {
     "int4_unrotated_window128": (dict(kv_dtype="int4", kv_window=128, kv_rotation=False), None),
     "int4_unrotated_window0": (dict(kv_dtype="int4", kv_window=0, kv_rotation=False), None),
     "int4_window0_fp_first_last": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=(0, -1)), None),
+    # the CALIBRATED_LAYERS layers that pagedkv.calibration ranks most sensitive on text
+    # outside the measured slice and the greedy prompts
+    "int4_window0_fp_calibrated": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=CALIBRATED),
+                                   None),
 }
 PROBES = {
     "int8_rotated": (dict(kv_dtype="int8", kv_rotation=True), None),
@@ -139,11 +146,32 @@ def greedy(model, prompts, variant, new_tokens):
     return torch.cat(out)
 
 
+def calibrated(overrides, model, ids):
+    """``overrides`` with ``kv_full_precision_layers`` set to the layers a calibration
+    pass on ``ids`` ranks most sensitive for the same low-bit options."""
+    from pagedkv.calibration import choose_full_precision_layers, layer_sensitivity
+
+    opts = {k: v for k, v in overrides.items() if k != "kv_full_precision_layers"}
+    t0 = time.perf_counter()
+    # four chunks: the last three read the earlier ones back from the arena
+    sens = layer_sensitivity(model, ids, chunk=max(1, ids.shape[1] // 4), **opts)
+    layers = choose_full_precision_layers(sens, min(CALIBRATED_LAYERS, len(sens) - 1))
+    print(json.dumps({"bench": "kv_quality", "calibration": opts, "tokens": ids.shape[1],
+                      "layer_kl": [round(x, 6) for x in sens], "chosen": list(layers),
+                      "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    return dict(opts, kv_full_precision_layers=layers)
+
+
+def _full_layers(v) -> int:
+    layers = (v.overrides or {}).get("kv_full_precision_layers", ())
+    return 1 if layers == CALIBRATED else len(layers)  # calibrated(): at most num_layers - 1
+
+
 def variants(names=None, probe=False, head_dim=64, num_layers=30):
     table = dict(PRECISIONS, **(PROBES if probe or names else {}))
     out = [Variant(n, o, g) for n, (o, g) in table.items()] + [Variant(n, peer=n) for n in PEERS]
     out = [v for v in out if head_dim % (v.overrides or {}).get("kv_group_size", 1) == 0
-           and len((v.overrides or {}).get("kv_full_precision_layers", ())) < num_layers]
+           and _full_layers(v) < num_layers]
     return [v for v in out if names is None or v.name in names]
 
 
@@ -162,6 +190,7 @@ def main(argv=None):
         model, _ = tiny_llama(seed=0)
         ids = torch.randint(0, model.config.vocab_size, (1, 192))
         prompts = [torch.randint(0, model.config.vocab_size, (1, 40)) for _ in range(2)]
+        calib_ids = torch.randint(0, model.config.vocab_size, (1, 64))
         window, stride, chunk, new_tokens, name = 128, 64, 32, 8, "tiny-random-llama"
     else:
         from pagedkv.testing.models import load_smollm2
@@ -169,10 +198,14 @@ def main(argv=None):
         model, tokenizer = load_smollm2()
         ids = text_ids(tokenizer, args.tokens)
         prompts = [text_ids(tokenizer, 512, start=args.tokens + 600 * i) for i in range(5)]
+        calib_ids = text_ids(tokenizer, 512, start=args.tokens + 3200)  # after the greedy prompts
         window, stride, chunk, new_tokens, name = 1024, 512, 256, 64, "SmolLM2-135M"
     model.eval()
     hd = model.config.hidden_size // model.config.num_attention_heads
     todo = variants(args.only, args.probe, hd, model.config.num_hidden_layers)
+    for v in todo:
+        if v.overrides and v.overrides.get("kv_full_precision_layers") == CALIBRATED:
+            v.overrides = calibrated(v.overrides, model, calib_ids)
     quality = evaluate(model, ids, todo, window, stride, chunk)
     t0 = time.perf_counter()
     base = Variant("float32")

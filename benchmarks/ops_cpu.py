@@ -22,6 +22,16 @@ same thread settings):
 ``pass`` is ``ratio >= 0.5``. ``index_ns`` is the torch advanced-indexing version
 (what the reference does) and ``speedup_vs_index`` the op's gain over it.
 
+Quantized arenas (``kv_dtype`` fp8_e4m3, int8, int4 with groups of 64):
+
+- ``quant_write_kv``: the decode-step write above, quantizing ``dtype`` K/V on the way;
+- ``quant_gather_kv``: the 4,096-token gather above, dequantizing into ``dtype`` outputs.
+
+Each is timed interleaved with the same op on an unquantized arena of ``dtype``
+(``plain_ns``, same shapes, tables and outputs) and with the torch reference
+(``reference_ns``); ``vs_plain`` is ``op_ns / plain_ns``, and ``pass`` for a gather is
+the issue's goal ``vs_plain <= 2``.
+
 Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N] [--threads N]``.
 """
 from __future__ import annotations
@@ -175,6 +185,101 @@ def bench_gather(label, h, d, dtype, seq_tokens, num_tables, iters, repeats, all
                   t["hot"], t["index"], tokens=seq_tokens, arena_bytes=layer.numel() * layer.element_size())
 
 
+QUANT_KV = ("fp8_e4m3", "int8", "int4")
+
+
+def quant_arena(shape, kv_dtype: str, d: int):
+    """``(data, scale, zero)`` views of a quantized layer holding reference-quantized random K/V."""
+    from pagedkv.quant import DEFAULT_INT4_GROUP, storage_dtype
+
+    qdtype = storage_dtype(kv_dtype)
+    packed = kv_dtype == "int4"
+    data = torch.zeros(shape[:-1] + (d // 2 if packed else d,), dtype=torch.uint8).view(qdtype)
+    sshape = shape[:-1] + ((d // min(DEFAULT_INT4_GROUP, d),) if packed else ())
+    scale = torch.ones(sshape)
+    zero = torch.zeros(sshape) if kv_dtype != "fp8_e4m3" else None
+    nb, bs = shape[0], shape[2]
+    slots = torch.arange(nb * bs)
+    for lo in range(0, nb * bs, 4096):  # quantize in chunks: bounded temporaries
+        s = slots[lo:lo + 4096]
+        kv = torch.randn(2, s.numel(), shape[3], d)
+        ops.write_kv(data, s, kv[0], kv[1], kv_scale=scale, kv_zero=zero, backend="reference")
+    return data, scale, zero
+
+
+def quant_figure(kind, label, dtype, kv_dtype, t, nbytes, **extra) -> Dict[str, object]:
+    ratio = t["op"] / t["plain"]
+    out = {
+        "figure": kind,
+        "shape": label,
+        "dtype": str(dtype).replace("torch.", ""),
+        "kv_dtype": kv_dtype,
+        **extra,
+        "bytes": nbytes,
+        "op_ns": round(t["op"]),
+        "plain_ns": round(t["plain"]),
+        "vs_plain": round(ratio, 3),
+        "reference_ns": round(t["reference"]),
+        "speedup_vs_reference": round(t["reference"] / t["op"], 2),
+        "threads": torch.get_num_threads(),
+    }
+    if kind == "quant_gather_kv":
+        out["pass"] = ratio <= 2.0
+    return out
+
+
+def bench_quant_write(label, h, d, dtype, kv_dtype, num_seqs, blocks_per_seq, steps, iters, repeats):
+    nb = num_seqs * blocks_per_seq
+    shape = (nb, 2, BLOCK_SIZE, h, d)
+    plain = torch.ones(shape, dtype=dtype)
+    data, scale, zero = quant_arena(shape, kv_dtype, d)
+    owner = torch.randperm(nb).view(num_seqs, blocks_per_seq)
+    slot_steps = [
+        (owner[:, s // BLOCK_SIZE] * BLOCK_SIZE + s % BLOCK_SIZE).to(torch.int64).contiguous()
+        for s in range(steps)
+    ]
+    key = torch.randn(num_seqs, h, d).to(dtype)
+    value = torch.randn(num_seqs, h, d).to(dtype)
+    qkw = dict(kv_scale=scale, kv_zero=zero)
+    t = median_ns(
+        {
+            "op": lambda i: ops.write_kv(data, slot_steps[i % steps], key, value, **qkw),
+            "plain": lambda i: ops.write_kv(plain, slot_steps[i % steps], key, value),
+            "reference": lambda i: ops.write_kv(data, slot_steps[i % steps], key, value, backend="reference", **qkw),
+        },
+        {"op": iters, "plain": iters, "reference": max(1, iters // 4)},
+        repeats,
+    )
+    return quant_figure("quant_write_kv", label, dtype, kv_dtype, t, 2 * key.numel() * key.element_size(),
+                        tokens=num_seqs)
+
+
+def bench_quant_gather(label, h, d, dtype, kv_dtype, seq_tokens, num_tables, iters, repeats):
+    blocks = seq_tokens // BLOCK_SIZE
+    nb = blocks * num_tables
+    shape = (nb, 2, BLOCK_SIZE, h, d)
+    plain = torch.randn(shape).to(dtype)
+    data, scale, zero = quant_arena(shape, kv_dtype, d)
+    perm = torch.randperm(nb).to(torch.int32)
+    tables = [perm[t * blocks:(t + 1) * blocks].contiguous() for t in range(num_tables)]
+    indptr = torch.tensor([0, blocks], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_tokens], dtype=torch.int32)
+    out = dict(out_key=torch.empty(seq_tokens, h, d, dtype=dtype), out_value=torch.empty(seq_tokens, h, d, dtype=dtype))
+    qkw = dict(out_dtype=dtype, kv_scale=scale, kv_zero=zero, **out)
+    t = median_ns(
+        {
+            "op": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens, **qkw),
+            "plain": lambda i: ops.gather_kv(plain, indptr, tables[i % num_tables], seq_lens, **out),
+            "reference": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens,
+                                                 backend="reference", **qkw),
+        },
+        {"op": iters, "plain": iters, "reference": max(1, iters // 4)},
+        repeats,
+    )
+    return quant_figure("quant_gather_kv", label, dtype, kv_dtype, t, 2 * out["out_key"].numel() * out["out_key"].element_size(),
+                        tokens=seq_tokens)
+
+
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few iterations (CI)")
@@ -201,6 +306,15 @@ def main(argv: List[str] = None) -> int:
             for alloc in (False, True):
                 print(json.dumps(bench_gather(label, h, d, dtype, sizes["seq_tokens"], sizes["num_tables"],
                                               max(1, sizes["iters"] // 10), repeats, alloc)), flush=True)
+    for label, h, d in shapes:
+        for dtype in dtypes:
+            for kv_dtype in QUANT_KV:
+                print(json.dumps(bench_quant_write(label, h, d, dtype, kv_dtype, sizes["num_seqs"],
+                                                   sizes["blocks_per_seq"], sizes["steps"], sizes["iters"],
+                                                   repeats)), flush=True)
+                print(json.dumps(bench_quant_gather(label, h, d, dtype, kv_dtype, sizes["seq_tokens"],
+                                                    sizes["num_tables"], max(1, sizes["iters"] // 10), repeats)),
+                      flush=True)
     return 0
 
 

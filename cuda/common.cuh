@@ -183,6 +183,7 @@ struct pkv_dtype<pkv_bf16> {
 #define PKV_Q_E4M3 0
 #define PKV_Q_E5M2 1
 #define PKV_Q_INT8 2
+#define PKV_Q_INT4 3
 
 __device__ __forceinline__ pkv_u8 pkv_f32_to_e4m3(float f) {
   const pkv_u32 u = __float_as_uint(f);
@@ -245,55 +246,97 @@ __device__ __forceinline__ float pkv_fp8_to_f32(pkv_u8 q) {
 }
 
 // ---------------------------------------------------------------------------
-// Quantization of one (token, head) row of head_dim values; the arithmetic of
-// pagedkv/quant.py, one rounding per step (explicit _rn operations: no FMA).
+// Cooperative kernels: the threads of a CTA share work between barriers. Such a
+// kernel opens with PKV_COOPERATIVE() and writes each stretch between two barriers
+// as PKV_PHASE({ ... }); every barrier is the end of a phase. Control flow outside
+// the phases must be the same for every thread of the CTA (it may read blockIdx,
+// blockDim, gridDim and the arguments, never threadIdx), a phase body must not
+// return, and values pass from one phase to the next only through PKV_SHARED
+// arrays. On the GPU a phase is its body then __syncthreads(). In the host
+// emulation (emulate.h) only thread 0 of each CTA runs the kernel, and each phase
+// steps every thread of the CTA through its body before the next phase starts:
+// the barrier's semantics, run sequentially.
+
+#ifdef PAGEDKV_EMULATE
+#define PKV_COOPERATIVE()                                  \
+  if (threadIdx.x != 0 || threadIdx.y != 0 || threadIdx.z != 0) return
+#define PKV_PHASE(...) pkv_emu::each_thread([&]() __VA_ARGS__)
+#define PKV_SHARED
+#else
+#define PKV_COOPERATIVE() ((void)0)
+#define PKV_PHASE(...) \
+  do __VA_ARGS__ while (0); \
+  __syncthreads()
+#define PKV_SHARED __shared__
+#endif
+
+#define PKV_MAX_THREADS 1024  // per CTA: the size of per-thread shared arrays
+
+// ---------------------------------------------------------------------------
+// Quantization: the arithmetic of pagedkv/quant.py, one rounding per step
+// (explicit _rn operations: no FMA). A group is the run of elements that shares
+// one scale: a whole (token, head) row, or one int4 group of it.
 
 __device__ __forceinline__ float pkv_fix_scale(float s) {
   return (s == 0.0f || !pkv_isfinite(s)) ? 1.0f : s;
 }
 
-template <typename T, int Q>
-__device__ __forceinline__ void pkv_quantize_row(const T* __restrict__ x, pkv_i64 n,
-                                                 pkv_u8* __restrict__ q,
-                                                 float* __restrict__ scale,
-                                                 float* __restrict__ zero) {
-  if (Q == PKV_Q_INT8) {
-    float mn = pkv_dtype<T>::to_f32(x[0]);
-    float mx = mn;
-    for (pkv_i64 d = 1; d < n; ++d) {
-      const float v = pkv_dtype<T>::to_f32(x[d]);
-      mn = pkv_min_nan(mn, v);
-      mx = pkv_max_nan(mx, v);
-    }
-    const float s = pkv_fix_scale(__fdiv_rn(__fsub_rn(mx, mn), 255.0f));
-    for (pkv_i64 d = 0; d < n; ++d) {
-      float v = __fdiv_rn(__fsub_rn(pkv_dtype<T>::to_f32(x[d]), mn), s);
-      if (pkv_isnan(v)) v = 0.0f;  // the defined result for NaN input: code -128
-      v = rintf(v);
-      v = v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v);
-      q[d] = (pkv_u8)(signed char)((int)v - 128);
-    }
-    *scale = s;
-    *zero = mn;
+// The partial reduction of a group: fp8 keeps amax in a, the asymmetric formats
+// min in a and max in b; both start from values every element replaces.
+template <int Q>
+__device__ __forceinline__ void pkv_reduce_init(float* a, float* b) {
+  *a = Q == PKV_Q_E4M3 || Q == PKV_Q_E5M2 ? 0.0f : __uint_as_float(0x7f800000u);
+  *b = __uint_as_float(0xff800000u);
+}
+template <int Q>
+__device__ __forceinline__ void pkv_reduce_add(float* a, float* b, float x) {
+  if (Q == PKV_Q_E4M3 || Q == PKV_Q_E5M2) {
+    *a = pkv_max_nan(*a, pkv_fabs(x));
   } else {
-    float amax = pkv_fabs(pkv_dtype<T>::to_f32(x[0]));
-    for (pkv_i64 d = 1; d < n; ++d) amax = pkv_max_nan(amax, pkv_fabs(pkv_dtype<T>::to_f32(x[d])));
-    const float s = pkv_fix_scale(__fdiv_rn(amax, pkv_fp8_max<Q>()));
-    for (pkv_i64 d = 0; d < n; ++d) {
-      const float v = pkv_dtype<T>::to_f32(x[d]);
-      // A NaN keeps its own sign bit (a GPU division would return the canonical
-      // NaN), so the code matches torch on the CPU: 0x7f or 0xff.
-      q[d] = pkv_f32_to_fp8<Q>(pkv_isnan(v) ? v : __fdiv_rn(v, s));
-    }
-    *scale = s;
+    *a = pkv_min_nan(*a, x);
+    *b = pkv_max_nan(*b, x);
+  }
+}
+template <int Q>
+__device__ __forceinline__ void pkv_reduce_merge(float* a, float* b, float a2, float b2) {
+  if (Q == PKV_Q_E4M3 || Q == PKV_Q_E5M2) {
+    *a = pkv_max_nan(*a, a2);
+  } else {
+    *a = pkv_min_nan(*a, a2);
+    *b = pkv_max_nan(*b, b2);
   }
 }
 
+// The group's scale from its reduction (a, b); its zero point is a.
 template <int Q>
-__device__ __forceinline__ float pkv_dequantize(pkv_u8 q, float scale, float zero) {
+__device__ __forceinline__ float pkv_group_scale(float a, float b) {
+  if (Q == PKV_Q_E4M3 || Q == PKV_Q_E5M2) return pkv_fix_scale(__fdiv_rn(a, pkv_fp8_max<Q>()));
+  return pkv_fix_scale(__fdiv_rn(__fsub_rn(b, a), Q == PKV_Q_INT8 ? 255.0f : 15.0f));
+}
+
+// One element's code: the fp8 byte, the int8 byte, or the int4 code (0..15).
+template <int Q>
+__device__ __forceinline__ pkv_u32 pkv_quantize(float x, float scale, float zero) {
+  if (Q == PKV_Q_E4M3 || Q == PKV_Q_E5M2) {
+    // A NaN keeps its own sign bit (a GPU division would return the canonical
+    // NaN), so the code matches torch on the CPU: 0x7f or 0xff.
+    return pkv_f32_to_fp8<Q>(pkv_isnan(x) ? x : __fdiv_rn(x, scale));
+  }
+  const float top = Q == PKV_Q_INT8 ? 255.0f : 15.0f;
+  float v = __fdiv_rn(__fsub_rn(x, zero), scale);
+  if (pkv_isnan(v)) v = 0.0f;  // the defined result for NaN input: code 0
+  v = rintf(v);
+  v = v < 0.0f ? 0.0f : (v > top ? top : v);
+  return Q == PKV_Q_INT8 ? (pkv_u32)(pkv_u8)(signed char)((int)v - 128) : (pkv_u32)v;
+}
+
+// code -> value: fp8 q * s; int8 (q + 128) * s + zero; int4 c * s + zero
+template <int Q>
+__device__ __forceinline__ float pkv_dequantize(pkv_u32 q, float scale, float zero) {
   if (Q == PKV_Q_INT8) {
-    const float c = (float)((int)(signed char)q + 128);
+    const float c = (float)((int)(signed char)(pkv_u8)q + 128);
     return __fadd_rn(__fmul_rn(c, scale), zero);
   }
-  return __fmul_rn(pkv_fp8_to_f32<Q>(q), scale);
+  if (Q == PKV_Q_INT4) return __fadd_rn(__fmul_rn((float)q, scale), zero);
+  return __fmul_rn(pkv_fp8_to_f32<Q>((pkv_u8)q), scale);
 }

@@ -1,11 +1,15 @@
 // emulate.h - build the pagedkv .cu kernels with a host C++ compiler.
 //
-// The kernels are plain CUDA C++: grid-stride loops, no shared memory, no
-// barriers, no warp intrinsics. This header maps the few CUDA names they use
-// onto host C++ so that g++ compiles the unchanged sources into a shared library
-// that pagedkv.kernels.emulation drives through ctypes. pkv_emu::launch() runs a
-// kernel over its whole grid, one (block, thread) at a time; that is exact for
-// these kernels because every output element is written by exactly one thread.
+// The kernels are plain CUDA C++: grid-stride loops, no warp intrinsics, and
+// barriers only through common.cuh's PKV_PHASE. This header maps the few CUDA
+// names they use onto host C++ so that g++ compiles the unchanged sources into a
+// shared library that pagedkv.kernels.emulation drives through ctypes.
+// pkv_emu::launch() runs a kernel over its whole grid, one (block, thread) at a
+// time; that is exact for the barrier-free kernels because every output element is
+// written by exactly one thread. A cooperative kernel lets only thread 0 of each
+// block through, which then steps all the block's threads through one phase after
+// another (each_thread), so everything a thread wrote before a barrier is there
+// for every thread after it.
 //
 // Build with -ffp-contract=off (and no -ffast-math) so each float operation
 // rounds once, as __fdiv_rn/__fmul_rn/__fadd_rn do on the device.
@@ -72,6 +76,19 @@ template <typename... A, std::size_t... I>
 inline void call(void (*kernel)(A...), void** argv, std::index_sequence<I...>) {
   // argv[i] points at the i-th argument, exactly as cuLaunchKernel's kernelParams.
   kernel(*static_cast<A*>(argv[I])...);
+}
+
+// Run f once as each thread of the current block (x fastest), then continue as
+// thread 0: one barrier phase of a cooperative kernel.
+template <typename F>
+inline void each_thread(F&& f) {
+  for (unsigned int tz = 0; tz < blockDim.z; ++tz)
+    for (unsigned int ty = 0; ty < blockDim.y; ++ty)
+      for (unsigned int tx = 0; tx < blockDim.x; ++tx) {
+        threadIdx = pkv_emu_dim3{tx, ty, tz};
+        f();
+      }
+  threadIdx = pkv_emu_dim3{0, 0, 0};
 }
 
 // dims = {grid.x, grid.y, grid.z, block.x, block.y, block.z}.

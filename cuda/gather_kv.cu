@@ -12,7 +12,8 @@
 //
 // Entry points (pagedkv/kernels/sources.py lists the same names):
 //   pkv_gather_{csr,pad}_{nhd,hnd}_{v16,e4,e2}                     plain copy
-//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8}_to_{f32,f16,bf16}  dequantizing
+//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8,int4}_to_{f32,f16,bf16}
+//                                                     dequantizing, one element per thread
 // csr: indptr [B + 1] + indices [nnz]; pad: block_table [B, width], row-major.
 #include "common.cuh"
 
@@ -112,6 +113,14 @@ __device__ __forceinline__ void pkv_gather_copy(
   }
 }
 
+// The code of element d of a quantized row (int4: its nibble of byte d / 2).
+template <int Q>
+__device__ __forceinline__ pkv_u32 pkv_code_at(const pkv_u8* __restrict__ kv, pkv_i64 row,
+                                               pkv_i64 head_dim, pkv_i64 d) {
+  if (Q == PKV_Q_INT4) return (kv[row * (head_dim / 2) + d / 2] >> ((pkv_u32)(d & 1) * 4)) & 15u;
+  return kv[row * head_dim + d];
+}
+
 template <int Q, typename O, int LAYOUT, int TABLE>
 __device__ __forceinline__ void pkv_gather_dequant(
     const pkv_u8* __restrict__ kv, const float* __restrict__ scale,
@@ -119,9 +128,10 @@ __device__ __forceinline__ void pkv_gather_dequant(
     const int* __restrict__ table, const int* __restrict__ indptr,
     const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
     pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
-    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim) {
+    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups) {
   const pkv_i64 row_elems = num_heads * head_dim;
   const pkv_i64 out_elems = total_tokens * row_elems;
+  const pkv_i64 g_len = pkv_div(head_dim, groups);
   for (pkv_i64 j = pkv_row_begin(); j < num_entries; j += pkv_row_step()) {
     pkv_entry e;
     if (!pkv_entry_at<TABLE>(j, table, indptr, seq_lens, seq_ends, batch, width, num_blocks,
@@ -139,10 +149,12 @@ __device__ __forceinline__ void pkv_gather_dequant(
         const pkv_i64 h = row - offset * num_heads;
         const pkv_i64 k_row = pkv_row_index<LAYOUT>(e.block, 0, offset, h, block_size, num_heads);
         const pkv_i64 v_row = pkv_row_index<LAYOUT>(e.block, 1, offset, h, block_size, num_heads);
-        const float k_zero = Q == PKV_Q_INT8 ? zero[k_row] : 0.0f;
-        const float v_zero = Q == PKV_Q_INT8 ? zero[v_row] : 0.0f;
-        k = pkv_dequantize<Q>(kv[k_row * head_dim + d], scale[k_row], k_zero);
-        v = pkv_dequantize<Q>(kv[v_row * head_dim + d], scale[v_row], v_zero);
+        const pkv_i64 g = groups == 1 ? 0 : pkv_div(d, g_len);
+        const bool has_zero = Q == PKV_Q_INT8 || Q == PKV_Q_INT4;
+        const float k_zero = has_zero ? zero[k_row * groups + g] : 0.0f;
+        const float v_zero = has_zero ? zero[v_row * groups + g] : 0.0f;
+        k = pkv_dequantize<Q>(pkv_code_at<Q>(kv, k_row, head_dim, d), scale[k_row * groups + g], k_zero);
+        v = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), scale[v_row * groups + g], v_zero);
       }
       out_key[dst] = pkv_dtype<O>::from_f32(k);
       out_value[dst] = pkv_dtype<O>::from_f32(v);
@@ -172,9 +184,9 @@ __device__ __forceinline__ void pkv_gather_dequant(
                                   const float* __restrict__ scale,                           \
                                   const float* __restrict__ zero, O* __restrict__ out_key,   \
                                   O* __restrict__ out_value, PKV_GATHER_TABLE_PARAMS,        \
-                                  pkv_i64 head_dim) {                                        \
+                                  pkv_i64 head_dim, pkv_i64 groups) {                        \
     pkv_gather_dequant<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,             \
-                                            PKV_GATHER_TABLE_ARGS, head_dim);                \
+                                            PKV_GATHER_TABLE_ARGS, head_dim, groups);        \
   }
 
 #define PKV_GATHER_COPY_ALL(T, TABLE, L, LAYOUT)                               \
@@ -191,7 +203,8 @@ __device__ __forceinline__ void pkv_gather_dequant(
   PKV_GATHER_COPY_ALL(T, TABLE, L, LAYOUT)                        \
   PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, e4m3, PKV_Q_E4M3)     \
   PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, e5m2, PKV_Q_E5M2)     \
-  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, int8, PKV_Q_INT8)
+  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, int8, PKV_Q_INT8)     \
+  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, int4, PKV_Q_INT4)
 
 PKV_GATHER_ALL(csr, PKV_TABLE_CSR, nhd, PKV_NHD)
 PKV_GATHER_ALL(csr, PKV_TABLE_CSR, hnd, PKV_HND)

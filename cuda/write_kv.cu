@@ -10,9 +10,12 @@
 //   pkv_write_kv_{nhd,hnd}_{v16,e4,e2}
 //       plain copy in 16-byte vectors, or per 4-/2-byte element (any model dtype:
 //       the bytes are moved, never converted);
-//   pkv_write_kv_{nhd,hnd}_{f32,f16,bf16}_to_{e4m3,e5m2,int8}
-//       quantizing: one thread per (token, head) row computes the row's scale
-//       (and zero point), then writes the codes.
+//   pkv_write_kv_{nhd,hnd}_{f32,f16,bf16}_to_{e4m3,e5m2,int8,int4}
+//       quantizing, cooperatively: the blockDim.x threads of a CTA row share one
+//       (token, K/V, head) row, reduce each scale group of it through shared
+//       memory (a tree of barrier phases), then write its codes (int4: two per
+//       byte) and its scale and zero point. blockDim.y rows per CTA; the CTAs of
+//       the whole grid stride over the rows.
 #include "common.cuh"
 
 template <typename C, int LAYOUT>
@@ -38,30 +41,107 @@ __device__ __forceinline__ void pkv_write_kv_copy(
   }
 }
 
+// Row r of a quantizing write is (token, K/V, head) = (r / 2H, r / H % 2, r % H).
+template <typename T, int LAYOUT>
+struct pkv_quant_row {
+  bool active;  // a real row with a slot inside the layer
+  const T* src;
+  pkv_i64 row;  // its (token, head) row in the layer
+
+  __device__ __forceinline__ pkv_quant_row(pkv_i64 r, pkv_i64 rows, const T* __restrict__ key,
+                                           const T* __restrict__ value,
+                                           const pkv_i64* __restrict__ slot_mapping,
+                                           pkv_i64 num_slots, pkv_i64 block_size,
+                                           pkv_i64 num_heads, pkv_i64 key_stride_t,
+                                           pkv_i64 key_stride_h, pkv_i64 value_stride_t,
+                                           pkv_i64 value_stride_h)
+      : active(false), src(key), row(0) {
+    if (r >= rows) return;
+    const pkv_i64 t = pkv_div(r, 2 * num_heads);
+    const pkv_i64 kvh = r - t * 2 * num_heads;
+    const pkv_i64 kv = kvh >= num_heads ? 1 : 0;
+    const pkv_i64 h = kvh - kv * num_heads;
+    const pkv_i64 slot = slot_mapping[t];
+    if (slot < 0 || slot >= num_slots) return;
+    const pkv_i64 block = pkv_div(slot, block_size);
+    active = true;
+    src = kv ? value + t * value_stride_t + h * value_stride_h : key + t * key_stride_t + h * key_stride_h;
+    row = pkv_row_index<LAYOUT>(block, kv, slot - block * block_size, h, block_size, num_heads);
+  }
+};
+
 template <typename T, int Q, int LAYOUT>
 __device__ __forceinline__ void pkv_write_kv_quant(
     pkv_u8* __restrict__ kv, float* __restrict__ scale, float* __restrict__ zero,
     const T* __restrict__ key, const T* __restrict__ value,
     const pkv_i64* __restrict__ slot_mapping, pkv_i64 num_tokens, pkv_i64 num_slots,
-    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 key_stride_t,
-    pkv_i64 key_stride_h, pkv_i64 value_stride_t, pkv_i64 value_stride_h) {
-  for (pkv_i64 t = pkv_row_begin(); t < num_tokens; t += pkv_row_step()) {
-    const pkv_i64 slot = slot_mapping[t];
-    if (slot < 0 || slot >= num_slots) continue;
-    const pkv_i64 block = pkv_div(slot, block_size);
-    const pkv_i64 offset = slot - block * block_size;
-    for (pkv_i64 h = pkv_col_begin(); h < num_heads; h += pkv_col_step()) {
-      for (pkv_i64 kv_index = 0; kv_index < 2; ++kv_index) {
-        const T* src = kv_index == 0 ? key + t * key_stride_t + h * key_stride_h
-                                     : value + t * value_stride_t + h * value_stride_h;
-        const pkv_i64 row =
-            pkv_row_index<LAYOUT>(block, kv_index, offset, h, block_size, num_heads);
-        // zero is null for fp8 (unused there); no arithmetic on a null pointer.
-        pkv_quantize_row<T, Q>(src, head_dim, kv + row * head_dim, scale + row,
-                               Q == PKV_Q_INT8 ? zero + row : zero);
+    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
+    pkv_i64 key_stride_t, pkv_i64 key_stride_h, pkv_i64 value_stride_t, pkv_i64 value_stride_h) {
+  PKV_COOPERATIVE();
+  PKV_SHARED float red_a[PKV_MAX_THREADS];  // per thread: its partial reduction
+  PKV_SHARED float red_b[PKV_MAX_THREADS];
+  const pkv_i64 bx = blockDim.x, by = blockDim.y;
+  const pkv_i64 rows = num_tokens * 2 * num_heads;
+  const pkv_i64 cta = (pkv_i64)blockIdx.y * gridDim.x + blockIdx.x;
+  const pkv_i64 ctas = (pkv_i64)gridDim.x * gridDim.y;
+  const pkv_i64 g_len = pkv_div(head_dim, groups);
+  const pkv_i64 row_bytes = Q == PKV_Q_INT4 ? head_dim / 2 : head_dim;
+#define PKV_ROW() \
+  pkv_quant_row<T, LAYOUT> w(base + threadIdx.y, rows, key, value, slot_mapping, num_slots, \
+                             block_size, num_heads, key_stride_t, key_stride_h,            \
+                             value_stride_t, value_stride_h)
+  for (pkv_i64 base = cta * by; base < rows; base += ctas * by) {
+    for (pkv_i64 g = 0; g < groups; ++g) {
+      const pkv_i64 lo = g * g_len, hi = lo + g_len;  // the group's elements
+      PKV_PHASE({
+        PKV_ROW();
+        float a, b;
+        pkv_reduce_init<Q>(&a, &b);
+        if (w.active)
+          for (pkv_i64 d = lo + threadIdx.x; d < hi; d += bx)
+            pkv_reduce_add<Q>(&a, &b, pkv_dtype<T>::to_f32(w.src[d]));
+        red_a[threadIdx.y * bx + threadIdx.x] = a;
+        red_b[threadIdx.y * bx + threadIdx.x] = b;
+      });
+      for (pkv_i64 step = 1; step < bx; step *= 2) {
+        PKV_PHASE({
+          const pkv_i64 i = threadIdx.y * bx + threadIdx.x;
+          if (threadIdx.x % (2 * step) == 0 && threadIdx.x + step < bx)
+            pkv_reduce_merge<Q>(&red_a[i], &red_b[i], red_a[i + step], red_b[i + step]);
+        });
       }
+      PKV_PHASE({
+        PKV_ROW();
+        if (w.active) {
+          const float mn = red_a[threadIdx.y * bx], s = pkv_group_scale<Q>(mn, red_b[threadIdx.y * bx]);
+          pkv_u8* q = kv + w.row * row_bytes;
+          if (Q == PKV_Q_INT4) {
+            // bytes holding the group's codes; one that also holds a neighbouring
+            // group's code keeps that nibble (that group's phase runs apart)
+            for (pkv_i64 i = lo / 2 + threadIdx.x; i < (hi + 1) / 2; i += bx) {
+              pkv_u32 byte = 0, keep = 0;
+              for (pkv_i64 e = 2 * i; e < 2 * i + 2; ++e) {
+                const pkv_u32 shift = (pkv_u32)(e & 1) * 4;
+                if (e >= lo && e < hi)
+                  byte |= pkv_quantize<Q>(pkv_dtype<T>::to_f32(w.src[e]), s, mn) << shift;
+                else
+                  keep |= 15u << shift;
+              }
+              q[i] = (pkv_u8)(byte | (q[i] & keep));
+            }
+          } else {
+            for (pkv_i64 d = lo + threadIdx.x; d < hi; d += bx)
+              q[d] = (pkv_u8)pkv_quantize<Q>(pkv_dtype<T>::to_f32(w.src[d]), s, mn);
+          }
+          if (threadIdx.x == 0) {
+            scale[w.row * groups + g] = s;
+            if (Q != PKV_Q_E4M3 && Q != PKV_Q_E5M2) zero[w.row * groups + g] = mn;
+          }
+        }
+      });
     }
   }
+#undef PKV_ROW
 }
 
 #define PKV_WRITE_KV_COPY(NAME, C, LAYOUT)                                                    \
@@ -80,10 +160,11 @@ __device__ __forceinline__ void pkv_write_kv_quant(
       pkv_u8* __restrict__ kv, float* __restrict__ scale, float* __restrict__ zero,           \
       const T* __restrict__ key, const T* __restrict__ value,                                 \
       const pkv_i64* __restrict__ slot_mapping, pkv_i64 num_tokens, pkv_i64 num_slots,        \
-      pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 key_stride_t,          \
-      pkv_i64 key_stride_h, pkv_i64 value_stride_t, pkv_i64 value_stride_h) {                 \
+      pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,                \
+      pkv_i64 key_stride_t, pkv_i64 key_stride_h, pkv_i64 value_stride_t,                     \
+      pkv_i64 value_stride_h) {                                                               \
     pkv_write_kv_quant<T, Q, LAYOUT>(kv, scale, zero, key, value, slot_mapping, num_tokens,   \
-                                     num_slots, block_size, num_heads, head_dim,              \
+                                     num_slots, block_size, num_heads, head_dim, groups,      \
                                      key_stride_t, key_stride_h, value_stride_t,              \
                                      value_stride_h);                                         \
   }
@@ -96,7 +177,8 @@ __device__ __forceinline__ void pkv_write_kv_quant(
 #define PKV_WRITE_KV_QUANT_DTYPE(L, LAYOUT, TN, T)                                   \
   PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_e4m3, T, PKV_Q_E4M3, LAYOUT)       \
   PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_e5m2, T, PKV_Q_E5M2, LAYOUT)       \
-  PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_int8, T, PKV_Q_INT8, LAYOUT)
+  PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_int8, T, PKV_Q_INT8, LAYOUT)       \
+  PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_int4, T, PKV_Q_INT4, LAYOUT)
 
 #define PKV_WRITE_KV_QUANT_LAYOUT(L, LAYOUT)           \
   PKV_WRITE_KV_QUANT_DTYPE(L, LAYOUT, f32, float)      \

@@ -278,7 +278,9 @@ def contiguous_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_arenas(name: str, arenas: object) -> List[torch.Tensor]:
     """Normalize a tensor or a sequence of tensors to a non-empty list of all-layer arenas
-    ``[num_layers, num_blocks, ...]`` that agree on ``num_layers``, ``num_blocks`` and device."""
+    ``[num_layers, num_blocks, ...]`` that agree on ``num_blocks`` and device. Their
+    layer counts may differ (a store keeps its model-precision layers in an arena of their
+    own): every op moves blocks arena by arena."""
     if isinstance(arenas, torch.Tensor):
         arenas = [arenas]
     if not isinstance(arenas, (list, tuple)) or len(arenas) == 0:
@@ -289,10 +291,9 @@ def check_arenas(name: str, arenas: object) -> List[torch.Tensor]:
         if a.dim() < 2:
             raise ShapeError(expected(f"{name}[{i}]", "[num_layers, num_blocks, ...]", tuple(a.shape)))
         if i:
-            if tuple(a.shape[:2]) != tuple(out[0].shape[:2]):
-                raise ShapeError(
-                    expected(f"{name}[{i}]", f"leading dims {tuple(out[0].shape[:2])} (as {name}[0])", tuple(a.shape[:2]))
-                )
+            if a.shape[1] != out[0].shape[1]:
+                raise ShapeError(expected(f"{name}[{i}]", f"{out[0].shape[1]} blocks in dim 1 (as {name}[0])",
+                                          tuple(a.shape[:2])))
             _same_device(f"{name}[{i}]", a, out[0].device)
         out.append(a)
     return out

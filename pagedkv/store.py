@@ -293,6 +293,13 @@ class KVStore:
     def _out_dtype(self, main: bool = True) -> Optional[torch.dtype]:
         return self.config.torch_dtype if (self.config.quantized and main) else None
 
+    def replaced(self, blocks) -> None:
+        """Blocks whose bytes were written into the arenas by other means (a prefix tier's
+        load, a transfer from another process): forget their window copies, which hold
+        the previous occupant's tokens."""
+        if self.window is not None and len(blocks):
+            self.window.drop(np.asarray(blocks, dtype=np.int64))
+
     def copy_blocks(self, pairs: torch.Tensor) -> None:
         """Copy block ``src`` to ``dst`` for each ``[P, 2]`` row, all layers (copy-on-write):
         codes, scales, model-precision layers and window copies."""

@@ -16,8 +16,10 @@ from pagedkv.ops import reference as ref
 from pagedkv.quant import dequantize, quantize
 
 MODEL = tuple(d.torch_dtype for d in dtypes.MODEL)
-# the formats every backend implements (int4 kernels are tested in test_lowbit_*)
-QUANT = tuple(d.torch_dtype for d in dtypes.QUANTIZED if d.codes_per_byte == 1)
+QUANT = tuple(d.torch_dtype for d in dtypes.QUANTIZED)  # storage dtypes (int4: uint8)
+INT4 = dtypes.info("int4").torch_dtype
+# int4 cases: head_dim (made even) -> group size; 9 makes a byte span two groups
+INT4_GROUPS = {4: 2, 18: 9, 32: 8, 64: 32, 80: 16, 128: 64}
 LAYOUTS = ("NHD", "HND")
 SMALL_GRID = dict(grid=(2, 3, 1), block=(4, 2, 1))  # 48 threads for hundreds of items
 ONE_THREAD = dict(grid=(1, 1, 1), block=(1, 1, 1))
@@ -31,6 +33,25 @@ def name(x) -> str:
     return str(x).replace("torch.", "")
 
 
+def quant_name(qdtype) -> str:
+    """Test id of a storage dtype: its kv_dtype name (``int4`` rather than ``uint8``)."""
+    return dtypes.lookup(qdtype).name
+
+
+def quant_dim(qdtype, d: int) -> int:
+    """The head_dim a case of ``qdtype`` runs with (int4 needs an even one)."""
+    return d + d % 2 if qdtype == INT4 else d
+
+
+def quant_views(layout, qdtype, d, *, nb=NB, bs=BS, h=H):
+    """``(data shape, scale/zero shape, has zero point)`` of a quantized layer of head_dim
+    ``d``: int4 packs two codes per byte and keeps ``d / group`` scales per row."""
+    row = dtypes.lookup(qdtype)
+    shape = layer_shape(layout, nb, bs, h, d // row.codes_per_byte)
+    sshape = shape[:-1] + ((d // INT4_GROUPS[d],) if row.grouped else ())
+    return shape, sshape, row.zero_point
+
+
 class Backend:
     """One data-op backend under test: its module, the device its tensors live on, and
     the launch-dim overrides to run each case with (the emulation also runs every
@@ -42,6 +63,12 @@ class Backend:
         self.device = torch.device("cuda" if backend == "cuda" else "cpu")
         self.kernels = backend in ("emulated", "cuda")
         self.dims = ({}, SMALL_GRID, ONE_THREAD) if backend == "emulated" else ({},)
+        if self.kernels:
+            from pagedkv.kernels import sources
+
+            self.quant = tuple(q for q in QUANT if dtypes.lookup(q).kernel_name in sources.QUANT_TYPES)
+        else:
+            self.quant = QUANT
         # where copy_blocks pairs may live: the CUDA path takes them on either side
         self.pair_devices = ("cpu", "cuda") if backend == "cuda" else ("cpu",)
 
@@ -59,6 +86,11 @@ class Backend:
         """A host copy the backend can swap into (pinned for CUDA)."""
         t = t.clone()
         return t.pin_memory() if self.device.type == "cuda" else t
+
+    def require_quant(self, qdtype) -> None:
+        """Skip a case of a storage format this backend has no implementation of."""
+        if qdtype not in self.quant:
+            pytest.skip(f"the {self.name} backend has no {quant_name(qdtype)} kernel")
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -87,10 +119,17 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_same(got: torch.Tensor, want: torch.Tensor, *, zero_sign: bool = True) -> None:
     """Byte-for-byte equal (``got`` may be on a GPU); NaNs of float tensors only need
-    to be NaN on both sides (their payload bits are not part of the contract)."""
+    to be NaN on both sides (their payload bits are not part of the contract).
+
+    ``zero_sign=False`` also takes -0.0 for 0.0: for zero-point views, whose minimum
+    torch.amin returns with either zero's sign depending on the zero's position and
+    the CPU's vector width (the sign changes no code and no dequantized value).
+    """
     got, want = got.cpu(), want.cpu()
+    if not zero_sign:
+        got, want = got + 0.0, want + 0.0  # -0.0 + 0.0 == +0.0; NaN stays NaN
     assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
     if got.dtype.is_floating_point and got.element_size() > 1:
         gn, wn = torch.isnan(got.float()), torch.isnan(want.float())
@@ -98,6 +137,13 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
         got, want = got.masked_fill(gn, 0), want.masked_fill(wn, 0)
     same = raw(got) == raw(want)
     assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} bytes differ"
+
+
+def assert_same_views(got, want) -> None:
+    """:func:`assert_same` over ``[data, scale, zero]`` (zero may be None; see zero_sign)."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is not None:
+            assert_same(g, w, zero_sign=i != 2)
 
 
 def clones(*ts):
@@ -132,10 +178,10 @@ def random_layer(layout, dtype, d, *, nb=NB, bs=BS, h=H, offset=0, gen=None):
 
 def quantized_layer(layout, qdtype, d, *, gen, nb=NB, bs=BS, h=H):
     """A quantized layer whose every slot holds reference-quantized data."""
-    shape = layer_shape(layout, nb, bs, h, d)
+    shape, sshape, zero_point = quant_views(layout, qdtype, d, nb=nb, bs=bs, h=h)
     kv = torch.zeros(shape, dtype=qdtype)
-    scale = torch.zeros(shape[:-1])
-    zero = torch.zeros(shape[:-1]) if qdtype == torch.int8 else None
+    scale = torch.zeros(sshape)
+    zero = torch.zeros(sshape) if zero_point else None
     slots = torch.arange(nb * bs)
     k = torch.randn(nb * bs, h, d, generator=gen) * 4
     v = torch.randn(nb * bs, h, d, generator=gen)

@@ -29,6 +29,7 @@ from backend_cases import (
     Layer,
     arenas,
     assert_same,
+    assert_same_views,
     clones,
     csr,
     layer_shape,
@@ -36,6 +37,9 @@ from backend_cases import (
     name,
     offset_view,
     padded,
+    quant_dim,
+    quant_name,
+    quant_views,
     quantized_layer,
     rand_kv,
     random_layer,
@@ -128,14 +132,16 @@ def test_write_kv_copies_like_the_reference(backend, dtype, layout, d, kind):
 
 @pytest.mark.parametrize("d", [3, 17, 80, 128])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("qdtype", QUANT, ids=name)
+@pytest.mark.parametrize("qdtype", QUANT, ids=quant_name)
 @pytest.mark.parametrize("dtype", MODEL, ids=name)
 def test_write_kv_quantizes_like_the_reference(backend, dtype, qdtype, layout, d):
+    backend.require_quant(qdtype)
+    d = quant_dim(qdtype, d)
     gen = torch.Generator().manual_seed(d + 100 * QUANT.index(qdtype))
-    shape = layer_shape(layout, NB, BS, H, d)
+    shape, sshape, zero_point = quant_views(layout, qdtype, d)
     layer = torch.zeros(shape, dtype=qdtype)
-    scale = torch.full(shape[:-1], -7.0)
-    zero = torch.full(shape[:-1], -9.0) if qdtype == torch.int8 else None
+    scale = torch.full(sshape, -7.0)
+    zero = torch.full(sshape, -9.0) if zero_point else None
     key = special_rows(torch.randn(23, H, d, generator=gen) * 3).to(dtype)
     value = (torch.randn(23, H, d, generator=gen) * 1e3).to(dtype)
     slots = torch.randperm(NB * BS, generator=gen)[:23]
@@ -147,9 +153,7 @@ def test_write_kv_quantizes_like_the_reference(backend, dtype, qdtype, layout, d
         got = [backend.copy(t) for t in (layer, scale, zero)]
         backend.ops.write_kv(got[0], slots.to(dev), key.to(dev), value.to(dev), layout=layout, kv_scale=got[1],
                              kv_zero=got[2], **dims)
-        for g, w in zip(got, want):
-            if w is not None:
-                assert_same(g, w)
+        assert_same_views(got, want)
 
 
 def test_write_kv_skips_slots_past_the_end_instead_of_writing_them(kernel_backend):
@@ -219,8 +223,10 @@ def test_gather_copies_like_the_reference(backend, dtype, layout, d, table, out)
 @pytest.mark.parametrize("d", [3, 80])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("out_dtype", MODEL, ids=name)
-@pytest.mark.parametrize("qdtype", QUANT, ids=name)
+@pytest.mark.parametrize("qdtype", QUANT, ids=quant_name)
 def test_gather_dequantizes_like_the_reference(backend, qdtype, out_dtype, layout, d, table, out):
+    backend.require_quant(qdtype)
+    d = quant_dim(qdtype, d)
     gen = torch.Generator().manual_seed(d + 11 * MODEL.index(out_dtype))
     layer, scale, zero = quantized_layer(layout, qdtype, d, gen=gen)
     indptr, indices, block_table, lens = tables(gen)

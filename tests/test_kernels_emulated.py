@@ -274,7 +274,7 @@ for layout in c.LAYOUTS:
         t.test_write_kv_copies_like_the_reference(B, torch.float16, layout, d, kind)
         t.test_gather_copies_like_the_reference(B, torch.float32, layout, d, "csr", "fresh")
         t.test_gather_copies_like_the_reference(B, torch.bfloat16, layout, d, "padded", "misaligned")
-    for q in c.QUANT:
+    for q in B.quant:
         t.test_write_kv_quantizes_like_the_reference(B, torch.bfloat16, q, layout, 17)
         t.test_gather_dequantizes_like_the_reference(B, q, torch.float16, layout, 3, "padded", "fresh")
         t.test_gather_dequantizes_like_the_reference(B, q, torch.float32, layout, 17, "csr", "given")
@@ -318,3 +318,40 @@ def test_address_sanitizer_catches_an_out_of_bounds_launch(tmp_path):
     assert "NOT-CAUGHT" not in proc.stdout
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr
     assert proc.returncode != 0
+
+
+# ----------------------------------------------------------------------------------
+# the cooperative quantizing write
+
+
+@pytest.mark.parametrize("kv_dtype, d, groups, block", [
+    ("fp8_e4m3", 128, None, (128, 2, 1)),
+    ("int8", 80, None, (128, 2, 1)),
+    ("int4", 128, 2, (64, 4, 1)),
+    ("int4", 18, 2, (16, 16, 1)),
+])
+def test_quantizing_write_shares_each_scale_group_among_a_cta_row(kv_dtype, d, groups, block):
+    # A CTA row of threads reduces one scale group together; the grid's CTAs stride
+    # over the (token, K/V, head) rows, so its x is 1.
+    from pagedkv.quant import storage_dtype
+
+    qdtype = storage_dtype(kv_dtype)
+    packed = kv_dtype == "int4"
+    shape = layer_shape("NHD", NB, BS, H, d // 2 if packed else d)
+    sshape = shape[:-1] + ((groups,) if packed else ())
+    layer = torch.zeros(shape, dtype=torch.uint8).view(qdtype)
+    scale, zero = torch.zeros(sshape), torch.zeros(sshape) if kv_dtype != "fp8_e4m3" else None
+    gen = torch.Generator().manual_seed(d)
+    key, value = tokens(9, d, torch.float32, "contiguous", gen)
+    slots = torch.arange(9) * 3
+    (launch,) = plans.plan_write_kv(layer, slots, key, value, kv_scale=scale, kv_zero=zero)
+    assert launch.grid[0] == 1 and launch.block == block
+    want = [layer.clone(), scale.clone(), None if zero is None else zero.clone()]
+    ref.write_kv(want[0], slots, key, value, kv_scale=want[1], kv_zero=want[2])
+    # more threads than a group has elements, fewer, and rows that outnumber the grid
+    for dims in ({}, dict(grid=(1, 1, 1), block=(256, 4, 1)), dict(grid=(3, 1, 1), block=(2, 3, 1))):
+        got = [layer.clone(), scale.clone(), None if zero is None else zero.clone()]
+        emu.write_kv(got[0], slots, key, value, kv_scale=got[1], kv_zero=got[2], **dims)
+        for i, (g, w) in enumerate(zip(got, want)):
+            if w is not None:
+                assert_same(g, w, zero_sign=i != 2)

@@ -379,3 +379,54 @@ def test_rotated_per_head_formats_store_the_quantized_rotation(kv_dtype):
         assert torch.equal(store.layer(2)[blk, kv_index, off].view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(scale[blk, kv_index, off], s)
         assert (zero is None and z is None) or torch.equal(zero[blk, kv_index, off], z)
+
+
+def _tiered_run(kv, sid, toks, scale, gen, layers):
+    hit = kv.add_sequence(sid, toks)
+    n = len(toks) - hit
+    slots = torch.as_tensor(kv.reserve(sid, n))
+    k = torch.randn(n, 2, 16, generator=gen) * scale
+    for layer in range(layers):
+        kv.write(layer, slots, k, -k)
+    kv.commit(sid, n)
+    return k
+
+
+@pytest.mark.parametrize("full_layers", [(), (0,)])
+def test_prefix_reloaded_from_the_host_tier_reads_its_own_tokens_not_the_window_of_the_last_occupant(full_layers):
+    # The device blocks a host-tier hit loads into were last written by other sequences,
+    # whose exact copies the recent window still held: they must not show through.
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=4, block_size=4, dtype=torch.float32,
+                      kv_dtype="int4", kv_window=8, prefix_host_blocks=8, enable_prefix_caching=True, hash_seed=1,
+                      kv_full_precision_layers=full_layers)
+    kv = PagedKVCache(cfg)
+    g = torch.Generator().manual_seed(0)
+    prompt = list(range(9))
+    want = _tiered_run(kv, 1, prompt, 1.0, g, 2)
+    kv.free(1)
+    for sid, base in ((2, 100), (3, 200)):  # push the prompt's blocks down to the host tier
+        _tiered_run(kv, sid, list(range(base, base + 9)), 100.0, g, 2)
+        kv.free(sid)
+    hit = kv.add_sequence(4, prompt)
+    assert hit == 8 and kv.stats().host_hit_tokens == 8
+    for layer in range(2):
+        k, v = kv.gather(4, layer, hit)
+        if layer in full_layers:  # model precision: bit for bit
+            assert torch.equal(k, want[:hit]) and torch.equal(v, -want[:hit])
+        else:
+            assert float((k - want[:hit]).abs().max()) < 0.5
+            assert float((v + want[:hit]).abs().max()) < 0.5
+    kv.free(4)
+
+
+def test_replaced_blocks_lose_their_window_copies_only():
+    cfg = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_blocks=4, block_size=4, dtype=torch.float32,
+                      kv_dtype="int4", kv_window=8)
+    store = KVStore(cfg)
+    x = torch.randn(8, 2, 16)
+    store.write(0, torch.arange(8), x, x)
+    assert store.window.held(0) is not None and store.window.held(1) is not None
+    store.replaced([0])
+    assert store.window.held(0) is None and store.window.held(1) is not None
+    store.replaced([])
+    assert store.window.held(1) is not None

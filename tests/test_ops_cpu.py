@@ -354,7 +354,7 @@ def test_copy_blocks_errors_leave_arenas_unchanged(backend):
     for pairs, exc, pattern in cases:
         _err(backend, exc, pattern, ops.copy_blocks, a, pairs)
         assert same_state(a, before)
-    _err(backend, ShapeError, r"^arenas\[1\]: expected leading dims \(2, 6\) \(as arenas\[0\]\), got \(2, 5\)$",
+    _err(backend, ShapeError, r"^arenas\[1\]: expected 6 blocks in dim 1 \(as arenas\[0\]\), got \(2, 5\)$",
          ops.copy_blocks, [a[0], a[1][:, :5]], torch.tensor([[0, 1]]))
     _err(backend, InvalidArgumentError, r"^arenas: expected a tensor or a non-empty list of tensors, got list$",
          ops.copy_blocks, [], torch.tensor([[0, 1]]))

@@ -177,8 +177,6 @@ class PagedCache(Cache):
             raise InvalidArgumentError(expected("kv", "a PagedKVCache without attention sinks (transformers' "
                                                 "sliding layers have none)", f"{kv.config.attention_sinks} sinks"))
         self.kv = kv
-        # a lossless store reads back what was written: nothing to overlay
-        self._exact_new = bool(kv.config.quantized)
         self.cache_salt = cache_salt
         self.num_layers = kv.config.num_layers
         self._windows = hf_windows.layer_windows(kv)     # None: every layer is full attention
@@ -428,13 +426,13 @@ class PagedCache(Cache):
             else:
                 keys = k.new_zeros(B * columns, H, D).index_copy_(0, plan.dest, k).view(B, columns, H, D)
                 values = v.new_zeros(B * columns, H, D).index_copy_(0, plan.dest, v).view(B, columns, H, D)
-        if self._exact_new:
-            # The pass's own tokens attend to their K/V as computed, as in serving engines
-            # (prefill attention runs on the in-flight K/V) and HF's QuantizedCache; only
-            # earlier tokens are read back from the quantized arena.
-            new = torch.from_numpy(plan.new_mask).to(keys.device)
-            keys[:, columns - q:][new] = key_states.transpose(1, 2)[new].to(keys.dtype)
-            values[:, columns - q:][new] = value_states.transpose(1, 2)[new].to(values.dtype)
+        # The pass's own tokens attend to their K/V as computed, as in serving engines
+        # (prefill attention runs on the in-flight K/V) and HF's QuantizedCache; earlier
+        # tokens are read back from the arena (for a lossy store: dequantized). A
+        # lossless store reads back the same values, so this changes nothing there.
+        new = torch.from_numpy(plan.new_mask).to(keys.device)
+        keys[:, columns - q:][new] = key_states.transpose(1, 2)[new].to(keys.dtype)
+        values[:, columns - q:][new] = value_states.transpose(1, 2)[new].to(values.dtype)
         self.layers[layer_idx].is_initialized = True
         if layer_idx == self.num_layers - 1:
             self._finish_step()

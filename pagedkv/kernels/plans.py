@@ -126,6 +126,11 @@ def _check_kernel_dtype(kv_layer: torch.Tensor) -> None:
                                   "or a model dtype)", f"{row.name} ({row.torch_name})"))
 
 
+def _groups(kv_layer: torch.Tensor, kv_scale: torch.Tensor) -> int:
+    """Scale groups per (token, head) row: 1, or the trailing dim of a grouped (int4) scale view."""
+    return kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
+
+
 def _check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {tuple(t.stride())}"))
@@ -190,10 +195,14 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
     tail = [_i64(tokens), _i64(geo.num_blocks * geo.block_size), _i64(geo.block_size), _i64(heads)]
     if geo.quantized:
         name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[kv_layer.dtype])
+        groups = _groups(kv_layer, kv_scale)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key), _ptr(value), _ptr(slots)]
-        args += tail + [_i64(dim)]
+        args += tail + [_i64(dim), _i64(groups)]
         args += [_i64(key.stride(0)), _i64(key.stride(1)), _i64(value.stride(0)), _i64(value.stride(1))]
-        return [_launch("write_kv.cu", name, tokens, heads, args, (slots,))]
+        # cooperative: a CTA row of threads shares each (token, K/V, head) row, so
+        # the grid's x is 1 and its CTAs stride over the rows (see write_kv.cu)
+        grid, block = launch_dims(tokens * 2 * heads, dim // groups)
+        return [Launch("write_kv.cu", name, (1, grid[1], 1), block, tuple(args), (slots,))]
     elt = key.element_size()
     strides = [key.stride(0), key.stride(1), value.stride(0), value.stride(1)]
     unit = 16 if _vector_ok([dim * elt] + [s * elt for s in strides], [kv_layer, key, value]) else elt
@@ -270,7 +279,7 @@ def plan_gather(
     if geo.quantized:
         name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[kv_layer.dtype], out_type=_MODEL_NAMES[out_dtype])
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
-        args += table_args + [_i64(dim)]
+        args += table_args + [_i64(dim), _i64(_groups(kv_layer, kv_scale))]
         return [_launch("gather_kv.cu", name, entries, geo.block_size * heads * dim, args, keep)], out_key, out_value
     elt = kv_layer.element_size()
     unit = 16 if _vector_ok([dim * elt], [kv_layer, out_key, out_value]) else elt

@@ -2,10 +2,12 @@
 
 Each function runs the reference's structural checks (same errors, same messages),
 then hands pointers, byte strides and counts to the Cython loops in
-:mod:`pagedkv.ops._cpu_copy`, which check index values before the first byte moves.
-Cases the loops do not cover go to the reference after the same checks: quantized
-arenas (quantize/dequantize in torch), non-contiguous arenas or outputs, a source
-whose ``head_dim`` is strided. Results equal the reference element for element.
+:mod:`pagedkv.ops._cpu_copy` (byte moves) and :mod:`pagedkv.ops._cpu_quant`
+(quantizing writes, dequantizing gathers of fp8, int8 and int4 arenas), which check
+index values before the first byte moves. Cases the loops do not cover go to the
+reference after the same checks: non-contiguous arenas (or scale/zero views), a
+zero-length ``head_dim`` of a quantized arena (the reference names the error).
+Results equal the reference element for element.
 """
 from __future__ import annotations
 
@@ -13,13 +15,15 @@ from typing import Optional, Tuple
 
 import torch
 
+from pagedkv import dtypes
 from pagedkv.errors import DeviceError, KernelUnavailableError, expected
 from pagedkv.ops import reference as _ref
 
 try:
     from pagedkv.ops import _cpu_copy as _c
+    from pagedkv.ops import _cpu_quant as _q
 except ImportError:  # not built (source checkout without build_ext)
-    _c = None
+    _c = _q = None
 
 __all__ = [
     "AVAILABLE",
@@ -70,6 +74,9 @@ def write_kv(
     c = _loops()
     geo = _ref.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
     _require_cpu("kv_layer", kv_layer)
+    if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
+        _write_quant(kv_layer, _c_contig(slot_mapping), key, value, kv_scale, kv_zero, geo, layout == "HND")
+        return
     if geo.quantized or not kv_layer.is_contiguous() or key.stride(2) != 1 or value.stride(2) != 1:
         _ref.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero)
         return
@@ -135,6 +142,56 @@ def _write_rows(c, kv_layer, slots, key, value, nb, bs, h, d, hnd) -> None:
     )
     if bad >= 0:
         raise _ref.slot_error(bad_slot, bad, nb * bs)
+
+
+# ----------------------------------------------------------------------------------
+# quantized arenas (fp8, int8, int4): the loops of _cpu_quant
+
+
+def _quant_ok(geo, kv_layer, kv_scale, kv_zero) -> bool:
+    """A quantized layer the loops take: contiguous data, scale and zero views."""
+    return (geo.quantized and geo.head_dim > 0 and kv_layer.is_contiguous() and kv_scale.is_contiguous()
+            and (kv_zero is None or kv_zero.is_contiguous()))
+
+
+def _groups(kv_layer, kv_scale) -> int:
+    return kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
+
+
+def _quant_code(kv_layer) -> int:
+    return _q.QUANT_CODES[dtypes.lookup(kv_layer.dtype).name]
+
+
+def _model_code(dtype) -> int:
+    return _q.MODEL_CODES[dtypes.lookup(dtype).name]
+
+
+def _write_quant(kv_layer, slots, key, value, kv_scale, kv_zero, geo, hnd: bool) -> None:
+    # a strided head_dim is made dense: the row loops read it as one run
+    key = key if key.stride(2) == 1 or geo.head_dim == 1 else key.contiguous()
+    value = value if value.stride(2) == 1 or geo.head_dim == 1 else value.contiguous()
+    es = key.element_size()
+    ks, vs = key.stride(), value.stride()
+    bad, bad_slot = _q.write_quant(
+        kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(), key.data_ptr(),
+        value.data_ptr(), slots.data_ptr(), key.shape[0], ks[0] * es, ks[1] * es, vs[0] * es, vs[1] * es,
+        _model_code(key.dtype), _quant_code(kv_layer), geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim,
+        _groups(kv_layer, kv_scale), hnd,
+    )
+    if bad >= 0:
+        raise _ref.slot_error(bad_slot, bad, geo.num_blocks * geo.block_size)
+
+
+def _gather_quant(kv_layer, kv_scale, kv_zero, indptr, width, table, seq_lens, batch, total, geo, out_dtype,
+                  out_key, out_value, hnd: bool):
+    ok, ov = _outputs(out_key, out_value, total, geo, out_dtype, kv_layer.device)
+    _q.gather_quant(
+        kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(),
+        0 if indptr is None else indptr.data_ptr(), width, table.data_ptr(), seq_lens.data_ptr(), batch, total,
+        ok.data_ptr(), ov.data_ptr(), _quant_code(kv_layer), _model_code(out_dtype), geo.block_size,
+        geo.num_heads, geo.head_dim, _groups(kv_layer, kv_scale), hnd,
+    )
+    return ok, ov
 
 
 def _raise_table_error(code: int, b: int, a: int, c: int, padded: bool, bs: int, nb: int, nnz: int = 0):
@@ -259,6 +316,15 @@ def gather_kv(
     geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     batch = _ref.check_csr(indptr, indices, seq_lens, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
+    if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
+        indptr, indices, seq_lens = indptr.clone(), indices.clone(), seq_lens.clone()  # read once
+        nnz = indices.shape[0]
+        code, b, a, z = c.validate_csr(indptr.data_ptr(), indices.data_ptr(), seq_lens.data_ptr(), batch, nnz,
+                                       geo.block_size, geo.num_blocks)
+        if code != _OK:
+            _raise_table_error(code, b, a, z, False, geo.block_size, geo.num_blocks, nnz)
+        return _gather_quant(kv_layer, kv_scale, kv_zero, indptr, 0, indices, seq_lens, batch, a, geo, out_dtype,
+                             out_key, out_value, layout == "HND")
     if geo.quantized or not kv_layer.is_contiguous():
         return _ref.gather_kv(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype,
                               kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)
@@ -297,6 +363,15 @@ def gather_kv_padded(
     geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     batch = _ref.check_padded(block_table, seq_lens, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
+    if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
+        block_table, seq_lens = block_table.clone(), seq_lens.clone()  # read once
+        width = block_table.shape[1]
+        code, b, a, z = c.validate_padded(block_table.data_ptr(), seq_lens.data_ptr(), batch, width,
+                                          geo.block_size, geo.num_blocks)
+        if code != _OK:
+            _raise_table_error(code, b, a, z, True, geo.block_size, geo.num_blocks)
+        return _gather_quant(kv_layer, kv_scale, kv_zero, None, width, block_table, seq_lens, batch, a, geo,
+                             out_dtype, out_key, out_value, layout == "HND")
     if geo.quantized or not kv_layer.is_contiguous():
         return _ref.gather_kv_padded(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype,
                                      kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)

@@ -288,6 +288,7 @@ class PrefixTiers:
                 by_tier[t.medium].append((s, b))
             for medium, pairs in by_tier.items():
                 self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
+                self.store.replaced([p[1] for p in pairs])
             tables.commit(key, n * bs, internal=True)
             reserved = False
         except BaseException:

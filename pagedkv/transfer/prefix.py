@@ -111,6 +111,7 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
         link.send_json({"ok": True, "start_block": min(k, m)}, "sending the allocation")
         blocks = cache.block_table(tmp)[k:m].tolist() if k < m else []
         link.recv_blocks(cache.store.arenas, blocks)
+        cache.store.replaced(blocks)
         if blocks:
             cache.commit(tmp, (m - k) * bs)
         link.send_json({"ok": True}, "confirming the commit")

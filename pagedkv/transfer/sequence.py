@@ -111,6 +111,7 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
         link.send_json({"ok": True, "start_block": start}, "sending the allocation")
         blocks = cache.block_table(sid)[start:].tolist() if need else []
         link.recv_blocks(cache.store.arenas, blocks)
+        cache.store.replaced(blocks)
         if need:
             cache.commit(sid, need)
         link.send_json({"ok": True}, "confirming the commit")

@@ -1,0 +1,219 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# distutils: extra_compile_args = -fopenmp -ffp-contract=off -fno-fast-math -fno-trapping-math
+# distutils: extra_link_args = -fopenmp
+"""Quantizing write and dequantizing gather of the fast CPU ops, on raw tensor pointers.
+
+The row arithmetic is ``quant_rows.h`` (pagedkv/quant.py's, bit for bit). As in
+:mod:`pagedkv.ops._cpu_copy`, the Python side (:mod:`pagedkv.ops.cpu`) has checked
+every shape, dtype, device and contiguity, and hands over addresses, byte strides and
+counts; slot values are checked here, from a private snapshot, before the first byte
+moves. Block tables arrive already snapshotted and validated (``validate_csr`` /
+``validate_padded`` of ``_cpu_copy`` ran on the same copy).
+
+A "row" is one (token, head) of one plane (K or V): ``head_dim`` codes (int4:
+``head_dim / 2`` bytes) and ``groups`` scales (1 except for int4), plus as many zero
+points for int8/int4. Row ``r`` of a layer starts at byte ``r * row_bytes`` of the data
+and at float ``r * groups`` of the scale/zero views.
+"""
+from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+from cython.parallel cimport parallel, prange
+cimport openmp
+
+cdef extern from "quant_rows.h" nogil:
+    int PKV_F32, PKV_F16, PKV_BF16, PKV_E4M3, PKV_E5M2, PKV_INT8, PKV_INT4
+    ctypedef void (*pkv_quantize_row_fn)(const char* x, int in_type, int64_t head_dim, int qtype, int64_t groups,
+                                         uint8_t* q, float* scale, float* zero, float* tmp, uint8_t* codes)
+    pkv_quantize_row_fn pkv_pick_quantize_row()
+    ctypedef void (*pkv_dequantize_row_fn)(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
+                                           const float* scale, const float* zero, int out_type, char* out,
+                                           float* tmp)
+    pkv_dequantize_row_fn pkv_pick_dequantize_row()
+
+#: codes of the model dtypes (write input, gather output) and of the storage formats
+MODEL_CODES = {"float32": PKV_F32, "float16": PKV_F16, "bfloat16": PKV_BF16}
+QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "int4": PKV_INT4}
+
+# the row functions for this CPU (256-bit vectors and F16C where the CPU has them)
+cdef pkv_quantize_row_fn quantize_row = pkv_pick_quantize_row()
+cdef pkv_dequantize_row_fn dequantize_row = pkv_pick_dequantize_row()
+
+# below this many elements moved, a call runs on one thread
+cdef int64_t _PARALLEL_ELEMENTS = 16384
+
+
+cdef inline int threads_for(int64_t elements) noexcept nogil:
+    return 1 if elements < _PARALLEL_ELEMENTS else openmp.omp_get_max_threads()
+
+
+cdef inline int64_t row_of(int64_t blk, int kv, int64_t off, int64_t h, int64_t block_size,
+                           int64_t num_heads, bint hnd) noexcept nogil:
+    if hnd:
+        return ((blk * 2 + kv) * num_heads + h) * block_size + off
+    return ((blk * 2 + kv) * block_size + off) * num_heads + h
+
+
+cdef void check_sizes(int64_t head_dim, int64_t groups, int qtype) except *:
+    if head_dim < 1 or groups < 1 or head_dim % groups:
+        raise ValueError("quant rows: head_dim must be a positive multiple of groups")
+    if qtype == PKV_INT4 and head_dim % 2:
+        raise ValueError("quant rows: int4 needs an even head_dim")
+    if qtype != PKV_INT4 and groups != 1:
+        raise ValueError("quant rows: only int4 has scale groups")
+
+
+def write_quant(
+    uintptr_t layer_ptr,
+    uintptr_t scale_ptr,
+    uintptr_t zero_ptr,
+    uintptr_t key_ptr,
+    uintptr_t value_ptr,
+    uintptr_t slots_ptr,
+    int64_t num_tokens,
+    int64_t key_tok_stride,
+    int64_t key_head_stride,
+    int64_t value_tok_stride,
+    int64_t value_head_stride,
+    int in_type,
+    int qtype,
+    int64_t num_blocks,
+    int64_t block_size,
+    int64_t num_heads,
+    int64_t head_dim,
+    int64_t groups,
+    bint hnd,
+):
+    """Quantize K/V token rows (input strides in bytes, unit stride along head_dim) into
+    their slots of a contiguous quantized layer and its scale (and zero) views.
+
+    Returns ``(-1, 0)``, or the index and value of the first slot
+    ``>= num_blocks * block_size`` (then nothing was written). Negative slots are skipped.
+    The slots are read once, into a private buffer, and used from there.
+    """
+    check_sizes(head_dim, groups, qtype)
+    if num_tokens < 0 or num_tokens > INT64_MAX // 8:
+        raise OverflowError("write_quant: num_tokens out of range")
+    if num_blocks < 0 or block_size < 0 or (block_size and num_blocks > INT64_MAX // block_size):
+        raise OverflowError("write_quant: num_blocks * block_size out of range")
+    cdef int64_t* slots = <int64_t*> malloc(<size_t> (num_tokens if num_tokens else 1) * 8)
+    if slots == NULL:
+        raise MemoryError("write_quant: cannot snapshot the slot mapping")
+    memcpy(slots, <const void*> slots_ptr, <size_t> num_tokens * 8)
+    cdef uint8_t* layer = <uint8_t*> layer_ptr
+    cdef float* scale = <float*> scale_ptr
+    cdef float* zero = <float*> zero_ptr  # NULL for fp8
+    cdef const char* key = <const char*> key_ptr
+    cdef const char* value = <const char*> value_ptr
+    cdef int64_t num_slots = num_blocks * block_size
+    cdef int64_t row_bytes = head_dim // 2 if qtype == PKV_INT4 else head_dim
+    cdef int64_t t, h, blk, off, row, bad = -1
+    cdef int kv
+    cdef const char* src
+    cdef int nth = threads_for(2 * num_tokens * num_heads * head_dim)
+    # per thread: a row widened to float32 (head_dim floats) and its codes (head_dim bytes),
+    # each thread's share a whole number of cache lines (so the floats stay aligned)
+    cdef int64_t share = (head_dim * 5 + 63) // 64 * 64
+    cdef char* scratch = <char*> malloc(<size_t> (nth * share))
+    if scratch == NULL:
+        free(slots)
+        raise MemoryError("write_quant: cannot allocate the row buffers")
+    cdef int tid
+    with nogil:
+        for t in range(num_tokens):
+            if slots[t] >= num_slots:
+                bad = t
+                break
+        if bad < 0:
+            for t in prange(num_tokens, num_threads=nth, schedule="static"):
+                if slots[t] < 0:
+                    continue
+                tid = openmp.omp_get_thread_num()
+                blk = slots[t] // block_size
+                off = slots[t] - blk * block_size
+                for kv in range(2):
+                    for h in range(num_heads):
+                        if kv == 0:
+                            src = key + t * key_tok_stride + h * key_head_stride
+                        else:
+                            src = value + t * value_tok_stride + h * value_head_stride
+                        row = row_of(blk, kv, off, h, block_size, num_heads, hnd)
+                        quantize_row(src, in_type, head_dim, qtype, groups, layer + row * row_bytes,
+                                     scale + row * groups, zero + row * groups if zero != NULL else NULL,
+                                     <float*> (scratch + tid * share),
+                                     <uint8_t*> (scratch + tid * share + head_dim * 4))
+    free(scratch)
+    cdef int64_t bad_value = slots[bad] if bad >= 0 else 0
+    free(slots)
+    return bad, bad_value
+
+
+def gather_quant(
+    uintptr_t layer_ptr,
+    uintptr_t scale_ptr,
+    uintptr_t zero_ptr,
+    uintptr_t starts_ptr,
+    int64_t start_stride,
+    uintptr_t blocks_ptr,
+    uintptr_t seq_lens_ptr,
+    int64_t batch,
+    int64_t total,
+    uintptr_t out_k_ptr,
+    uintptr_t out_v_ptr,
+    int qtype,
+    int out_type,
+    int64_t block_size,
+    int64_t num_heads,
+    int64_t head_dim,
+    int64_t groups,
+    bint hnd,
+):
+    """Dequantize validated tables into contiguous ``[total, H, D]`` outputs of ``out_type``.
+
+    Sequence ``b``'s blocks are ``blocks[first(b):]``, ``first(b)`` being ``starts[b]``
+    (CSR indptr, ``start_stride == 0``) or ``b * start_stride`` (padded rows).
+    """
+    check_sizes(head_dim, groups, qtype)
+    if batch < 0 or total < 0 or total > INT64_MAX // 16:
+        raise OverflowError("gather_quant: total out of range")
+    if batch == 0 or total == 0:
+        return
+    cdef int64_t* token_row = <int64_t*> malloc(<size_t> total * 2 * 8)  # (block, offset) per token
+    if token_row == NULL:
+        raise MemoryError("gather_quant: cannot index the tokens")
+    cdef const int32_t* starts = <const int32_t*> starts_ptr
+    cdef const int32_t* blocks = <const int32_t*> blocks_ptr
+    cdef const int32_t* seq_lens = <const int32_t*> seq_lens_ptr
+    cdef const uint8_t* layer = <const uint8_t*> layer_ptr
+    cdef const float* scale = <const float*> scale_ptr
+    cdef const float* zero = <const float*> zero_ptr
+    cdef char* out_k = <char*> out_k_ptr
+    cdef char* out_v = <char*> out_v_ptr
+    cdef int64_t row_bytes = head_dim // 2 if qtype == PKV_INT4 else head_dim
+    cdef int64_t out_row = head_dim * (4 if out_type == PKV_F32 else 2)
+    cdef int64_t b, j, n, first, u = 0, t, h, row
+    cdef int kv
+    cdef int nth = threads_for(2 * total * num_heads * head_dim)
+    # one scratch row per thread, for narrowing to float16/bfloat16
+    cdef float* tmp = <float*> malloc(<size_t> (nth * head_dim) * 4)
+    if tmp == NULL:
+        free(token_row)
+        raise MemoryError("gather_quant: cannot allocate the row buffers")
+    with nogil:
+        for b in range(batch):
+            first = starts[b] if start_stride == 0 else b * start_stride
+            n = seq_lens[b]
+            for j in range(n):
+                token_row[2 * u] = blocks[first + j // block_size]
+                token_row[2 * u + 1] = j % block_size
+                u += 1
+        for t in prange(total, num_threads=nth, schedule="static"):
+            for kv in range(2):
+                for h in range(num_heads):
+                    row = row_of(token_row[2 * t], kv, token_row[2 * t + 1], h, block_size, num_heads, hnd)
+                    dequantize_row(layer + row * row_bytes, qtype, head_dim, groups, scale + row * groups,
+                                   zero + row * groups if zero != NULL else NULL, out_type,
+                                   (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row,
+                                   tmp + openmp.omp_get_thread_num() * head_dim)
+    free(tmp)
+    free(token_row)

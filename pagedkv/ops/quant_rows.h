@@ -1,0 +1,355 @@
+/* quant_rows.h - quantize and dequantize one (token, head) row on the CPU.
+ *
+ * The arithmetic of pagedkv/quant.py, bit for bit: float32 throughout, each step
+ * rounds once (the module is built with -ffp-contract=off, no -ffast-math; its
+ * -fno-trapping-math only lets selects between computed values vectorize), NaN and
+ * infinities as torch treats them. The number conversions compute what
+ * cuda/common.cuh's do, without branches so that row loops vectorize;
+ * tests/test_cpu_quant.py sweeps them over every rounding case against torch's casts.
+ * Each row function has a baseline build and an AVX2/F16C build, picked at run time.
+ */
+#ifndef PAGEDKV_QUANT_ROWS_H
+#define PAGEDKV_QUANT_ROWS_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* model dtypes (input of a write, output of a gather) */
+#define PKV_F32 0
+#define PKV_F16 1
+#define PKV_BF16 2
+/* storage formats */
+#define PKV_E4M3 0
+#define PKV_E5M2 1
+#define PKV_INT8 2
+#define PKV_INT4 3
+
+static inline uint32_t pkv_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float pkv_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline int pkv_isfinite(float x) { return (pkv_bits(x) & 0x7f800000u) != 0x7f800000u; }
+
+/* round half to even for 0 <= x < 2^23 (adding 2^23 leaves no fraction bits) */
+static inline float pkv_rint_small(float x) { return (x + 8388608.0f) - 8388608.0f; }
+
+/* ---- model dtypes ---------------------------------------------------------- */
+
+/* c ? a : b for c in {0, 1}, as bit masks: gather loops stay branch-free and vectorize */
+static inline uint32_t pkv_sel(uint32_t c, uint32_t a, uint32_t b) {
+    const uint32_t m = 0u - c;
+    return (a & m) | (b & ~m);
+}
+
+static inline float pkv_f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, m = h & 0x7fffu, mant = h & 0x3ffu;
+    const uint32_t normal = (m << 13) + (112u << 23);
+    const uint32_t sub = pkv_bits((float)(int32_t)mant * 5.9604644775390625e-8f);  /* exact */
+    const uint32_t special = 0x7f800000u | (mant << 13) | pkv_sel(mant != 0u, 0x400000u, 0u);  /* inf, quiet NaN */
+    uint32_t u = pkv_sel(m >= 0x400u, normal, sub);
+    u = pkv_sel(m >= 0x7c00u, special, u);
+    return pkv_float(sign | u);
+}
+
+/* round to nearest even; every case computed, one selected (NaN: quiet, top payload bits) */
+static inline uint16_t pkv_f32_to_f16(float f) {
+    const uint32_t u = pkv_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    const int32_t ai = (int32_t)a;
+    const uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
+    const uint32_t normal = ((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10);
+    /* subnormal result: rint(|f| * 2^24) in [0, 1024] (a capped so the product stays small) */
+    const float small = pkv_float((uint32_t)(ai < 0x38800000 ? ai : 0x38800000));
+    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 16777216.0f);
+    uint32_t r = pkv_sel(ai >= 0x38800000, normal, sub);
+    r = pkv_sel(ai >= 0x47800000, 0x7c00u, r);
+    r = pkv_sel(ai > 0x7f800000, nan, r);
+    return (uint16_t)(sign | r);
+}
+
+static inline float pkv_bf16_to_f32(uint16_t b) { return pkv_float((uint32_t)b << 16); }
+
+static inline uint16_t pkv_f32_to_bf16(float f) {
+    const uint32_t u = pkv_bits(f);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)pkv_sel((int32_t)(u & 0x7fffffffu) > 0x7f800000, (u >> 16) | 0x0040u, rounded);
+}
+
+/* ---- fp8 (saturating: torch's cast of clamp(x, -FMAX, FMAX); NaN keeps its sign) ---- */
+
+static inline uint8_t pkv_f32_to_e4m3(float f) {
+    const uint32_t u = pkv_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    const int32_t ai = (int32_t)a;
+    const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);  /* >= 2^-6 */
+    const float small = pkv_float((uint32_t)(ai < 0x3c800000 ? ai : 0x3c800000));
+    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 512.0f);  /* rint(|f| * 2^9) in [0, 8] */
+    uint32_t r = pkv_sel(ai >= 0x3c800000, normal, sub);
+    r = pkv_sel(ai >= 0x43e00000, 0x7eu, r);  /* >= 448 */
+    r = pkv_sel(ai > 0x7f800000, 0x7fu, r);
+    return (uint8_t)(sign | r);
+}
+
+static inline uint8_t pkv_f32_to_e5m2(float f) {
+    const uint32_t u = pkv_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    const int32_t ai = (int32_t)a;
+    const uint32_t normal = ((a + 0xfffffu + ((a >> 21) & 1u)) >> 21) - (112u << 2);  /* >= 2^-14 */
+    const float small = pkv_float((uint32_t)(ai < 0x38800000 ? ai : 0x38800000));
+    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 65536.0f);  /* rint(|f| * 2^16) in [0, 4] */
+    uint32_t r = pkv_sel(ai >= 0x38800000, normal, sub);
+    r = pkv_sel(ai >= 0x47600000, 0x7bu, r);  /* >= 57344 */
+    r = pkv_sel(ai > 0x7f800000, 0x7fu, r);
+    return (uint8_t)(sign | r);
+}
+
+/* fp8 code -> float32 (exact), without branches on the code's class so loops of it vectorize.
+ * Subnormal codes go through an exact int -> float conversion, never through a
+ * float32 subnormal (which a thread with denormals-are-zero set would read as 0). */
+static inline float pkv_fp8_decode(uint8_t q, int qtype) {
+    const uint32_t sign = (uint32_t)(q & 0x80u) << 24, m = q & 0x7fu;
+    uint32_t u;
+    if (qtype == PKV_E4M3) {
+        u = pkv_sel(m > 7u, (m << 20) + (120u << 23), pkv_bits((float)(int32_t)(m & 7u) * 0.001953125f));
+        u = pkv_sel(m == 0x7fu, 0x7fc00000u, u);
+    } else {
+        u = pkv_sel(m > 3u, (m << 21) + (112u << 23), pkv_bits((float)(int32_t)(m & 3u) * 1.52587890625e-05f));
+        u = pkv_sel(m >= 0x7cu, 0x7f800000u | ((m & 3u) << 21), u);
+    }
+    return pkv_float(u | sign);
+}
+
+/* ---- quantize -------------------------------------------------------------- */
+
+static inline float pkv_fix_scale(float s) { return (s == 0.0f || !pkv_isfinite(s)) ? 1.0f : s; }
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* amax (fp8: absolute) or min and max (int8/int4) of y[0, n), NaN-propagating like
+ * torch.amax/amin: any NaN makes the result NaN. With SSE2, four lanes at a time
+ * (maxps(v, acc) is exactly v > acc ? v : acc); the lanes only change which of two
+ * equal zeros wins (the sign of a zero minimum is not part of the contract: torch.amin
+ * itself picks either, by position and vector width). */
+static inline __attribute__((always_inline)) void pkv_reduce(const float* y, int64_t n, int absolute,
+                                                             float* lo_out, float* hi_out) {
+    float lo = pkv_float(0x7f800000u), hi = absolute ? 0.0f : pkv_float(0xff800000u);
+    uint32_t nan = 0;
+    int64_t d = 0;
+#if defined(__SSE2__)
+    if (n >= 4) {
+        const __m128 mask = _mm_castsi128_ps(_mm_set1_epi32(absolute ? 0x7fffffff : -1));
+        __m128 vlo = _mm_set1_ps(lo), vhi = _mm_set1_ps(hi), vnan = _mm_setzero_ps();
+        for (; d + 4 <= n; d += 4) {
+            const __m128 v = _mm_and_ps(_mm_loadu_ps(y + d), mask);
+            vnan = _mm_or_ps(vnan, _mm_cmpunord_ps(v, v));
+            vlo = _mm_min_ps(v, vlo);
+            vhi = _mm_max_ps(v, vhi);
+        }
+        float l[4], h[4];
+        _mm_storeu_ps(l, vlo);
+        _mm_storeu_ps(h, vhi);
+        nan = (uint32_t)_mm_movemask_ps(vnan);
+        for (int i = 0; i < 4; ++i) {
+            lo = l[i] < lo ? l[i] : lo;
+            hi = h[i] > hi ? h[i] : hi;
+        }
+    }
+#endif
+    for (; d < n; ++d) {
+        const uint32_t bits = pkv_bits(y[d]) & 0x7fffffffu;
+        const float v = absolute ? pkv_float(bits) : y[d];
+        nan |= (uint32_t)(bits > 0x7f800000u);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    *lo_out = nan ? pkv_float(0x7fc00000u) : lo;
+    *hi_out = nan ? pkv_float(0x7fc00000u) : hi;
+}
+
+/* The row's codes from its float32 values y (the caller's scratch row): per group,
+ * fp8 q = fp8(clamp(y / s, -FMAX, FMAX)) with s = fix(amax / FMAX) (a NaN keeps its
+ * sign); int8/int4 c = clamp(rint((y - mn) / s), 0, top) with s = fix((mx - mn) / top)
+ * and NaN -> 0, stored as c - 128 (int8) or packed two per byte, element 2i in the low
+ * nibble (int4; ``codes`` is the caller's scratch of head_dim bytes). */
+static inline __attribute__((always_inline)) void pkv_quantize_values(
+        const float* y, int qtype, int64_t head_dim, int64_t groups, uint8_t* q, float* scale, float* zero,
+        uint8_t* codes) {
+    if (qtype == PKV_E4M3 || qtype == PKV_E5M2) {
+        float unused, amax;
+        pkv_reduce(y, head_dim, 1, &unused, &amax);
+        const float s = pkv_fix_scale(amax / (qtype == PKV_E4M3 ? 448.0f : 57344.0f));
+        /* y / s is computed for NaN too and then replaced: the NaN keeps its own sign */
+        if (qtype == PKV_E4M3)
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const float v = y[d] / s;
+                q[d] = pkv_f32_to_e4m3(y[d] != y[d] ? y[d] : v);
+            }
+        else
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const float v = y[d] / s;
+                q[d] = pkv_f32_to_e5m2(y[d] != y[d] ? y[d] : v);
+            }
+        *scale = s;
+        return;
+    }
+    const float top = qtype == PKV_INT8 ? 255.0f : 15.0f;
+    const uint32_t offset = qtype == PKV_INT8 ? 128u : 0u;
+    uint8_t* out = qtype == PKV_INT8 ? q : codes;
+    const int64_t g_len = head_dim / groups;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float* yg = y + g * g_len;
+        uint8_t* og = out + g * g_len;
+        float mn, mx;
+        pkv_reduce(yg, g_len, 0, &mn, &mx);
+        const float s = pkv_fix_scale((mx - mn) / top);
+        for (int64_t d = 0; d < g_len; ++d) {
+            float v = (yg[d] - mn) / s;
+            v = v != v ? 0.0f : v;
+            v = v < 0.0f ? 0.0f : (v > top ? top : v);  /* clamp then round == round then clamp here */
+            og[d] = (uint8_t)((uint32_t)(int32_t)pkv_rint_small(v) - offset);
+        }
+        scale[g] = s;
+        zero[g] = mn;
+    }
+    if (qtype == PKV_INT4)
+        for (int64_t i = 0; i < head_dim / 2; ++i) q[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+}
+
+static inline __attribute__((always_inline)) void pkv_widen_row(const char* x, int in_type, int64_t n, float* y) {
+    if (in_type == PKV_F32) {
+        memcpy(y, x, (size_t)n * 4);
+    } else if (in_type == PKV_F16) {
+        const uint16_t* h = (const uint16_t*)x;
+        for (int64_t d = 0; d < n; ++d) y[d] = pkv_f16_to_f32(h[d]);
+    } else {
+        const uint16_t* h = (const uint16_t*)x;
+        for (int64_t d = 0; d < n; ++d) y[d] = pkv_bf16_to_f32(h[d]);
+    }
+}
+
+#define PKV_QUANTIZE_ROW_ARGS                                                                    \
+    const char *x, int in_type, int64_t head_dim, int qtype, int64_t groups, uint8_t *q,          \
+        float *scale, float *zero, float *tmp, uint8_t *codes
+
+/* one (token, head) row of the model dtype; tmp: head_dim floats, codes: head_dim bytes */
+static void pkv_quantize_row_base(PKV_QUANTIZE_ROW_ARGS) {
+    pkv_widen_row(x, in_type, head_dim, tmp);
+    pkv_quantize_values(tmp, qtype, head_dim, groups, q, scale, zero, codes);
+}
+
+/* ---- dequantize ------------------------------------------------------------ */
+
+/* y = float(q) * s (fp8) or (float(c) * s) + mn (int8: c = q + 128; int4: the nibble).
+ * One loop per (format, output) pair, each simple enough for the compiler to vectorize. */
+#define PKV_DEQUANT_LOOPS(STORE)                                                            \
+    if (qtype == PKV_INT4) {                                                                \
+        const int64_t g_len = head_dim / groups;                                            \
+        for (int64_t g = 0; g < groups; ++g) {                                              \
+            const float s = scale[g], z = zero[g];                                          \
+            const int64_t lo = g * g_len, hi = lo + g_len;                                  \
+            if ((lo | hi) & 1) { /* odd groups: a byte spans two groups */                  \
+                for (int64_t d = lo; d < hi; ++d)                                           \
+                    STORE(d, (float)((q[d >> 1] >> ((d & 1) * 4)) & 15u) * s + z);          \
+            } else {                                                                        \
+                for (int64_t i = lo >> 1; i < hi >> 1; ++i) {                               \
+                    STORE(2 * i, (float)(q[i] & 15u) * s + z);                              \
+                    STORE(2 * i + 1, (float)(q[i] >> 4) * s + z);                           \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    } else if (qtype == PKV_INT8) {                                                         \
+        const float s = scale[0], z = zero[0];                                              \
+        for (int64_t d = 0; d < head_dim; ++d) STORE(d, ((float)(int8_t)q[d] + 128.0f) * s + z); \
+    } else if (qtype == PKV_E4M3) {                                                         \
+        const float s = scale[0];                                                           \
+        for (int64_t d = 0; d < head_dim; ++d) STORE(d, pkv_fp8_decode(q[d], PKV_E4M3) * s);    \
+    } else {                                                                                \
+        const float s = scale[0];                                                           \
+        for (int64_t d = 0; d < head_dim; ++d) STORE(d, pkv_fp8_decode(q[d], PKV_E5M2) * s);    \
+    }
+
+/* Dequantize a row into float32 ``o``; for a float16/bfloat16 output, ``o`` is the
+ * caller's scratch row and pkv_narrow_row converts it. */
+static inline __attribute__((always_inline)) void pkv_dequantize_f32(
+        const uint8_t* q, int qtype, int64_t head_dim, int64_t groups, const float* scale, const float* zero,
+        float* o) {
+#define PKV_STORE_F32(d, y) (o[d] = (y))
+    PKV_DEQUANT_LOOPS(PKV_STORE_F32)
+}
+
+static inline __attribute__((always_inline)) void pkv_narrow_row(const float* y, int64_t n, int out_type,
+                                                                  uint16_t* out) {
+    if (out_type == PKV_F16)
+        for (int64_t d = 0; d < n; ++d) out[d] = pkv_f32_to_f16(y[d]);
+    else
+        for (int64_t d = 0; d < n; ++d) out[d] = pkv_f32_to_bf16(y[d]);
+}
+
+#define PKV_DEQUANT_ROW_ARGS                                                                     \
+    const uint8_t *q, int qtype, int64_t head_dim, int64_t groups, const float *scale,           \
+        const float *zero, int out_type, char *out, float *tmp
+
+static void pkv_dequantize_row_base(PKV_DEQUANT_ROW_ARGS) {
+    if (out_type == PKV_F32) {
+        pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, (float*)out);
+        return;
+    }
+    pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
+    pkv_narrow_row(tmp, head_dim, out_type, (uint16_t*)out);
+}
+
+/* The same row with 256-bit vectors, and float16 by the F16C instruction (round to
+ * nearest even like pkv_f32_to_f16, which does the tail), chosen at run time. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define PKV_HAVE_AVX2 1
+__attribute__((target("avx2,f16c"))) static void pkv_dequantize_row_avx2(PKV_DEQUANT_ROW_ARGS) {
+    if (out_type == PKV_F32) {
+        pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, (float*)out);
+        return;
+    }
+    pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
+    if (out_type == PKV_BF16) {
+        pkv_narrow_row(tmp, head_dim, out_type, (uint16_t*)out);
+        return;
+    }
+    int64_t d = 0;
+    for (; d + 8 <= head_dim; d += 8)
+        _mm_storeu_si128((__m128i*)(out + 2 * d), _mm256_cvtps_ph(_mm256_loadu_ps(tmp + d), _MM_FROUND_TO_NEAREST_INT));
+    pkv_narrow_row(tmp + d, head_dim - d, out_type, (uint16_t*)out + d);
+}
+
+__attribute__((target("avx2,f16c"))) static void pkv_quantize_row_avx2(PKV_QUANTIZE_ROW_ARGS) {
+    if (in_type == PKV_F16) {  /* the F16C widening is exact, like pkv_f16_to_f32 */
+        int64_t d = 0;
+        for (; d + 8 <= head_dim; d += 8)
+            _mm256_storeu_ps(tmp + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + 2 * d))));
+        pkv_widen_row(x + 2 * d, in_type, head_dim - d, tmp + d);
+    } else {
+        pkv_widen_row(x, in_type, head_dim, tmp);
+    }
+    pkv_quantize_values(tmp, qtype, head_dim, groups, q, scale, zero, codes);
+}
+#else
+#define PKV_HAVE_AVX2 0
+#endif
+
+typedef void (*pkv_dequantize_row_fn)(PKV_DEQUANT_ROW_ARGS);
+typedef void (*pkv_quantize_row_fn)(PKV_QUANTIZE_ROW_ARGS);
+
+/* the quantizing row function for this CPU */
+static pkv_quantize_row_fn pkv_pick_quantize_row(void) {
+#if PKV_HAVE_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return pkv_quantize_row_avx2;
+#endif
+    return pkv_quantize_row_base;
+}
+
+/* the row function for this CPU */
+static pkv_dequantize_row_fn pkv_pick_dequantize_row(void) {
+#if PKV_HAVE_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return pkv_dequantize_row_avx2;
+#endif
+    return pkv_dequantize_row_base;
+}
+
+#endif
