@@ -38,6 +38,7 @@ __all__ = [
     "check_csr",
     "check_padded",
     "check_out",
+    "check_rotation",
     "check_pairs",
     "check_arenas",
     "check_block_ids",
@@ -209,6 +210,26 @@ def check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero) -> Tuple[LayerG
     if out_dtype is not None and out_dtype != kv_layer.dtype:
         raise DTypeError(expected("out_dtype", f"None or {kv_layer.dtype} (the kv_layer dtype)", out_dtype))
     return geo, kv_layer.dtype
+
+
+def check_rotation(rotation_signs: object, geo: LayerGeometry, device: torch.device) -> None:
+    """Structural checks of a write's or a gather's ``rotation_signs``: None, or the
+    float32 ``[head_dim]`` sign vector of a quantized layer, on its device. The values
+    are not read (on a GPU that would sync); every backend applies them alike."""
+    if rotation_signs is None:
+        return
+    if not isinstance(rotation_signs, torch.Tensor):
+        raise DTypeError(expected("rotation_signs", "None or a torch.Tensor", type(rotation_signs).__name__))
+    if not geo.quantized:
+        raise InvalidArgumentError(expected("rotation_signs", "None for an unquantized kv_layer", "a tensor"))
+    if rotation_signs.layout != torch.strided:
+        raise InvalidArgumentError(
+            expected("rotation_signs", "a dense (strided) tensor", f"a {rotation_signs.layout} tensor"))
+    if rotation_signs.dtype != torch.float32:
+        raise DTypeError(expected("rotation_signs", "dtype float32", rotation_signs.dtype))
+    if tuple(rotation_signs.shape) != (geo.head_dim,):
+        raise ShapeError(expected("rotation_signs", f"shape ({geo.head_dim},) (head_dim)", tuple(rotation_signs.shape)))
+    _same_device("rotation_signs", rotation_signs, device)
 
 
 def check_csr(indptr, indices, seq_lens, device) -> int:

@@ -67,14 +67,17 @@ def write_kv(
     layout: str = "NHD",
     kv_scale: Optional[torch.Tensor] = None,
     kv_zero: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> None:
     """Store new K/V tokens at their slots; see :func:`pagedkv.ops.reference.write_kv`."""
     if _cpu_fast(backend, kv_layer):
-        _CPU.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero)
+        _CPU.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
+                      rotation_signs=rotation_signs)
         return
     fn = _impl("write_kv", backend, _device(kv_layer))
-    fn(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero)
+    fn(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
+       rotation_signs=rotation_signs)
 
 
 def gather_kv(
@@ -89,12 +92,13 @@ def gather_kv(
     kv_zero: Optional[torch.Tensor] = None,
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (CSR block tables); see :func:`pagedkv.ops.reference.gather_kv`."""
     fn = _CPU.gather_kv if _cpu_fast(backend, kv_layer) else _impl("gather_kv", backend, _device(kv_layer))
     return fn(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
-              kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+              kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs)
 
 
 def gather_kv_padded(
@@ -108,6 +112,7 @@ def gather_kv_padded(
     kv_zero: Optional[torch.Tensor] = None,
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (padded block table); see :func:`pagedkv.ops.reference.gather_kv_padded`."""
@@ -116,7 +121,7 @@ def gather_kv_padded(
     else:
         fn = _impl("gather_kv_padded", backend, _device(kv_layer))
     return fn(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
-              kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+              kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs)
 
 
 def _as_list(arenas: object) -> object:

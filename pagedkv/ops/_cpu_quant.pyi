@@ -1,5 +1,5 @@
 """Typing stub of the quantized CPU loops (see _cpu_quant.pyx). Pointers are ``int``
-addresses (``tensor.data_ptr()``, 0 for an absent zero view), strides are in bytes."""
+addresses (``tensor.data_ptr()``, 0 for an absent zero view or no rotation signs), strides are in bytes."""
 from typing import Dict, Tuple
 
 MODEL_CODES: Dict[str, int]
@@ -25,6 +25,7 @@ def write_quant(
     head_dim: int,
     groups: int,
     hnd: bool,
+    signs_ptr: int = 0,
 ) -> Tuple[int, int]: ...
 def gather_quant(
     layer_ptr: int,
@@ -45,4 +46,5 @@ def gather_quant(
     head_dim: int,
     groups: int,
     hnd: bool,
+    signs_ptr: int = 0,
 ) -> None: ...

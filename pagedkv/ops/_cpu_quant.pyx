@@ -14,6 +14,11 @@ A "row" is one (token, head) of one plane (K or V): ``head_dim`` codes (int4:
 ``head_dim / 2`` bytes) and ``groups`` scales (1 except for int4), plus as many zero
 points for int8/int4. Row ``r`` of a layer starts at byte ``r * row_bytes`` of the data
 and at float ``r * groups`` of the scale/zero views.
+
+A rotated cache passes ``signs_ptr``, the address of its float32 ``[head_dim]`` signs
+(0: no rotation): a write rotates each widened row before quantizing it, a gather
+unrotates each dequantized float32 row before converting it (quant_rows.h). The signs
+are copied once, before the loops, like the slots.
 """
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
@@ -24,11 +29,12 @@ cimport openmp
 cdef extern from "quant_rows.h" nogil:
     int PKV_F32, PKV_F16, PKV_BF16, PKV_E4M3, PKV_E5M2, PKV_INT8, PKV_INT4
     ctypedef void (*pkv_quantize_row_fn)(const char* x, int in_type, int64_t head_dim, int qtype, int64_t groups,
-                                         uint8_t* q, float* scale, float* zero, float* tmp, uint8_t* codes)
+                                         uint8_t* q, float* scale, float* zero, float* tmp, uint8_t* codes,
+                                         const float* signs)
     pkv_quantize_row_fn pkv_pick_quantize_row()
     ctypedef void (*pkv_dequantize_row_fn)(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
                                            const float* scale, const float* zero, int out_type, char* out,
-                                           float* tmp)
+                                           float* tmp, const float* signs)
     pkv_dequantize_row_fn pkv_pick_dequantize_row()
 
 #: codes of the model dtypes (write input, gather output) and of the storage formats
@@ -63,6 +69,17 @@ cdef void check_sizes(int64_t head_dim, int64_t groups, int qtype) except *:
         raise ValueError("quant rows: only int4 has scale groups")
 
 
+cdef float* snapshot_signs(uintptr_t signs_ptr, int64_t head_dim) except? NULL:
+    """A private copy of the rotation signs (NULL for none); the caller frees it."""
+    if signs_ptr == 0:
+        return NULL
+    cdef float* signs = <float*> malloc(<size_t> head_dim * 4)
+    if signs == NULL:
+        raise MemoryError("quant rows: cannot snapshot the rotation signs")
+    memcpy(signs, <const void*> signs_ptr, <size_t> head_dim * 4)
+    return signs
+
+
 def write_quant(
     uintptr_t layer_ptr,
     uintptr_t scale_ptr,
@@ -83,6 +100,7 @@ def write_quant(
     int64_t head_dim,
     int64_t groups,
     bint hnd,
+    uintptr_t signs_ptr=0,
 ):
     """Quantize K/V token rows (input strides in bytes, unit stride along head_dim) into
     their slots of a contiguous quantized layer and its scale (and zero) views.
@@ -96,8 +114,10 @@ def write_quant(
         raise OverflowError("write_quant: num_tokens out of range")
     if num_blocks < 0 or block_size < 0 or (block_size and num_blocks > INT64_MAX // block_size):
         raise OverflowError("write_quant: num_blocks * block_size out of range")
+    cdef float* signs = snapshot_signs(signs_ptr, head_dim)
     cdef int64_t* slots = <int64_t*> malloc(<size_t> (num_tokens if num_tokens else 1) * 8)
     if slots == NULL:
+        free(signs)
         raise MemoryError("write_quant: cannot snapshot the slot mapping")
     memcpy(slots, <const void*> slots_ptr, <size_t> num_tokens * 8)
     cdef uint8_t* layer = <uint8_t*> layer_ptr
@@ -117,6 +137,7 @@ def write_quant(
     cdef char* scratch = <char*> malloc(<size_t> (nth * share))
     if scratch == NULL:
         free(slots)
+        free(signs)
         raise MemoryError("write_quant: cannot allocate the row buffers")
     cdef int tid
     with nogil:
@@ -141,8 +162,9 @@ def write_quant(
                         quantize_row(src, in_type, head_dim, qtype, groups, layer + row * row_bytes,
                                      scale + row * groups, zero + row * groups if zero != NULL else NULL,
                                      <float*> (scratch + tid * share),
-                                     <uint8_t*> (scratch + tid * share + head_dim * 4))
+                                     <uint8_t*> (scratch + tid * share + head_dim * 4), signs)
     free(scratch)
+    free(signs)
     cdef int64_t bad_value = slots[bad] if bad >= 0 else 0
     free(slots)
     return bad, bad_value
@@ -167,6 +189,7 @@ def gather_quant(
     int64_t head_dim,
     int64_t groups,
     bint hnd,
+    uintptr_t signs_ptr=0,
 ):
     """Dequantize validated tables into contiguous ``[total, H, D]`` outputs of ``out_type``.
 
@@ -178,8 +201,10 @@ def gather_quant(
         raise OverflowError("gather_quant: total out of range")
     if batch == 0 or total == 0:
         return
+    cdef float* signs = snapshot_signs(signs_ptr, head_dim)
     cdef int64_t* token_row = <int64_t*> malloc(<size_t> total * 2 * 8)  # (block, offset) per token
     if token_row == NULL:
+        free(signs)
         raise MemoryError("gather_quant: cannot index the tokens")
     cdef const int32_t* starts = <const int32_t*> starts_ptr
     cdef const int32_t* blocks = <const int32_t*> blocks_ptr
@@ -198,6 +223,7 @@ def gather_quant(
     cdef float* tmp = <float*> malloc(<size_t> (nth * head_dim) * 4)
     if tmp == NULL:
         free(token_row)
+        free(signs)
         raise MemoryError("gather_quant: cannot allocate the row buffers")
     with nogil:
         for b in range(batch):
@@ -214,6 +240,7 @@ def gather_quant(
                     dequantize_row(layer + row * row_bytes, qtype, head_dim, groups, scale + row * groups,
                                    zero + row * groups if zero != NULL else NULL, out_type,
                                    (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row,
-                                   tmp + openmp.omp_get_thread_num() * head_dim)
+                                   tmp + openmp.omp_get_thread_num() * head_dim, signs)
     free(tmp)
+    free(signs)
     free(token_row)

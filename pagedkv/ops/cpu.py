@@ -65,20 +65,24 @@ def write_kv(
     layout: str = "NHD",
     kv_scale: Optional[torch.Tensor] = None,
     kv_zero: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
 ) -> None:
     """:func:`pagedkv.ops.reference.write_kv` on CPU tensors."""
-    if _c is not None and kv_scale is None and kv_zero is None and _sparse_safe(
+    if _c is not None and kv_scale is None and kv_zero is None and rotation_signs is None and _sparse_safe(
         _fast_write, kv_layer, slot_mapping, key, value, layout
     ):
         return
     c = _loops()
     geo = _ref.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
+    _ref.check_rotation(rotation_signs, geo, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
     if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
-        _write_quant(kv_layer, _c_contig(slot_mapping), key, value, kv_scale, kv_zero, geo, layout == "HND")
+        _write_quant(kv_layer, _c_contig(slot_mapping), key, value, kv_scale, kv_zero, geo, layout == "HND",
+                     rotation_signs)
         return
     if geo.quantized or not kv_layer.is_contiguous() or key.stride(2) != 1 or value.stride(2) != 1:
-        _ref.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero)
+        _ref.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
+                      rotation_signs=rotation_signs)
         return
     _write_rows(c, kv_layer, _c_contig(slot_mapping), key, value, geo.num_blocks, geo.block_size,
                 geo.num_heads, geo.head_dim, layout == "HND")
@@ -166,30 +170,40 @@ def _model_code(dtype) -> int:
     return _q.MODEL_CODES[dtypes.lookup(dtype).name]
 
 
-def _write_quant(kv_layer, slots, key, value, kv_scale, kv_zero, geo, hnd: bool) -> None:
+def _signs_ptr(rotation_signs: Optional[torch.Tensor]) -> Tuple[int, Optional[torch.Tensor]]:
+    """``(address, tensor to keep alive)`` of contiguous rotation signs (0: none)."""
+    if rotation_signs is None:
+        return 0, None
+    signs = _c_contig(rotation_signs)
+    return signs.data_ptr(), signs
+
+
+def _write_quant(kv_layer, slots, key, value, kv_scale, kv_zero, geo, hnd: bool, rotation_signs=None) -> None:
     # a strided head_dim is made dense: the row loops read it as one run
     key = key if key.stride(2) == 1 or geo.head_dim == 1 else key.contiguous()
     value = value if value.stride(2) == 1 or geo.head_dim == 1 else value.contiguous()
     es = key.element_size()
     ks, vs = key.stride(), value.stride()
+    signs_ptr, _keep = _signs_ptr(rotation_signs)
     bad, bad_slot = _q.write_quant(
         kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(), key.data_ptr(),
         value.data_ptr(), slots.data_ptr(), key.shape[0], ks[0] * es, ks[1] * es, vs[0] * es, vs[1] * es,
         _model_code(key.dtype), _quant_code(kv_layer), geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim,
-        _groups(kv_layer, kv_scale), hnd,
+        _groups(kv_layer, kv_scale), hnd, signs_ptr,
     )
     if bad >= 0:
         raise _ref.slot_error(bad_slot, bad, geo.num_blocks * geo.block_size)
 
 
 def _gather_quant(kv_layer, kv_scale, kv_zero, indptr, width, table, seq_lens, batch, total, geo, out_dtype,
-                  out_key, out_value, hnd: bool):
+                  out_key, out_value, hnd: bool, rotation_signs=None):
     ok, ov = _outputs(out_key, out_value, total, geo, out_dtype, kv_layer.device)
+    signs_ptr, _keep = _signs_ptr(rotation_signs)
     _q.gather_quant(
         kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(),
         0 if indptr is None else indptr.data_ptr(), width, table.data_ptr(), seq_lens.data_ptr(), batch, total,
         ok.data_ptr(), ov.data_ptr(), _quant_code(kv_layer), _model_code(out_dtype), geo.block_size,
-        geo.num_heads, geo.head_dim, _groups(kv_layer, kv_scale), hnd,
+        geo.num_heads, geo.head_dim, _groups(kv_layer, kv_scale), hnd, signs_ptr,
     )
     return ok, ov
 
@@ -305,15 +319,17 @@ def gather_kv(
     kv_zero: Optional[torch.Tensor] = None,
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv` on CPU tensors."""
-    if _c is not None:
+    if _c is not None and rotation_signs is None:
         outs = _sparse_safe(_fast_gather_csr, kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                 out_key, out_value)
         if outs is not None:
             return outs
     c = _loops()
     geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    _ref.check_rotation(rotation_signs, geo, kv_layer.device)
     batch = _ref.check_csr(indptr, indices, seq_lens, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
     if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
@@ -324,10 +340,11 @@ def gather_kv(
         if code != _OK:
             _raise_table_error(code, b, a, z, False, geo.block_size, geo.num_blocks, nnz)
         return _gather_quant(kv_layer, kv_scale, kv_zero, indptr, 0, indices, seq_lens, batch, a, geo, out_dtype,
-                             out_key, out_value, layout == "HND")
+                             out_key, out_value, layout == "HND", rotation_signs)
     if geo.quantized or not kv_layer.is_contiguous():
         return _ref.gather_kv(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype,
-                              kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+                              kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
+                              rotation_signs=rotation_signs)
     indptr, indices, seq_lens = _c_contig(indptr), _c_contig(indices), _c_contig(seq_lens)
     nnz = indices.shape[0]
     code, b, a, z = c.validate_csr(indptr.data_ptr(), indices.data_ptr(), seq_lens.data_ptr(), batch, nnz,
@@ -352,15 +369,17 @@ def gather_kv_padded(
     kv_zero: Optional[torch.Tensor] = None,
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv_padded` on CPU tensors."""
-    if _c is not None:
+    if _c is not None and rotation_signs is None:
         outs = _sparse_safe(_fast_gather_padded, kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                    out_key, out_value)
         if outs is not None:
             return outs
     c = _loops()
     geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    _ref.check_rotation(rotation_signs, geo, kv_layer.device)
     batch = _ref.check_padded(block_table, seq_lens, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
     if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
@@ -371,10 +390,11 @@ def gather_kv_padded(
         if code != _OK:
             _raise_table_error(code, b, a, z, True, geo.block_size, geo.num_blocks)
         return _gather_quant(kv_layer, kv_scale, kv_zero, None, width, block_table, seq_lens, batch, a, geo,
-                             out_dtype, out_key, out_value, layout == "HND")
+                             out_dtype, out_key, out_value, layout == "HND", rotation_signs)
     if geo.quantized or not kv_layer.is_contiguous():
         return _ref.gather_kv_padded(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype,
-                                     kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+                                     kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
+                                     rotation_signs=rotation_signs)
     block_table, seq_lens = _c_contig(block_table), _c_contig(seq_lens)
     width = block_table.shape[1]
     code, b, a, z = c.validate_padded(block_table.data_ptr(), seq_lens.data_ptr(), batch, width,

@@ -7,6 +7,9 @@
  * cuda/common.cuh's do, without branches so that row loops vectorize;
  * tests/test_cpu_quant.py sweeps them over every rounding case against torch's casts.
  * Each row function has a baseline build and an AVX2/F16C build, picked at run time.
+ * A rotated cache (pagedkv/rotation.py) passes its float32 signs: a write rotates the
+ * widened row before quantizing it, a gather unrotates the dequantized float32 row
+ * before narrowing it, in the same per-row pass (pkv_hadamard_row).
  */
 #ifndef PAGEDKV_QUANT_ROWS_H
 #define PAGEDKV_QUANT_ROWS_H
@@ -224,13 +227,71 @@ static inline __attribute__((always_inline)) void pkv_widen_row(const char* x, i
     }
 }
 
+/* ---- rotation (pagedkv/rotation.py, bit for bit) ---------------------------- */
+
+/* float32(1 / sqrt(n)) for n = 2^b: 2^(-b/2) exactly for even b, else that power of
+ * two times float32(1 / sqrt(2)) (scaling by a power of two keeps the rounding) */
+static inline float pkv_hadamard_scale(int64_t n) {
+    const int b = __builtin_ctzll((unsigned long long)n);
+    const float pow2 = pkv_float((uint32_t)(127 - (b >> 1)) << 23);
+    return (b & 1) ? pow2 * pkv_float(0x3f3504f3u) : pow2;
+}
+
+/* In place: the normalized Walsh-Hadamard transform of each power-of-two block of
+ * y[0, d) (largest block first). Every block of size >= 2h starts at a multiple of 2h,
+ * so stage h runs over the prefix d & ~(2h - 1) as if it were one block. Plain adds and
+ * subtracts, then one multiply per element: the module is built without FMA
+ * contraction and without reassociation, so each step rounds once as torch's does. */
+static inline __attribute__((always_inline)) void pkv_hadamard_row(float* y, int64_t d) {
+    for (int64_t h = 1; h < d; h *= 2) {
+        const int64_t end = d & ~(2 * h - 1);
+        if (h == 1) {
+            for (int64_t i = 0; i < end; i += 2) {
+                const float a = y[i], b = y[i + 1];
+                y[i] = a + b;
+                y[i + 1] = a - b;
+            }
+            continue;
+        }
+        for (int64_t i = 0; i < end; i += 2 * h) {
+            float* lo = y + i;
+            float* hi = y + i + h;
+            for (int64_t j = 0; j < h; ++j) {
+                const float a = lo[j], b = hi[j];
+                lo[j] = a + b;
+                hi[j] = a - b;
+            }
+        }
+    }
+    for (int64_t start = 0; start < d;) {
+        const int64_t n = (int64_t)1 << (63 - __builtin_clzll((unsigned long long)(d - start)));
+        const float c = pkv_hadamard_scale(n);
+        for (int64_t j = start; j < start + n; ++j) y[j] = y[j] * c;
+        start += n;
+    }
+}
+
+/* rotate(y) = H(signs * y), in place */
+static inline __attribute__((always_inline)) void pkv_rotate_row(float* y, int64_t d, const float* signs) {
+    for (int64_t j = 0; j < d; ++j) y[j] = y[j] * signs[j];
+    pkv_hadamard_row(y, d);
+}
+
+/* unrotate(y) = signs * H(y), in place */
+static inline __attribute__((always_inline)) void pkv_unrotate_row(float* y, int64_t d, const float* signs) {
+    pkv_hadamard_row(y, d);
+    for (int64_t j = 0; j < d; ++j) y[j] = y[j] * signs[j];
+}
+
 #define PKV_QUANTIZE_ROW_ARGS                                                                    \
     const char *x, int in_type, int64_t head_dim, int qtype, int64_t groups, uint8_t *q,          \
-        float *scale, float *zero, float *tmp, uint8_t *codes
+        float *scale, float *zero, float *tmp, uint8_t *codes, const float *signs
 
-/* one (token, head) row of the model dtype; tmp: head_dim floats, codes: head_dim bytes */
+/* one (token, head) row of the model dtype; tmp: head_dim floats, codes: head_dim bytes;
+ * signs: NULL, or the rotation's head_dim signs */
 static void pkv_quantize_row_base(PKV_QUANTIZE_ROW_ARGS) {
     pkv_widen_row(x, in_type, head_dim, tmp);
+    if (signs) pkv_rotate_row(tmp, head_dim, signs);
     pkv_quantize_values(tmp, qtype, head_dim, groups, q, scale, zero, codes);
 }
 
@@ -284,14 +345,16 @@ static inline __attribute__((always_inline)) void pkv_narrow_row(const float* y,
 
 #define PKV_DEQUANT_ROW_ARGS                                                                     \
     const uint8_t *q, int qtype, int64_t head_dim, int64_t groups, const float *scale,           \
-        const float *zero, int out_type, char *out, float *tmp
+        const float *zero, int out_type, char *out, float *tmp, const float *signs
 
 static void pkv_dequantize_row_base(PKV_DEQUANT_ROW_ARGS) {
     if (out_type == PKV_F32) {
         pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, (float*)out);
+        if (signs) pkv_unrotate_row((float*)out, head_dim, signs);
         return;
     }
     pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
+    if (signs) pkv_unrotate_row(tmp, head_dim, signs);
     pkv_narrow_row(tmp, head_dim, out_type, (uint16_t*)out);
 }
 
@@ -303,9 +366,11 @@ static void pkv_dequantize_row_base(PKV_DEQUANT_ROW_ARGS) {
 __attribute__((target("avx2,f16c"))) static void pkv_dequantize_row_avx2(PKV_DEQUANT_ROW_ARGS) {
     if (out_type == PKV_F32) {
         pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, (float*)out);
+        if (signs) pkv_unrotate_row((float*)out, head_dim, signs);
         return;
     }
     pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
+    if (signs) pkv_unrotate_row(tmp, head_dim, signs);
     if (out_type == PKV_BF16) {
         pkv_narrow_row(tmp, head_dim, out_type, (uint16_t*)out);
         return;
@@ -325,6 +390,7 @@ __attribute__((target("avx2,f16c"))) static void pkv_quantize_row_avx2(PKV_QUANT
     } else {
         pkv_widen_row(x, in_type, head_dim, tmp);
     }
+    if (signs) pkv_rotate_row(tmp, head_dim, signs);
     pkv_quantize_values(tmp, qtype, head_dim, groups, q, scale, zero, codes);
 }
 #else

@@ -43,6 +43,7 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
     check_out,
     check_padded,
     check_pairs,
+    check_rotation,
     check_slot_values,
     check_tensor,
     check_write_kv,
@@ -57,6 +58,7 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
 )
 from pagedkv.errors import ShapeError, expected
 from pagedkv.quant import dequantize, is_quantized, quantize
+from pagedkv.rotation import rotate, unrotate
 
 from pagedkv import op_checks as _op_checks
 
@@ -140,6 +142,7 @@ def write_kv(
     layout: str = "NHD",
     kv_scale: Optional[torch.Tensor] = None,
     kv_zero: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
 ) -> None:
     """Store one layer's new K/V tokens into their slots.
 
@@ -151,12 +154,17 @@ def write_kv(
             equal to ``kv_layer.dtype`` when it is not quantized).
         kv_scale: quantized only: float32 NHD ``[NB, 2, bs, H]`` / HND ``[NB, 2, H, bs]``.
         kv_zero: int8 only: float32, shaped like ``kv_scale``.
+        rotation_signs: quantized only: float32 ``[D]`` signs; the rows stored are
+            :func:`pagedkv.rotation.rotate` of the float32 K/V (then quantized).
 
     Raises:
         InvalidArgumentError: a slot is ``>= NB * bs`` (checked before any write).
     """
     geo = check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
+    check_rotation(rotation_signs, geo, kv_layer.device)
     check_slot_values(slot_mapping, geo.num_blocks * geo.block_size)
+    if rotation_signs is not None:
+        key, value = rotate(key.float(), rotation_signs), rotate(value.float(), rotation_signs)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blk = torch.div(slots, geo.block_size, rounding_mode="floor")
@@ -173,14 +181,17 @@ def write_kv(
             _assign(kv_layer, layout, kv, blk, off, src)
 
 
-def _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value):
+def _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value, signs):
     result = []
     for kv, out in ((0, out_key), (1, out_value)):
         x = _plane(kv_layer, layout, kv, blk, off)
         if is_quantized(kv_layer.dtype):
             s = _plane(kv_scale, layout, kv, blk, off)
             z = _plane(kv_zero, layout, kv, blk, off) if kv_zero is not None else None
-            x = dequantize(x, s, z, out_dtype)
+            if signs is None:
+                x = dequantize(x, s, z, out_dtype)
+            else:  # unrotated in float32, then narrowed once
+                x = unrotate(dequantize(x, s, z, torch.float32), signs).to(out_dtype)
         if out is not None:
             out.copy_(x)
             x = out
@@ -200,6 +211,7 @@ def gather_kv(
     kv_zero: Optional[torch.Tensor] = None,
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch of sequences into contiguous tensors, in token order.
 
@@ -212,17 +224,22 @@ def gather_kv(
         out_dtype: required for a quantized arena; else ``None`` or the arena dtype.
         kv_scale, kv_zero: quantized only (see :func:`write_kv`).
         out_key, out_value: optional contiguous ``[sum(seq_lens), H, D]`` outputs.
+        rotation_signs: quantized only: float32 ``[D]`` signs of a rotated arena; each
+            row is dequantized to float32, :func:`pagedkv.rotation.unrotate`-d, then
+            converted to ``out_dtype``.
 
     Returns:
         ``(key, value)``, each ``[sum(seq_lens), H, D]`` in ``out_dtype``: sequence 0's
         tokens first, then sequence 1's, and so on.
     """
     geo, out_dtype = check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    check_rotation(rotation_signs, geo, kv_layer.device)
     check_csr(indptr, indices, seq_lens, kv_layer.device)
     blk, off = _csr_token_index(indptr, indices, seq_lens, geo.block_size, geo.num_blocks)
     check_out(out_key, out_value, blk.numel(), geo, out_dtype, kv_layer.device)
     blk, off = blk.to(kv_layer.device), off.to(kv_layer.device)
-    return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value)
+    return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value,
+                          rotation_signs)
 
 
 def gather_kv_padded(
@@ -236,6 +253,7 @@ def gather_kv_padded(
     kv_zero: Optional[torch.Tensor] = None,
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table.
 
@@ -243,11 +261,13 @@ def gather_kv_padded(
     are padding (conventionally -1) and are neither read nor checked.
     """
     geo, out_dtype = check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    check_rotation(rotation_signs, geo, kv_layer.device)
     check_padded(block_table, seq_lens, kv_layer.device)
     blk, off = _padded_token_index(block_table, seq_lens, geo.block_size, geo.num_blocks)
     check_out(out_key, out_value, blk.numel(), geo, out_dtype, kv_layer.device)
     blk, off = blk.to(kv_layer.device), off.to(kv_layer.device)
-    return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value)
+    return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value,
+                          rotation_signs)
 
 
 def copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> None:
