@@ -340,3 +340,42 @@ __device__ __forceinline__ float pkv_dequantize(pkv_u32 q, float scale, float ze
   if (Q == PKV_Q_INT4) return __fadd_rn(__fmul_rn((float)q, scale), zero);
   return __fmul_rn(pkv_fp8_to_f32<Q>((pkv_u8)q), scale);
 }
+
+// ---------------------------------------------------------------------------
+// Rotation (pagedkv/rotation.py, bit for bit): rotate(x) = H(signs * x) on write,
+// unrotate(y) = signs * H(y) on read. H is block-diagonal over the binary
+// decomposition of head_dim (largest block first); on a block of n = 2^b it is the
+// butterfly stages h = 1, 2, 4, ... then one multiply by float32(1 / sqrt(n)). Every
+// block of size >= 2h starts at a multiple of 2h, so stage h runs over the prefix
+// head_dim & ~(2h - 1) of the row as if it were one block. A CTA row holds its
+// (token, head) row in shared memory, one barrier phase per stage; PKV_ROT_FLOATS
+// bounds blockDim.y * head_dim (the launch plans keep to it).
+
+#define PKV_ROT_FLOATS 4096
+
+// index of the highest set bit of x > 0
+__device__ __forceinline__ int pkv_top_bit(pkv_i64 x) { return 63 - __clzll(x); }
+
+// float32(1 / sqrt(2^b)): 2^(-b/2) exactly for even b, else that power of two times
+// float32(1 / sqrt(2)) (scaling by a power of two keeps the rounding)
+__device__ __forceinline__ float pkv_hadamard_scale(int b) {
+  const float pow2 = __uint_as_float((pkv_u32)(127 - (b >> 1)) << 23);
+  return (b & 1) ? __fmul_rn(pow2, __uint_as_float(0x3f3504f3u)) : pow2;
+}
+
+// the scale of element j's block: the highest bit where j (< d) and d differ
+__device__ __forceinline__ float pkv_hadamard_scale_at(pkv_i64 d, pkv_i64 j) {
+  return pkv_hadamard_scale(pkv_top_bit(d ^ j));
+}
+
+// stage h (a power of two) of the butterflies over y[0, d): pairs [first, ...) by step
+__device__ __forceinline__ void pkv_butterflies(float* y, pkv_i64 d, pkv_i64 h, pkv_i64 first,
+                                                pkv_i64 step) {
+  const pkv_i64 pairs = (d & ~(2 * h - 1)) / 2;
+  for (pkv_i64 p = first; p < pairs; p += step) {
+    const pkv_i64 i = ((p & ~(h - 1)) << 1) | (p & (h - 1));
+    const float a = y[i], b = y[i + h];
+    y[i] = __fadd_rn(a, b);
+    y[i + h] = __fsub_rn(a, b);
+  }
+}

@@ -14,6 +14,12 @@
 //   pkv_gather_{csr,pad}_{nhd,hnd}_{v16,e4,e2}                     plain copy
 //   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8,int4}_to_{f32,f16,bf16}
 //                                                     dequantizing, one element per thread
+//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8,int4}_to_{f32,f16,bf16}_rot
+//       dequantizing and unrotating (common.cuh, "Rotation"), cooperatively: rows
+//       are (token, K/V, head) output rows; the CTA row that owns one finds its
+//       token's block (a binary search of seq_ends), dequantizes the row into
+//       shared memory, runs the butterfly stages there (a barrier phase each), and
+//       stores the scaled, sign-multiplied row converted to the output type.
 // csr: indptr [B + 1] + indices [nnz]; pad: block_table [B, width], row-major.
 #include "common.cuh"
 
@@ -162,6 +168,108 @@ __device__ __forceinline__ void pkv_gather_dequant(
   }
 }
 
+// Where output token t lives: its block and its offset in that block; -1 when the
+// tables name no valid block for it (the row reads as zeros, as in the plain
+// gather), -2 when t lies past every sequence (the row is not written).
+template <int TABLE>
+__device__ __forceinline__ pkv_i64 pkv_token_block(pkv_i64 t, const int* __restrict__ table,
+                                                   const int* __restrict__ indptr,
+                                                   const int* __restrict__ seq_lens,
+                                                   const pkv_i64* __restrict__ seq_ends,
+                                                   pkv_i64 batch, pkv_i64 num_entries,
+                                                   pkv_i64 width, pkv_i64 num_blocks,
+                                                   pkv_i64 block_size, pkv_i64* offset) {
+  *offset = 0;
+  if (batch <= 0) return -2;
+  pkv_i64 lo = 0, hi = batch - 1;  // the first sequence whose end is past t
+  while (lo < hi) {
+    const pkv_i64 mid = lo + (hi - lo) / 2;
+    if (seq_ends[mid] > t) hi = mid; else lo = mid + 1;
+  }
+  const pkv_i64 j = t - (seq_ends[lo] - seq_lens[lo]);  // the token's index in its sequence
+  if (j < 0 || j >= seq_lens[lo]) return -2;
+  const pkv_i64 logical = pkv_div(j, block_size);
+  pkv_i64 entry;
+  if (TABLE == PKV_TABLE_PAD) {
+    if (logical >= width) return -1;
+    entry = lo * width + logical;
+  } else {
+    entry = (pkv_i64)indptr[lo] + logical;
+    if (entry < indptr[lo] || entry >= indptr[lo + 1]) return -1;
+  }
+  if (entry < 0 || entry >= num_entries) return -1;
+  const pkv_i64 block = table[entry];
+  if (block < 0 || block >= num_blocks) return -1;
+  *offset = j - logical * block_size;
+  return block;
+}
+
+template <int Q, typename O, int LAYOUT, int TABLE>
+__device__ __forceinline__ void pkv_gather_dequant_rot(
+    const pkv_u8* __restrict__ kv, const float* __restrict__ scale,
+    const float* __restrict__ zero, O* __restrict__ out_key, O* __restrict__ out_value,
+    const int* __restrict__ table, const int* __restrict__ indptr,
+    const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
+    pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
+    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
+    const float* __restrict__ signs) {
+  PKV_COOPERATIVE();
+  PKV_SHARED float rot[PKV_ROT_FLOATS];  // per CTA row: its row
+  PKV_SHARED bool found[PKV_MAX_THREADS];  // per CTA row: whether its token is in a sequence
+  const pkv_i64 bx = blockDim.x, by = blockDim.y;
+  if (by * head_dim > PKV_ROT_FLOATS) return;  // not a planned launch: write nothing
+  const pkv_i64 rows = total_tokens * 2 * num_heads;
+  const pkv_i64 cta = (pkv_i64)blockIdx.y * gridDim.x + blockIdx.x;
+  const pkv_i64 ctas = (pkv_i64)gridDim.x * gridDim.y;
+  const pkv_i64 g_len = pkv_div(head_dim, groups);
+  const bool has_zero = Q == PKV_Q_INT8 || Q == PKV_Q_INT4;
+  for (pkv_i64 base = cta * by; base < rows; base += ctas * by) {
+    PKV_PHASE({
+      const pkv_i64 r = base + threadIdx.y;
+      if (r < rows) {
+        const pkv_i64 t = pkv_div(r, 2 * num_heads);
+        const pkv_i64 kvh = r - t * 2 * num_heads;
+        const pkv_i64 kvp = kvh >= num_heads ? 1 : 0;
+        pkv_i64 offset;
+        const pkv_i64 block = pkv_token_block<TABLE>(t, table, indptr, seq_lens, seq_ends, batch,
+                                                     num_entries, width, num_blocks, block_size,
+                                                     &offset);
+        found[threadIdx.y] = block != -2;
+        const pkv_i64 row = block < 0 ? 0 : pkv_row_index<LAYOUT>(block, kvp, offset, kvh - kvp * num_heads,
+                                                                  block_size, num_heads);
+        for (pkv_i64 d = threadIdx.x; d < head_dim; d += bx) {
+          float x = 0.0f;
+          if (block >= 0) {
+            const pkv_i64 g = groups == 1 ? 0 : pkv_div(d, g_len);
+            x = pkv_dequantize<Q>(pkv_code_at<Q>(kv, row, head_dim, d), scale[row * groups + g],
+                                  has_zero ? zero[row * groups + g] : 0.0f);
+          }
+          rot[threadIdx.y * head_dim + d] = x;
+        }
+      }
+    });
+    for (pkv_i64 h = 1; h < head_dim; h *= 2) {
+      PKV_PHASE({
+        if (base + threadIdx.y < rows)
+          pkv_butterflies(rot + threadIdx.y * head_dim, head_dim, h, threadIdx.x, bx);
+      });
+    }
+    PKV_PHASE({
+      const pkv_i64 r = base + threadIdx.y;
+      if (r < rows && found[threadIdx.y]) {
+        const pkv_i64 t = pkv_div(r, 2 * num_heads);
+        const pkv_i64 kvh = r - t * 2 * num_heads;
+        const pkv_i64 kvp = kvh >= num_heads ? 1 : 0;
+        O* out = (kvp ? out_value : out_key) + (t * num_heads + kvh - kvp * num_heads) * head_dim;
+        for (pkv_i64 d = threadIdx.x; d < head_dim; d += bx) {
+          const float y = __fmul_rn(rot[threadIdx.y * head_dim + d], pkv_hadamard_scale_at(head_dim, d));
+          out[d] = pkv_dtype<O>::from_f32(__fmul_rn(y, signs[d]));
+        }
+      }
+    });
+  }
+}
+
 #define PKV_GATHER_TABLE_PARAMS                                                              \
   const int* __restrict__ table, const int* __restrict__ indptr,                             \
       const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch, \
@@ -187,6 +295,16 @@ __device__ __forceinline__ void pkv_gather_dequant(
                                   pkv_i64 head_dim, pkv_i64 groups) {                        \
     pkv_gather_dequant<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,             \
                                             PKV_GATHER_TABLE_ARGS, head_dim, groups);        \
+  }                                                                                          \
+  extern "C" __global__ void NAME##_rot(const pkv_u8* __restrict__ kv,                       \
+                                        const float* __restrict__ scale,                     \
+                                        const float* __restrict__ zero,                      \
+                                        O* __restrict__ out_key, O* __restrict__ out_value,  \
+                                        PKV_GATHER_TABLE_PARAMS, pkv_i64 head_dim,           \
+                                        pkv_i64 groups, const float* __restrict__ signs) {   \
+    pkv_gather_dequant_rot<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,         \
+                                                PKV_GATHER_TABLE_ARGS, head_dim, groups,     \
+                                                signs);                                      \
   }
 
 #define PKV_GATHER_COPY_ALL(T, TABLE, L, LAYOUT)                               \

@@ -16,6 +16,11 @@
 //       memory (a tree of barrier phases), then write its codes (int4: two per
 //       byte) and its scale and zero point. blockDim.y rows per CTA; the CTAs of
 //       the whole grid stride over the rows.
+//   pkv_write_kv_{nhd,hnd}_{f32,f16,bf16}_to_{e4m3,e5m2,int8,int4}_rot
+//       the same after rotating each row (common.cuh, "Rotation"): the CTA row
+//       first widens its row times the signs into shared memory, runs the
+//       butterfly stages there (a barrier phase each) and scales it, then reduces
+//       and quantizes the rotated values.
 #include "common.cuh"
 
 template <typename C, int LAYOUT>
@@ -70,17 +75,20 @@ struct pkv_quant_row {
   }
 };
 
-template <typename T, int Q, int LAYOUT>
+template <typename T, int Q, int LAYOUT, bool ROT>
 __device__ __forceinline__ void pkv_write_kv_quant(
     pkv_u8* __restrict__ kv, float* __restrict__ scale, float* __restrict__ zero,
     const T* __restrict__ key, const T* __restrict__ value,
     const pkv_i64* __restrict__ slot_mapping, pkv_i64 num_tokens, pkv_i64 num_slots,
     pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
-    pkv_i64 key_stride_t, pkv_i64 key_stride_h, pkv_i64 value_stride_t, pkv_i64 value_stride_h) {
+    pkv_i64 key_stride_t, pkv_i64 key_stride_h, pkv_i64 value_stride_t, pkv_i64 value_stride_h,
+    const float* __restrict__ signs) {
   PKV_COOPERATIVE();
   PKV_SHARED float red_a[PKV_MAX_THREADS];  // per thread: its partial reduction
   PKV_SHARED float red_b[PKV_MAX_THREADS];
+  PKV_SHARED float rot[ROT ? PKV_ROT_FLOATS : 1];  // per CTA row: its rotated row
   const pkv_i64 bx = blockDim.x, by = blockDim.y;
+  if (ROT && by * head_dim > PKV_ROT_FLOATS) return;  // not a planned launch: write nothing
   const pkv_i64 rows = num_tokens * 2 * num_heads;
   const pkv_i64 cta = (pkv_i64)blockIdx.y * gridDim.x + blockIdx.x;
   const pkv_i64 ctas = (pkv_i64)gridDim.x * gridDim.y;
@@ -90,7 +98,30 @@ __device__ __forceinline__ void pkv_write_kv_quant(
   pkv_quant_row<T, LAYOUT> w(base + threadIdx.y, rows, key, value, slot_mapping, num_slots, \
                              block_size, num_heads, key_stride_t, key_stride_h,            \
                              value_stride_t, value_stride_h)
+// element d of the row being quantized (ROT: the rotated row in shared memory)
+#define PKV_X(d) (ROT ? rot[threadIdx.y * head_dim + (d)] : pkv_dtype<T>::to_f32(w.src[d]))
   for (pkv_i64 base = cta * by; base < rows; base += ctas * by) {
+    if (ROT) {
+      PKV_PHASE({
+        PKV_ROW();
+        if (w.active)
+          for (pkv_i64 d = threadIdx.x; d < head_dim; d += bx)
+            rot[threadIdx.y * head_dim + d] = __fmul_rn(pkv_dtype<T>::to_f32(w.src[d]), signs[d]);
+      });
+      for (pkv_i64 h = 1; h < head_dim; h *= 2) {
+        PKV_PHASE({
+          PKV_ROW();
+          if (w.active) pkv_butterflies(rot + threadIdx.y * head_dim, head_dim, h, threadIdx.x, bx);
+        });
+      }
+      PKV_PHASE({
+        PKV_ROW();
+        if (w.active)
+          for (pkv_i64 d = threadIdx.x; d < head_dim; d += bx)
+            rot[threadIdx.y * head_dim + d] =
+                __fmul_rn(rot[threadIdx.y * head_dim + d], pkv_hadamard_scale_at(head_dim, d));
+      });
+    }
     for (pkv_i64 g = 0; g < groups; ++g) {
       const pkv_i64 lo = g * g_len, hi = lo + g_len;  // the group's elements
       PKV_PHASE({
@@ -99,7 +130,7 @@ __device__ __forceinline__ void pkv_write_kv_quant(
         pkv_reduce_init<Q>(&a, &b);
         if (w.active)
           for (pkv_i64 d = lo + threadIdx.x; d < hi; d += bx)
-            pkv_reduce_add<Q>(&a, &b, pkv_dtype<T>::to_f32(w.src[d]));
+            pkv_reduce_add<Q>(&a, &b, PKV_X(d));
         red_a[threadIdx.y * bx + threadIdx.x] = a;
         red_b[threadIdx.y * bx + threadIdx.x] = b;
       });
@@ -123,7 +154,7 @@ __device__ __forceinline__ void pkv_write_kv_quant(
               for (pkv_i64 e = 2 * i; e < 2 * i + 2; ++e) {
                 const pkv_u32 shift = (pkv_u32)(e & 1) * 4;
                 if (e >= lo && e < hi)
-                  byte |= pkv_quantize<Q>(pkv_dtype<T>::to_f32(w.src[e]), s, mn) << shift;
+                  byte |= pkv_quantize<Q>(PKV_X(e), s, mn) << shift;
                 else
                   keep |= 15u << shift;
               }
@@ -131,7 +162,7 @@ __device__ __forceinline__ void pkv_write_kv_quant(
             }
           } else {
             for (pkv_i64 d = lo + threadIdx.x; d < hi; d += bx)
-              q[d] = (pkv_u8)pkv_quantize<Q>(pkv_dtype<T>::to_f32(w.src[d]), s, mn);
+              q[d] = (pkv_u8)pkv_quantize<Q>(PKV_X(d), s, mn);
           }
           if (threadIdx.x == 0) {
             scale[w.row * groups + g] = s;
@@ -141,6 +172,7 @@ __device__ __forceinline__ void pkv_write_kv_quant(
       });
     }
   }
+#undef PKV_X
 #undef PKV_ROW
 }
 
@@ -155,18 +187,23 @@ __device__ __forceinline__ void pkv_write_kv_quant(
                                  key_stride_h, value_stride_t, value_stride_h);               \
   }
 
+#define PKV_WRITE_KV_QUANT_PARAMS(T)                                                          \
+  pkv_u8 *__restrict__ kv, float *__restrict__ scale, float *__restrict__ zero,                \
+      const T *__restrict__ key, const T *__restrict__ value,                                  \
+      const pkv_i64 *__restrict__ slot_mapping, pkv_i64 num_tokens, pkv_i64 num_slots,         \
+      pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,                 \
+      pkv_i64 key_stride_t, pkv_i64 key_stride_h, pkv_i64 value_stride_t, pkv_i64 value_stride_h
+#define PKV_WRITE_KV_QUANT_ARGS                                                                \
+  kv, scale, zero, key, value, slot_mapping, num_tokens, num_slots, block_size, num_heads,     \
+      head_dim, groups, key_stride_t, key_stride_h, value_stride_t, value_stride_h
+
 #define PKV_WRITE_KV_QUANT(NAME, T, Q, LAYOUT)                                                \
-  extern "C" __global__ void NAME(                                                            \
-      pkv_u8* __restrict__ kv, float* __restrict__ scale, float* __restrict__ zero,           \
-      const T* __restrict__ key, const T* __restrict__ value,                                 \
-      const pkv_i64* __restrict__ slot_mapping, pkv_i64 num_tokens, pkv_i64 num_slots,        \
-      pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,                \
-      pkv_i64 key_stride_t, pkv_i64 key_stride_h, pkv_i64 value_stride_t,                     \
-      pkv_i64 value_stride_h) {                                                               \
-    pkv_write_kv_quant<T, Q, LAYOUT>(kv, scale, zero, key, value, slot_mapping, num_tokens,   \
-                                     num_slots, block_size, num_heads, head_dim, groups,      \
-                                     key_stride_t, key_stride_h, value_stride_t,              \
-                                     value_stride_h);                                         \
+  extern "C" __global__ void NAME(PKV_WRITE_KV_QUANT_PARAMS(T)) {                                \
+    pkv_write_kv_quant<T, Q, LAYOUT, false>(PKV_WRITE_KV_QUANT_ARGS, nullptr);                \
+  }                                                                                           \
+  extern "C" __global__ void NAME##_rot(PKV_WRITE_KV_QUANT_PARAMS(T),                            \
+                                        const float* __restrict__ signs) {                    \
+    pkv_write_kv_quant<T, Q, LAYOUT, true>(PKV_WRITE_KV_QUANT_ARGS, signs);                   \
   }
 
 #define PKV_WRITE_KV_COPY_LAYOUT(L, LAYOUT)               \

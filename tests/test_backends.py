@@ -11,6 +11,7 @@ test_kernels_cuda.py.
 """
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -42,6 +43,7 @@ from backend_cases import (
     quant_views,
     quantized_layer,
     rand_kv,
+    raw,
     random_layer,
     same,
     same_state,
@@ -50,8 +52,10 @@ from backend_cases import (
     tables,
     tokens,
 )
-from pagedkv.errors import InvalidArgumentError, InvalidBlockError, KernelUnavailableError
-from pagedkv.kernels import plans
+from pagedkv import dtypes
+from pagedkv.errors import DTypeError, InvalidArgumentError, InvalidBlockError, KernelUnavailableError, ShapeError
+from pagedkv.kernels import plans, sources
+from pagedkv.rotation import rotation_signs
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
 
@@ -259,6 +263,195 @@ def test_gather_reads_zeros_for_a_bad_block_id_instead_of_other_memory(kernel_ba
     got, _ = _gather(kernel_backend, "csr", layer, (indptr, bad, lens), {}, layout="HND")
     assert_same(got[0], want_k)
     assert_same(got[1], want_v)
+
+
+# ----------------------------------------------------------------------------------
+# rotated quantized storage: write_kv / gather with rotation_signs
+
+# (kv_dtype, head_dim, int4 group): powers of two of even and odd exponent (one scale
+# constant exact, one not), and head_dims that split into several Hadamard blocks
+ROTATION_CASES = [(q, d, None) for q in ("fp8_e4m3", "fp8_e5m2", "int8") for d in (3, 64, 80, 128)]
+ROTATION_CASES += [("int4", d, g) for d, g in ((64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64),
+                                               (96, 16), (96, 32), (80, 16))]
+
+
+def _rotation_id(case) -> str:
+    q, d, g = case
+    return f"{q}-d{d}" + (f"-g{g}" if g else "")
+
+
+def _rotated_views(layout, kv_dtype, d, group):
+    row = dtypes.info(kv_dtype)
+    shape = layer_shape(layout, NB, BS, H, d // row.codes_per_byte)
+    sshape = shape[:-1] + ((d // group,) if row.grouped else ())
+    layer = torch.zeros(shape, dtype=row.torch_dtype)
+    return layer, torch.full(sshape, -7.0), torch.full(sshape, -9.0) if row.zero_point else None
+
+
+def _same_codes(got, want) -> None:
+    """Arena views equal byte for byte, except that an fp8 NaN code only needs to be a
+    NaN on both sides: a NaN made by the butterflies (inf - inf, NaN + x) carries no
+    defined sign (a GPU returns its canonical NaN)."""
+    got = [None if t is None else t.cpu() for t in got]
+    if want[0].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert_same(got[0].float(), want[0].float())
+        got, want = got[1:], want[1:]
+        assert_same_views([None] + got, [None] + want)
+        return
+    assert_same_views(got, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", MODEL, ids=name)
+@pytest.mark.parametrize("case", ROTATION_CASES, ids=_rotation_id)
+def test_rotated_write_then_gather_like_the_reference(backend, case, dtype, layout):
+    kv_dtype, d, group = case
+    qdtype = dtypes.info(kv_dtype).torch_dtype
+    backend.require_quant(qdtype)
+    gen = torch.Generator().manual_seed(d + 7 * (group or 1))
+    signs = rotation_signs(d, d)
+    layer, scale, zero = _rotated_views(layout, kv_dtype, d, group or 1)
+    key = special_rows(torch.randn(23, H, d, generator=gen) * 3).to(dtype)
+    key[5:, :, 0] = 1e3  # an outlier channel: what the rotation is for
+    value = (torch.randn(23, H, d, generator=gen) * 1e3).to(dtype)
+    slots = torch.randperm(NB * BS, generator=gen)[:23]
+    slots[6::4] = -1
+    want = clones(layer, scale, zero)
+    ref.write_kv(want[0], slots, key, value, layout=layout, kv_scale=want[1], kv_zero=want[2], rotation_signs=signs)
+    unrotated = clones(layer, scale, zero)
+    ref.write_kv(unrotated[0], slots, key, value, layout=layout, kv_scale=unrotated[1], kv_zero=unrotated[2])
+    assert not torch.equal(raw(unrotated[1]), raw(want[1]))  # the rotation changed what is stored
+    indptr, indices, _, lens = tables(gen)
+    kw = dict(layout=layout, out_dtype=dtype, kv_scale=want[1], kv_zero=want[2], rotation_signs=signs)
+    want_k, want_v = ref.gather_kv(want[0], indptr, indices, lens, **kw)
+    dev = backend.device
+    for dims in backend.dims:
+        got = [backend.copy(t) for t in (layer, scale, zero)]
+        backend.ops.write_kv(got[0], slots.to(dev), key.to(dev), value.to(dev), layout=layout, kv_scale=got[1],
+                             kv_zero=got[2], rotation_signs=signs.to(dev), **dims)
+        _same_codes(got, want)
+        k, v = backend.ops.gather_kv(got[0], indptr.to(dev), indices.to(dev), lens.to(dev), layout=layout,
+                                     out_dtype=dtype, kv_scale=got[1], kv_zero=got[2], rotation_signs=signs.to(dev),
+                                     **dims)
+        assert_same(k, want_k)
+        assert_same(v, want_v)
+
+
+@pytest.mark.parametrize("out", ["fresh", "given"])
+@pytest.mark.parametrize("table", ["csr", "padded"])
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("out_dtype", MODEL, ids=name)
+@pytest.mark.parametrize("qdtype", QUANT, ids=quant_name)
+def test_rotated_gather_unrotates_like_the_reference(backend, qdtype, out_dtype, layout, d, table, out):
+    backend.require_quant(qdtype)
+    gen = torch.Generator().manual_seed(d + 13 * MODEL.index(out_dtype))
+    layer, scale, zero = quantized_layer(layout, qdtype, d, gen=gen)
+    indptr, indices, block_table, lens = tables(gen)
+    args = (indptr, indices, lens) if table == "csr" else (block_table, lens)
+    signs = rotation_signs(d, 5)
+    kw = dict(layout=layout, out_dtype=out_dtype, kv_scale=scale, kv_zero=zero, rotation_signs=signs)
+    fn_ref = ref.gather_kv if table == "csr" else ref.gather_kv_padded
+    want = fn_ref(layer, *args, **kw)
+    plain = fn_ref(layer, *args, **dict(kw, rotation_signs=None))
+    assert not torch.equal(raw(want[0]), raw(plain[0]))
+    if out == "given":
+        kw.update(out_key=torch.empty_like(want[0]), out_value=torch.empty_like(want[1]))
+    for dims in backend.dims:
+        got, dev = _gather(backend, table, layer, args, dims, **kw)
+        if out == "given":
+            assert got[0] is dev["out_key"] and got[1] is dev["out_value"]
+        for g, w in zip(got, want):
+            assert_same(g, w)
+
+
+def test_rotation_round_trip_stays_within_the_quantization_step(backend):
+    # Not implied by the comparisons with the reference: the round trip must undo the
+    # rotation. int8 rounds each rotated element by at most scale / 2, and the
+    # rotation is orthonormal, so a row's L2 error is at most sqrt(D) * scale / 2.
+    d = 96
+    signs = rotation_signs(d, 1)
+    layer, scale, zero = _rotated_views("NHD", "int8", d, 1)
+    x = torch.randn(2, BS, H, d, generator=torch.Generator().manual_seed(2))
+    x[:, :, :, 7] = 40.0  # an outlier channel
+    dev = backend.device
+    layer, scale, zero = (backend.copy(t) for t in (layer, scale, zero))
+    backend.ops.write_kv(layer, torch.arange(BS).to(dev), x[0].to(dev), x[1].to(dev), kv_scale=scale,
+                         kv_zero=zero, rotation_signs=signs.to(dev))
+    as32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    out = backend.ops.gather_kv(layer, as32([0, 1]), as32([0]), as32([BS]), out_dtype=torch.float32, kv_scale=scale,
+                                kv_zero=zero, rotation_signs=signs.to(dev))
+    for kv in (0, 1):
+        err = (out[kv].cpu() - x[kv]).norm(dim=-1)  # [BS, H]
+        bound = d ** 0.5 * scale[0, kv].cpu() / 2 * 1.001 + 1e-5
+        assert bool((err <= bound).all()), (err / bound).max()
+        assert float(err.max()) > 0  # quantized: not a copy
+
+
+_BAD_SIGNS = [
+    (lambda d: torch.ones(d, dtype=torch.float64), DTypeError,
+     r"^rotation_signs: expected dtype float32, got torch.float64$"),
+    (lambda d: torch.ones(d + 1), ShapeError, r"^rotation_signs: expected shape \(16,\) \(head_dim\), got \(17,\)$"),
+    (lambda d: torch.ones(2, d // 2), ShapeError, r"^rotation_signs: expected shape \(16,\) \(head_dim\), got \(2, 8\)$"),
+    (lambda d: [1.0] * d, DTypeError, r"^rotation_signs: expected None or a torch.Tensor, got list$"),
+]
+
+
+@pytest.mark.parametrize("bad,error,message", _BAD_SIGNS)
+@pytest.mark.parametrize("op", ["write", "gather", "gather_padded"])
+@pytest.mark.parametrize("backend_name", ["reference", "cpu", "emulated", CUDA])
+def test_bad_rotation_signs_are_refused_before_anything_moves(backend_name, op, bad, error, message):
+    b = backends.load("reference") if backend_name == "reference" else make_backend(backend_name).ops
+    dev = torch.device("cuda" if backend_name == "cuda" else "cpu")
+    d = 16
+    layer, scale, zero = (t.to(dev) for t in quantized_layer("NHD", torch.int8, d, gen=torch.Generator().manual_seed(3)))
+    before = clones(layer, scale, zero)
+    signs = bad(d)
+    signs = signs.to(dev) if isinstance(signs, torch.Tensor) else signs
+    key = torch.randn(4, H, d, device=dev)
+    indptr, indices, block_table, lens = (t.to(dev) for t in tables(torch.Generator().manual_seed(4)))
+    with pytest.raises(error, match=message):
+        if op == "write":
+            b.write_kv(layer, torch.arange(4, device=dev), key, key, kv_scale=scale, kv_zero=zero,
+                       rotation_signs=signs)
+        elif op == "gather":
+            b.gather_kv(layer, indptr, indices, lens, out_dtype=torch.float32, kv_scale=scale, kv_zero=zero,
+                        rotation_signs=signs)
+        else:
+            b.gather_kv_padded(layer, block_table, lens, out_dtype=torch.float32, kv_scale=scale, kv_zero=zero,
+                               rotation_signs=signs)
+    assert same_state([layer, scale, zero], before)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpu", "emulated"])
+def test_rotation_signs_need_a_quantized_layer(backend_name):
+    b = backends.load("reference") if backend_name == "reference" else make_backend(backend_name).ops
+    layer = torch.zeros(layer_shape("NHD", NB, BS, H, 8))
+    key = torch.randn(2, H, 8)
+    with pytest.raises(InvalidArgumentError, match=r"^rotation_signs: expected None for an unquantized kv_layer, got a tensor$"):
+        b.write_kv(layer, torch.arange(2), key, key, rotation_signs=torch.ones(8))
+    assert not bool(layer.any())
+    indptr, indices, _, lens = tables(torch.Generator().manual_seed(4))
+    with pytest.raises(InvalidArgumentError, match=r"^rotation_signs: expected None for an unquantized kv_layer"):
+        b.gather_kv(layer, indptr, indices, lens, rotation_signs=torch.ones(8))
+
+
+def test_rotating_kernels_bound_head_dim_by_their_shared_row():
+    # plans.ROT_FLOATS mirrors the kernels' shared buffer size
+    text = sources.load("gather_kv.cu").headers["common.cuh"].decode()
+    assert re.search(r"#define PKV_ROT_FLOATS (\d+)", text).group(1) == str(plans.ROT_FLOATS)
+    d = 2 * plans.ROT_FLOATS
+    layer = torch.zeros((1, 2, 1, 1, d), dtype=torch.float8_e4m3fn)
+    scale = torch.ones((1, 2, 1, 1))
+    key = torch.randn(1, 1, d)
+    with pytest.raises(InvalidArgumentError, match=rf"^rotation_signs: expected a head_dim <= {plans.ROT_FLOATS} "
+                                                   rf"for the rotating kernels, got {d}$"):
+        plans.plan_write_kv(layer, torch.zeros(1, dtype=torch.int64), key, key, kv_scale=scale,
+                            rotation_signs=torch.ones(d))
+    small = torch.zeros((1, 2, 1, 1, 64), dtype=torch.float8_e4m3fn)
+    for launch in plans.plan_write_kv(small, torch.zeros(1, dtype=torch.int64), key[..., :64], key[..., :64],
+                                      kv_scale=scale, rotation_signs=torch.ones(64)):
+        assert launch.kernel.endswith("_rot") and launch.block[1] * 64 <= plans.ROT_FLOATS
 
 
 # ----------------------------------------------------------------------------------

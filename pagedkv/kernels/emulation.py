@@ -196,29 +196,30 @@ def conversion(name: str, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
     return out
 
 
-def write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None,
+def write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None, rotation_signs=None,
              grid: Dims = None, block: Dims = None) -> None:
     _check_cpu("kv_layer", kv_layer)
-    launches = plans.plan_write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero)
+    launches = plans.plan_write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
+                                   rotation_signs=rotation_signs)
     run(launches, grid=grid, block=block)
 
 
 def gather_kv(kv_layer, indptr, indices, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None, kv_zero=None,
-              out_key=None, out_value=None, grid: Dims = None, block: Dims = None):
+              out_key=None, out_value=None, rotation_signs=None, grid: Dims = None, block: Dims = None):
     _check_cpu("kv_layer", kv_layer)
     launches, k, v = plans.plan_gather(kv_layer, seq_lens, indptr=indptr, indices=indices, layout=layout,
                                        out_dtype=out_dtype, kv_scale=kv_scale, kv_zero=kv_zero,
-                                       out_key=out_key, out_value=out_value)
+                                       out_key=out_key, out_value=out_value, rotation_signs=rotation_signs)
     run(launches, grid=grid, block=block)
     return k, v
 
 
 def gather_kv_padded(kv_layer, block_table, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None, kv_zero=None,
-                     out_key=None, out_value=None, grid: Dims = None, block: Dims = None):
+                     out_key=None, out_value=None, rotation_signs=None, grid: Dims = None, block: Dims = None):
     _check_cpu("kv_layer", kv_layer)
     launches, k, v = plans.plan_gather(kv_layer, seq_lens, block_table=block_table, layout=layout,
                                        out_dtype=out_dtype, kv_scale=kv_scale, kv_zero=kv_zero,
-                                       out_key=out_key, out_value=out_value)
+                                       out_key=out_key, out_value=out_value, rotation_signs=rotation_signs)
     run(launches, grid=grid, block=block)
     return k, v
 

@@ -96,6 +96,7 @@ def write_kv(
     layout: str = "NHD",
     kv_scale=None,
     kv_zero=None,
+    rotation_signs=None,
     stream=None,
 ) -> None:
     """Store one layer's new K/V tokens into their slots (reshape-and-cache).
@@ -106,15 +107,18 @@ def write_kv(
         slot_mapping: ``[num_tokens]`` int64 on the same device; negative = skip.
         key, value: ``[num_tokens, H, D]``, any token/head strides, dense head_dim.
         kv_scale, kv_zero: quantized storage only, contiguous float32 views.
+        rotation_signs: quantized storage only: float32 ``[D]`` signs; each row is
+            rotated (:mod:`pagedkv.rotation`) in the kernel before it is quantized.
         stream: see the module docstring.
     """
     device = _cuda_device("kv_layer", kv_layer)
     with _on_stream(device, stream) as ts:
-        kv_layer, slot_mapping, key, value, kv_scale, kv_zero = map(
-            as_tensor, (kv_layer, slot_mapping, key, value, kv_scale, kv_zero)
+        kv_layer, slot_mapping, key, value, kv_scale, kv_zero, rotation_signs = map(
+            as_tensor, (kv_layer, slot_mapping, key, value, kv_scale, kv_zero, rotation_signs)
         )
         launches = plans.plan_write_kv(
-            kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero
+            kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
+            rotation_signs=rotation_signs,
         )
         _run(launches, ts, device)
 
@@ -140,16 +144,19 @@ def gather_kv(
     kv_zero=None,
     out_key=None,
     out_value=None,
+    rotation_signs=None,
     stream=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """K/V of a batch of sequences as contiguous ``[sum(seq_lens), H, D]`` tensors in
     token order, from CSR block tables (int32 ``indptr [B + 1]``, ``indices [nnz]``,
     ``seq_lens [B]``, all on the arena's device). Dequantizes fp8/int8 storage into
     ``out_dtype``. Without ``out_key``/``out_value`` the output size is read from
-    ``seq_lens`` (a device sync); pass them to stay sync-free.
+    ``seq_lens`` (a device sync); pass them to stay sync-free. ``rotation_signs``
+    (float32 ``[D]``) unrotates each dequantized row in the kernel.
     """
     return _gather(kv_layer, seq_lens, stream, indptr=indptr, indices=indices, layout=layout, out_dtype=out_dtype,
-                   kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+                   kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
+                   rotation_signs=rotation_signs)
 
 
 def gather_kv_padded(
@@ -163,11 +170,13 @@ def gather_kv_padded(
     kv_zero=None,
     out_key=None,
     out_value=None,
+    rotation_signs=None,
     stream=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table."""
     return _gather(kv_layer, seq_lens, stream, block_table=block_table, layout=layout, out_dtype=out_dtype,
-                   kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value)
+                   kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
+                   rotation_signs=rotation_signs)
 
 
 def _listed(arenas) -> list:

@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 THREADS = 256  # per CTA: enough to hide latency, small enough to fill every SM
+ROT_FLOATS = 4096  # cuda/common.cuh PKV_ROT_FLOATS: shared floats for the rows a rotating CTA holds
 MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 
@@ -169,13 +170,37 @@ def _i64(v: int) -> Arg:
     return ("i64", int(v))
 
 
+def _check_signs(rotation_signs, geo, device) -> Optional[torch.Tensor]:
+    """The rotation signs a kernel reads (contiguous), after the shared checks and the
+    kernels' own bound: a CTA row holds a whole head_dim row in shared memory."""
+    checks.check_rotation(rotation_signs, geo, device)
+    if rotation_signs is None:
+        return None
+    if geo.head_dim > ROT_FLOATS:
+        raise InvalidArgumentError(expected("rotation_signs", f"a head_dim <= {ROT_FLOATS} for the rotating kernels",
+                                            geo.head_dim))
+    signs = rotation_signs.contiguous()
+    _check_aligned("rotation_signs", signs)
+    return signs
+
+
+def _rot_dims(rows: int, cols: int, head_dim: int):
+    """(grid, block) of a cooperative rotating kernel: x shares a row's ``cols``, y packs
+    as many rows as the shared row buffer holds; the CTAs stride over the rows."""
+    _, block = launch_dims(rows, cols)
+    by = max(1, min(block[1], ROT_FLOATS // head_dim))
+    return (1, min(max(1, -(-rows // by)), MAX_GRID_Y), 1), (block[0], by, 1)
+
+
 # ----------------------------------------------------------------------------------
 # write_kv
 
 
-def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None) -> List[Launch]:
+def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None,
+                  rotation_signs=None) -> List[Launch]:
     """Plan :func:`pagedkv.ops.reference.write_kv` (same arguments)."""
     geo = checks.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
+    signs = _check_signs(rotation_signs, geo, kv_layer.device)
     _check_kernel_dtype(kv_layer)
     _check_contiguous("kv_layer", kv_layer)
     if geo.quantized:
@@ -194,11 +219,15 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
     lo = layout.lower()
     tail = [_i64(tokens), _i64(geo.num_blocks * geo.block_size), _i64(geo.block_size), _i64(heads)]
     if geo.quantized:
-        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[kv_layer.dtype])
+        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[kv_layer.dtype],
+                                     rotated=signs is not None)
         groups = _groups(kv_layer, kv_scale)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key), _ptr(value), _ptr(slots)]
         args += tail + [_i64(dim), _i64(groups)]
         args += [_i64(key.stride(0)), _i64(key.stride(1)), _i64(value.stride(0)), _i64(value.stride(1))]
+        if signs is not None:
+            grid, block = _rot_dims(tokens * 2 * heads, dim // groups, dim)
+            return [Launch("write_kv.cu", name, grid, block, tuple(args + [_ptr(signs)]), (slots, signs))]
         # cooperative: a CTA row of threads shares each (token, K/V, head) row, so
         # the grid's x is 1 and its CTAs stride over the rows (see write_kv.cu)
         grid, block = launch_dims(tokens * 2 * heads, dim // groups)
@@ -231,6 +260,7 @@ def plan_gather(
     kv_zero=None,
     out_key=None,
     out_value=None,
+    rotation_signs=None,
 ):
     """Plan a CSR (``indptr``/``indices``) or padded (``block_table``) gather.
 
@@ -240,6 +270,7 @@ def plan_gather(
     avoid that.
     """
     geo, out_dtype = checks.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
+    signs = _check_signs(rotation_signs, geo, kv_layer.device)
     _check_kernel_dtype(kv_layer)
     device = kv_layer.device
     if block_table is None:
@@ -277,9 +308,14 @@ def plan_gather(
     keep = (table, indptr_c, lens, seq_ends)
     lo = layout.lower()
     if geo.quantized:
-        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[kv_layer.dtype], out_type=_MODEL_NAMES[out_dtype])
+        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[kv_layer.dtype], out_type=_MODEL_NAMES[out_dtype],
+                                   rotated=signs is not None)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
         args += table_args + [_i64(dim), _i64(_groups(kv_layer, kv_scale))]
+        if signs is not None:
+            grid, block = _rot_dims(total * 2 * heads, max(1, dim // 2), dim)
+            return [Launch("gather_kv.cu", name, grid, block, tuple(args + [_ptr(signs)]), keep + (signs,))], \
+                out_key, out_value
         return [_launch("gather_kv.cu", name, entries, geo.block_size * heads * dim, args, keep)], out_key, out_value
     elt = kv_layer.element_size()
     unit = 16 if _vector_ok([dim * elt], [kv_layer, out_key, out_value]) else elt

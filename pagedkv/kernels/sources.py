@@ -99,17 +99,18 @@ def load(name: str) -> KernelSource:
     return KernelSource(name, text, headers)
 
 
-def write_kv_name(layout: str, chunk: str = "", in_type: str = "", quant: str = "") -> str:
-    """``pkv_write_kv_{layout}_{chunk}`` or ``pkv_write_kv_{layout}_{in}_to_{quant}``."""
+def write_kv_name(layout: str, chunk: str = "", in_type: str = "", quant: str = "", rotated: bool = False) -> str:
+    """``pkv_write_kv_{layout}_{chunk}`` or ``pkv_write_kv_{layout}_{in}_to_{quant}[_rot]``."""
     if quant:
-        return f"pkv_write_kv_{layout}_{in_type}_to_{quant}"
+        return f"pkv_write_kv_{layout}_{in_type}_to_{quant}" + ("_rot" if rotated else "")
     return f"pkv_write_kv_{layout}_{chunk}"
 
 
-def gather_name(table: str, layout: str, chunk: str = "", quant: str = "", out_type: str = "") -> str:
-    """``pkv_gather_{table}_{layout}_{chunk}`` or ``..._{quant}_to_{out}``."""
+def gather_name(table: str, layout: str, chunk: str = "", quant: str = "", out_type: str = "",
+                rotated: bool = False) -> str:
+    """``pkv_gather_{table}_{layout}_{chunk}`` or ``..._{quant}_to_{out}[_rot]``."""
     if quant:
-        return f"pkv_gather_{table}_{layout}_{quant}_to_{out_type}"
+        return f"pkv_gather_{table}_{layout}_{quant}_to_{out_type}" + ("_rot" if rotated else "")
     return f"pkv_gather_{table}_{layout}_{chunk}"
 
 
@@ -128,12 +129,14 @@ _COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
 def entry_points() -> Dict[str, Tuple[str, ...]]:
     """``{source file: every extern "C" kernel it defines}``."""
     write = [write_kv_name(lo, chunk=c) for lo in LAYOUTS for c in _COPY_CHUNKS_MODEL]
-    write += [write_kv_name(lo, in_type=t, quant=q) for lo in LAYOUTS for t in MODEL_TYPES for q in QUANT_TYPES]
+    write += [write_kv_name(lo, in_type=t, quant=q, rotated=r) for lo in LAYOUTS for t in MODEL_TYPES
+              for q in QUANT_TYPES for r in (False, True)]
     gather = []
     for tb in TABLES:
         for lo in LAYOUTS:
             gather += [gather_name(tb, lo, chunk=c) for c in _COPY_CHUNKS_MODEL]
-            gather += [gather_name(tb, lo, quant=q, out_type=o) for q in QUANT_TYPES for o in MODEL_TYPES]
+            gather += [gather_name(tb, lo, quant=q, out_type=o, rotated=r) for q in QUANT_TYPES
+                       for o in MODEL_TYPES for r in (False, True)]
     copy = [copy_blocks_name(c, i) for c in CHUNKS for i in INDEX_TYPES]
     transpose = [transpose_name(c) for c in CHUNKS]
     return {
