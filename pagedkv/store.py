@@ -8,7 +8,8 @@ The store moves bytes; which block goes where is the caller's decision.
 
 Low-bit options (see :class:`~pagedkv.config.CacheConfig`): layers named in
 ``kv_full_precision_layers`` live in a second, model-dtype arena; a rotated cache
-stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.rotation`) and unrotates on read; a
+stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.rotation`) and unrotates on read,
+both inside the data ops (``rotation_signs``, fused into the CPU loops and kernels); a
 cache with ``kv_window`` also keeps each sequence's newest tokens in model precision
 (:mod:`pagedkv.window`).
 """
@@ -27,7 +28,7 @@ from pagedkv import dtypes, ops
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.ops import reference
-from pagedkv.rotation import rotate, rotation_signs, unrotate
+from pagedkv.rotation import rotation_signs
 from pagedkv.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
@@ -213,32 +214,28 @@ class KVStore:
         if not main:
             ops.write_kv(view, slot_mapping, key, value, layout=self.layout)
             return
-        kq, vq = key, value
-        if self.rotation_signs is not None:
-            reference.check_write_kv(view, slot_mapping, key, value, self.layout, scale, zero)
-            kq, vq = rotate(key.float(), self.rotation_signs), rotate(value.float(), self.rotation_signs)
-        ops.write_kv(view, slot_mapping, kq, vq, layout=self.layout, kv_scale=scale, kv_zero=zero)
+        # a rotated cache's rows are rotated inside the quantizing write (every backend)
+        ops.write_kv(view, slot_mapping, key, value, layout=self.layout, kv_scale=scale, kv_zero=zero,
+                     rotation_signs=self.rotation_signs)
         if self.window is not None:
             self.window.write(i, slot_mapping, key, value)
 
     def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value):
-        """Dequantize (``read(out_dtype)``), unrotate, overlay the window, fill outputs."""
+        """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
+        inside the data op), overlay the window, fill outputs."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
         main, i = self._where[layer]
-        if not main or (self.rotation_signs is None and self.window is None):
-            return read(self._out_dtype(main), out_key, out_value)
+        if not main:
+            return read(self._out_dtype(main), None, out_key, out_value)
+        if self.window is None:
+            return read(self._out_dtype(main), self.rotation_signs, out_key, out_value)
         model = self.config.torch_dtype
         geo, _ = reference.check_gather(view, self.layout, model, scale, zero)
         total = int(seq_lens.sum()) if isinstance(seq_lens, torch.Tensor) and seq_lens.numel() else 0
         reference.check_out(out_key, out_value, total, geo, model, view.device)
-        rotated = self.rotation_signs is not None
-        k, v = read(torch.float32 if rotated else model, None, None)
-        if rotated:
-            k = unrotate(k, self.rotation_signs).to(model)
-            v = unrotate(v, self.rotation_signs).to(model)
-        if self.window is not None:
-            self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v)
+        k, v = read(model, self.rotation_signs, None, None)
+        self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v)
         if out_key is not None:
             out_key.copy_(k)
             out_value.copy_(v)
@@ -259,9 +256,9 @@ class KVStore:
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
-        def read(out_dtype, ok, ov):
+        def read(out_dtype, signs, ok, ov):
             return ops.gather_kv(view, indptr, indices, seq_lens, layout=self.layout, out_dtype=out_dtype,
-                                 kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov)
+                                 kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov, rotation_signs=signs)
 
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
@@ -281,9 +278,10 @@ class KVStore:
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
-        def read(out_dtype, ok, ov):
+        def read(out_dtype, signs, ok, ov):
             return ops.gather_kv_padded(view, block_table, seq_lens, layout=self.layout, out_dtype=out_dtype,
-                                        kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov)
+                                        kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov,
+                                        rotation_signs=signs)
 
         def blocks():
             return blocks_of_padded(block_table.cpu().numpy())
