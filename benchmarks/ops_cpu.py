@@ -30,7 +30,12 @@ Quantized arenas (``kv_dtype`` fp8_e4m3, int8, int4 with groups of 64):
 Each is timed interleaved with the same op on an unquantized arena of ``dtype``
 (``plain_ns``, same shapes, tables and outputs) and with the torch reference
 (``reference_ns``); ``vs_plain`` is ``op_ns / plain_ns``, and ``pass`` for a gather is
-the issue's goal ``vs_plain <= 2``.
+the issue's goal ``vs_plain <= 2``. ``ns_per_token`` is ``op_ns`` over the tokens moved.
+
+``quant_write_kv_rot`` / ``quant_gather_kv_rot``: the same ops on a rotated cache
+(``rotation_signs``: the Hadamard rotation fused into the per-row loop), timed in the
+same interleaved run; ``unrotated_ns`` is the quantized op above, ``vs_unrotated`` the
+rotation's cost, ``reference_ns`` the torch reference with the same rotation.
 
 Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N] [--threads N]``.
 """
@@ -46,6 +51,7 @@ import torch
 
 import pagedkv.ops as ops
 from pagedkv.ops import cpu as cpu_ops
+from pagedkv.rotation import rotation_signs
 
 SHAPES = [("smollm2", 3, 64), ("8x128", 8, 128)]
 DTYPES = [torch.float16, torch.float32]
@@ -207,25 +213,37 @@ def quant_arena(shape, kv_dtype: str, d: int):
     return data, scale, zero
 
 
-def quant_figure(kind, label, dtype, kv_dtype, t, nbytes, **extra) -> Dict[str, object]:
+def quant_figure(kind, label, dtype, kv_dtype, t, nbytes, tokens, **extra) -> Dict[str, object]:
     ratio = t["op"] / t["plain"]
     out = {
         "figure": kind,
         "shape": label,
         "dtype": str(dtype).replace("torch.", ""),
         "kv_dtype": kv_dtype,
+        "tokens": tokens,
         **extra,
         "bytes": nbytes,
         "op_ns": round(t["op"]),
+        "ns_per_token": round(t["op"] / tokens, 1),
         "plain_ns": round(t["plain"]),
         "vs_plain": round(ratio, 3),
         "reference_ns": round(t["reference"]),
         "speedup_vs_reference": round(t["reference"] / t["op"], 2),
         "threads": torch.get_num_threads(),
     }
-    if kind == "quant_gather_kv":
+    if kind.startswith("quant_gather_kv"):
         out["pass"] = ratio <= 2.0
     return out
+
+
+def quant_figures(kind, label, dtype, kv_dtype, t, nbytes, tokens) -> List[Dict[str, object]]:
+    """The unrotated figure and the rotated one (``t``: op, rot, plain, reference, rot_reference)."""
+    rot = dict(op=t["rot"], plain=t["plain"], reference=t["rot_reference"])
+    return [
+        quant_figure(kind, label, dtype, kv_dtype, t, nbytes, tokens),
+        quant_figure(kind + "_rot", label, dtype, kv_dtype, rot, nbytes, tokens, unrotated_ns=round(t["op"]),
+                     vs_unrotated=round(t["rot"] / t["op"], 3)),
+    ]
 
 
 def bench_quant_write(label, h, d, dtype, kv_dtype, num_seqs, blocks_per_seq, steps, iters, repeats):
@@ -241,17 +259,21 @@ def bench_quant_write(label, h, d, dtype, kv_dtype, num_seqs, blocks_per_seq, st
     key = torch.randn(num_seqs, h, d).to(dtype)
     value = torch.randn(num_seqs, h, d).to(dtype)
     qkw = dict(kv_scale=scale, kv_zero=zero)
+    rkw = dict(qkw, rotation_signs=rotation_signs(d, 0))
     t = median_ns(
         {
             "op": lambda i: ops.write_kv(data, slot_steps[i % steps], key, value, **qkw),
+            "rot": lambda i: ops.write_kv(data, slot_steps[i % steps], key, value, **rkw),
             "plain": lambda i: ops.write_kv(plain, slot_steps[i % steps], key, value),
             "reference": lambda i: ops.write_kv(data, slot_steps[i % steps], key, value, backend="reference", **qkw),
+            "rot_reference": lambda i: ops.write_kv(data, slot_steps[i % steps], key, value, backend="reference",
+                                                    **rkw),
         },
-        {"op": iters, "plain": iters, "reference": max(1, iters // 4)},
+        {"op": iters, "rot": iters, "plain": iters, "reference": max(1, iters // 4),
+         "rot_reference": max(1, iters // 4)},
         repeats,
     )
-    return quant_figure("quant_write_kv", label, dtype, kv_dtype, t, 2 * key.numel() * key.element_size(),
-                        tokens=num_seqs)
+    return quant_figures("quant_write_kv", label, dtype, kv_dtype, t, 2 * key.numel() * key.element_size(), num_seqs)
 
 
 def bench_quant_gather(label, h, d, dtype, kv_dtype, seq_tokens, num_tables, iters, repeats):
@@ -266,18 +288,23 @@ def bench_quant_gather(label, h, d, dtype, kv_dtype, seq_tokens, num_tables, ite
     seq_lens = torch.tensor([seq_tokens], dtype=torch.int32)
     out = dict(out_key=torch.empty(seq_tokens, h, d, dtype=dtype), out_value=torch.empty(seq_tokens, h, d, dtype=dtype))
     qkw = dict(out_dtype=dtype, kv_scale=scale, kv_zero=zero, **out)
+    rkw = dict(qkw, rotation_signs=rotation_signs(d, 0))
     t = median_ns(
         {
             "op": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens, **qkw),
+            "rot": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens, **rkw),
             "plain": lambda i: ops.gather_kv(plain, indptr, tables[i % num_tables], seq_lens, **out),
             "reference": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens,
                                                  backend="reference", **qkw),
+            "rot_reference": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens,
+                                                     backend="reference", **rkw),
         },
-        {"op": iters, "plain": iters, "reference": max(1, iters // 4)},
+        {"op": iters, "rot": iters, "plain": iters, "reference": max(1, iters // 4),
+         "rot_reference": max(1, iters // 4)},
         repeats,
     )
-    return quant_figure("quant_gather_kv", label, dtype, kv_dtype, t, 2 * out["out_key"].numel() * out["out_key"].element_size(),
-                        tokens=seq_tokens)
+    nbytes = 2 * out["out_key"].numel() * out["out_key"].element_size()
+    return quant_figures("quant_gather_kv", label, dtype, kv_dtype, t, nbytes, seq_tokens)
 
 
 def main(argv: List[str] = None) -> int:
@@ -309,12 +336,12 @@ def main(argv: List[str] = None) -> int:
     for label, h, d in shapes:
         for dtype in dtypes:
             for kv_dtype in QUANT_KV:
-                print(json.dumps(bench_quant_write(label, h, d, dtype, kv_dtype, sizes["num_seqs"],
-                                                   sizes["blocks_per_seq"], sizes["steps"], sizes["iters"],
-                                                   repeats)), flush=True)
-                print(json.dumps(bench_quant_gather(label, h, d, dtype, kv_dtype, sizes["seq_tokens"],
-                                                    sizes["num_tables"], max(1, sizes["iters"] // 10), repeats)),
-                      flush=True)
+                figs = bench_quant_write(label, h, d, dtype, kv_dtype, sizes["num_seqs"], sizes["blocks_per_seq"],
+                                         sizes["steps"], sizes["iters"], repeats)
+                figs += bench_quant_gather(label, h, d, dtype, kv_dtype, sizes["seq_tokens"], sizes["num_tables"],
+                                           max(1, sizes["iters"] // 10), repeats)
+                for fig in figs:
+                    print(json.dumps(fig), flush=True)
     return 0
 
 
