@@ -237,50 +237,125 @@ static inline float pkv_hadamard_scale(int64_t n) {
     return (b & 1) ? pow2 * pkv_float(0x3f3504f3u) : pow2;
 }
 
-/* In place: the normalized Walsh-Hadamard transform of each power-of-two block of
- * y[0, d) (largest block first). Every block of size >= 2h starts at a multiple of 2h,
- * so stage h runs over the prefix d & ~(2h - 1) as if it were one block. Plain adds and
- * subtracts, then one multiply per element: the module is built without FMA
- * contraction and without reassociation, so each step rounds once as torch's does. */
-static inline __attribute__((always_inline)) void pkv_hadamard_row(float* y, int64_t d) {
-    for (int64_t h = 1; h < d; h *= 2) {
-        const int64_t end = d & ~(2 * h - 1);
-        if (h == 1) {
-            for (int64_t i = 0; i < end; i += 2) {
-                const float a = y[i], b = y[i + 1];
-                y[i] = a + b;
-                y[i + 1] = a - b;
-            }
-            continue;
+/* The butterfly stages of the normalized Walsh-Hadamard transform of each power-of-two
+ * block of y[0, d) (largest block first). Every block of size >= 2h starts at a multiple
+ * of 2h, so stage h runs over the prefix d & ~(2h - 1) as if it were one block. Two
+ * stages (h, 2h) run in one pass over each 4h chunk, held in registers: the same adds
+ * and subtracts, each rounding once (the module is built without FMA contraction and
+ * without reassociation), in fewer passes over the row. */
+
+/* one stage h over y[lo, end) (2h chunks) */
+static inline __attribute__((always_inline)) void pkv_stage(float* y, int64_t lo, int64_t end, int64_t h) {
+    for (int64_t i = lo; i < end; i += 2 * h) {
+        int64_t j = i;
+#if defined(__SSE2__)
+        for (; j + 4 <= i + h; j += 4) {
+            const __m128 a = _mm_loadu_ps(y + j), b = _mm_loadu_ps(y + j + h);
+            _mm_storeu_ps(y + j, _mm_add_ps(a, b));
+            _mm_storeu_ps(y + j + h, _mm_sub_ps(a, b));
         }
-        for (int64_t i = 0; i < end; i += 2 * h) {
-            float* lo = y + i;
-            float* hi = y + i + h;
-            for (int64_t j = 0; j < h; ++j) {
-                const float a = lo[j], b = hi[j];
-                lo[j] = a + b;
-                hi[j] = a - b;
-            }
+#endif
+        for (; j < i + h; ++j) {
+            const float a = y[j], b = y[j + h];
+            y[j] = a + b;
+            y[j + h] = a - b;
+        }
+    }
+}
+
+/* stages h and 2h (h >= 4) over y[0, end) (4h chunks) */
+static inline __attribute__((always_inline)) void pkv_stage_pair(float* y, int64_t end, int64_t h) {
+    for (int64_t i = 0; i < end; i += 4 * h) {
+        int64_t j = i;
+#if defined(__SSE2__)
+        for (; j + 4 <= i + h; j += 4) {
+            const __m128 x0 = _mm_loadu_ps(y + j), x1 = _mm_loadu_ps(y + j + h);
+            const __m128 x2 = _mm_loadu_ps(y + j + 2 * h), x3 = _mm_loadu_ps(y + j + 3 * h);
+            const __m128 a0 = _mm_add_ps(x0, x1), a1 = _mm_sub_ps(x0, x1);
+            const __m128 a2 = _mm_add_ps(x2, x3), a3 = _mm_sub_ps(x2, x3);
+            _mm_storeu_ps(y + j, _mm_add_ps(a0, a2));
+            _mm_storeu_ps(y + j + h, _mm_add_ps(a1, a3));
+            _mm_storeu_ps(y + j + 2 * h, _mm_sub_ps(a0, a2));
+            _mm_storeu_ps(y + j + 3 * h, _mm_sub_ps(a1, a3));
+        }
+#endif
+        for (; j < i + h; ++j) {
+            const float x0 = y[j], x1 = y[j + h], x2 = y[j + 2 * h], x3 = y[j + 3 * h];
+            const float a0 = x0 + x1, a1 = x0 - x1, a2 = x2 + x3, a3 = x2 - x3;
+            y[j] = a0 + a2;
+            y[j + h] = a1 + a3;
+            y[j + 2 * h] = a0 - a2;
+            y[j + 3 * h] = a1 - a3;
+        }
+    }
+}
+
+/* In place: y = H(pre * y) * post, where H includes each block's float32(1 / sqrt(n))
+ * (multiplied after the block's last stage, then post); pre/post: NULL or d signs.
+ * rotate(y) is (signs, NULL), unrotate(y) is (NULL, signs). */
+static inline __attribute__((always_inline)) void pkv_hadamard_row(float* y, int64_t d, const float* pre,
+                                                                    const float* post) {
+    /* stages 1 and 2 over whole 4-element chunks, with the pre-multiply fused */
+    const int64_t end2 = d & ~(int64_t)3, end1 = d & ~(int64_t)1;
+    int64_t i = 0;
+#if defined(__SSE2__)
+    {
+        const __m128 neg13 = _mm_castsi128_ps(_mm_set_epi32((int)0x80000000, 0, (int)0x80000000, 0));
+        const __m128 neg23 = _mm_castsi128_ps(_mm_set_epi32((int)0x80000000, (int)0x80000000, 0, 0));
+        for (; i < end2; i += 4) {
+            __m128 v = _mm_loadu_ps(y + i);
+            if (pre) v = _mm_mul_ps(v, _mm_loadu_ps(pre + i));
+            /* (a, b) pairs as [a0 a0 a1 a1] + [b0 -b0 b1 -b1], then [a0 a1 a0 a1] + [b0 b1 -b0 -b1]:
+             * x + (-y) is x - y exactly */
+            v = _mm_add_ps(_mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 2, 0, 0)),
+                           _mm_xor_ps(_mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 3, 1, 1)), neg13));
+            v = _mm_add_ps(_mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm_xor_ps(_mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)), neg23));
+            _mm_storeu_ps(y + i, v);
+        }
+    }
+#endif
+    if (pre)
+        for (int64_t j = i; j < d; ++j) y[j] = y[j] * pre[j];
+    for (; i < end2; i += 4) {
+        const float x0 = y[i], x1 = y[i + 1], x2 = y[i + 2], x3 = y[i + 3];
+        const float a0 = x0 + x1, a1 = x0 - x1, a2 = x2 + x3, a3 = x2 - x3;
+        y[i] = a0 + a2;
+        y[i + 1] = a1 + a3;
+        y[i + 2] = a0 - a2;
+        y[i + 3] = a1 - a3;
+    }
+    pkv_stage(y, end2, end1, 1);  /* a block of 2 at the end has only stage 1 */
+    for (int64_t h = 4; h < d;) {
+        const int64_t end_h = d & ~(2 * h - 1), end_2h = d & ~(4 * h - 1);
+        if (2 * h < d && end_2h > 0) {
+            pkv_stage_pair(y, end_2h, h);
+            pkv_stage(y, end_2h, end_h, h);
+            h *= 4;
+        } else {
+            pkv_stage(y, 0, end_h, h);
+            h *= 2;
         }
     }
     for (int64_t start = 0; start < d;) {
         const int64_t n = (int64_t)1 << (63 - __builtin_clzll((unsigned long long)(d - start)));
         const float c = pkv_hadamard_scale(n);
-        for (int64_t j = start; j < start + n; ++j) y[j] = y[j] * c;
+        if (post)
+            for (int64_t j = start; j < start + n; ++j) y[j] = (y[j] * c) * post[j];
+        else
+            for (int64_t j = start; j < start + n; ++j) y[j] = y[j] * c;
         start += n;
     }
 }
 
 /* rotate(y) = H(signs * y), in place */
 static inline __attribute__((always_inline)) void pkv_rotate_row(float* y, int64_t d, const float* signs) {
-    for (int64_t j = 0; j < d; ++j) y[j] = y[j] * signs[j];
-    pkv_hadamard_row(y, d);
+    pkv_hadamard_row(y, d, signs, NULL);
 }
 
 /* unrotate(y) = signs * H(y), in place */
 static inline __attribute__((always_inline)) void pkv_unrotate_row(float* y, int64_t d, const float* signs) {
-    pkv_hadamard_row(y, d);
-    for (int64_t j = 0; j < d; ++j) y[j] = y[j] * signs[j];
+    pkv_hadamard_row(y, d, NULL, signs);
 }
 
 #define PKV_QUANTIZE_ROW_ARGS                                                                    \
