@@ -269,10 +269,12 @@ def test_gather_reads_zeros_for_a_bad_block_id_instead_of_other_memory(kernel_ba
 # rotated quantized storage: write_kv / gather with rotation_signs
 
 # (kv_dtype, head_dim, int4 group): powers of two of even and odd exponent (one scale
-# constant exact, one not), and head_dims that split into several Hadamard blocks
+# constant exact, one not), and head_dims that split into several Hadamard blocks (the
+# CPU loops run whole 8- and 4-element chunks in registers, then the blocks of 4, 2, 1)
 ROTATION_CASES = [(q, d, None) for q in ("fp8_e4m3", "fp8_e5m2", "int8") for d in (3, 64, 80, 128)]
+ROTATION_CASES += [("fp8_e5m2", 7, None), ("int8", 14, None), ("fp8_e4m3", 2047, None)]
 ROTATION_CASES += [("int4", d, g) for d, g in ((64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64),
-                                               (96, 16), (96, 32), (80, 16))]
+                                               (96, 16), (96, 32), (80, 16), (14, 7))]
 
 
 def _rotation_id(case) -> str:

@@ -438,14 +438,83 @@ static void pkv_dequantize_row_base(PKV_DEQUANT_ROW_ARGS) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
 #define PKV_HAVE_AVX2 1
+
+/* pkv_hadamard_row with 256-bit vectors: stages 1, 2 and 4 in one register pass over
+ * whole 8-element chunks, then stage pairs of 8-float vectors; the same operations
+ * (x + (-y) is x - y exactly), so the same bits. */
+__attribute__((target("avx2"))) static inline void pkv_hadamard_row_avx2(float* y, int64_t d, const float* pre,
+                                                                         const float* post) {
+    const int64_t end8 = d & ~(int64_t)7, end2 = d & ~(int64_t)3, end1 = d & ~(int64_t)1;
+    const __m256 neg13 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, 0, (int)0x80000000, 0,
+                                                              (int)0x80000000, 0, (int)0x80000000, 0));
+    const __m256 neg23 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, 0, 0,
+                                                              (int)0x80000000, (int)0x80000000, 0, 0));
+    const __m256 neg_hi = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, (int)0x80000000,
+                                                               (int)0x80000000, 0, 0, 0, 0));
+    int64_t i = 0;
+    for (; i < end8; i += 8) {
+        __m256 v = _mm256_loadu_ps(y + i);
+        if (pre) v = _mm256_mul_ps(v, _mm256_loadu_ps(pre + i));
+        v = _mm256_add_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 2, 0, 0)),
+                          _mm256_xor_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(3, 3, 1, 1)), neg13));
+        v = _mm256_add_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm256_xor_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)), neg23));
+        /* stage 4: [lo hi] -> [lo lo] + [hi -hi] */
+        v = _mm256_add_ps(_mm256_permute2f128_ps(v, v, 0x00),
+                          _mm256_xor_ps(_mm256_permute2f128_ps(v, v, 0x11), neg_hi));
+        _mm256_storeu_ps(y + i, v);
+    }
+    if (pre)
+        for (int64_t j = i; j < d; ++j) y[j] = y[j] * pre[j];
+    for (; i < end2; i += 4) {  /* a block of 4 at the end: stages 1 and 2 */
+        const float x0 = y[i], x1 = y[i + 1], x2 = y[i + 2], x3 = y[i + 3];
+        const float a0 = x0 + x1, a1 = x0 - x1, a2 = x2 + x3, a3 = x2 - x3;
+        y[i] = a0 + a2;
+        y[i + 1] = a1 + a3;
+        y[i + 2] = a0 - a2;
+        y[i + 3] = a1 - a3;
+    }
+    pkv_stage(y, end2, end1, 1);  /* a block of 2 at the end: stage 1 */
+    for (int64_t h = 8; h < d;) {
+        const int64_t end_h = d & ~(2 * h - 1), end_2h = d & ~(4 * h - 1);
+        const int64_t pair_end = 2 * h < d ? end_2h : 0;
+        for (int64_t g = 0; g < pair_end; g += 4 * h)
+            for (int64_t j = g; j < g + h; j += 8) {
+                const __m256 x0 = _mm256_loadu_ps(y + j), x1 = _mm256_loadu_ps(y + j + h);
+                const __m256 x2 = _mm256_loadu_ps(y + j + 2 * h), x3 = _mm256_loadu_ps(y + j + 3 * h);
+                const __m256 a0 = _mm256_add_ps(x0, x1), a1 = _mm256_sub_ps(x0, x1);
+                const __m256 a2 = _mm256_add_ps(x2, x3), a3 = _mm256_sub_ps(x2, x3);
+                _mm256_storeu_ps(y + j, _mm256_add_ps(a0, a2));
+                _mm256_storeu_ps(y + j + h, _mm256_add_ps(a1, a3));
+                _mm256_storeu_ps(y + j + 2 * h, _mm256_sub_ps(a0, a2));
+                _mm256_storeu_ps(y + j + 3 * h, _mm256_sub_ps(a1, a3));
+            }
+        for (int64_t g = pair_end; g < end_h; g += 2 * h)  /* stage h alone past the pairs */
+            for (int64_t j = g; j < g + h; j += 8) {
+                const __m256 a = _mm256_loadu_ps(y + j), b = _mm256_loadu_ps(y + j + h);
+                _mm256_storeu_ps(y + j, _mm256_add_ps(a, b));
+                _mm256_storeu_ps(y + j + h, _mm256_sub_ps(a, b));
+            }
+        h *= pair_end > 0 ? 4 : 2;
+    }
+    for (int64_t start = 0; start < d;) {
+        const int64_t n = (int64_t)1 << (63 - __builtin_clzll((unsigned long long)(d - start)));
+        const float c = pkv_hadamard_scale(n);
+        if (post)
+            for (int64_t j = start; j < start + n; ++j) y[j] = (y[j] * c) * post[j];
+        else
+            for (int64_t j = start; j < start + n; ++j) y[j] = y[j] * c;
+        start += n;
+    }
+}
 __attribute__((target("avx2,f16c"))) static void pkv_dequantize_row_avx2(PKV_DEQUANT_ROW_ARGS) {
     if (out_type == PKV_F32) {
         pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, (float*)out);
-        if (signs) pkv_unrotate_row((float*)out, head_dim, signs);
+        if (signs) pkv_hadamard_row_avx2((float*)out, head_dim, NULL, signs);
         return;
     }
     pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
-    if (signs) pkv_unrotate_row(tmp, head_dim, signs);
+    if (signs) pkv_hadamard_row_avx2(tmp, head_dim, NULL, signs);
     if (out_type == PKV_BF16) {
         pkv_narrow_row(tmp, head_dim, out_type, (uint16_t*)out);
         return;
@@ -465,7 +534,7 @@ __attribute__((target("avx2,f16c"))) static void pkv_quantize_row_avx2(PKV_QUANT
     } else {
         pkv_widen_row(x, in_type, head_dim, tmp);
     }
-    if (signs) pkv_rotate_row(tmp, head_dim, signs);
+    if (signs) pkv_hadamard_row_avx2(tmp, head_dim, signs, NULL);
     pkv_quantize_values(tmp, qtype, head_dim, groups, q, scale, zero, codes);
 }
 #else
