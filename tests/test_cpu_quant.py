@@ -196,3 +196,55 @@ def test_every_float_narrows_like_the_reference(out_dtype):
     kw = dict(out_dtype=out_dtype, kv_scale=scale)
     for g, w in zip(cpu_ops.gather_kv(data, *csr(tables, lens), **kw), ref.gather_kv(data, *csr(tables, lens), **kw)):
         assert_same(g, w)
+
+
+_BASELINE_SCRIPT = r"""
+import torch
+from pagedkv.ops import _cpu_quant, cpu, reference as ref
+from pagedkv.rotation import rotation_signs
+from pagedkv.quant import storage_dtype
+assert _cpu_quant.ROW_ISA == "baseline", _cpu_quant.ROW_ISA
+gen = torch.Generator().manual_seed(0)
+cases = 0
+for kv, d, g in [("fp8_e4m3", 7, 1), ("fp8_e5m2", 80, 1), ("int8", 14, 1), ("int8", 128, 1), ("int4", 96, 32),
+                 ("int4", 64, 16), ("int4", 2046, 1023)]:
+    q = storage_dtype(kv)
+    shape = (4, 2, 3, 2, d // 2 if kv == "int4" else d)
+    sshape = shape[:-1] + ((d // g,) if kv == "int4" else ())
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for signs in (None, rotation_signs(d, d)):
+            x = (torch.randn(2, 9, 2, d, generator=gen) * 5).to(dtype)
+            x[:, :, 0, 1] = 300.0
+            slots = torch.randperm(12, generator=gen)[:9]
+            views = []
+            for fn in (ref.write_kv, cpu.write_kv):
+                v = [torch.zeros(shape, dtype=torch.uint8).view(q), torch.zeros(sshape),
+                     None if kv.startswith("fp8") else torch.zeros(sshape)]
+                fn(v[0], slots, x[0], x[1], kv_scale=v[1], kv_zero=v[2], rotation_signs=signs)
+                views.append(v)
+            for a, b in zip(*views):
+                assert a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (kv, d, dtype, signs is None)
+            tables = (torch.tensor([0, 4], dtype=torch.int32), torch.tensor([2, 0, 3, 1], dtype=torch.int32),
+                      torch.tensor([12], dtype=torch.int32))
+            v = views[0]
+            outs = [fn(v[0], *tables, out_dtype=dtype, kv_scale=v[1], kv_zero=v[2], rotation_signs=signs)
+                    for fn in (ref.gather_kv, cpu.gather_kv)]
+            for a, b in zip(*outs):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (kv, d, dtype, signs is None)
+            cases += 1
+print(cases)
+"""
+
+
+def test_baseline_row_build_matches_the_reference_too():
+    # This machine may pick the AVX2 build: PAGEDKV_CPU_BASELINE makes a fresh process
+    # run the baseline (SSE) one, rotated and not, against the reference.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
+    out = subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT], capture_output=True, text=True, cwd="/", env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(7 * 3 * 2)

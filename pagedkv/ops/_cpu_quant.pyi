@@ -4,6 +4,7 @@ from typing import Dict, Tuple
 
 MODEL_CODES: Dict[str, int]
 QUANT_CODES: Dict[str, int]
+ROW_ISA: str
 
 def write_quant(
     layer_ptr: int,

@@ -36,6 +36,7 @@ cdef extern from "quant_rows.h" nogil:
                                            const float* scale, const float* zero, int out_type, char* out,
                                            float* tmp, const float* signs)
     pkv_dequantize_row_fn pkv_pick_dequantize_row()
+    int pkv_use_avx2()
 
 #: codes of the model dtypes (write input, gather output) and of the storage formats
 MODEL_CODES = {"float32": PKV_F32, "float16": PKV_F16, "bfloat16": PKV_BF16}
@@ -44,6 +45,9 @@ QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "in
 # the row functions for this CPU (256-bit vectors and F16C where the CPU has them)
 cdef pkv_quantize_row_fn quantize_row = pkv_pick_quantize_row()
 cdef pkv_dequantize_row_fn dequantize_row = pkv_pick_dequantize_row()
+
+#: which build of the row functions runs: "avx2" (256-bit vectors, F16C) or "baseline"
+ROW_ISA = "avx2" if pkv_use_avx2() else "baseline"
 
 # below this many elements moved, a call runs on one thread
 cdef int64_t _PARALLEL_ELEMENTS = 16384

@@ -15,6 +15,7 @@
 #define PAGEDKV_QUANT_ROWS_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* model dtypes (input of a write, output of a gather) */
@@ -544,11 +545,24 @@ __attribute__((target("avx2,f16c"))) static void pkv_quantize_row_avx2(PKV_QUANT
 typedef void (*pkv_dequantize_row_fn)(PKV_DEQUANT_ROW_ARGS);
 typedef void (*pkv_quantize_row_fn)(PKV_QUANTIZE_ROW_ARGS);
 
+/* Whether this process runs the 256-bit row functions: the CPU has AVX2 and F16C, and
+ * PAGEDKV_CPU_BASELINE is unset (or "0"; set, it makes the tests run the baseline
+ * build on a machine that would otherwise never run it). */
+static int pkv_use_avx2(void) {
+#if PKV_HAVE_AVX2
+    const char* baseline = getenv("PAGEDKV_CPU_BASELINE");
+    if (baseline && baseline[0] && strcmp(baseline, "0") != 0) return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
 /* the quantizing row function for this CPU */
 static pkv_quantize_row_fn pkv_pick_quantize_row(void) {
 #if PKV_HAVE_AVX2
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return pkv_quantize_row_avx2;
+    if (pkv_use_avx2()) return pkv_quantize_row_avx2;
 #endif
     return pkv_quantize_row_base;
 }
@@ -556,8 +570,7 @@ static pkv_quantize_row_fn pkv_pick_quantize_row(void) {
 /* the row function for this CPU */
 static pkv_dequantize_row_fn pkv_pick_dequantize_row(void) {
 #if PKV_HAVE_AVX2
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return pkv_dequantize_row_avx2;
+    if (pkv_use_avx2()) return pkv_dequantize_row_avx2;
 #endif
     return pkv_dequantize_row_base;
 }
