@@ -221,8 +221,11 @@ class KVStore:
         if self.window is not None:
             self.window.write(i, slot_mapping, key, value)
 
-    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value):
-        """Dequantize (``read(out_dtype)``), unrotate, overlay the window, fill outputs."""
+    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None):
+        """Dequantize (``read(out_dtype)``), unrotate, overlay the window, fill outputs.
+
+        ``pending``: int64 numpy ``[B]``, trailing tokens per sequence that the caller
+        holds in flight and has not written yet (see :meth:`RecentWindow.overlay`)."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
         main, i = self._where[layer]
@@ -238,7 +241,7 @@ class KVStore:
             k = unrotate(k, self.rotation_signs).to(model)
             v = unrotate(v, self.rotation_signs).to(model)
         if self.window is not None:
-            self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v)
+            self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending)
         if out_key is not None:
             out_key.copy_(k)
             out_value.copy_(v)
@@ -254,8 +257,11 @@ class KVStore:
         *,
         out_key: Optional[torch.Tensor] = None,
         out_value: Optional[torch.Tensor] = None,
+        pending: Optional[np.ndarray] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables)."""
+        """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables).
+
+        ``pending`` (validated by the caller): see :meth:`_read`."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
@@ -266,7 +272,7 @@ class KVStore:
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
 
-        return self._read(layer, read, blocks, seq_lens, out_key, out_value)
+        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending)
 
     def gather_padded(
         self,
