@@ -849,7 +849,7 @@ class PagedKVCache:
         positions = kept_positions(tables, lens, np.zeros_like(lens) if gone is None else gone)
         return k, v, torch.from_numpy(cu), torch.from_numpy(positions)
 
-    def gather_pages(self, layer: int, indptr, indices, seq_lens):
+    def gather_pages(self, layer: int, indptr, indices, seq_lens, *, pending=None):
         """K, V ``[sum(seq_lens), H, D]`` of ``layer`` read through a CSR page table
         (``indptr``, ``indices``: int32 tensors on :attr:`device`, as from
         :meth:`page_table_csr`; ``seq_lens``: int32 tokens per row).
@@ -858,12 +858,37 @@ class PagedKVCache:
         (no bookkeeping lookup per layer). The table must come from this cache and be
         current: the store checks shapes, dtypes and block ranges, not ownership. With
         layer groups the table must be the layer's group's (``page_table_csr(ids,
-        group=...)``)."""
+        group=...)``).
+
+        ``pending``: for a caller that reads before it writes the pass's own tokens
+        (it attends to their K/V as computed): ints ``[B]``, each row's trailing tokens
+        not written yet. Their rows hold stale bytes for the caller to overwrite, and
+        ``kv_window`` then keeps the ``kv_window`` tokens *before* them in model
+        precision, so every query of the pass sees at least that many exact tokens."""
         if self._groups is not None:
             from pagedkv.group_data import layer_slot
 
             layer = layer_slot(self.config.layer_groups, layer)[1]
-        return self._require_store().gather(layer, indptr, indices, seq_lens)
+        if pending is not None:
+            pending = self._pending(pending, seq_lens)
+        return self._require_store().gather(layer, indptr, indices, seq_lens, pending=pending)
+
+    @staticmethod
+    def _pending(pending, seq_lens) -> np.ndarray:
+        import torch
+
+        want = "ints [B], 0 <= pending[b] <= seq_lens[b]"
+        try:
+            p = np.array(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArgumentTypeError(expected("pending", want, type(pending).__name__)) from None
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise ArgumentTypeError(expected("pending", want, f"{p.dtype} array of shape {p.shape}"))
+        lens = seq_lens.cpu().numpy() if isinstance(seq_lens, torch.Tensor) else np.asarray(seq_lens)
+        p = p.astype(np.int64)
+        if p.shape != lens.shape or (p < 0).any() or (p > lens).any():
+            raise InvalidArgumentError(expected("pending", want + f" with B = {lens.shape[0]}", p.tolist()))
+        return p
 
     def copy_blocks(self, pairs) -> None:
         """Copy (src, dst) block pairs ``[P, 2]`` across all layers."""

@@ -220,9 +220,12 @@ class KVStore:
         if self.window is not None:
             self.window.write(i, slot_mapping, key, value)
 
-    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value):
+    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
-        inside the data op), overlay the window, fill outputs."""
+        inside the data op), overlay the window, fill outputs.
+
+        ``pending``: int64 numpy ``[B]``, trailing tokens per sequence that the caller
+        holds in flight and has not written yet (see :meth:`RecentWindow.overlay`)."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
         main, i = self._where[layer]
@@ -235,7 +238,7 @@ class KVStore:
         total = int(seq_lens.sum()) if isinstance(seq_lens, torch.Tensor) and seq_lens.numel() else 0
         reference.check_out(out_key, out_value, total, geo, model, view.device)
         k, v = read(model, self.rotation_signs, None, None)
-        self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v)
+        self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending)
         if out_key is not None:
             out_key.copy_(k)
             out_value.copy_(v)
@@ -251,8 +254,11 @@ class KVStore:
         *,
         out_key: Optional[torch.Tensor] = None,
         out_value: Optional[torch.Tensor] = None,
+        pending: Optional[np.ndarray] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables)."""
+        """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables).
+
+        ``pending`` (validated by the caller): see :meth:`_read`."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
@@ -263,7 +269,7 @@ class KVStore:
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
 
-        return self._read(layer, read, blocks, seq_lens, out_key, out_value)
+        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending)
 
     def gather_padded(
         self,

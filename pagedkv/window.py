@@ -136,17 +136,21 @@ class RecentWindow:
         self.valid[layer, ws, off] = True
 
     def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
-                value: torch.Tensor) -> None:
+                value: torch.Tensor, pending: Optional[np.ndarray] = None) -> None:
         """Overwrite, in gathered ``key``/``value`` ``[sum(seq_lens), H, D]``, each
         sequence's last ``window`` tokens that the window arena holds.
 
-        ``blocks_per_seq(b)`` returns sequence ``b``'s block ids (numpy int64)."""
+        ``blocks_per_seq(b)`` returns sequence ``b``'s block ids (numpy int64).
+        ``pending[b]``: sequence ``b``'s trailing tokens that are not written yet (the
+        caller holds them in flight); the window is then the ``window`` tokens before
+        them, which the arena still holds because the pass has not written over them."""
         rows, wsl, offs = [], [], []
         base = 0
-        for b, n in enumerate(seq_lens.tolist()):
-            lo = max(0, n - self.window)
-            if n > lo:
-                pos = np.arange(lo, n, dtype=np.int64)
+        ends = seq_lens if pending is None else seq_lens - pending
+        for b, (n, end) in enumerate(zip(seq_lens.tolist(), ends.tolist())):
+            lo = max(0, end - self.window)
+            if end > lo:
+                pos = np.arange(lo, end, dtype=np.int64)
                 blk = blocks_per_seq(b)[pos // self.block_size]
                 ws = self.slot_of[blk]
                 held = ws >= 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.errors import InvalidArgumentError, InvalidBlockError
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError
 from pagedkv.planner import plan
 from pagedkv.quant import dequantize, quantize
 from pagedkv.rotation import rotate, rotation_signs, unrotate
@@ -431,3 +431,43 @@ def test_replaced_blocks_lose_their_window_copies_only():
     assert store.window.held(0) is None and store.window.held(1) is not None
     store.replaced([])
     assert store.window.held(1) is not None
+
+
+def test_gather_pages_with_pending_rows_keeps_the_window_before_them():
+    W = 5
+    cache = PagedKVCache(config(kv_dtype="int4", kv_window=W))
+    k, v = kv_data(14, seed=3)
+    fill(cache, "a", k[:10], v[:10])
+    slots = cache.reserve("a", 4)                  # the next pass's rows, not written yet
+    indptr, indices, _ = (torch.from_numpy(a) for a in cache.page_table_csr(["a"]))
+    lens = torch.tensor([14], dtype=torch.int32)
+    plain = expected_quantized(cache.config, k[:10])
+    for layer in range(L):
+        gk, _ = cache.gather_pages(layer, indptr, indices, lens, pending=[4])
+        assert gk.shape[0] == 14
+        assert torch.equal(gk[10 - W:10], k[10 - W:10])           # the window before the pass
+        assert torch.equal(gk[:10 - W], plain[:10 - W])           # older: quantized
+    for layer in range(L):
+        cache.write(layer, slots, k[10:], v[10:])
+    cache.commit("a", 4)
+    for layer in range(L):
+        gk, _ = cache.gather_pages(layer, indptr, indices, lens)  # no pending: the newest W
+        assert torch.equal(gk[14 - W:], k[14 - W:])
+        assert not torch.equal(gk[10 - W:14 - W], k[10 - W:14 - W])
+    cache.free("a")
+
+
+@pytest.mark.parametrize("pending, err", [([5], InvalidArgumentError), ([-1], InvalidArgumentError),
+                                          ([1, 1], InvalidArgumentError), ([1.5], ArgumentTypeError),
+                                          ("x", ArgumentTypeError)])
+def test_gather_pages_refuses_bad_pending(pending, err):
+    cache = PagedKVCache(config(kv_dtype="int4", kv_window=2))
+    k, v = kv_data(4, seed=4)
+    fill(cache, "a", k, v)
+    indptr, indices, _ = (torch.from_numpy(a) for a in cache.page_table_csr(["a"]))
+    lens = torch.tensor([4], dtype=torch.int32)
+    before = cache.gather_pages(0, indptr, indices, lens)
+    with pytest.raises(err, match="pending"):
+        cache.gather_pages(0, indptr, indices, lens, pending=pending)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.gather_pages(0, indptr, indices, lens)))
+    cache.free("a")

@@ -378,3 +378,31 @@ def test_quantized_cache_returns_the_pass_own_kv_exactly_and_history_from_the_ar
             torch.testing.assert_close(ok[1, :, :5], hist_k[1], rtol=0, atol=0.6)
             torch.testing.assert_close(ov[1, :, :5], hist_v[1], rtol=0, atol=0.6)
             assert not ok[0, :, :2].any()
+
+
+def test_window_holds_the_tokens_before_each_pass_exactly():
+    # With kv_window=W every query of a pass sees the W tokens before the pass exact (the
+    # read happens before the pass writes over the window), the pass's own tokens as
+    # computed, and only older tokens dequantized.
+    W = 3
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=16, block_size=4,
+                      dtype=torch.float32, kv_dtype="int4", kv_window=W)
+    kv = PagedKVCache(cfg)
+    g = torch.Generator().manual_seed(2)
+    seen = [[], []]  # per layer: every token's K as computed, in order
+    with PagedCache(kv) as cache:
+        cache.admit(torch.arange(7).view(1, 7), torch.ones(1, 7, dtype=torch.long))
+        for q in (7, 4, 1, 5):
+            for layer in range(2):
+                k = torch.randn(1, 2, q, 32, generator=g)
+                ok, _ = cache.update(k, k.clone(), layer)
+                before = sum(t.shape[1] for t in seen[layer])
+                seen[layer].append(k[0])
+                truth = torch.cat(seen[layer], dim=1)
+                assert ok.shape == (1, 2, before + q, 32)
+                lo = max(0, before - W)
+                torch.testing.assert_close(ok[0, :, lo:], truth[:, lo:], rtol=0, atol=0)
+                if lo:
+                    assert not torch.equal(ok[0, :, :lo], truth[:, :lo])   # older: dequantized
+                    torch.testing.assert_close(ok[0, :, :lo], truth[:, :lo], rtol=0, atol=1.5)
+    assert_all_free(kv)

@@ -409,17 +409,16 @@ class PagedCache(Cache):
         if q != plan.q or B != len(self.seq_ids):
             raise ShapeError(expected("key_states", f"[{len(self.seq_ids)}, H, {plan.q}, D] as at layer 0",
                                       tuple(key_states.shape)))
-        # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
-        self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
-                      value_states.transpose(1, 2).reshape(B * q, H, D))
+        # Read before writing: the new tokens' rows are overwritten below by their K/V
+        # as computed, and a recent window still holds the tokens just before the pass.
         columns = plan.columns
         if plan.groups is not None:   # layer groups: this layer's group's tables and window
             step = plan.groups[self.kv.config.layer_groups.layer_group[layer_idx]]
-            k, v = self.kv.gather_pages(layer_idx, step.indptr, step.indices, step.lens)
+            k, v = self.kv.gather_pages(layer_idx, step.indptr, step.indices, step.lens, pending=plan.n_new)
             keys, values = hf_windows.assemble(step, k, v, B, H, D)
             columns = step.columns
         else:
-            k, v = self.kv.gather_pages(layer_idx, plan.indptr, plan.indices, plan.lens)
+            k, v = self.kv.gather_pages(layer_idx, plan.indptr, plan.indices, plan.lens, pending=plan.n_new)
             if plan.dest is None:  # no padding: the packed rows are the rectangle
                 keys = k.view(B, columns, H, D)
                 values = v.view(B, columns, H, D)
@@ -433,6 +432,9 @@ class PagedCache(Cache):
         new = torch.from_numpy(plan.new_mask).to(keys.device)
         keys[:, columns - q:][new] = key_states.transpose(1, 2)[new].to(keys.dtype)
         values[:, columns - q:][new] = value_states.transpose(1, 2)[new].to(values.dtype)
+        # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
+        self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
+                      value_states.transpose(1, 2).reshape(B * q, H, D))
         self.layers[layer_idx].is_initialized = True
         if layer_idx == self.num_layers - 1:
             self._finish_step()
