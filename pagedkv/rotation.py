@@ -5,7 +5,12 @@ orthonormal transform spreads an outlier channel's energy over every channel, so
 per-token (or per-group) range shrinks towards the typical magnitude. The rotation is
 fixed per cache and undone on read, so a model never sees it.
 
-Definition (the C and CUDA paths reproduce it bit for bit; float32 throughout)::
+The data ops apply it inside the quantized write and gather (``rotation_signs=`` of
+:func:`pagedkv.ops.write_kv` / :func:`pagedkv.ops.gather_kv`): this module is their
+torch reference, and the CPU loops (``pagedkv/ops/quant_rows.h``) and the CUDA kernels
+(``cuda/common.cuh``) reproduce it bit for bit.
+
+Definition (float32 throughout)::
 
     rotate(x)   = H(signs * x)          # signs: +-1 per channel, fixed per cache
     unrotate(y) = signs * H(y)          # H is symmetric and orthonormal: H^-1 = H
