@@ -390,6 +390,31 @@ def test_rotation_round_trip_stays_within_the_quantization_step(backend):
         assert float(err.max()) > 0  # quantized: not a copy
 
 
+def test_rotated_gather_reads_zeros_for_a_bad_block_id_and_skips_tokens_past_the_sequences(kernel_backend):
+    # The rotating kernels find each output token's block themselves (the tables'
+    # values are not read on the host for a GPU): a bad id reads as a zero row
+    # (zero unrotates to +-0), and a given output longer than the sequences keeps
+    # the rows past them.
+    gen = torch.Generator().manual_seed(9)
+    layer, scale, zero = quantized_layer("HND", torch.int8, 16, gen=gen)
+    indptr, indices, _, lens = tables(gen)
+    signs = rotation_signs(16, 2)
+    bad = indices.clone()
+    bad[int(indptr[3])] = NB + 4  # the first block of the last sequence
+    kw = dict(layout="HND", out_dtype=torch.float32, kv_scale=scale, kv_zero=zero, rotation_signs=signs)
+    want_k, want_v = ref.gather_kv(layer, indptr, indices, lens, **kw)
+    first = int(lens[:3].sum())
+    want_k[first : first + BS] = 0
+    want_v[first : first + BS] = 0
+    total = int(lens.sum())
+    out_k, out_v = torch.full((total + 2, H, 16), 5.0), torch.full((total + 2, H, 16), 5.0)
+    got, _ = _gather(kernel_backend, "csr", layer, (indptr, bad, lens), {}, out_key=out_k, out_value=out_v, **kw)
+    for g, w in zip(got, (want_k, want_v)):
+        g = g.cpu()
+        assert_same(g[:total], w, zero_sign=False)  # a zero row unrotates to the signs' +-0
+        assert bool((g[total:] == 5.0).all())
+
+
 _BAD_SIGNS = [
     (lambda d: torch.ones(d, dtype=torch.float64), DTypeError,
      r"^rotation_signs: expected dtype float32, got torch.float64$"),
