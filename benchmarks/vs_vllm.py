@@ -51,8 +51,9 @@ Locating vLLM: ``--vllm-path DIR`` (or ``$PAGEDKV_VLLM_PATH``) is put first on
 ``{"bench": "vs_vllm", "skipped": ...}`` and exits 0 (CI does not install vLLM).
 
 Usage: ``python benchmarks/vs_vllm.py [--vllm-path DIR] [--smoke] [--repeats N]
-[--only W1,W2,W3]``. Prints one JSON line per figure: ns per op for both, the ratio
-vLLM / pagedkv and the issue's goal (>= 20x).
+[--only W1,W2,W3] [--vllm-hash sha256|sha256_cbor|xxhash|xxhash_cbor]`` (vLLM's
+``prefix_caching_hash_algo``; default: vLLM's default, sha256). Prints one JSON line per
+figure: ns per op for both, the ratio vLLM / pagedkv and the issue's goal (>= 20x).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ GOAL = 20.0
 BLOCKS, BLOCK_SIZE = 65536, 16
 
 
-def load_vllm(path):
+def load_vllm(path, hash_name="sha256"):
     """vLLM's bookkeeping classes, or (None, reason) when they cannot be imported."""
     if path:
         sys.path.insert(0, os.path.abspath(path))
@@ -94,7 +95,7 @@ def load_vllm(path):
         return None, f"vLLM not importable: {type(e).__name__}: {e}"
     return VLLM(torch, vllm, SamplingParams, get_hash_fn_by_name, kv_cache_utils, BlockPool,
                 KVCacheManager, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Request,
-                RequestStatus), None
+                RequestStatus, hash_name), None
 
 
 class VLLM:
@@ -102,7 +103,7 @@ class VLLM:
 
     def __init__(self, torch, vllm, SamplingParams, get_hash_fn_by_name, kv_cache_utils, BlockPool,
                  KVCacheManager, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Request,
-                 RequestStatus):
+                 RequestStatus, hash_name):
         self.version = vllm.__version__
         self.BlockPool, self.Request, self.RequestStatus = BlockPool, Request, RequestStatus
         self.KVCacheManager = KVCacheManager
@@ -110,7 +111,8 @@ class VLLM:
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16)
         self.config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-        hash_fn = get_hash_fn_by_name("sha256")   # CacheConfig.prefix_caching_hash_algo default
+        self.hash_name = hash_name   # "sha256": CacheConfig.prefix_caching_hash_algo's default
+        hash_fn = get_hash_fn_by_name(hash_name)
         kv_cache_utils.init_none_hash(hash_fn)
         self.hasher = kv_cache_utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
 
@@ -312,7 +314,8 @@ def w2(v, args):
         per = steps * live
         same = (all(end_ours[k] == end_v[k] for k in ("admitted", "finished", "slot_tokens"))
                 and same_tokens(ours[-1][2], theirs[-1][2]))
-        core.emit(bench="vs_vllm", workload="W2", vllm=v.version, prefix_caching=prefix, blocks=BLOCKS,
+        core.emit(bench="vs_vllm", workload="W2", vllm=v.version, prefix_caching=prefix,
+                  vllm_hash=v.hash_name if prefix else None, blocks=BLOCKS,
                   live_sequences=live, steps=steps, repeats=args.repeats,
                   pagedkv_ns_per_token_step=round(ns / per, 1), vllm_ns_per_token_step=round(ns_v / per, 1),
                   pagedkv_s=round(ns / 1e9, 3), vllm_s=round(ns_v / 1e9, 3),
@@ -355,7 +358,8 @@ def w3(v, args):
 
     ns, end_ours, ns_v, end_v = paired(run_pagedkv, run_vllm, args.repeats)
     tokens = sum(len(p) for p in prompts)
-    core.emit(bench="vs_vllm", workload="W3", vllm=v.version, prefix_caching=True, blocks=BLOCKS,
+    core.emit(bench="vs_vllm", workload="W3", vllm=v.version, prefix_caching=True, vllm_hash=v.hash_name,
+              blocks=BLOCKS,
               requests=requests, prompt_tokens=1280, shared_prefix=1024,
               pagedkv_us_per_request=round(ns / requests / 1e3, 2),
               vllm_us_per_request=round(ns_v / requests / 1e3, 2),
@@ -368,13 +372,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-path", default=os.environ.get("PAGEDKV_VLLM_PATH"),
                     help="directory holding the vllm package (put first on sys.path)")
+    ap.add_argument("--vllm-hash", default="sha256", choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
+                    help="vLLM's prefix_caching_hash_algo (default: vLLM's default, sha256)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="W1,W2,W3")
     args = ap.parse_args(argv)
     if args.smoke:
         args.repeats = 1
-    v, reason = load_vllm(args.vllm_path)
+    v, reason = load_vllm(args.vllm_path, args.vllm_hash)
     if v is None:
         core.emit(bench="vs_vllm", skipped=reason)
         return
