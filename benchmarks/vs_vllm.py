@@ -67,6 +67,7 @@ import gc
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -77,8 +78,8 @@ GOAL = 20.0
 BLOCKS, BLOCK_SIZE = 65536, 16
 
 
-def load_vllm(path, hash_name="sha256"):
-    """vLLM's bookkeeping classes, or (None, reason) when they cannot be imported."""
+def load_vllm(path):
+    """vLLM's modules, or (None, reason) when they cannot be imported."""
     if path:
         sys.path.insert(0, os.path.abspath(path))
     try:
@@ -93,28 +94,29 @@ def load_vllm(path, hash_name="sha256"):
         from vllm.v1.request import Request, RequestStatus
     except Exception as e:   # any failure to import (missing deps, ABI) means: no vLLM here
         return None, f"vLLM not importable: {type(e).__name__}: {e}"
-    return VLLM(torch, vllm, SamplingParams, get_hash_fn_by_name, kv_cache_utils, BlockPool,
-                KVCacheManager, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Request,
-                RequestStatus, hash_name), None
+    return SimpleNamespace(
+        torch=torch, vllm=vllm, SamplingParams=SamplingParams, get_hash_fn_by_name=get_hash_fn_by_name,
+        kv_cache_utils=kv_cache_utils, BlockPool=BlockPool, KVCacheManager=KVCacheManager,
+        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+        Request=Request, RequestStatus=RequestStatus), None
 
 
 class VLLM:
-    """The imported vLLM pieces, and the manager the scheduler would build."""
+    """vLLM's bookkeeping classes, and the manager its scheduler would build."""
 
-    def __init__(self, torch, vllm, SamplingParams, get_hash_fn_by_name, kv_cache_utils, BlockPool,
-                 KVCacheManager, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Request,
-                 RequestStatus, hash_name):
-        self.version = vllm.__version__
-        self.BlockPool, self.Request, self.RequestStatus = BlockPool, Request, RequestStatus
-        self.KVCacheManager = KVCacheManager
-        self.SamplingParams = SamplingParams
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16)
-        self.config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-        self.hash_name = hash_name   # "sha256": CacheConfig.prefix_caching_hash_algo's default
-        hash_fn = get_hash_fn_by_name(hash_name)
-        kv_cache_utils.init_none_hash(hash_fn)
-        self.hasher = kv_cache_utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    def __init__(self, m, hash_name="sha256"):
+        self.version = m.vllm.__version__
+        self.BlockPool, self.Request, self.RequestStatus = m.BlockPool, m.Request, m.RequestStatus
+        self.KVCacheManager, self.SamplingParams = m.KVCacheManager, m.SamplingParams
+        spec = m.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=m.torch.float16)
+        self.config = m.KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                                      kv_cache_groups=[m.KVCacheGroupSpec(["layer.0"], spec)])
+        # What EngineCore sets up when prefix caching is on; "sha256" is the default of
+        # CacheConfig.prefix_caching_hash_algo.
+        self.hash_name = hash_name
+        hash_fn = m.get_hash_fn_by_name(hash_name)
+        m.kv_cache_utils.init_none_hash(hash_fn)
+        self.hasher = m.kv_cache_utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
 
     def manager(self, prefix, max_model_len):
         return self.KVCacheManager(
@@ -380,10 +382,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.smoke:
         args.repeats = 1
-    v, reason = load_vllm(args.vllm_path, args.vllm_hash)
-    if v is None:
+    modules, reason = load_vllm(args.vllm_path)
+    if modules is None:
         core.emit(bench="vs_vllm", skipped=reason)
         return
+    v = VLLM(modules, args.vllm_hash)
     todo = {"W1": w1, "W2": w2, "W3": w3}
     for name in args.only.split(","):
         todo[name](v, args)

@@ -35,7 +35,8 @@ def test_smoke_prints_results_or_the_skip_line(smoke):
         ("W1", "tail first", False), ("W1", "tail first", True),
         ("W2", None, False), ("W2", None, True), ("W3", None, True)]
     for d in smoke:
-        ours, theirs = [v for k, v in sorted(d.items()) if k.startswith(("pagedkv_ns", "pagedkv_us", "vllm_ns", "vllm_us"))]
+        per_op = ("pagedkv_ns", "pagedkv_us", "vllm_ns", "vllm_us")
+        ours, theirs = [v for k, v in sorted(d.items()) if k.startswith(per_op)]
         assert ours > 0 and theirs > 0
         assert d["ratio_vllm_over_pagedkv"] == pytest.approx(theirs / ours, rel=0.05, abs=0.1)
         assert d["goal_ratio"] == 20.0 and d["pass"] == (d["ratio_vllm_over_pagedkv"] >= 20.0)
