@@ -165,7 +165,9 @@ class CacheConfig:
     - ``kv_window``: the newest ``kv_window`` tokens of each sequence are read back in
       model precision (default 128 for int4, 0 otherwise), from a window arena that
       holds ``kv_window_sequences`` sequences' windows (least recently written blocks
-      give way first). Its bytes count in ``total_bytes`` and the budget.
+      give way first). Its bytes count in ``total_bytes`` and the budget. A reader
+      that holds its pass's tokens in flight (``gather_pages(pending=)``, as
+      ``PagedCache`` does) gets the ``kv_window`` tokens before the pass exact.
     - ``kv_full_precision_layers``: layer indices (negative counts from the end) kept
       in model precision (no scales, no window).
 
