@@ -164,12 +164,22 @@ def w2_schedule(live, steps, seed):
     return requests, finishing
 
 
-def w2_run_pagedkv(prefix, live, steps, seed=0, fused=True):
+def w2_workload(live, steps, seed=0):
+    """The W2 schedule plus the decode tokens: ``tokens[step, slot]`` is the token whose KV
+    the sequence in ``slot`` appends at ``step``. benchmarks/vs_vllm.py feeds the same
+    workload to vLLM."""
+    requests, finishing = w2_schedule(live, steps, seed)
+    tokens = np.random.default_rng(seed + 1).integers(0, 32000, (steps, live), dtype=np.int32)
+    return requests, finishing, tokens
+
+
+def w2_run_pagedkv(prefix, live, steps, seed=0, fused=True, workload=None, keep=False):
+    """ns per token-step and the stats; with ``keep``, also the cache and the live ids
+    (the caller frees them)."""
     cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=65536,
                       enable_prefix_caching=prefix)
     cache = PagedKVCache(cfg, allocate_store=False)
-    requests, finishing = w2_schedule(live, steps, seed)
-    tokens = np.random.default_rng(seed + 1).integers(0, 32000, (steps, live), dtype=np.int32)
+    requests, finishing, tokens = workload if workload is not None else w2_workload(live, steps, seed)
     ids = np.arange(live, dtype=np.int64)
     nxt = iter(range(len(requests)))
 
@@ -197,6 +207,8 @@ def w2_run_pagedkv(prefix, live, steps, seed=0, fused=True):
                 admit(slot)
     dt = time.perf_counter_ns() - t0
     cache.check_invariants()
+    if keep:
+        return dt / (steps * live), cache.stats(), cache, ids
     return dt / (steps * live), cache.stats()
 
 
@@ -252,23 +264,33 @@ def w2(args):
 
 
 # ---- W3 ---------------------------------------------------------------------------------
-def w3(args):
-    requests = 50 if args.smoke else 1000
+def w3_prompts(requests):
+    """A 1,024-token system prompt shared by every request, then 256 unique tokens."""
     system = np.arange(1024, dtype=np.int32) + 5
     rng = np.random.default_rng(3)
     uniques = [rng.integers(2000, 30000, 256, dtype=np.int32) for _ in range(requests)]
-    prompts = [np.concatenate([system, u]) for u in uniques]
+    return [np.concatenate([system, u]) for u in uniques]
+
+
+def w3_run_pagedkv(prompts, num_blocks=8192):
+    """Admit each prompt (prefix lookup, reserve, commit) and free it; (ns, stats)."""
+    cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=num_blocks)
+    cache = PagedKVCache(cfg, allocate_store=False)
+    t0 = time.perf_counter_ns()
+    for i, p in enumerate(prompts):
+        cached = cache.add_sequence(i, p)
+        cache.reserve(i, len(p) - cached)
+        cache.commit(i, len(p) - cached)
+        cache.free(i)
+    return time.perf_counter_ns() - t0, cache.stats()
+
+
+def w3(args):
+    requests = 50 if args.smoke else 1000
+    prompts = w3_prompts(requests)
 
     def run_pagedkv():
-        cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, num_blocks=8192)
-        cache = PagedKVCache(cfg, allocate_store=False)
-        t0 = time.perf_counter_ns()
-        for i, p in enumerate(prompts):
-            cached = cache.add_sequence(i, p)
-            cache.reserve(i, len(p) - cached)
-            cache.commit(i, len(p) - cached)
-            cache.free(i)
-        return time.perf_counter_ns() - t0, cache.stats()
+        return w3_run_pagedkv(prompts)
 
     run_pagedkv()
     runs = [run_pagedkv() for _ in range(args.repeats)]
