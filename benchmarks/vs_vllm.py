@@ -200,6 +200,22 @@ def w1(v, args):
                       load_1m=load(), **verdict(ns_v, ns))
 
 
+def schedule_waiting(mgr, req, running, has_scheduled_reqs):
+    """What vLLM's scheduler does for a request it takes from the waiting queue: the
+    prefix lookup, the allocation with the waiting loop's arguments, the status, and
+    ``num_computed_tokens`` as ``_update_after_schedule`` sets it. Returns the hit tokens."""
+    computed, hit, _ = mgr.get_computed_blocks(req)
+    num_new = req.num_tokens - hit
+    if mgr.allocate_slots(req, num_new, num_new_computed_tokens=hit, new_computed_blocks=computed,
+                          num_lookahead_tokens=0, num_external_computed_tokens=0,
+                          delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=True,
+                          reserved_blocks=0, has_scheduled_reqs=has_scheduled_reqs) is None:
+        raise RuntimeError("vLLM pool exhausted: the workloads are sized never to preempt")
+    req.status = running
+    req.num_computed_tokens = hit + num_new
+    return hit
+
+
 # ---- W2 ---------------------------------------------------------------------------------
 def w2_run_vllm(v, prefix, workload, live):
     """One W2 run through vLLM's KVCacheManager; (ns, end state)."""
@@ -224,16 +240,7 @@ def w2_run_vllm(v, prefix, workload, live):
         r = counts["admitted"]
         counts["admitted"] = r + 1
         req = Request(str(r), prompts[r], sp, None, block_hasher=hasher)
-        computed, hit, _ = mgr.get_computed_blocks(req)
-        num_new = req.num_tokens - hit
-        if mgr.allocate_slots(req, num_new, num_new_computed_tokens=hit, new_computed_blocks=computed,
-                              num_lookahead_tokens=0, num_external_computed_tokens=0,
-                              delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=True,
-                              reserved_blocks=0, has_scheduled_reqs=True) is None:
-            raise RuntimeError("vLLM pool exhausted: W2 is sized never to preempt")
-        req.status = RUNNING
-        req.num_computed_tokens = hit + num_new    # schedule + _update_after_schedule
-        counts["hit_tokens"] += hit
+        counts["hit_tokens"] += schedule_waiting(mgr, req, RUNNING, has_scheduled_reqs=True)
         req.append_output_token_ids(first_token)   # update_from_output of the prefill step
         running[slot] = req
 
@@ -343,16 +350,7 @@ def w3(v, args):
         t0 = time.perf_counter_ns()
         for i, p in enumerate(lists):
             req = Request(str(i), p, sp, None, block_hasher=hasher)
-            computed, hit, _ = mgr.get_computed_blocks(req)
-            num_new = req.num_tokens - hit
-            if mgr.allocate_slots(req, num_new, num_new_computed_tokens=hit, new_computed_blocks=computed,
-                                  num_lookahead_tokens=0, num_external_computed_tokens=0,
-                                  delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=True,
-                                  reserved_blocks=0, has_scheduled_reqs=False) is None:
-                raise RuntimeError("vLLM pool exhausted")
-            req.status = RUNNING
-            req.num_computed_tokens = hit + num_new
-            hits += hit
+            hits += schedule_waiting(mgr, req, RUNNING, has_scheduled_reqs=False)
             req.status = FINISHED
             mgr.free(req)
         ns = time.perf_counter_ns() - t0
