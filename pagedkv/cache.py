@@ -849,7 +849,7 @@ class PagedKVCache:
         positions = kept_positions(tables, lens, np.zeros_like(lens) if gone is None else gone)
         return k, v, torch.from_numpy(cu), torch.from_numpy(positions)
 
-    def gather_pages(self, layer: int, indptr, indices, seq_lens, *, pending=None):
+    def gather_pages(self, layer: int, indptr, indices, seq_lens, *, pending=None, rotated=False):
         """K, V ``[sum(seq_lens), H, D]`` of ``layer`` read through a CSR page table
         (``indptr``, ``indices``: int32 tensors on :attr:`device`, as from
         :meth:`page_table_csr`; ``seq_lens``: int32 tokens per row).
@@ -864,14 +864,37 @@ class PagedKVCache:
         (it attends to their K/V as computed): ints ``[B]``, each row's trailing tokens
         not written yet. Their rows hold stale bytes for the caller to overwrite, and
         ``kv_window`` then keeps the ``kv_window`` tokens *before* them in model
-        precision, so every query of the pass sees at least that many exact tokens."""
+        precision, so every query of the pass sees at least that many exact tokens.
+
+        ``rotated=True`` (a cache with ``kv_rotation``): K/V in the rotated domain, as
+        stored, without the per-row unrotation, which costs more than the dequantization.
+        The rotation is orthonormal, so an attention that rotates its queries
+        (``pagedkv.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
+        its output is unrotated once per query (``unrotate(out, signs)``) instead of once
+        per cached token."""
+        if rotated is not False and rotated is not True:
+            raise ArgumentTypeError(expected("rotated", "True or False", repr(rotated)))
+        if rotated and not self.config.kv_rotation:
+            raise InvalidArgumentError(expected("rotated", "False for a cache without kv_rotation", True))
         if self._groups is not None:
             from pagedkv.group_data import layer_slot
 
             layer = layer_slot(self.config.layer_groups, layer)[1]
         if pending is not None:
             pending = self._pending(pending, seq_lens)
-        return self._require_store().gather(layer, indptr, indices, seq_lens, pending=pending)
+        return self._require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
+
+    @property
+    def rotation_signs(self):
+        """The float32 ``[head_dim]`` signs of the cache's rotation (a copy), or None
+        without ``kv_rotation``: what :func:`pagedkv.rotation.rotate` takes."""
+        if not self.config.kv_rotation:
+            return None
+        if self.store is not None:
+            return self.store.rotation_signs.clone()
+        from pagedkv.rotation import rotation_signs
+
+        return rotation_signs(self.config.head_dim, self.config.kv_rotation_seed)
 
     @staticmethod
     def _pending(pending, seq_lens) -> np.ndarray:

@@ -28,7 +28,7 @@ from pagedkv import dtypes, ops
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.ops import reference
-from pagedkv.rotation import rotation_signs
+from pagedkv.rotation import rotate, rotation_signs
 from pagedkv.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
@@ -220,25 +220,36 @@ class KVStore:
         if self.window is not None:
             self.window.write(i, slot_mapping, key, value)
 
-    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None):
+    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
         inside the data op), overlay the window, fill outputs.
 
         ``pending``: int64 numpy ``[B]``, trailing tokens per sequence that the caller
-        holds in flight and has not written yet (see :meth:`RecentWindow.overlay`)."""
+        holds in flight and has not written yet (see :meth:`RecentWindow.overlay`).
+        ``rotated`` (a rotated cache only, checked by the caller): return K/V in the
+        rotated domain, as stored: the quantized rows skip the unrotation, and the rows
+        kept in model precision (window, full-precision layers) are rotated here."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
         main, i = self._where[layer]
-        if not main:
+        signs = None if rotated else self.rotation_signs
+        to_rotated = None
+        if rotated:
+            def to_rotated(x):
+                return rotate(x.float(), self.rotation_signs)
+        if not main and not rotated:
             return read(self._out_dtype(main), None, out_key, out_value)
-        if self.window is None:
-            return read(self._out_dtype(main), self.rotation_signs, out_key, out_value)
+        if main and self.window is None:
+            return read(self._out_dtype(main), signs, out_key, out_value)
         model = self.config.torch_dtype
         geo, _ = reference.check_gather(view, self.layout, model, scale, zero)
         total = int(seq_lens.sum()) if isinstance(seq_lens, torch.Tensor) and seq_lens.numel() else 0
         reference.check_out(out_key, out_value, total, geo, model, view.device)
-        k, v = read(model, self.rotation_signs, None, None)
-        self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending)
+        k, v = read(model, signs, None, None)
+        if not main:        # a model-precision layer read in the rotated domain
+            k, v = to_rotated(k).to(model), to_rotated(v).to(model)
+        else:
+            self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated)
         if out_key is not None:
             out_key.copy_(k)
             out_value.copy_(v)
@@ -255,10 +266,11 @@ class KVStore:
         out_key: Optional[torch.Tensor] = None,
         out_value: Optional[torch.Tensor] = None,
         pending: Optional[np.ndarray] = None,
+        rotated: bool = False,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables).
 
-        ``pending`` (validated by the caller): see :meth:`_read`."""
+        ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
@@ -269,7 +281,7 @@ class KVStore:
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
 
-        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending)
+        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending, rotated)
 
     def gather_padded(
         self,

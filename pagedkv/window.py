@@ -136,14 +136,15 @@ class RecentWindow:
         self.valid[layer, ws, off] = True
 
     def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
-                value: torch.Tensor, pending: Optional[np.ndarray] = None) -> None:
+                value: torch.Tensor, pending: Optional[np.ndarray] = None, transform=None) -> None:
         """Overwrite, in gathered ``key``/``value`` ``[sum(seq_lens), H, D]``, each
         sequence's last ``window`` tokens that the window arena holds.
 
         ``blocks_per_seq(b)`` returns sequence ``b``'s block ids (numpy int64).
         ``pending[b]``: sequence ``b``'s trailing tokens that are not written yet (the
         caller holds them in flight); the window is then the ``window`` tokens before
-        them, which the arena still holds because the pass has not written over them."""
+        them, which the arena still holds because the pass has not written over them.
+        ``transform``: applied to the window rows first (a read in the rotated domain)."""
         rows, wsl, offs = [], [], []
         base = 0
         ends = seq_lens if pending is None else seq_lens - pending
@@ -169,8 +170,11 @@ class RecentWindow:
         ok = self.valid[layer, ws, off]
         r = torch.from_numpy(rows_np).to(key.device)[ok]
         ws, off = ws[ok], off[ok]
-        key[r] = self.data[layer, ws, 0, off].to(key.dtype)
-        value[r] = self.data[layer, ws, 1, off].to(value.dtype)
+        wk, wv = self.data[layer, ws, 0, off], self.data[layer, ws, 1, off]
+        if transform is not None:
+            wk, wv = transform(wk), transform(wv)
+        key[r] = wk.to(key.dtype)
+        value[r] = wv.to(value.dtype)
 
     def held(self, block: int) -> Optional[int]:
         """The window slot of ``block`` (None when it has none)."""

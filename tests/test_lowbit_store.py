@@ -471,3 +471,47 @@ def test_gather_pages_refuses_bad_pending(pending, err):
         cache.gather_pages(0, indptr, indices, lens, pending=pending)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.gather_pages(0, indptr, indices, lens)))
     cache.free("a")
+
+
+@pytest.mark.parametrize("kv_dtype, window, full", [("int4", 0, ()), ("int4", 5, ()), ("fp8_e4m3", 3, (1,)),
+                                                    ("int8", 0, (0,))])
+def test_rotated_domain_read_gives_the_same_attention(kv_dtype, window, full):
+    cache = PagedKVCache(config(kv_dtype=kv_dtype, kv_rotation=True, kv_window=window,
+                                kv_full_precision_layers=full))
+    k, v = kv_data(13, seed=5)
+    fill(cache, "a", k, v)
+    signs = cache.rotation_signs
+    assert torch.equal(signs, rotation_signs(D, cache.config.kv_rotation_seed))
+    indptr, indices, _ = (torch.from_numpy(a) for a in cache.page_table_csr(["a"]))
+    lens = torch.tensor([13], dtype=torch.int32)
+    q = torch.randn(4, H, D, generator=torch.Generator().manual_seed(6))
+    for layer in range(L):
+        gk, gv = cache.gather_pages(layer, indptr, indices, lens)
+        rk, rv = cache.gather_pages(layer, indptr, indices, lens, rotated=True)
+        quantized = layer not in full
+        if quantized and not window:   # nothing kept exact: the stored rows, unrotated, are the read
+            assert torch.equal(unrotate(rk, signs), gk) and torch.equal(unrotate(rv, signs), gv)
+        torch.testing.assert_close(unrotate(rk, signs), gk, rtol=0, atol=1e-4)
+        assert not torch.allclose(rk, gk, atol=1e-2)          # really in the other domain
+        # attention with rotated queries on rotated K/V, output unrotated once
+        scores = torch.einsum("qhd,khd->hqk", q, gk).softmax(-1)
+        rscores = torch.einsum("qhd,khd->hqk", rotate(q, signs), rk).softmax(-1)
+        torch.testing.assert_close(rscores, scores, rtol=0, atol=1e-5)
+        out = torch.einsum("hqk,khd->qhd", scores, gv)
+        rout = unrotate(torch.einsum("hqk,khd->qhd", rscores, rv), signs)
+        torch.testing.assert_close(rout, out, rtol=0, atol=1e-4)
+    cache.free("a")
+
+
+def test_rotated_read_needs_a_rotated_cache():
+    cache = PagedKVCache(config(kv_dtype="int8", kv_rotation=False))
+    assert cache.rotation_signs is None
+    k, v = kv_data(4, seed=7)
+    fill(cache, "a", k, v)
+    indptr, indices, _ = (torch.from_numpy(a) for a in cache.page_table_csr(["a"]))
+    lens = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match="rotated"):
+        cache.gather_pages(0, indptr, indices, lens, rotated=True)
+    with pytest.raises(ArgumentTypeError, match="rotated"):
+        cache.gather_pages(0, indptr, indices, lens, rotated=1)
+    cache.free("a")
