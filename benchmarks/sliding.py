@@ -25,9 +25,6 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # idle BLAS threads spin and skew timings
 
 import argparse
-import json
-import statistics
-import time
 
 import numpy as np
 
@@ -37,21 +34,9 @@ from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
 from pagedkv.testing.core_model import PyBlockPool, PyTables
 
+from core import emit, median_of as median_ns  # benchmarks/core.py: one JSON line, median after a warm-up
+
 BS, WINDOW, SINKS = 16, 4096, 4
-
-
-def emit(**fields):
-    print(json.dumps(fields), flush=True)
-
-
-def median_ns(fn, repeats):
-    fn()  # warm-up
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        runs.append(time.perf_counter_ns() - t0)
-    return statistics.median(runs)
 
 
 def core_tables(tokens, window, sinks):
