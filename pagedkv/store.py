@@ -233,10 +233,7 @@ class KVStore:
         scale, zero = self.layer_scales(layer)
         main, i = self._where[layer]
         signs = None if rotated else self.rotation_signs
-        to_rotated = None
-        if rotated:
-            def to_rotated(x):
-                return rotate(x.float(), self.rotation_signs)
+        to_rotated = (lambda x: rotate(x.float(), self.rotation_signs)) if rotated else None
         if not main and not rotated:
             return read(self._out_dtype(main), None, out_key, out_value)
         if main and self.window is None:
