@@ -36,9 +36,12 @@ MODEL_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 #: canonical quantized kv dtype name -> bytes per element
 KV_DTYPE_NAMES: Dict[str, float] = {d.name: d.element_bytes for d in dtypes.QUANTIZED}
 #: default recent window (tokens kept in model precision) per quantized kv dtype
-DEFAULT_KV_WINDOW: Dict[str, int] = {"int4": 128}
+DEFAULT_KV_WINDOW: Dict[str, int] = {"int4": 128, "int3": 128}
 #: int4 group size along head_dim when none is given (chosen by measurement; README)
 DEFAULT_INT4_GROUP = 64
+#: int3 group size along head_dim when none is given and it divides head_dim (else the
+#: largest multiple of 8 below it that does; README)
+DEFAULT_INT3_GROUP = 32
 EVICTION_POLICIES = ("lru", "priority", "adaptive", "frequency")
 #: eviction policies of the host and disk prefix tiers
 TIER_EVICTION_POLICIES = ("lru", "frequency")
@@ -46,7 +49,6 @@ TIER_EVICTION_POLICIES = ("lru", "frequency")
 TIER_WRITE_POLICIES = ("back", "through")
 LAYOUTS = ("NHD", "HND")
 
-_SCALE_BYTES = 4  # float32 scale (and int8/int4 zero point) per (token, head, K/V[, group])
 
 _UNITS = {
     "": 1, "b": 1,
@@ -149,21 +151,23 @@ class CacheConfig:
 
     Exactly one of ``num_blocks`` and ``memory_budget`` is given. A budget (bytes, or a
     string like ``"4GiB"``) counts the device arena: data plus, for quantized
-    ``kv_dtype``, the float32 scale (and int8/int4 zero-point) arenas and the window arena.
+    ``kv_dtype``, the scale (and zero-point) arenas and the window arena.
 
     After validation, ``dtype`` holds a canonical name (``"float16"``), ``kv_dtype`` is
     ``None`` (store in ``dtype``) or a quantized name (``"fp8_e4m3"``, ``"fp8_e5m2"``,
-    ``"int8"``, ``"int4"``), ``memory_budget`` is an int and ``device`` a string.
+    ``"int8"``, ``"int4"``, ``"int3"``), ``memory_budget`` is an int and ``device`` a string.
 
     Low-bit options (quantized ``kv_dtype`` only; see README "Low-bit KV"):
 
-    - ``kv_group_size``: int4 elements per scale/zero group along ``head_dim``
-      (default 64, capped at ``head_dim``).
+    - ``kv_group_size``: int4/int3 elements per scale/zero group along ``head_dim``
+      (int4: default 64, capped at ``head_dim``; int3: a multiple of 8, default 32 or
+      the largest multiple of 8 below it that divides ``head_dim``, which int3 needs to
+      be a multiple of 8).
     - ``kv_rotation``: store K/V rotated by a randomized Hadamard transform of
       ``head_dim`` (fixed per cache by ``kv_rotation_seed``; undone on read). Default:
-      on for int4, off for fp8/int8.
+      on for int4/int3, off for fp8/int8.
     - ``kv_window``: the newest ``kv_window`` tokens of each sequence are read back in
-      model precision (default 128 for int4, 0 otherwise), from a window arena that
+      model precision (default 128 for int4/int3, 0 otherwise), from a window arena that
       holds ``kv_window_sequences`` sequences' windows (least recently written blocks
       give way first). Its bytes count in ``total_bytes`` and the budget. A reader
       that holds its pass's tokens in flight (``gather_pages(pending=)``, as
@@ -396,9 +400,12 @@ class CacheConfig:
             if self.head_dim % g:
                 raise InvalidArgumentError(expected("kv_group_size", f"a divisor of head_dim ({self.head_dim})", g))
             put("kv_group_size", g)
+        elif q == "int3":
+            put("kv_group_size", self._int3_group())
         elif self.kv_group_size is not None:
-            raise InvalidArgumentError(expected("kv_group_size", "None unless kv_dtype='int4'", repr(self.kv_group_size)))
-        rot = q == "int4" if self.kv_rotation is None else _check_bool("kv_rotation", self.kv_rotation)
+            raise InvalidArgumentError(expected("kv_group_size", "None unless kv_dtype is 'int4' or 'int3'",
+                                                repr(self.kv_group_size)))
+        rot = dtypes.info(q).grouped if self.kv_rotation is None else _check_bool("kv_rotation", self.kv_rotation)
         put("kv_rotation", rot)
         seed = _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
         if seed >= 2**63:
@@ -421,6 +428,19 @@ class CacheConfig:
                                                 "(use kv_dtype=None for none)", sorted(norm)))
         put("kv_full_precision_layers", tuple(sorted(norm)))
 
+    def _int3_group(self) -> int:
+        if self.head_dim % 8:
+            raise InvalidArgumentError(expected("head_dim", "a multiple of 8 for int3 (8 codes per 3 bytes)",
+                                                self.head_dim))
+        g = self.kv_group_size
+        if g is None:
+            g = max(k for k in range(8, DEFAULT_INT3_GROUP + 1, 8) if self.head_dim % k == 0)
+        g = _check_int("kv_group_size", g, 1)
+        if g % 8 or self.head_dim % g:
+            raise InvalidArgumentError(expected("kv_group_size", f"a multiple of 8 that divides head_dim "
+                                                f"({self.head_dim}) for int3", g))
+        return g
+
     # -- derived sizes ------------------------------------------------------------
 
     @property
@@ -435,7 +455,7 @@ class CacheConfig:
         """Bytes of one quantized (token, head, K or V) row: codes plus scale/zero."""
         row, d = dtypes.info(self.kv_dtype), self.head_dim
         params = d // self.kv_group_size if row.grouped else 1
-        return d // row.codes_per_byte * row.itemsize + _SCALE_BYTES * params * (2 if row.zero_point else 1)
+        return row.stored_dim(d) * row.itemsize + row.param_bytes * params * (2 if row.zero_point else 1)
 
     @property
     def bits_per_element(self) -> float:
@@ -493,7 +513,7 @@ class CacheConfig:
 
     @property
     def element_bytes(self) -> float:
-        """Bytes per stored K/V element, without scales (0.5 for int4)."""
+        """Bytes per stored K/V element, without scales (0.5 for int4, 0.375 for int3)."""
         return KV_DTYPE_NAMES[self.kv_dtype] if self.quantized else MODEL_DTYPE_NAMES[self.dtype]
 
     @property
@@ -540,8 +560,9 @@ class CacheConfig:
 
     @property
     def scale_arena_shape(self) -> Optional[Tuple[int, ...]]:
-        """Scale (and int8/int4 zero) arena shape: ``arena_shape`` without ``head_dim`` (int4:
-        with ``head_dim / kv_group_size`` groups instead); None unquantized."""
+        """Scale (and int8/int4/int3 zero) arena shape: ``arena_shape`` without ``head_dim``
+        (int4/int3: with ``head_dim / kv_group_size`` groups instead); None unquantized.
+        Its dtype is :attr:`torch_scale_dtype`."""
         if not self.quantized:
             return None
         groups = (self.head_dim // self.kv_group_size,) if dtypes.info(self.kv_dtype).grouped else ()
@@ -549,9 +570,10 @@ class CacheConfig:
 
     def layer_shape(self, num_blocks: int) -> Tuple[int, int, int, int, int]:
         """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too);
-        int4 packs two codes per byte, so its last dim is ``head_dim / 2``."""
+        int4 packs two codes per byte, so its last dim is ``head_dim / 2``; int3 packs eight
+        codes in three bytes (``3 * head_dim / 8``)."""
         bs, h = self.block_size, self.kv_heads_per_rank
-        d = self.head_dim // dtypes.info(self.cache_dtype).codes_per_byte
+        d = dtypes.info(self.cache_dtype).stored_dim(self.head_dim)
         return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -570,6 +592,12 @@ class CacheConfig:
     def torch_cache_dtype(self):
         """The data arena's torch dtype (imports torch)."""
         return dtypes.info(self.cache_dtype).torch_dtype
+
+    @property
+    def torch_scale_dtype(self):
+        """The scale and zero-point arenas' torch dtype (float32; bfloat16 for int3), or
+        None unquantized (imports torch)."""
+        return dtypes.info(self.kv_dtype).param_dtype if self.quantized else None
 
     # -- construction from a model config -----------------------------------------
 

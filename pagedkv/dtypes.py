@@ -11,6 +11,7 @@ dtype's attribute name, and :attr:`DTypeInfo.torch_dtype` imports torch on first
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd as _gcd
 from typing import Any, Dict, Optional, Tuple
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ALL",
     "BY_NAME",
     "info",
+    "layer_row",
     "lookup",
     "model_names",
     "quantized_names",
@@ -41,10 +43,16 @@ class DTypeInfo:
             code for integer formats).
         quantized: True for storage formats that need a scale per (token, head).
         zero_point: True when quantization also stores a zero point (asymmetric).
-        codes_per_byte: values packed in one storage element (2 for int4: two 4-bit
-            codes per uint8, so the stored last dim is ``head_dim / 2``).
+        code_bits: bits of one packed code (4 for int4: two codes per uint8; 3 for int3:
+            eight codes per three uint8), or 0 when each element is one storage element.
+            The stored last dim is ``head_dim * code_bits / 8`` (:meth:`stored_dim`).
         grouped: True when scales (and zero points) are kept per group of
             ``kv_group_size`` elements along ``head_dim`` instead of per (token, head).
+        group_multiple: a scale group's length must be a multiple of this (8 for int3:
+            whole 3-byte packs per group).
+        param_torch_name: torch dtype of the scale and zero-point arenas. It tells the
+            packed formats that share a storage dtype apart: a uint8 arena with
+            bfloat16 params is int3, with float32 params int4 (:func:`layer_row`).
     """
 
     name: str
@@ -55,8 +63,10 @@ class DTypeInfo:
     max_finite: float
     quantized: bool
     zero_point: bool = False
-    codes_per_byte: int = 1
+    code_bits: int = 0
     grouped: bool = False
+    group_multiple: int = 1
+    param_torch_name: str = "float32"
 
     @property
     def torch_dtype(self) -> Any:
@@ -67,8 +77,35 @@ class DTypeInfo:
 
     @property
     def element_bytes(self) -> float:
-        """Bytes per logical K/V element, scales excluded (0.5 for int4)."""
-        return self.itemsize / self.codes_per_byte
+        """Bytes per logical K/V element, scales excluded (0.5 for int4, 0.375 for int3)."""
+        return self.code_bits / 8 if self.code_bits else float(self.itemsize)
+
+    @property
+    def param_dtype(self) -> Any:
+        """The torch dtype of the scale and zero-point arenas (imports torch)."""
+        import torch
+
+        return getattr(torch, self.param_torch_name)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one stored scale (or zero point)."""
+        return 2 if self.param_torch_name == "bfloat16" else 4
+
+    @property
+    def pack(self) -> int:
+        """Elements of ``head_dim`` that fill a whole number of storage bytes (8 for int3,
+        2 for int4, 1 unpacked): ``head_dim`` must be a multiple of it."""
+        return 8 // _gcd(8, self.code_bits) if self.code_bits else 1
+
+    def stored_dim(self, head_dim: int) -> int:
+        """Storage elements of one ``head_dim`` row (``head_dim`` a multiple of :attr:`pack`)."""
+        return head_dim * self.code_bits // 8 if self.code_bits else head_dim
+
+    def head_dim_of(self, stored: int) -> int:
+        """The ``head_dim`` whose row is ``stored`` storage elements (inverse of :meth:`stored_dim`;
+        ``stored`` a multiple of ``stored_dim(pack)``)."""
+        return stored * 8 // self.code_bits if self.code_bits else stored
 
     @property
     def float8(self) -> bool:
@@ -97,13 +134,21 @@ QUANTIZED: Tuple[DTypeInfo, ...] = (
     DTypeInfo("int8", (), "int8", "int8", 1, 127.0, True, zero_point=True),
     # Unsigned 4-bit codes 0..15, two per byte (low nibble first), with a float32 scale
     # and zero point per group along head_dim.
-    DTypeInfo("int4", ("uint4",), "uint8", "int4", 1, 15.0, True, zero_point=True, codes_per_byte=2,
-              grouped=True),
+    DTypeInfo("int4", ("uint4",), "uint8", "int4", 1, 15.0, True, zero_point=True, code_bits=4, grouped=True),
+    # Unsigned 3-bit codes 0..7, eight per three bytes (24 bits, little-endian), with a
+    # bfloat16 scale and zero point per group along head_dim: 4 bits per element at G=32.
+    DTypeInfo("int3", ("uint3",), "uint8", "int3", 1, 7.0, True, zero_point=True, code_bits=3, grouped=True,
+              group_multiple=8, param_torch_name="bfloat16"),
 )
 
 ALL: Tuple[DTypeInfo, ...] = MODEL + QUANTIZED
 BY_NAME: Dict[str, DTypeInfo] = {d.name: d for d in ALL}
-_BY_SPELLING: Dict[str, DTypeInfo] = {s: d for d in ALL for s in d.spellings}
+_BY_SPELLING: Dict[str, DTypeInfo] = {}
+for _row in ALL:
+    for _s in _row.spellings:
+        # torch.uint8 spells int4 (the first row stored as uint8); int3 is told apart by
+        # its bfloat16 params (layer_row)
+        _BY_SPELLING.setdefault(_s, _row)
 
 
 def _spelling(value: Any) -> Optional[str]:
@@ -121,6 +166,18 @@ def lookup(value: Any) -> Optional[DTypeInfo]:
     return _BY_SPELLING.get(spelling) if spelling is not None else None
 
 
+def layer_row(data_dtype: Any, param_dtype: Any = None) -> Optional[DTypeInfo]:
+    """The row of a stored arena from its data dtype and, for the packed formats that
+    share one (uint8), its scale arena's dtype: bfloat16 params mean int3, anything else
+    int4 (the caller then checks the params against the row's ``param_torch_name``)."""
+    row = lookup(data_dtype)
+    if row is not None and row.code_bits and param_dtype is not None:
+        for other in QUANTIZED:
+            if other.torch_name == row.torch_name and _spelling(param_dtype) == other.param_torch_name:
+                return other
+    return row
+
+
 def info(name: str) -> DTypeInfo:
     """The row of a canonical name (a KeyError for an unknown one: callers validate first)."""
     return BY_NAME[name]
@@ -136,5 +193,5 @@ def quantized_names() -> Tuple[str, ...]:
 
 def torch_names(rows: Tuple[DTypeInfo, ...]) -> str:
     """``"float32, float16 or bfloat16"``: the rows' torch names, for error messages."""
-    names = [d.torch_name for d in rows]
+    names = list(dict.fromkeys(d.torch_name for d in rows))
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]

@@ -11,7 +11,7 @@ Shapes: see :mod:`pagedkv.ops.reference`.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -67,6 +67,9 @@ class LayerGeometry(NamedTuple):
     num_heads: int
     head_dim: int
     quantized: bool
+    #: the storage format's name (``"int4"``, ``"int3"``...; None unquantized): int4 and
+    #: int3 share the uint8 data dtype and differ in their params' dtype
+    kv_dtype: Optional[str] = None
 
 
 # ----------------------------------------------------------------------------------
@@ -127,15 +130,19 @@ def check_layer(
         bs, h = kv_layer.shape[2], kv_layer.shape[3]
     else:
         h, bs = kv_layer.shape[2], kv_layer.shape[3]
-    row = dtypes.lookup(kv_layer.dtype)
-    geo = LayerGeometry(nb, bs, h, kv_layer.shape[4] * row.codes_per_byte, quantized)
+    row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
+    if kv_layer.shape[4] % row.stored_dim(row.pack):
+        raise ShapeError(expected(name, f"a last dim that is a multiple of {row.stored_dim(row.pack)} for "
+                                  f"{row.name} ({row.pack} codes per {row.stored_dim(row.pack)} bytes)",
+                                  tuple(kv_layer.shape)))
+    geo = LayerGeometry(nb, bs, h, row.head_dim_of(kv_layer.shape[4]), quantized, row.name if quantized else None)
     want_shape = tuple(kv_layer.shape[:-1])
     if quantized and row.grouped:
         want_shape += (_groups(kv_scale, want_shape, geo.head_dim, row),)
     if quantized:
-        _check_param_view("kv_scale", kv_scale, want_shape, kv_layer.device)
+        _check_param_view("kv_scale", kv_scale, want_shape, kv_layer.device, row)
         if row.zero_point:
-            _check_param_view("kv_zero", kv_zero, want_shape, kv_layer.device)
+            _check_param_view("kv_zero", kv_zero, want_shape, kv_layer.device, row)
         elif kv_zero is not None:
             raise InvalidArgumentError(expected("kv_zero", "None for an fp8 kv_layer", "a tensor"))
     else:
@@ -148,22 +155,25 @@ def check_layer(
 
 
 def _groups(kv_scale: object, lead: tuple, head_dim: int, row: dtypes.DTypeInfo) -> int:
-    """Scale groups per head of a grouped (int4) layer, read from its scale view ``lead + (groups,)``."""
+    """Scale groups per head of a grouped (int4, int3) layer, read from its scale view
+    ``lead + (groups,)`` (int3: groups of a multiple of 8 elements)."""
     if isinstance(kv_scale, torch.Tensor) and kv_scale.dim() == len(lead) + 1:
         ng = kv_scale.shape[-1]
-        if ng >= 1 and head_dim % ng == 0:
+        if ng >= 1 and head_dim % ng == 0 and (head_dim // ng) % row.group_multiple == 0:
             return ng
-    raise ShapeError(expected("kv_scale", f"shape {lead} + (groups,), groups dividing head_dim {head_dim}, "
+    what = f"groups of a multiple of {row.group_multiple} elements" if row.group_multiple > 1 else "groups"
+    raise ShapeError(expected("kv_scale", f"shape {lead} + (groups,), {what} dividing head_dim {head_dim}, "
                               f"for a {row.name} ({row.torch_name}) kv_layer",
                               tuple(kv_scale.shape) if isinstance(kv_scale, torch.Tensor) else None))
 
 
-def _check_param_view(name: str, t: object, shape: tuple, device: torch.device) -> None:
+def _check_param_view(name: str, t: object, shape: tuple, device: torch.device, row: dtypes.DTypeInfo) -> None:
     if t is None:
-        raise InvalidArgumentError(expected(name, f"a float32 tensor of shape {shape} for a quantized kv_layer", None))
+        raise InvalidArgumentError(expected(name, f"a {row.param_torch_name} tensor of shape {shape} for a "
+                                            "quantized kv_layer", None))
     t = check_tensor(name, t)
-    if t.dtype != torch.float32:
-        raise DTypeError(expected(name, "dtype float32", t.dtype))
+    if t.dtype != row.param_dtype:
+        raise DTypeError(expected(name, f"dtype {row.param_torch_name}", t.dtype))
     if tuple(t.shape) != shape:
         raise ShapeError(expected(name, f"shape {shape}", tuple(t.shape)))
     _same_device(name, t, device)

@@ -36,8 +36,36 @@ divides ``D``; ``D`` even), two codes per byte::
     byte = c[2i] | (c[2i + 1] << 4) # element 2i in the low nibble
     y    = out_dtype((float(c) * s) + mn)              # two separate roundings
 
+int3, asymmetric, in groups of ``G`` consecutive elements along ``head_dim`` (``G`` a
+multiple of 8 that divides ``D``; default the largest of 32, 24, 16, 8 that does), with
+a **bfloat16** zero point and scale rounded outward, so every finite value of the group
+lies inside ``[z, z + 7 s]`` (3 + 2 * 16 / 32 = 4.0 bits per element at G = 32)::
+
+    mn, mx = min(g), max(g)         # per group g, float32; NaN propagates
+    z    = bf16_down(mn)            # bfloat16 rounded toward -inf (below)
+    s    = bf16_up((mx - z) / 7)    # bfloat16 rounded toward +inf; float32 steps
+    s    = 1 if s == 0 or not finite(s)
+    v    = (g - z) / s
+    v    = 0 where v is NaN
+    c    = clamp(rint(v), 0, 7)     # unsigned code
+    bits = sum(c[8j + i] << 3 i for i in 0..7)     # 24 bits per 8 codes
+    bytes 3j, 3j + 1, 3j + 2 = bits & 0xff, (bits >> 8) & 0xff, bits >> 16
+    y    = out_dtype((float(c) * s) + z)           # two separate roundings
+
+``bf16_down``/``bf16_up`` act on the float32 bits ``u``: the magnitude ``u & 0x7fffffff``
+is truncated to its top 16 bits when that moves toward the wanted infinity (a
+positive value rounded down, a negative one up), else rounded away from zero
+(``(mag + 0xffff) & 0xffff0000``, which reaches infinity past the bfloat16 range:
+``bf16_down(-3.39e38) = -inf``); the sign is kept (``-0`` stays ``-0``) and a NaN
+becomes the quiet NaN ``0x7fc0``. So a group holding a NaN has ``z = NaN``, ``s = 1``,
+``c = 0`` and reads back all NaN; a group whose minimum is ``-inf`` reads back all
+``-inf``; one whose maximum is ``+inf`` (and minimum finite) gets ``s = 1``, so it
+reads back ``z + 7`` for ``+inf`` and ``z + rint(g - z)`` (capped at 7) elsewhere, as
+int4 reads back ``mn + 15``.
+
 The scale (and for int8/int4 the zero point ``mn``) are stored float32, shaped like
-the input without its last dimension (int4: plus a trailing ``D / G`` groups dim).
+the input without its last dimension (int4/int3: plus a trailing ``D / G`` groups dim;
+int3's scale and zero are bfloat16).
 """
 from __future__ import annotations
 
@@ -61,6 +89,10 @@ __all__ = [
     "int4_group",
     "unpack_int4",
     "DEFAULT_INT4_GROUP",
+    "int3_group",
+    "unpack_int3",
+    "bf16_down",
+    "bf16_up",
 ]
 
 FP8_E4M3_MAX = dtypes.info("fp8_e4m3").max_finite
@@ -78,6 +110,8 @@ _QUANTIZED = frozenset(QUANT_STORAGE_DTYPES.values())
 
 #: int4 group size used when none is given (measured: see README, "Low-bit KV").
 DEFAULT_INT4_GROUP = 64
+#: int3 group size used when none is given and it divides head_dim (README, "Low-bit KV").
+DEFAULT_INT3_GROUP = 32
 
 KVDType = Union[str, torch.dtype]
 
@@ -93,7 +127,7 @@ def storage_dtype(kv_dtype: KVDType) -> torch.dtype:
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
-    """True when ``dtype`` is a quantized storage dtype (fp8, int8, or uint8 = packed int4)."""
+    """True when ``dtype`` is a quantized storage dtype (fp8, int8, or uint8 = packed int4/int3)."""
     return dtype in _QUANTIZED
 
 
@@ -113,14 +147,18 @@ def quantize(
     Args:
         x: ``[..., D]`` float32, float16 or bfloat16.
         kv_dtype: ``"fp8_e4m3"`` (alias ``"fp8"``), ``"fp8_e5m2"``, ``"int8"`` or the
-            matching torch dtype; ``"int4"`` (storage ``torch.uint8``).
-        group_size: int4 only: elements per scale group (divides ``D``; default
-            :data:`DEFAULT_INT4_GROUP` capped at ``D``).
+            matching torch dtype; ``"int4"`` (storage ``torch.uint8``, which also names
+            it); ``"int3"`` (by name only: its storage dtype is uint8 too).
+        group_size: int4/int3 only: elements per scale group (divides ``D``; int4
+            default :data:`DEFAULT_INT4_GROUP` capped at ``D``; int3: a multiple of 8,
+            default :data:`DEFAULT_INT3_GROUP` or the largest multiple of 8 below it
+            that divides ``D``).
 
     Returns:
         ``(q, scale, zero)``: ``q`` ``[..., D]`` in the storage dtype (int4:
-        ``[..., D / 2]`` uint8); ``scale`` ``[...]`` float32 (int4: ``[..., D / G]``);
-        ``zero`` like ``scale`` for int8/int4, else ``None``.
+        ``[..., D / 2]`` uint8; int3: ``[..., 3 D / 8]`` uint8); ``scale`` ``[...]``
+        float32 (int4: ``[..., D / G]``; int3: ``[..., D / G]`` bfloat16); ``zero``
+        like ``scale`` for int8/int4/int3, else ``None``.
     """
     if not isinstance(x, torch.Tensor):
         raise DTypeError(expected("x", "a torch.Tensor", type(x).__name__))
@@ -132,6 +170,8 @@ def quantize(
         raise ShapeError(expected("x", "a non-empty last dimension", tuple(x.shape)))
     qdtype = storage_dtype(kv_dtype)
     xf = x.to(torch.float32)  # exact widening: every model dtype fits in float32
+    if isinstance(kv_dtype, str) and dtypes.lookup(kv_dtype).name == "int3":
+        return _quantize_int3(xf, int3_group(x.shape[-1], group_size))
     if qdtype == torch.uint8:
         return _quantize_int4(xf, int4_group(x.shape[-1], group_size))
     if group_size is not None:
@@ -199,6 +239,79 @@ def _dequantize_int4(q, scale, zero, out_dtype):
     return y.reshape(lead + (d,)).to(out_dtype)
 
 
+def int3_group(head_dim: int, group_size: Optional[int]) -> int:
+    """The validated int3 group size for ``head_dim`` (a multiple of 8; ``group_size`` a
+    multiple of 8 that divides it; default :data:`DEFAULT_INT3_GROUP` or the largest
+    multiple of 8 below it that divides ``head_dim``)."""
+    if head_dim % 8:
+        raise ShapeError(expected("x", "a last dimension that is a multiple of 8 for int3 (8 codes per 3 bytes)",
+                                  head_dim))
+    g = max(k for k in range(8, DEFAULT_INT3_GROUP + 1, 8) if head_dim % k == 0) if group_size is None else group_size
+    if isinstance(g, bool) or not isinstance(g, int) or g < 8 or g % 8 or head_dim % g:
+        raise InvalidArgumentError(expected("group_size", f"a multiple of 8 that divides head_dim ({head_dim})",
+                                            repr(g)))
+    return g
+
+
+_I32_SIGN = -(2**31)
+
+
+def _bf16_directed(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 ``x`` rounded to bfloat16 toward +inf (``up``) or -inf, as float32 values
+    (exactly representable in bfloat16); NaN becomes the quiet NaN 0x7fc0."""
+    b = x.contiguous().view(torch.int32)
+    mag = b & 0x7FFFFFFF
+    neg = b < 0
+    away = (mag + 0xFFFF) & -65536        # <= 0x7f80ffff + ...: no int32 overflow for non-NaN
+    trunc = mag & -65536
+    mag = torch.where(neg != up, away, trunc)
+    bits = torch.where(neg, mag | _I32_SIGN, mag)
+    bits = torch.where((b & 0x7FFFFFFF) > 0x7F800000, torch.full_like(b, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def bf16_down(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded toward -inf to a bfloat16 value (returned as float32)."""
+    return _bf16_directed(x, False)
+
+
+def bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded toward +inf to a bfloat16 value (returned as float32)."""
+    return _bf16_directed(x, True)
+
+
+def _quantize_int3(xf: torch.Tensor, g: int):
+    lead, d = xf.shape[:-1], xf.shape[-1]
+    xg = xf.reshape(lead + (d // g, g))
+    z = bf16_down(xg.amin(dim=-1))
+    mx = xg.amax(dim=-1)
+    s = _fix_scale(bf16_up((mx - z) / torch.tensor(7.0, dtype=torch.float32)))
+    v = (xg - z.unsqueeze(-1)) / s.unsqueeze(-1)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    c = torch.clamp(torch.round(v), 0.0, 7.0).to(torch.int32).reshape(lead + (d // 8, 8))
+    bits = c[..., 0]
+    for i in range(1, 8):
+        bits = bits | (c[..., i] << (3 * i))
+    packed = torch.stack((bits & 0xFF, (bits >> 8) & 0xFF, bits >> 16), dim=-1).to(torch.uint8)
+    return packed.reshape(lead + (3 * d // 8,)), s.to(torch.bfloat16), z.to(torch.bfloat16)
+
+
+def unpack_int3(q: torch.Tensor) -> torch.Tensor:
+    """The uint8 codes ``[..., 8 n / 3]`` (0..7) of packed ``q`` ``[..., n]`` (``n`` a multiple of 3)."""
+    b = q.reshape(q.shape[:-1] + (q.shape[-1] // 3, 3)).to(torch.int32)
+    bits = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    c = torch.stack([(bits >> (3 * i)) & 7 for i in range(8)], dim=-1)
+    return c.to(torch.uint8).reshape(q.shape[:-1] + (8 * (q.shape[-1] // 3),))
+
+
+def _dequantize_int3(q, scale, zero, out_dtype):
+    c = unpack_int3(q).to(torch.float32)
+    lead, d, ng = q.shape[:-1], c.shape[-1], scale.shape[-1]
+    y = c.reshape(lead + (ng, d // ng)) * scale.to(torch.float32).unsqueeze(-1)
+    y = y + zero.to(torch.float32).unsqueeze(-1)
+    return y.reshape(lead + (d,)).to(out_dtype)
+
+
 def dequantize(
     q: torch.Tensor,
     scale: torch.Tensor,
@@ -218,9 +331,16 @@ def dequantize(
     """
     if not isinstance(q, torch.Tensor) or not is_quantized(q.dtype):
         got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
-        raise DTypeError(expected("q", "dtype float8_e4m3fn, float8_e5m2, int8 or uint8 (int4)", got))
+        raise DTypeError(expected("q", "dtype float8_e4m3fn, float8_e5m2, int8 or uint8 (int4, int3)", got))
     if out_dtype not in MODEL_DTYPES:
         raise DTypeError(expected("out_dtype", "float32, float16 or bfloat16", out_dtype))
+    if q.dtype == torch.uint8 and isinstance(scale, torch.Tensor) and scale.dtype == torch.bfloat16:
+        _check_groups(scale, q, int3=True)
+        if zero is None:
+            raise InvalidArgumentError(expected("zero", "a bfloat16 tensor for int3", None))
+        _check_param("zero", zero, q, tuple(scale.shape), torch.bfloat16)
+        _check_param("scale", scale, q, tuple(scale.shape), torch.bfloat16)
+        return _dequantize_int3(q, scale, zero, out_dtype)
     if q.dtype == torch.uint8:
         _check_groups(scale, q)
         if zero is None:
@@ -242,21 +362,26 @@ def dequantize(
     return y.to(out_dtype)
 
 
-def _check_groups(scale: object, q: torch.Tensor) -> None:
+def _check_groups(scale: object, q: torch.Tensor, int3: bool = False) -> None:
     if not isinstance(scale, torch.Tensor):
         raise DTypeError(expected("scale", "a torch.Tensor", type(scale).__name__))
-    d = 2 * q.shape[-1] if q.dim() else 0
+    if int3 and (q.dim() == 0 or q.shape[-1] % 3):
+        raise ShapeError(expected("q", "a last dimension that is a multiple of 3 for int3 (8 codes per 3 bytes)",
+                                  tuple(q.shape)))
+    d = (8 * q.shape[-1] // 3 if int3 else 2 * q.shape[-1]) if q.dim() else 0
     ok = scale.dim() == q.dim() and tuple(scale.shape[:-1]) == tuple(q.shape[:-1])
-    if not ok or scale.shape[-1] < 1 or d % scale.shape[-1]:
-        want = f"shape {tuple(q.shape[:-1])} + (groups,), groups dividing {d}"
+    if not ok or scale.shape[-1] < 1 or d % scale.shape[-1] or (int3 and (d // scale.shape[-1]) % 8):
+        what = "groups of a multiple of 8 elements" if int3 else "groups"
+        want = f"shape {tuple(q.shape[:-1])} + (groups,), {what} dividing {d}"
         raise ShapeError(expected("scale", want, tuple(scale.shape)))
 
 
-def _check_param(name: str, t: object, q: torch.Tensor, shape: Optional[tuple] = None) -> None:
+def _check_param(name: str, t: object, q: torch.Tensor, shape: Optional[tuple] = None,
+                 dtype: torch.dtype = torch.float32) -> None:
     if not isinstance(t, torch.Tensor):
         raise DTypeError(expected(name, "a torch.Tensor", type(t).__name__))
-    if t.dtype != torch.float32:
-        raise DTypeError(expected(name, "dtype float32", t.dtype))
+    if t.dtype != dtype:
+        raise DTypeError(expected(name, f"dtype {str(dtype).replace('torch.', '')}", t.dtype))
     shape = tuple(q.shape[:-1]) if shape is None else shape
     if tuple(t.shape) != shape:
         raise ShapeError(expected(name, f"shape {shape}", tuple(t.shape)))

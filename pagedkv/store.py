@@ -1,7 +1,7 @@
 """KVStore: the arenas that hold every layer's K/V blocks.
 
-One allocation holds all layers (``[num_layers] + kv_cache_shape``), plus float32
-scale (and int8/int4 zero-point) arenas when the cache is quantized, and optionally a
+One allocation holds all layers (``[num_layers] + kv_cache_shape``), plus scale (and
+zero-point) arenas when the cache is quantized (float32; int3 bfloat16), and optionally a
 host-tier copy of the same arenas with ``host_num_blocks`` blocks for offload. The
 store allocates once, at construction; nothing is allocated per block at run time.
 The store moves bytes; which block goes where is the caller's decision.
@@ -56,7 +56,8 @@ class KVStore:
         requested_config: the config passed in.
         kv: data arena (NHD ``[L, NB, 2, bs, H, D]``; int4: ``D / 2`` bytes). With
             ``kv_full_precision_layers`` it holds only the quantized layers, in order.
-        kv_scale, kv_zero: float32 ``config.scale_arena_shape``-like arenas, or None.
+        kv_scale, kv_zero: ``config.scale_arena_shape``-like arenas (float32; int3
+            bfloat16), or None.
         kv_full: model-dtype arena of ``kv_full_precision_layers``, or None.
         window: the :class:`~pagedkv.window.RecentWindow`, or None.
         rotation_signs: float32 ``[head_dim]`` signs of the rotation, or None.
@@ -119,9 +120,9 @@ class KVStore:
         scale = zero = full = None
         if cfg.quantized:
             groups = (cfg.head_dim // cfg.kv_group_size,) if dtypes.info(cfg.kv_dtype).grouped else ()
-            scale = torch.zeros(shape[:-1] + groups, dtype=torch.float32, **kw)
+            scale = torch.zeros(shape[:-1] + groups, dtype=cfg.torch_scale_dtype, **kw)
             if dtypes.info(cfg.kv_dtype).zero_point:
-                zero = torch.zeros(shape[:-1] + groups, dtype=torch.float32, **kw)
+                zero = torch.zeros(shape[:-1] + groups, dtype=cfg.torch_scale_dtype, **kw)
         if self._num_full:
             d = cfg.head_dim
             fshape = (self._num_full,) + cfg.layer_shape(num_blocks)[:-1] + (d,)
@@ -159,7 +160,7 @@ class KVStore:
         return self.kv_full[i] if (self.config.quantized and not main) else self.kv[i]
 
     def layer_scales(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4 ``[NB, 2, bs, H, groups]``);
+        """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4/int3 ``[NB, 2, bs, H, groups]``);
         None where not stored."""
         main, i = self._where[self._layer_index(layer)]
         if not main:

@@ -16,10 +16,14 @@ from pagedkv.ops import reference as ref
 from pagedkv.quant import dequantize, quantize
 
 MODEL = tuple(d.torch_dtype for d in dtypes.MODEL)
-QUANT = tuple(d.torch_dtype for d in dtypes.QUANTIZED)  # storage dtypes (int4: uint8)
-INT4 = dtypes.info("int4").torch_dtype
+# storage formats by kv_dtype name: int4 and int3 share the uint8 storage dtype (int3's
+# bfloat16 scale/zero views tell them apart)
+QUANT = tuple(d.name for d in dtypes.QUANTIZED)
 # int4 cases: head_dim (made even) -> group size; 9 makes a byte span two groups
 INT4_GROUPS = {4: 2, 18: 9, 32: 8, 64: 32, 80: 16, 128: 64}
+# int3 cases: head_dim (made a multiple of 8) -> group size (a multiple of 8)
+INT3_GROUPS = {8: 8, 16: 8, 24: 24, 32: 16, 64: 32, 80: 40, 128: 32}
+GROUPS = {"int4": INT4_GROUPS, "int3": INT3_GROUPS}
 LAYOUTS = ("NHD", "HND")
 SMALL_GRID = dict(grid=(2, 3, 1), block=(4, 2, 1))  # 48 threads for hundreds of items
 ONE_THREAD = dict(grid=(1, 1, 1), block=(1, 1, 1))
@@ -33,22 +37,34 @@ def name(x) -> str:
     return str(x).replace("torch.", "")
 
 
-def quant_name(qdtype) -> str:
-    """Test id of a storage dtype: its kv_dtype name (``int4`` rather than ``uint8``)."""
-    return dtypes.lookup(qdtype).name
+def quant_name(qdtype: str) -> str:
+    """Test id of a storage format (its kv_dtype name)."""
+    return qdtype
 
 
-def quant_dim(qdtype, d: int) -> int:
-    """The head_dim a case of ``qdtype`` runs with (int4 needs an even one)."""
-    return d + d % 2 if qdtype == INT4 else d
+def storage(qdtype: str) -> torch.dtype:
+    """The data arena's torch dtype of a storage format (int4, int3: uint8)."""
+    return dtypes.info(qdtype).torch_dtype
+
+
+def params(qdtype: str) -> torch.dtype:
+    """The scale/zero views' torch dtype of a storage format (int3: bfloat16)."""
+    return dtypes.info(qdtype).param_dtype
+
+
+def quant_dim(qdtype: str, d: int) -> int:
+    """The head_dim a case of ``qdtype`` runs with (int4 needs an even one, int3 a multiple of 8)."""
+    pack = dtypes.info(qdtype).pack
+    return -(-d // pack) * pack
 
 
 def quant_views(layout, qdtype, d, *, nb=NB, bs=BS, h=H):
     """``(data shape, scale/zero shape, has zero point)`` of a quantized layer of head_dim
-    ``d``: int4 packs two codes per byte and keeps ``d / group`` scales per row."""
-    row = dtypes.lookup(qdtype)
-    shape = layer_shape(layout, nb, bs, h, d // row.codes_per_byte)
-    sshape = shape[:-1] + ((d // INT4_GROUPS[d],) if row.grouped else ())
+    ``d``: int4 packs two codes per byte, int3 eight per three bytes, and both keep
+    ``d / group`` scales per row."""
+    row = dtypes.info(qdtype)
+    shape = layer_shape(layout, nb, bs, h, row.stored_dim(d))
+    sshape = shape[:-1] + ((d // GROUPS[qdtype][d],) if row.grouped else ())
     return shape, sshape, row.zero_point
 
 
@@ -66,7 +82,7 @@ class Backend:
         if self.kernels:
             from pagedkv.kernels import sources
 
-            self.quant = tuple(q for q in QUANT if dtypes.lookup(q).kernel_name in sources.QUANT_TYPES)
+            self.quant = tuple(q for q in QUANT if dtypes.info(q).kernel_name in sources.QUANT_TYPES)
         else:
             self.quant = QUANT
         # where copy_blocks pairs may live: the CUDA path takes them on either side
@@ -179,9 +195,9 @@ def random_layer(layout, dtype, d, *, nb=NB, bs=BS, h=H, offset=0, gen=None):
 def quantized_layer(layout, qdtype, d, *, gen, nb=NB, bs=BS, h=H):
     """A quantized layer whose every slot holds reference-quantized data."""
     shape, sshape, zero_point = quant_views(layout, qdtype, d, nb=nb, bs=bs, h=h)
-    kv = torch.zeros(shape, dtype=qdtype)
-    scale = torch.zeros(sshape)
-    zero = torch.zeros(sshape) if zero_point else None
+    kv = torch.zeros(shape, dtype=storage(qdtype))
+    scale = torch.zeros(sshape, dtype=params(qdtype))
+    zero = torch.zeros(sshape, dtype=params(qdtype)) if zero_point else None
     slots = torch.arange(nb * bs)
     k = torch.randn(nb * bs, h, d, generator=gen) * 4
     v = torch.randn(nb * bs, h, d, generator=gen)

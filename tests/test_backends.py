@@ -38,6 +38,7 @@ from backend_cases import (
     name,
     offset_view,
     padded,
+    params,
     quant_dim,
     quant_name,
     quant_views,
@@ -49,6 +50,7 @@ from backend_cases import (
     same_state,
     slot_mapping,
     special_rows,
+    storage,
     tables,
     tokens,
 )
@@ -143,9 +145,9 @@ def test_write_kv_quantizes_like_the_reference(backend, dtype, qdtype, layout, d
     d = quant_dim(qdtype, d)
     gen = torch.Generator().manual_seed(d + 100 * QUANT.index(qdtype))
     shape, sshape, zero_point = quant_views(layout, qdtype, d)
-    layer = torch.zeros(shape, dtype=qdtype)
-    scale = torch.full(sshape, -7.0)
-    zero = torch.full(sshape, -9.0) if zero_point else None
+    layer = torch.zeros(shape, dtype=storage(qdtype))
+    scale = torch.full(sshape, -7.0, dtype=params(qdtype))
+    zero = torch.full(sshape, -9.0, dtype=params(qdtype)) if zero_point else None
     key = special_rows(torch.randn(23, H, d, generator=gen) * 3).to(dtype)
     value = (torch.randn(23, H, d, generator=gen) * 1e3).to(dtype)
     slots = torch.randperm(NB * BS, generator=gen)[:23]
@@ -275,6 +277,8 @@ ROTATION_CASES = [(q, d, None) for q in ("fp8_e4m3", "fp8_e5m2", "int8") for d i
 ROTATION_CASES += [("fp8_e5m2", 7, None), ("int8", 14, None), ("fp8_e4m3", 2047, None)]
 ROTATION_CASES += [("int4", d, g) for d, g in ((64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64),
                                                (96, 16), (96, 32), (80, 16), (14, 7))]
+ROTATION_CASES += [("int3", d, g) for d, g in ((64, 8), (64, 32), (64, 64), (128, 32), (128, 128), (96, 32),
+                                               (96, 24), (80, 40), (24, 8))]
 
 
 def _rotation_id(case) -> str:
@@ -284,10 +288,11 @@ def _rotation_id(case) -> str:
 
 def _rotated_views(layout, kv_dtype, d, group):
     row = dtypes.info(kv_dtype)
-    shape = layer_shape(layout, NB, BS, H, d // row.codes_per_byte)
+    shape = layer_shape(layout, NB, BS, H, row.stored_dim(d))
     sshape = shape[:-1] + ((d // group,) if row.grouped else ())
     layer = torch.zeros(shape, dtype=row.torch_dtype)
-    return layer, torch.full(sshape, -7.0), torch.full(sshape, -9.0) if row.zero_point else None
+    p = row.param_dtype
+    return layer, torch.full(sshape, -7.0, dtype=p), torch.full(sshape, -9.0, dtype=p) if row.zero_point else None
 
 
 def _same_codes(got, want) -> None:
@@ -308,8 +313,7 @@ def _same_codes(got, want) -> None:
 @pytest.mark.parametrize("case", ROTATION_CASES, ids=_rotation_id)
 def test_rotated_write_then_gather_like_the_reference(backend, case, dtype, layout):
     kv_dtype, d, group = case
-    qdtype = dtypes.info(kv_dtype).torch_dtype
-    backend.require_quant(qdtype)
+    backend.require_quant(kv_dtype)
     gen = torch.Generator().manual_seed(d + 7 * (group or 1))
     signs = rotation_signs(d, d)
     layer, scale, zero = _rotated_views(layout, kv_dtype, d, group or 1)
@@ -396,7 +400,7 @@ def test_rotated_gather_reads_zeros_for_a_bad_block_id_and_skips_tokens_past_the
     # (zero unrotates to +-0), and a given output longer than the sequences keeps
     # the rows past them.
     gen = torch.Generator().manual_seed(9)
-    layer, scale, zero = quantized_layer("HND", torch.int8, 16, gen=gen)
+    layer, scale, zero = quantized_layer("HND", "int8", 16, gen=gen)
     indptr, indices, _, lens = tables(gen)
     signs = rotation_signs(16, 2)
     bad = indices.clone()
@@ -431,7 +435,7 @@ def test_bad_rotation_signs_are_refused_before_anything_moves(backend_name, op, 
     b = backends.load("reference") if backend_name == "reference" else make_backend(backend_name).ops
     dev = torch.device("cuda" if backend_name == "cuda" else "cpu")
     d = 16
-    layer, scale, zero = (t.to(dev) for t in quantized_layer("NHD", torch.int8, d, gen=torch.Generator().manual_seed(3)))
+    layer, scale, zero = (t.to(dev) for t in quantized_layer("NHD", "int8", d, gen=torch.Generator().manual_seed(3)))
     before = clones(layer, scale, zero)
     signs = bad(d)
     signs = signs.to(dev) if isinstance(signs, torch.Tensor) else signs

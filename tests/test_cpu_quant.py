@@ -11,7 +11,17 @@ import threading
 import pytest
 import torch
 
-from backend_cases import QUANT, assert_same, assert_same_views, csr, padded, quant_name, quant_views
+from backend_cases import (
+    QUANT,
+    assert_same,
+    assert_same_views,
+    csr,
+    padded,
+    params,
+    quant_name,
+    quant_views,
+    storage,
+)
 from pagedkv import dtypes
 from pagedkv.errors import InvalidBlockError
 from pagedkv.ops import cpu as cpu_ops
@@ -35,8 +45,9 @@ def hostile_rows(n, h, d, gen):
 
 def fresh(layout, qdtype, d, nb, bs, h):
     shape, sshape, zero_point = quant_views(layout, qdtype, d, nb=nb, bs=bs, h=h)
-    return [torch.zeros(shape, dtype=torch.uint8).view(qdtype), torch.full(sshape, -3.0),
-            torch.full(sshape, -5.0) if zero_point else None]
+    p = params(qdtype)
+    return [torch.zeros(shape, dtype=torch.uint8).view(storage(qdtype)), torch.full(sshape, -3.0, dtype=p),
+            torch.full(sshape, -5.0, dtype=p) if zero_point else None]
 
 
 @pytest.mark.parametrize("in_dtype", MODEL, ids=str)
@@ -90,9 +101,8 @@ def test_block_ids_rewritten_by_another_thread_are_read_once():
     # meanwhile is either refused by name or never seen; the gather never reads past
     # the arena (it is a view of a larger buffer whose tail would show up as NaN rows).
     nb, bs, h, d = 4, 4, 2, 8
-    qdtype = torch.int8
-    shape, sshape, _ = quant_views("NHD", qdtype, d, nb=nb + 4, bs=bs, h=h)
-    whole = [torch.zeros(shape, dtype=qdtype), torch.ones(sshape), torch.zeros(sshape)]
+    shape, sshape, _ = quant_views("NHD", "int8", d, nb=nb + 4, bs=bs, h=h)
+    whole = [torch.zeros(shape, dtype=torch.int8), torch.ones(sshape), torch.zeros(sshape)]
     whole[2][nb:] = float("nan")
     layer = [t[:nb] for t in whole]
     indptr, indices, lens = csr([[0, 1, 2, 3]], [16])
@@ -138,10 +148,10 @@ def test_every_code_dequantizes_like_the_reference(qdtype, layout):
     nb, bs, h, d = 4, 4, 2, 32
     shape, sshape, zero_point = quant_views(layout, qdtype, d, nb=nb, bs=bs, h=h)
     data = (torch.arange(shape[0] * shape[1] * shape[2] * shape[3] * shape[4]) % 256).to(torch.uint8)
-    data = data[torch.randperm(data.numel(), generator=gen)].view(shape).view(qdtype)
+    data = data[torch.randperm(data.numel(), generator=gen)].view(shape).view(storage(qdtype))
     scale = hostile_rows(1, 1, sshape[0] * sshape[1] * sshape[2] * sshape[3] * (sshape[4] if len(sshape) > 4 else 1),
-                         gen).view(sshape)
-    zero = torch.randn(sshape, generator=gen) * 100 if zero_point else None
+                         gen).view(sshape).to(params(qdtype))
+    zero = (torch.randn(sshape, generator=gen) * 100).to(params(qdtype)) if zero_point else None
     tables, lens = [[3, 1], [0, 2]], [8, 7]
     for out_dtype in MODEL:
         kw = dict(layout=layout, out_dtype=out_dtype, kv_scale=scale, kv_zero=zero)
@@ -159,7 +169,7 @@ def _structured_floats() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=quant_name)
+@pytest.mark.parametrize("qdtype", ["fp8_e4m3", "fp8_e5m2"], ids=quant_name)
 def test_every_float_rounds_to_fp8_like_the_reference(qdtype, in_dtype):
     # A NaN in every row makes the scale 1, so each other element's code is the
     # saturating cast itself: the structured floats (float32 input) or every float16

@@ -17,8 +17,9 @@ def test_rows_match_torch():
         t = d.torch_dtype
         assert isinstance(t, torch.dtype)
         assert t.itemsize == d.itemsize, d.name
-        if d.codes_per_byte > 1:  # packed codes: the top code of 8 / codes_per_byte bits
-            limit = 2 ** (8 // d.codes_per_byte) - 1
+        if d.code_bits:  # packed codes: the top code of code_bits bits
+            limit = 2**d.code_bits - 1
+            assert d.stored_dim(d.pack) * 8 == d.pack * d.code_bits and d.head_dim_of(d.stored_dim(64)) == 64
         else:
             limit = torch.finfo(t).max if t.is_floating_point else torch.iinfo(t).max
         assert float(limit) == d.max_finite, d.name
@@ -30,16 +31,24 @@ def test_every_spelling_names_one_row():
     for d in dtypes.ALL:
         for s in d.spellings:
             assert s == s.lower()
+            if s == d.torch_name and d.name == "int3":
+                continue  # its storage dtype's name, uint8, spells int4 (above)
             assert seen.setdefault(s, d.name) == d.name, f"{s} names {seen[s]} and {d.name}"
             assert dtypes.lookup(s) is d and dtypes.lookup(s.upper()) is d
-        assert dtypes.lookup(d.torch_dtype) is d
+        # a torch dtype names its first row: uint8 stays int4; int3 is told by its bfloat16 params
+        assert dtypes.lookup(d.torch_dtype) is (dtypes.info("int4") if d.name == "int3" else d)
+        assert dtypes.layer_row(d.torch_dtype, d.param_dtype) is d
+    assert dtypes.lookup("uint8") is dtypes.info("int4")
+    assert dtypes.layer_row(torch.uint8, torch.float32) is dtypes.info("int4")
+    assert dtypes.layer_row(torch.uint8, None) is dtypes.info("int4")
+    assert dtypes.layer_row(torch.int8, torch.bfloat16) is dtypes.info("int8")  # only packed formats share a dtype
     assert dtypes.lookup("float64") is None and dtypes.lookup(torch.float64) is None and dtypes.lookup(3) is None
 
 
 def test_config_reads_the_table():
     assert MODEL_DTYPE_NAMES == {d.name: d.itemsize for d in dtypes.MODEL}
-    assert KV_DTYPE_NAMES == {d.name: d.itemsize / d.codes_per_byte for d in dtypes.QUANTIZED}
-    assert KV_DTYPE_NAMES["int4"] == 0.5
+    assert KV_DTYPE_NAMES == {d.name: d.code_bits / 8 if d.code_bits else d.itemsize for d in dtypes.QUANTIZED}
+    assert KV_DTYPE_NAMES["int4"] == 0.5 and KV_DTYPE_NAMES["int3"] == 0.375
     for d in dtypes.MODEL:
         for s in d.spellings + (d.torch_dtype,):
             assert dtype_name(s) == d.name
@@ -48,7 +57,7 @@ def test_config_reads_the_table():
     other_model = {"float16": "float32", "float32": "float16", "bfloat16": "float16"}
     for d in dtypes.QUANTIZED:
         for s in d.spellings + (d.torch_dtype,):
-            assert kv_dtype_name(s, "float16") == d.name
+            assert kv_dtype_name(s, "float16") == (d.name if s not in ("uint8", torch.uint8) else "int4")
         c = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=2, kv_dtype=d.name)
         assert c.torch_cache_dtype == d.torch_dtype and c.cache_dtype == d.name
     for m in dtypes.MODEL:
@@ -64,7 +73,7 @@ def test_quant_reads_the_table():
     assert quant.QUANT_STORAGE_DTYPES == {d.name: d.torch_dtype for d in dtypes.QUANTIZED}
     for d in dtypes.QUANTIZED:
         for s in d.spellings + (d.torch_dtype,):
-            assert quant.storage_dtype(s) == d.torch_dtype
+            assert quant.storage_dtype(s) == d.torch_dtype  # int3's torch name uint8 is int4's storage too
         assert quant.is_quantized(d.torch_dtype)
         if d.float8:
             assert quant.fp8_max(d.torch_dtype) == d.max_finite
@@ -76,11 +85,11 @@ def test_quant_reads_the_table():
 
 def test_kernels_read_the_table():
     assert sources.MODEL_TYPES == tuple(d.kernel_name for d in dtypes.MODEL)
-    kernel_rows = list(dtypes.QUANTIZED)  # every storage format has its kernels
+    kernel_rows = [d for d in dtypes.QUANTIZED if d.name != "int3"]  # int3 has no kernels yet
     assert sources.QUANT_TYPES == tuple(d.kernel_name for d in kernel_rows)
     names = set(sources.entry_points()["write_kv.cu"])
     for q in kernel_rows:
-        assert plans._QUANT_NAMES[q.torch_dtype] == q.kernel_name
+        assert plans._QUANT_NAMES[q.name] == q.kernel_name
         for m in dtypes.MODEL:
             assert plans._MODEL_NAMES[m.torch_dtype] == m.kernel_name
             assert sources.write_kv_name("nhd", in_type=m.kernel_name, quant=q.kernel_name) in names
@@ -88,11 +97,15 @@ def test_kernels_read_the_table():
 
 def test_ops_checks_name_every_table_dtype():
     layer = torch.zeros(2, 2, 4, 1, 8, dtype=torch.float64)
-    every = ", ".join(d.torch_name for d in dtypes.ALL[:-1]) + " or " + dtypes.ALL[-1].torch_name
-    with pytest.raises(DTypeError, match=f"dtype {every}"):
+    names = list(dict.fromkeys(d.torch_name for d in dtypes.ALL))  # uint8 once: int4 and int3
+    every = ", ".join(names[:-1]) + " or " + names[-1]
+    with pytest.raises(DTypeError, match=f"dtype {every}, got torch.float64$"):
         ref.check_layer(layer, "NHD")
     for d in dtypes.ALL:
-        params = (2, 2, 4, 1) + ((2,) if d.grouped else ())  # int4: 2 groups of 4 along head_dim 8
-        geo = ref.check_layer(torch.zeros(2, 2, 4, 1, 8 // d.codes_per_byte, dtype=d.torch_dtype), "NHD",
-                              *((torch.zeros(params),) * (1 + d.zero_point) if d.quantized else ()))
+        groups = 1 if d.name == "int3" else 2  # int4: 2 groups of 4 along head_dim 8; int3: one of 8
+        params = (2, 2, 4, 1) + ((groups,) if d.grouped else ())
+        p = torch.zeros(params, dtype=d.param_dtype)
+        geo = ref.check_layer(torch.zeros(2, 2, 4, 1, d.stored_dim(8), dtype=d.torch_dtype), "NHD",
+                              *((p,) * (1 + d.zero_point) if d.quantized else ()))
         assert geo.quantized == d.quantized and geo.head_dim == 8
+        assert geo.kv_dtype == (d.name if d.quantized else None)

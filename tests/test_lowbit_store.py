@@ -1,4 +1,4 @@
-"""Low-bit KV through the store and the manager: int4 arenas and sizes, rotation,
+"""Low-bit KV through the store and the manager: int4/int3 arenas and sizes, rotation,
 the recent window, model-precision layers, copy-on-write, copy_blocks and swap."""
 import numpy as np
 import pytest
@@ -72,6 +72,41 @@ def test_int4_sizes_count_codes_scales_zero_points_and_the_window():
     assert g32.bits_per_element == 6.0 and g32.kv_window == 128  # the int4 default window
 
 
+def test_int3_sizes_count_codes_bfloat16_params_and_the_window():
+    cfg = config(kv_dtype="int3", head_dim=64, kv_window=8, kv_window_sequences=3)
+    assert (cfg.kv_group_size, cfg.kv_rotation, cfg.kv_window) == (32, True, 8)
+    # 24 bytes of codes + bfloat16 scale and zero per group of 32 = 32 B per 64 elements
+    assert cfg.quant_head_bytes == 32 and cfg.bits_per_element == 4.0 and cfg.element_bytes == 0.375
+    assert cfg.bytes_per_token == 2 * L * H * 32
+    assert cfg.total_bytes == 24 * cfg.bytes_per_block + cfg.window_bytes
+    store = KVStore(cfg)
+    assert store.kv.dtype == torch.uint8 and store.kv.shape == (L, 24, 2, BS, H, 24)
+    assert store.kv_scale.dtype == store.kv_zero.dtype == cfg.torch_scale_dtype == torch.bfloat16
+    assert store.kv_scale.shape == store.kv_zero.shape == (L, 24, 2, BS, H, 2) == cfg.scale_arena_shape
+    assert store.nbytes == cfg.total_bytes
+    assert config(kv_dtype="int3").kv_window == 128  # the default window, as int4's
+    # the default group: 32, or the largest multiple of 8 below it that divides head_dim
+    assert [config(kv_dtype="int3", head_dim=d).kv_group_size for d in (8, 16, 24, 40, 48, 128)] == [8, 16, 24, 8, 24, 32]
+    assert config(kv_dtype="int3", head_dim=64, kv_group_size=64).bits_per_element == 3.5
+
+
+def test_plan_reports_int3_bytes():
+    hf = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    p16 = plan(hf, "4GiB", 200_000, dtype="float16")
+    p3 = plan(hf, "4GiB", 200_000, dtype="float16", kv_dtype="int3")
+    # 48 B codes + 4 groups x 4 B (bfloat16 scale and zero) per (token, layer, head, K/V)
+    assert p3.bytes_per_token == 2 * 28 * 8 * (48 + 16) and p3.kv_dtype == "int3"
+    assert p3.exact_bytes_per_sequence < 0.26 * p16.exact_bytes_per_sequence
+
+
+def test_kv_format_tells_int3_from_int4():
+    from pagedkv.kvformat import kv_format
+
+    f3, f4 = (kv_format(KVStore(config(kv_dtype=q, kv_window=0))) for q in ("int3", "int4"))
+    assert f3["cache_dtype"] == "int3" and f4["cache_dtype"] == "int4" and f3 != f4
+    assert [a[0] for a in f3["arenas"]] == ["uint8", "bfloat16", "bfloat16"]
+
+
 def test_budget_leaves_room_for_the_window_arena():
     cfg = config(kv_dtype="int4", num_blocks=None, memory_budget=8 << 20)
     assert cfg.window_bytes > 0
@@ -95,7 +130,13 @@ def test_plan_and_from_hf_config_report_int4_bytes():
 @pytest.mark.parametrize("kw,match", [
     (dict(kv_dtype="int4", head_dim=30, kv_group_size=4), r"^kv_group_size: expected a divisor of head_dim \(30\), got 4$"),
     (dict(kv_dtype="int4", head_dim=33), r"^head_dim: expected an even head_dim for int4"),
-    (dict(kv_dtype="int8", kv_group_size=8), r"^kv_group_size: expected None unless kv_dtype='int4', got 8$"),
+    (dict(kv_dtype="int8", kv_group_size=8), r"^kv_group_size: expected None unless kv_dtype is 'int4' or 'int3', got 8$"),
+    (dict(kv_dtype="int3", head_dim=36), r"^head_dim: expected a multiple of 8 for int3 \(8 codes per 3 bytes\), got 36$"),
+    (dict(kv_dtype="int3", head_dim=32, kv_group_size=12),
+     r"^kv_group_size: expected a multiple of 8 that divides head_dim \(32\) for int3, got 12$"),
+    (dict(kv_dtype="int3", head_dim=48, kv_group_size=32),
+     r"^kv_group_size: expected a multiple of 8 that divides head_dim \(48\) for int3, got 32$"),
+    (dict(kv_dtype="int3", kv_group_size=0), r"^kv_group_size: expected an int >= 1, got 0$"),
     (dict(kv_window=4), r"^kv_window: expected its default for an unquantized cache"),
     (dict(kv_rotation=True), r"^kv_rotation: expected its default for an unquantized cache"),
     (dict(kv_dtype="int4", kv_window=-1), r"^kv_window: expected an int >= 0, got -1$"),
@@ -113,7 +154,8 @@ def test_bad_lowbit_options_are_typed_errors(kw, match):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype,rotation", [("int4", True), ("int4", False), ("int8", True),
+@pytest.mark.parametrize("kv_dtype,rotation", [("int4", True), ("int4", False), ("int3", True), ("int3", False),
+                                               ("int8", True),
                                                ("fp8_e4m3", True), ("fp8_e5m2", True)])
 def test_without_window_gather_is_rotate_quantize_dequantize_unrotate(layout, kv_dtype, rotation):
     cfg = config(kv_dtype=kv_dtype, kv_rotation=rotation, kv_window=0, layout=layout, kv_rotation_seed=3)
@@ -216,6 +258,7 @@ def test_full_precision_layers_are_exact_and_hold_no_scales():
 
 
 @pytest.mark.parametrize("kw", [dict(kv_dtype="int4"), dict(kv_dtype="int4", kv_window=0),
+                                dict(kv_dtype="int3"), dict(kv_dtype="int3", kv_window=0),
                                 dict(kv_dtype="fp8_e4m3", kv_rotation=True, kv_window=3),
                                 dict(kv_dtype="int4", kv_full_precision_layers=(1,))])
 def test_copy_on_write_keeps_codes_scales_and_window(kw):
@@ -266,6 +309,7 @@ def test_store_copy_blocks_moves_window_copies_and_checks_first():
 
 
 @pytest.mark.parametrize("kw", [dict(kv_dtype="int4"), dict(kv_dtype="int4", kv_window=0),
+                                dict(kv_dtype="int3"), dict(kv_dtype="int3", kv_window=0, kv_group_size=8),
                                 dict(kv_dtype="int8", kv_rotation=True),
                                 dict(kv_dtype="int4", kv_full_precision_layers=(2,))])
 def test_swap_out_and_in_keeps_every_value(kw):
@@ -473,7 +517,8 @@ def test_gather_pages_refuses_bad_pending(pending, err):
     cache.free("a")
 
 
-@pytest.mark.parametrize("kv_dtype, window, full", [("int4", 0, ()), ("int4", 5, ()), ("fp8_e4m3", 3, (1,)),
+@pytest.mark.parametrize("kv_dtype, window, full", [("int4", 0, ()), ("int4", 5, ()), ("int3", 0, ()), ("int3", 5, (2,)),
+                                                    ("fp8_e4m3", 3, (1,)),
                                                     ("int8", 0, (0,))])
 def test_rotated_domain_read_gives_the_same_attention(kv_dtype, window, full):
     cache = PagedKVCache(config(kv_dtype=kv_dtype, kv_rotation=True, kv_window=window,

@@ -326,7 +326,7 @@ def test_admit_caps_fixed_point():
     assert admit_caps(np.array([16, 16]), np.array([0, 2]), 4, 4).tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int3"])
 def test_quantized_store_with_layer_groups(kv_dtype):
     kv = hybrid(window=6, kv_dtype=kv_dtype, kv_window=0)
     kv.add_sequence("a")

@@ -47,7 +47,9 @@ MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 
 _MODEL_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.MODEL}
-_QUANT_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.QUANTIZED if d.kernel_name in sources.QUANT_TYPES}
+#: storage format name -> kernel spelling, for the formats with kernels (int4 and int3
+#: share the uint8 data dtype, so formats are keyed by name: LayerGeometry.kv_dtype)
+_QUANT_NAMES = {d.name: d.kernel_name for d in dtypes.QUANTIZED if d.kernel_name in sources.QUANT_TYPES}
 _CHUNK_NAMES = {16: "v16", 4: "e4", 2: "e2", 1: "e1"}
 
 Arg = Tuple[str, int]  # ("ptr" | "i64", value)
@@ -120,9 +122,9 @@ def as_tensor(x: object) -> object:
 # checks the kernels add to the reference's
 
 
-def _check_kernel_dtype(kv_layer: torch.Tensor) -> None:
-    row = dtypes.lookup(kv_layer.dtype)
-    if row.quantized and kv_layer.dtype not in _QUANT_NAMES:
+def _check_kernel_dtype(geo: checks.LayerGeometry) -> None:
+    if geo.quantized and geo.kv_dtype not in _QUANT_NAMES:
+        row = dtypes.info(geo.kv_dtype)
         raise DTypeError(expected("kv_layer", f"a kv dtype with a CUDA kernel ({', '.join(sources.QUANT_TYPES)} "
                                   "or a model dtype)", f"{row.name} ({row.torch_name})"))
 
@@ -201,7 +203,7 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
     """Plan :func:`pagedkv.ops.reference.write_kv` (same arguments)."""
     geo = checks.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
     signs = _check_signs(rotation_signs, geo, kv_layer.device)
-    _check_kernel_dtype(kv_layer)
+    _check_kernel_dtype(geo)
     _check_contiguous("kv_layer", kv_layer)
     if geo.quantized:
         _check_contiguous("kv_scale", kv_scale)
@@ -219,7 +221,7 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
     lo = layout.lower()
     tail = [_i64(tokens), _i64(geo.num_blocks * geo.block_size), _i64(geo.block_size), _i64(heads)]
     if geo.quantized:
-        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[kv_layer.dtype],
+        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[geo.kv_dtype],
                                      rotated=signs is not None)
         groups = _groups(kv_layer, kv_scale)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key), _ptr(value), _ptr(slots)]
@@ -271,7 +273,7 @@ def plan_gather(
     """
     geo, out_dtype = checks.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     signs = _check_signs(rotation_signs, geo, kv_layer.device)
-    _check_kernel_dtype(kv_layer)
+    _check_kernel_dtype(geo)
     device = kv_layer.device
     if block_table is None:
         batch = checks.check_csr(indptr, indices, seq_lens, device)
@@ -308,7 +310,7 @@ def plan_gather(
     keep = (table, indptr_c, lens, seq_ends)
     lo = layout.lower()
     if geo.quantized:
-        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[kv_layer.dtype], out_type=_MODEL_NAMES[out_dtype],
+        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[geo.kv_dtype], out_type=_MODEL_NAMES[out_dtype],
                                    rotated=signs is not None)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
         args += table_args + [_i64(dim), _i64(_groups(kv_layer, kv_scale))]

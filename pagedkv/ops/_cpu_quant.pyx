@@ -11,9 +11,10 @@ moves. Block tables arrive already snapshotted and validated (``validate_csr`` /
 ``validate_padded`` of ``_cpu_copy`` ran on the same copy).
 
 A "row" is one (token, head) of one plane (K or V): ``head_dim`` codes (int4:
-``head_dim / 2`` bytes) and ``groups`` scales (1 except for int4), plus as many zero
-points for int8/int4. Row ``r`` of a layer starts at byte ``r * row_bytes`` of the data
-and at float ``r * groups`` of the scale/zero views.
+``head_dim / 2`` bytes; int3: ``3 * head_dim / 8``) and ``groups`` scales (1 except for
+int4/int3), plus as many zero points for int8/int4/int3. Row ``r`` of a layer starts at
+byte ``r * row_bytes`` of the data and at element ``r * groups`` of the scale/zero views
+(float32; bfloat16 for int3: the row functions read them as such).
 
 A rotated cache passes ``signs_ptr``, the address of its float32 ``[head_dim]`` signs
 (0: no rotation): a write rotates each widened row before quantizing it, a gather
@@ -27,7 +28,7 @@ from cython.parallel cimport parallel, prange
 cimport openmp
 
 cdef extern from "quant_rows.h" nogil:
-    int PKV_F32, PKV_F16, PKV_BF16, PKV_E4M3, PKV_E5M2, PKV_INT8, PKV_INT4
+    int PKV_F32, PKV_F16, PKV_BF16, PKV_E4M3, PKV_E5M2, PKV_INT8, PKV_INT4, PKV_INT3
     ctypedef void (*pkv_quantize_row_fn)(const char* x, int in_type, int64_t head_dim, int qtype, int64_t groups,
                                          uint8_t* q, float* scale, float* zero, float* tmp, uint8_t* codes,
                                          const float* signs)
@@ -40,7 +41,7 @@ cdef extern from "quant_rows.h" nogil:
 
 #: codes of the model dtypes (write input, gather output) and of the storage formats
 MODEL_CODES = {"float32": PKV_F32, "float16": PKV_F16, "bfloat16": PKV_BF16}
-QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "int4": PKV_INT4}
+QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "int4": PKV_INT4, "int3": PKV_INT3}
 
 # the row functions for this CPU (256-bit vectors and F16C where the CPU has them)
 cdef pkv_quantize_row_fn quantize_row = pkv_pick_quantize_row()
@@ -69,8 +70,22 @@ cdef void check_sizes(int64_t head_dim, int64_t groups, int qtype) except *:
         raise ValueError("quant rows: head_dim must be a positive multiple of groups")
     if qtype == PKV_INT4 and head_dim % 2:
         raise ValueError("quant rows: int4 needs an even head_dim")
-    if qtype != PKV_INT4 and groups != 1:
-        raise ValueError("quant rows: only int4 has scale groups")
+    if qtype == PKV_INT3 and (head_dim // groups) % 8:
+        raise ValueError("quant rows: int3 needs groups of a multiple of 8 elements")
+    if qtype != PKV_INT4 and qtype != PKV_INT3 and groups != 1:
+        raise ValueError("quant rows: only int4 and int3 have scale groups")
+
+
+cdef inline int64_t row_bytes_of(int qtype, int64_t head_dim) noexcept nogil:
+    if qtype == PKV_INT4:
+        return head_dim // 2
+    if qtype == PKV_INT3:
+        return head_dim // 8 * 3
+    return head_dim
+
+
+cdef inline int64_t param_bytes_of(int qtype) noexcept nogil:
+    return 2 if qtype == PKV_INT3 else 4
 
 
 cdef float* snapshot_signs(uintptr_t signs_ptr, int64_t head_dim) except? NULL:
@@ -125,12 +140,13 @@ def write_quant(
         raise MemoryError("write_quant: cannot snapshot the slot mapping")
     memcpy(slots, <const void*> slots_ptr, <size_t> num_tokens * 8)
     cdef uint8_t* layer = <uint8_t*> layer_ptr
-    cdef float* scale = <float*> scale_ptr
-    cdef float* zero = <float*> zero_ptr  # NULL for fp8
+    cdef char* scale = <char*> scale_ptr
+    cdef char* zero = <char*> zero_ptr  # NULL for fp8
+    cdef int64_t param_row = groups * param_bytes_of(qtype)
     cdef const char* key = <const char*> key_ptr
     cdef const char* value = <const char*> value_ptr
     cdef int64_t num_slots = num_blocks * block_size
-    cdef int64_t row_bytes = head_dim // 2 if qtype == PKV_INT4 else head_dim
+    cdef int64_t row_bytes = row_bytes_of(qtype, head_dim)
     cdef int64_t t, h, blk, off, row, bad = -1
     cdef int kv
     cdef const char* src
@@ -164,7 +180,8 @@ def write_quant(
                             src = value + t * value_tok_stride + h * value_head_stride
                         row = row_of(blk, kv, off, h, block_size, num_heads, hnd)
                         quantize_row(src, in_type, head_dim, qtype, groups, layer + row * row_bytes,
-                                     scale + row * groups, zero + row * groups if zero != NULL else NULL,
+                                     <float*> (scale + row * param_row),
+                                     <float*> (zero + row * param_row) if zero != NULL else NULL,
                                      <float*> (scratch + tid * share),
                                      <uint8_t*> (scratch + tid * share + head_dim * 4), signs)
     free(scratch)
@@ -214,11 +231,12 @@ def gather_quant(
     cdef const int32_t* blocks = <const int32_t*> blocks_ptr
     cdef const int32_t* seq_lens = <const int32_t*> seq_lens_ptr
     cdef const uint8_t* layer = <const uint8_t*> layer_ptr
-    cdef const float* scale = <const float*> scale_ptr
-    cdef const float* zero = <const float*> zero_ptr
+    cdef const char* scale = <const char*> scale_ptr
+    cdef const char* zero = <const char*> zero_ptr
+    cdef int64_t param_row = groups * param_bytes_of(qtype)
     cdef char* out_k = <char*> out_k_ptr
     cdef char* out_v = <char*> out_v_ptr
-    cdef int64_t row_bytes = head_dim // 2 if qtype == PKV_INT4 else head_dim
+    cdef int64_t row_bytes = row_bytes_of(qtype, head_dim)
     cdef int64_t out_row = head_dim * (4 if out_type == PKV_F32 else 2)
     cdef int64_t b, j, n, first, u = 0, t, h, row
     cdef int kv
@@ -241,8 +259,9 @@ def gather_quant(
             for kv in range(2):
                 for h in range(num_heads):
                     row = row_of(token_row[2 * t], kv, token_row[2 * t + 1], h, block_size, num_heads, hnd)
-                    dequantize_row(layer + row * row_bytes, qtype, head_dim, groups, scale + row * groups,
-                                   zero + row * groups if zero != NULL else NULL, out_type,
+                    dequantize_row(layer + row * row_bytes, qtype, head_dim, groups,
+                                   <const float*> (scale + row * param_row),
+                                   <const float*> (zero + row * param_row) if zero != NULL else NULL, out_type,
                                    (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row,
                                    tmp + openmp.omp_get_thread_num() * head_dim, signs)
     free(tmp)

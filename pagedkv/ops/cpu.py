@@ -3,7 +3,7 @@
 Each function runs the reference's structural checks (same errors, same messages),
 then hands pointers, byte strides and counts to the Cython loops in
 :mod:`pagedkv.ops._cpu_copy` (byte moves) and :mod:`pagedkv.ops._cpu_quant`
-(quantizing writes, dequantizing gathers of fp8, int8 and int4 arenas), which check
+(quantizing writes, dequantizing gathers of fp8, int8, int4 and int3 arenas), which check
 index values before the first byte moves. Cases the loops do not cover go to the
 reference after the same checks: non-contiguous arenas (or scale/zero views), a
 zero-length ``head_dim`` of a quantized arena (the reference names the error).
@@ -149,21 +149,21 @@ def _write_rows(c, kv_layer, slots, key, value, nb, bs, h, d, hnd) -> None:
 
 
 # ----------------------------------------------------------------------------------
-# quantized arenas (fp8, int8, int4): the loops of _cpu_quant
+# quantized arenas (fp8, int8, int4, int3): the loops of _cpu_quant
 
 
 def _quant_ok(geo, kv_layer, kv_scale, kv_zero) -> bool:
-    """A quantized layer the loops take: contiguous data, scale and zero views."""
-    return (geo.quantized and geo.head_dim > 0 and kv_layer.is_contiguous() and kv_scale.is_contiguous()
-            and (kv_zero is None or kv_zero.is_contiguous()))
+    """A quantized layer the loops take: a format they know, contiguous data, scale and zero views."""
+    return (geo.quantized and geo.kv_dtype in _q.QUANT_CODES and geo.head_dim > 0 and kv_layer.is_contiguous()
+            and kv_scale.is_contiguous() and (kv_zero is None or kv_zero.is_contiguous()))
 
 
 def _groups(kv_layer, kv_scale) -> int:
     return kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
 
 
-def _quant_code(kv_layer) -> int:
-    return _q.QUANT_CODES[dtypes.lookup(kv_layer.dtype).name]
+def _quant_code(geo) -> int:
+    return _q.QUANT_CODES[geo.kv_dtype]
 
 
 def _model_code(dtype) -> int:
@@ -188,7 +188,7 @@ def _write_quant(kv_layer, slots, key, value, kv_scale, kv_zero, geo, hnd: bool,
     bad, bad_slot = _q.write_quant(
         kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(), key.data_ptr(),
         value.data_ptr(), slots.data_ptr(), key.shape[0], ks[0] * es, ks[1] * es, vs[0] * es, vs[1] * es,
-        _model_code(key.dtype), _quant_code(kv_layer), geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim,
+        _model_code(key.dtype), _quant_code(geo), geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim,
         _groups(kv_layer, kv_scale), hnd, signs_ptr,
     )
     if bad >= 0:
@@ -202,7 +202,7 @@ def _gather_quant(kv_layer, kv_scale, kv_zero, indptr, width, table, seq_lens, b
     _q.gather_quant(
         kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(),
         0 if indptr is None else indptr.data_ptr(), width, table.data_ptr(), seq_lens.data_ptr(), batch, total,
-        ok.data_ptr(), ov.data_ptr(), _quant_code(kv_layer), _model_code(out_dtype), geo.block_size,
+        ok.data_ptr(), ov.data_ptr(), _quant_code(geo), _model_code(out_dtype), geo.block_size,
         geo.num_heads, geo.head_dim, _groups(kv_layer, kv_scale), hnd, signs_ptr,
     )
     return ok, ov

@@ -27,6 +27,7 @@
 #define PKV_E5M2 1
 #define PKV_INT8 2
 #define PKV_INT4 3
+#define PKV_INT3 4
 
 static inline uint32_t pkv_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float pkv_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -167,6 +168,65 @@ static inline __attribute__((always_inline)) void pkv_reduce(const float* y, int
     *hi_out = nan ? pkv_float(0x7fc00000u) : hi;
 }
 
+/* ---- int3: bfloat16 params rounded outward, eight 3-bit codes in three bytes ---- */
+
+/* float32 -> bfloat16 rounded toward +inf (up = 1) or -inf (up = 0): the magnitude is
+ * truncated when that moves toward the wanted infinity, else rounded away from zero
+ * (overflowing to infinity past bfloat16's range); the sign stays; NaN -> 0x7fc0 */
+static inline uint16_t pkv_f32_to_bf16_directed(float f, uint32_t up) {
+    const uint32_t u = pkv_bits(f), a = u & 0x7fffffffu, neg = u >> 31;
+    const uint32_t mag = pkv_sel(neg != up, (a + 0xffffu) & 0xffff0000u, a & 0xffff0000u);
+    return (uint16_t)pkv_sel(a > 0x7f800000u, 0x7fc0u, ((u & 0x80000000u) | mag) >> 16);
+}
+
+/* Per group: z = bf16_down(min), s = fix(bf16_up((max - z) / 7)), c = clamp(rint((y - z) / s),
+ * 0, 7) with NaN -> 0; codes 8j..8j+7 packed as 24 bits c0 | c1 << 3 | ... little-endian in
+ * bytes 3j..3j+2. ``codes`` is the caller's scratch of head_dim bytes; head_dim / groups is
+ * a multiple of 8. */
+static inline __attribute__((always_inline)) void pkv_quantize_int3_values(
+        const float* y, int64_t head_dim, int64_t groups, uint8_t* q, uint16_t* scale, uint16_t* zero,
+        uint8_t* codes) {
+    const int64_t g_len = head_dim / groups;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float* yg = y + g * g_len;
+        uint8_t* cg = codes + g * g_len;
+        float mn, mx;
+        pkv_reduce(yg, g_len, 0, &mn, &mx);
+        const uint16_t zb = pkv_f32_to_bf16_directed(mn, 0);
+        const float z = pkv_bf16_to_f32(zb);
+        const float s = pkv_fix_scale(pkv_bf16_to_f32(pkv_f32_to_bf16_directed((mx - z) / 7.0f, 1)));
+        for (int64_t d = 0; d < g_len; ++d) {
+            float v = (yg[d] - z) / s;
+            v = v != v ? 0.0f : v;
+            v = v < 0.0f ? 0.0f : (v > 7.0f ? 7.0f : v);  /* clamp then round == round then clamp here */
+            cg[d] = (uint8_t)(int32_t)pkv_rint_small(v);
+        }
+        scale[g] = pkv_f32_to_bf16(s);  /* exact: s is a bfloat16 value (or 1) */
+        zero[g] = zb;
+    }
+    for (int64_t j = 0; j < head_dim / 8; ++j) {
+        const uint8_t* c = codes + 8 * j;
+        uint32_t bits = 0;
+        for (int i = 0; i < 8; ++i) bits |= (uint32_t)c[i] << (3 * i);
+        q[3 * j] = (uint8_t)bits;
+        q[3 * j + 1] = (uint8_t)(bits >> 8);
+        q[3 * j + 2] = (uint8_t)(bits >> 16);
+    }
+}
+
+/* y = (float(c) * s) + z per element of each group (two roundings), into float32 ``o`` */
+static inline __attribute__((always_inline)) void pkv_dequantize_int3_f32(
+        const uint8_t* q, int64_t head_dim, int64_t groups, const uint16_t* scale, const uint16_t* zero, float* o) {
+    const int64_t packs = head_dim / groups / 8;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float s = pkv_bf16_to_f32(scale[g]), z = pkv_bf16_to_f32(zero[g]);
+        for (int64_t j = g * packs; j < (g + 1) * packs; ++j) {
+            const uint32_t bits = (uint32_t)q[3 * j] | ((uint32_t)q[3 * j + 1] << 8) | ((uint32_t)q[3 * j + 2] << 16);
+            for (int i = 0; i < 8; ++i) o[8 * j + i] = (float)((bits >> (3 * i)) & 7u) * s + z;
+        }
+    }
+}
+
 /* The row's codes from its float32 values y (the caller's scratch row): per group,
  * fp8 q = fp8(clamp(y / s, -FMAX, FMAX)) with s = fix(amax / FMAX) (a NaN keeps its
  * sign); int8/int4 c = clamp(rint((y - mn) / s), 0, top) with s = fix((mx - mn) / top)
@@ -175,6 +235,10 @@ static inline __attribute__((always_inline)) void pkv_reduce(const float* y, int
 static inline __attribute__((always_inline)) void pkv_quantize_values(
         const float* y, int qtype, int64_t head_dim, int64_t groups, uint8_t* q, float* scale, float* zero,
         uint8_t* codes) {
+    if (qtype == PKV_INT3) {  /* its scale and zero arenas hold bfloat16 */
+        pkv_quantize_int3_values(y, head_dim, groups, q, (uint16_t*)scale, (uint16_t*)zero, codes);
+        return;
+    }
     if (qtype == PKV_E4M3 || qtype == PKV_E5M2) {
         float unused, amax;
         pkv_reduce(y, head_dim, 1, &unused, &amax);
@@ -407,6 +471,10 @@ static void pkv_quantize_row_base(PKV_QUANTIZE_ROW_ARGS) {
 static inline __attribute__((always_inline)) void pkv_dequantize_f32(
         const uint8_t* q, int qtype, int64_t head_dim, int64_t groups, const float* scale, const float* zero,
         float* o) {
+    if (qtype == PKV_INT3) {  /* its scale and zero arenas hold bfloat16 */
+        pkv_dequantize_int3_f32(q, head_dim, groups, (const uint16_t*)scale, (const uint16_t*)zero, o);
+        return;
+    }
 #define PKV_STORE_F32(d, y) (o[d] = (y))
     PKV_DEQUANT_LOOPS(PKV_STORE_F32)
 }

@@ -9,7 +9,9 @@ Shapes (``NB`` blocks, ``bs`` tokens per block, ``H`` kv heads, ``D`` head dim):
 - per-layer data view: NHD ``[NB, 2, bs, H, D]``, HND ``[NB, 2, H, bs, D]``
   (index 0 of dim 1 is K, 1 is V);
 - per-layer scale/zero view (quantized storage only, float32): NHD
-  ``[NB, 2, bs, H]``, HND ``[NB, 2, H, bs]``;
+  ``[NB, 2, bs, H]``, HND ``[NB, 2, H, bs]``; int4/int3 add a trailing groups dim,
+  and int3's are bfloat16 (which tells it from int4: both store uint8 codes, int3
+  ``3 D / 8`` of them per row, int4 ``D / 2``);
 - whole arenas add a leading ``num_layers`` dim.
 
 ``slot = block_id * bs + offset`` (int64); a negative slot is skipped.
@@ -172,7 +174,7 @@ def write_kv(
     for kv, src in ((0, key[valid]), (1, value[valid])):
         if geo.quantized:
             group = geo.head_dim // kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else None
-            q, s, z = quantize(src, kv_layer.dtype, group_size=group)
+            q, s, z = quantize(src, geo.kv_dtype, group_size=group)
             _assign(kv_layer, layout, kv, blk, off, q)
             _assign(kv_scale, layout, kv, blk, off, s)
             if z is not None:
