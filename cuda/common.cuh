@@ -184,6 +184,7 @@ struct pkv_dtype<pkv_bf16> {
 #define PKV_Q_E5M2 1
 #define PKV_Q_INT8 2
 #define PKV_Q_INT4 3
+#define PKV_Q_INT3 4
 
 __device__ __forceinline__ pkv_u8 pkv_f32_to_e4m3(float f) {
   const pkv_u32 u = __float_as_uint(f);
@@ -281,6 +282,39 @@ __device__ __forceinline__ float pkv_fix_scale(float s) {
   return (s == 0.0f || !pkv_isfinite(s)) ? 1.0f : s;
 }
 
+// int3's parameters are bfloat16 rounded outward (pagedkv/quant.py): f rounded to a
+// bfloat16 value toward +inf (up) or -inf, returned as float32. The magnitude is
+// truncated when that moves toward the wanted infinity, else rounded away from zero
+// (overflowing to infinity past bfloat16's range); the sign stays; NaN -> 0x7fc0.
+__device__ __forceinline__ float pkv_bf16_directed(float f, bool up) {
+  const pkv_u32 u = __float_as_uint(f), a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return __uint_as_float(0x7fc00000u);
+  const bool neg = (u >> 31) != 0u;
+  const pkv_u32 mag = neg != up ? ((a + 0xffffu) & 0xffff0000u) : (a & 0xffff0000u);
+  return __uint_as_float((u & 0x80000000u) | mag);
+}
+
+// Scale and zero-point arenas: float32, except int3's bfloat16 (the kernels take
+// them as float pointers; int3's are read and written as 16-bit values).
+template <int Q>
+__device__ __forceinline__ float pkv_param_load(const float* __restrict__ p, pkv_i64 i) {
+  if (Q == PKV_Q_INT3) return pkv_bf16_to_f32(((const pkv_u16*)p)[i]);
+  return p[i];
+}
+template <int Q>
+__device__ __forceinline__ void pkv_param_store(float* __restrict__ p, pkv_i64 i, float v) {
+  if (Q == PKV_Q_INT3)
+    ((pkv_u16*)p)[i] = pkv_f32_to_bf16(v);  // exact: int3's parameters are bfloat16 values
+  else
+    p[i] = v;
+}
+
+// The group's zero point from its minimum a (int3: rounded toward -inf to bfloat16).
+template <int Q>
+__device__ __forceinline__ float pkv_group_zero(float a) {
+  return Q == PKV_Q_INT3 ? pkv_bf16_directed(a, false) : a;
+}
+
 // The partial reduction of a group: fp8 keeps amax in a, the asymmetric formats
 // min in a and max in b; both start from values every element replaces.
 template <int Q>
@@ -307,14 +341,16 @@ __device__ __forceinline__ void pkv_reduce_merge(float* a, float* b, float a2, f
   }
 }
 
-// The group's scale from its reduction (a, b); its zero point is a.
+// The group's scale from (a, b): fp8 a = amax; else a = its zero point
+// (pkv_group_zero of the minimum) and b = its maximum.
 template <int Q>
 __device__ __forceinline__ float pkv_group_scale(float a, float b) {
   if (Q == PKV_Q_E4M3 || Q == PKV_Q_E5M2) return pkv_fix_scale(__fdiv_rn(a, pkv_fp8_max<Q>()));
+  if (Q == PKV_Q_INT3) return pkv_fix_scale(pkv_bf16_directed(__fdiv_rn(__fsub_rn(b, a), 7.0f), true));
   return pkv_fix_scale(__fdiv_rn(__fsub_rn(b, a), Q == PKV_Q_INT8 ? 255.0f : 15.0f));
 }
 
-// One element's code: the fp8 byte, the int8 byte, or the int4 code (0..15).
+// One element's code: the fp8 byte, the int8 byte, or the int4/int3 code (0..15/0..7).
 template <int Q>
 __device__ __forceinline__ pkv_u32 pkv_quantize(float x, float scale, float zero) {
   if (Q == PKV_Q_E4M3 || Q == PKV_Q_E5M2) {
@@ -322,7 +358,7 @@ __device__ __forceinline__ pkv_u32 pkv_quantize(float x, float scale, float zero
     // NaN), so the code matches torch on the CPU: 0x7f or 0xff.
     return pkv_f32_to_fp8<Q>(pkv_isnan(x) ? x : __fdiv_rn(x, scale));
   }
-  const float top = Q == PKV_Q_INT8 ? 255.0f : 15.0f;
+  const float top = Q == PKV_Q_INT8 ? 255.0f : (Q == PKV_Q_INT3 ? 7.0f : 15.0f);
   float v = __fdiv_rn(__fsub_rn(x, zero), scale);
   if (pkv_isnan(v)) v = 0.0f;  // the defined result for NaN input: code 0
   v = rintf(v);
@@ -330,14 +366,21 @@ __device__ __forceinline__ pkv_u32 pkv_quantize(float x, float scale, float zero
   return Q == PKV_Q_INT8 ? (pkv_u32)(pkv_u8)(signed char)((int)v - 128) : (pkv_u32)v;
 }
 
-// code -> value: fp8 q * s; int8 (q + 128) * s + zero; int4 c * s + zero
+// Bytes of one quantized (token, head) row: int4 two codes per byte, int3 eight
+// codes per three bytes (head_dim a multiple of 8), else one code per byte.
+template <int Q>
+__device__ __forceinline__ pkv_i64 pkv_row_bytes(pkv_i64 head_dim) {
+  return Q == PKV_Q_INT4 ? head_dim / 2 : (Q == PKV_Q_INT3 ? head_dim / 8 * 3 : head_dim);
+}
+
+// code -> value: fp8 q * s; int8 (q + 128) * s + zero; int4/int3 c * s + zero
 template <int Q>
 __device__ __forceinline__ float pkv_dequantize(pkv_u32 q, float scale, float zero) {
   if (Q == PKV_Q_INT8) {
     const float c = (float)((int)(signed char)(pkv_u8)q + 128);
     return __fadd_rn(__fmul_rn(c, scale), zero);
   }
-  if (Q == PKV_Q_INT4) return __fadd_rn(__fmul_rn((float)q, scale), zero);
+  if (Q == PKV_Q_INT4 || Q == PKV_Q_INT3) return __fadd_rn(__fmul_rn((float)q, scale), zero);
   return __fmul_rn(pkv_fp8_to_f32<Q>((pkv_u8)q), scale);
 }
 

@@ -12,9 +12,9 @@
 //
 // Entry points (pagedkv/kernels/sources.py lists the same names):
 //   pkv_gather_{csr,pad}_{nhd,hnd}_{v16,e4,e2}                     plain copy
-//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8,int4}_to_{f32,f16,bf16}
+//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8,int4,int3}_to_{f32,f16,bf16}
 //                                                     dequantizing, one element per thread
-//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8,int4}_to_{f32,f16,bf16}_rot
+//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8,int4,int3}_to_{f32,f16,bf16}_rot
 //       dequantizing and unrotating (common.cuh, "Rotation"), cooperatively: rows
 //       are (token, K/V, head) output rows; the CTA row that owns one finds its
 //       token's block (a binary search of seq_ends), dequantizes the row into
@@ -119,11 +119,17 @@ __device__ __forceinline__ void pkv_gather_copy(
   }
 }
 
-// The code of element d of a quantized row (int4: its nibble of byte d / 2).
+// The code of element d of a quantized row (int4: its nibble of byte d / 2; int3:
+// bits 3 (d % 8) of the 24-bit little-endian pack d / 8).
 template <int Q>
 __device__ __forceinline__ pkv_u32 pkv_code_at(const pkv_u8* __restrict__ kv, pkv_i64 row,
                                                pkv_i64 head_dim, pkv_i64 d) {
   if (Q == PKV_Q_INT4) return (kv[row * (head_dim / 2) + d / 2] >> ((pkv_u32)(d & 1) * 4)) & 15u;
+  if (Q == PKV_Q_INT3) {
+    const pkv_u8* p = kv + row * pkv_row_bytes<Q>(head_dim) + d / 8 * 3;
+    const pkv_u32 bits = (pkv_u32)p[0] | ((pkv_u32)p[1] << 8) | ((pkv_u32)p[2] << 16);
+    return (bits >> (3 * (pkv_u32)(d & 7))) & 7u;
+  }
   return kv[row * head_dim + d];
 }
 
@@ -156,11 +162,13 @@ __device__ __forceinline__ void pkv_gather_dequant(
         const pkv_i64 k_row = pkv_row_index<LAYOUT>(e.block, 0, offset, h, block_size, num_heads);
         const pkv_i64 v_row = pkv_row_index<LAYOUT>(e.block, 1, offset, h, block_size, num_heads);
         const pkv_i64 g = groups == 1 ? 0 : pkv_div(d, g_len);
-        const bool has_zero = Q == PKV_Q_INT8 || Q == PKV_Q_INT4;
-        const float k_zero = has_zero ? zero[k_row * groups + g] : 0.0f;
-        const float v_zero = has_zero ? zero[v_row * groups + g] : 0.0f;
-        k = pkv_dequantize<Q>(pkv_code_at<Q>(kv, k_row, head_dim, d), scale[k_row * groups + g], k_zero);
-        v = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), scale[v_row * groups + g], v_zero);
+        const bool has_zero = Q == PKV_Q_INT8 || Q == PKV_Q_INT4 || Q == PKV_Q_INT3;
+        const float k_zero = has_zero ? pkv_param_load<Q>(zero, k_row * groups + g) : 0.0f;
+        const float v_zero = has_zero ? pkv_param_load<Q>(zero, v_row * groups + g) : 0.0f;
+        k = pkv_dequantize<Q>(pkv_code_at<Q>(kv, k_row, head_dim, d), pkv_param_load<Q>(scale, k_row * groups + g),
+                              k_zero);
+        v = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), pkv_param_load<Q>(scale, v_row * groups + g),
+                              v_zero);
       }
       out_key[dst] = pkv_dtype<O>::from_f32(k);
       out_value[dst] = pkv_dtype<O>::from_f32(v);
@@ -222,7 +230,7 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
   const pkv_i64 cta = (pkv_i64)blockIdx.y * gridDim.x + blockIdx.x;
   const pkv_i64 ctas = (pkv_i64)gridDim.x * gridDim.y;
   const pkv_i64 g_len = pkv_div(head_dim, groups);
-  const bool has_zero = Q == PKV_Q_INT8 || Q == PKV_Q_INT4;
+  const bool has_zero = Q == PKV_Q_INT8 || Q == PKV_Q_INT4 || Q == PKV_Q_INT3;
   for (pkv_i64 base = cta * by; base < rows; base += ctas * by) {
     PKV_PHASE({
       const pkv_i64 r = base + threadIdx.y;
@@ -241,8 +249,8 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
           float x = 0.0f;
           if (block >= 0) {
             const pkv_i64 g = groups == 1 ? 0 : pkv_div(d, g_len);
-            x = pkv_dequantize<Q>(pkv_code_at<Q>(kv, row, head_dim, d), scale[row * groups + g],
-                                  has_zero ? zero[row * groups + g] : 0.0f);
+            x = pkv_dequantize<Q>(pkv_code_at<Q>(kv, row, head_dim, d), pkv_param_load<Q>(scale, row * groups + g),
+                                  has_zero ? pkv_param_load<Q>(zero, row * groups + g) : 0.0f);
           }
           rot[threadIdx.y * head_dim + d] = x;
         }
@@ -322,7 +330,8 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
   PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, e4m3, PKV_Q_E4M3)     \
   PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, e5m2, PKV_Q_E5M2)     \
   PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, int8, PKV_Q_INT8)     \
-  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, int4, PKV_Q_INT4)
+  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, int4, PKV_Q_INT4)     \
+  PKV_GATHER_DEQUANT_Q(T, TABLE, L, LAYOUT, int3, PKV_Q_INT3)
 
 PKV_GATHER_ALL(csr, PKV_TABLE_CSR, nhd, PKV_NHD)
 PKV_GATHER_ALL(csr, PKV_TABLE_CSR, hnd, PKV_HND)

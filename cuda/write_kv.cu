@@ -10,13 +10,14 @@
 //   pkv_write_kv_{nhd,hnd}_{v16,e4,e2}
 //       plain copy in 16-byte vectors, or per 4-/2-byte element (any model dtype:
 //       the bytes are moved, never converted);
-//   pkv_write_kv_{nhd,hnd}_{f32,f16,bf16}_to_{e4m3,e5m2,int8,int4}
+//   pkv_write_kv_{nhd,hnd}_{f32,f16,bf16}_to_{e4m3,e5m2,int8,int4,int3}
 //       quantizing, cooperatively: the blockDim.x threads of a CTA row share one
 //       (token, K/V, head) row, reduce each scale group of it through shared
 //       memory (a tree of barrier phases), then write its codes (int4: two per
-//       byte) and its scale and zero point. blockDim.y rows per CTA; the CTAs of
-//       the whole grid stride over the rows.
-//   pkv_write_kv_{nhd,hnd}_{f32,f16,bf16}_to_{e4m3,e5m2,int8,int4}_rot
+//       byte; int3: eight per three bytes, a thread per eight) and its scale and
+//       zero point (int3: bfloat16). blockDim.y rows per CTA; the CTAs of the
+//       whole grid stride over the rows.
+//   pkv_write_kv_{nhd,hnd}_{f32,f16,bf16}_to_{e4m3,e5m2,int8,int4,int3}_rot
 //       the same after rotating each row (common.cuh, "Rotation"): the CTA row
 //       first widens its row times the signs into shared memory, runs the
 //       butterfly stages there (a barrier phase each) and scales it, then reduces
@@ -93,7 +94,7 @@ __device__ __forceinline__ void pkv_write_kv_quant(
   const pkv_i64 cta = (pkv_i64)blockIdx.y * gridDim.x + blockIdx.x;
   const pkv_i64 ctas = (pkv_i64)gridDim.x * gridDim.y;
   const pkv_i64 g_len = pkv_div(head_dim, groups);
-  const pkv_i64 row_bytes = Q == PKV_Q_INT4 ? head_dim / 2 : head_dim;
+  const pkv_i64 row_bytes = pkv_row_bytes<Q>(head_dim);
 #define PKV_ROW() \
   pkv_quant_row<T, LAYOUT> w(base + threadIdx.y, rows, key, value, slot_mapping, num_slots, \
                              block_size, num_heads, key_stride_t, key_stride_h,            \
@@ -144,9 +145,19 @@ __device__ __forceinline__ void pkv_write_kv_quant(
       PKV_PHASE({
         PKV_ROW();
         if (w.active) {
-          const float mn = red_a[threadIdx.y * bx], s = pkv_group_scale<Q>(mn, red_b[threadIdx.y * bx]);
+          const float mn = pkv_group_zero<Q>(red_a[threadIdx.y * bx]);
+          const float s = pkv_group_scale<Q>(mn, red_b[threadIdx.y * bx]);
           pkv_u8* q = kv + w.row * row_bytes;
-          if (Q == PKV_Q_INT4) {
+          if (Q == PKV_Q_INT3) {
+            // a group is whole packs of 8 codes: 24 bits, little-endian in 3 bytes
+            for (pkv_i64 p = lo / 8 + threadIdx.x; p < hi / 8; p += bx) {
+              pkv_u32 bits = 0;
+              for (int i = 0; i < 8; ++i) bits |= pkv_quantize<Q>(PKV_X(8 * p + i), s, mn) << (3 * i);
+              q[3 * p] = (pkv_u8)bits;
+              q[3 * p + 1] = (pkv_u8)(bits >> 8);
+              q[3 * p + 2] = (pkv_u8)(bits >> 16);
+            }
+          } else if (Q == PKV_Q_INT4) {
             // bytes holding the group's codes; one that also holds a neighbouring
             // group's code keeps that nibble (that group's phase runs apart)
             for (pkv_i64 i = lo / 2 + threadIdx.x; i < (hi + 1) / 2; i += bx) {
@@ -165,8 +176,8 @@ __device__ __forceinline__ void pkv_write_kv_quant(
               q[d] = (pkv_u8)pkv_quantize<Q>(PKV_X(d), s, mn);
           }
           if (threadIdx.x == 0) {
-            scale[w.row * groups + g] = s;
-            if (Q != PKV_Q_E4M3 && Q != PKV_Q_E5M2) zero[w.row * groups + g] = mn;
+            pkv_param_store<Q>(scale, w.row * groups + g, s);
+            if (Q != PKV_Q_E4M3 && Q != PKV_Q_E5M2) pkv_param_store<Q>(zero, w.row * groups + g, mn);
           }
         }
       });
@@ -215,7 +226,8 @@ __device__ __forceinline__ void pkv_write_kv_quant(
   PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_e4m3, T, PKV_Q_E4M3, LAYOUT)       \
   PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_e5m2, T, PKV_Q_E5M2, LAYOUT)       \
   PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_int8, T, PKV_Q_INT8, LAYOUT)       \
-  PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_int4, T, PKV_Q_INT4, LAYOUT)
+  PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_int4, T, PKV_Q_INT4, LAYOUT)       \
+  PKV_WRITE_KV_QUANT(pkv_write_kv_##L##_##TN##_to_int3, T, PKV_Q_INT3, LAYOUT)
 
 #define PKV_WRITE_KV_QUANT_LAYOUT(L, LAYOUT)           \
   PKV_WRITE_KV_QUANT_DTYPE(L, LAYOUT, f32, float)      \

@@ -329,18 +329,20 @@ def test_address_sanitizer_catches_an_out_of_bounds_launch(tmp_path):
     ("int8", 80, None, (128, 2, 1)),
     ("int4", 128, 2, (64, 4, 1)),
     ("int4", 18, 2, (16, 16, 1)),
+    ("int3", 128, 4, (32, 8, 1)),
+    ("int3", 24, 3, (8, 32, 1)),
 ])
 def test_quantizing_write_shares_each_scale_group_among_a_cta_row(kv_dtype, d, groups, block):
     # A CTA row of threads reduces one scale group together; the grid's CTAs stride
     # over the (token, K/V, head) rows, so its x is 1.
-    from pagedkv.quant import storage_dtype
+    from pagedkv import dtypes
 
-    qdtype = storage_dtype(kv_dtype)
-    packed = kv_dtype == "int4"
-    shape = layer_shape("NHD", NB, BS, H, d // 2 if packed else d)
-    sshape = shape[:-1] + ((groups,) if packed else ())
-    layer = torch.zeros(shape, dtype=torch.uint8).view(qdtype)
-    scale, zero = torch.zeros(sshape), torch.zeros(sshape) if kv_dtype != "fp8_e4m3" else None
+    row = dtypes.info(kv_dtype)
+    shape = layer_shape("NHD", NB, BS, H, row.stored_dim(d))
+    sshape = shape[:-1] + ((groups,) if row.grouped else ())
+    layer = torch.zeros(shape, dtype=torch.uint8).view(row.torch_dtype)
+    p = row.param_dtype
+    scale, zero = torch.zeros(sshape, dtype=p), torch.zeros(sshape, dtype=p) if kv_dtype != "fp8_e4m3" else None
     gen = torch.Generator().manual_seed(d)
     key, value = tokens(9, d, torch.float32, "contiguous", gen)
     slots = torch.arange(9) * 3

@@ -43,8 +43,7 @@ SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout
 LAYOUTS = ("nhd", "hnd")
 CHUNKS = {"v16": 16, "e4": 4, "e2": 2, "e1": 1}  # copy unit -> bytes
 MODEL_TYPES = tuple(d.kernel_name for d in dtypes.MODEL)
-#: storage formats with kernels (int3's are not written yet: plans refuse it by name)
-QUANT_TYPES = tuple(d.kernel_name for d in dtypes.QUANTIZED if d.name != "int3")
+QUANT_TYPES = tuple(d.kernel_name for d in dtypes.QUANTIZED)
 TABLES = ("csr", "pad")
 INDEX_TYPES = ("i32", "i64")
 
