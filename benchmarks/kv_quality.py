@@ -50,6 +50,10 @@ PRECISIONS = {
     # outside the measured slice and the greedy prompts
     "int4_window0_fp_calibrated": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=CALIBRATED),
                                    None),
+    # 3-bit codes in groups of 32, bfloat16 scale and zero (4.0 bits per element),
+    # rotated: the issue keeps it only if it reaches <= 3%
+    "int3_window128": (dict(kv_dtype="int3", kv_window=128), 3.0),
+    "int3_window0": (dict(kv_dtype="int3", kv_window=0), 3.0),
 }
 PROBES = {
     "int8_rotated": (dict(kv_dtype="int8", kv_rotation=True), None),

@@ -22,7 +22,8 @@ same thread settings):
 ``pass`` is ``ratio >= 0.5``. ``index_ns`` is the torch advanced-indexing version
 (what the reference does) and ``speedup_vs_index`` the op's gain over it.
 
-Quantized arenas (``kv_dtype`` fp8_e4m3, int8, int4 with groups of 64):
+Quantized arenas (``kv_dtype`` fp8_e4m3, int8, int4 with groups of 64, int3 with groups
+of 32 and bfloat16 scales):
 
 - ``quant_write_kv``: the decode-step write above, quantizing ``dtype`` K/V on the way;
 - ``quant_gather_kv``: the 4,096-token gather above, dequantizing into ``dtype`` outputs.
@@ -37,7 +38,8 @@ the issue's goal ``vs_plain <= 2``. ``ns_per_token`` is ``op_ns`` over the token
 same interleaved run; ``unrotated_ns`` is the quantized op above, ``vs_unrotated`` the
 rotation's cost, ``reference_ns`` the torch reference with the same rotation.
 
-Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N] [--threads N]``.
+Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N] [--threads N] [--kv-dtypes int3,int4]``
+(``--kv-dtypes``: only the quantized figures of those formats).
 """
 from __future__ import annotations
 
@@ -191,19 +193,20 @@ def bench_gather(label, h, d, dtype, seq_tokens, num_tables, iters, repeats, all
                   t["hot"], t["index"], tokens=seq_tokens, arena_bytes=layer.numel() * layer.element_size())
 
 
-QUANT_KV = ("fp8_e4m3", "int8", "int4")
+QUANT_KV = ("fp8_e4m3", "int8", "int4", "int3")
 
 
 def quant_arena(shape, kv_dtype: str, d: int):
     """``(data, scale, zero)`` views of a quantized layer holding reference-quantized random K/V."""
-    from pagedkv.quant import DEFAULT_INT4_GROUP, storage_dtype
+    from pagedkv import dtypes
+    from pagedkv.quant import DEFAULT_INT4_GROUP, int3_group
 
-    qdtype = storage_dtype(kv_dtype)
-    packed = kv_dtype == "int4"
-    data = torch.zeros(shape[:-1] + (d // 2 if packed else d,), dtype=torch.uint8).view(qdtype)
-    sshape = shape[:-1] + ((d // min(DEFAULT_INT4_GROUP, d),) if packed else ())
-    scale = torch.ones(sshape)
-    zero = torch.zeros(sshape) if kv_dtype != "fp8_e4m3" else None
+    row = dtypes.info(kv_dtype)
+    group = {"int4": min(DEFAULT_INT4_GROUP, d), "int3": int3_group(d, None)}.get(kv_dtype, d)
+    data = torch.zeros(shape[:-1] + (row.stored_dim(d),), dtype=torch.uint8).view(row.torch_dtype)
+    sshape = shape[:-1] + ((d // group,) if row.grouped else ())
+    scale = torch.ones(sshape, dtype=row.param_dtype)
+    zero = torch.zeros(sshape, dtype=row.param_dtype) if row.zero_point else None
     nb, bs = shape[0], shape[2]
     slots = torch.arange(nb * bs)
     for lo in range(0, nb * bs, 4096):  # quantize in chunks: bounded temporaries
@@ -318,7 +321,15 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few iterations (CI)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (median)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (ops and memcpy alike)")
+    parser.add_argument("--kv-dtypes", default=None,
+                        help=f"comma-separated subset of {','.join(QUANT_KV)}: only their quantized figures")
     args = parser.parse_args(argv)
+    quant_kv = QUANT_KV
+    if args.kv_dtypes is not None:
+        quant_kv = tuple(args.kv_dtypes.split(","))
+        unknown = [q for q in quant_kv if q not in QUANT_KV]
+        if unknown:
+            parser.error(f"--kv-dtypes: expected names from {', '.join(QUANT_KV)}, got {', '.join(unknown)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_ops.AVAILABLE:
@@ -332,7 +343,7 @@ def main(argv: List[str] = None) -> int:
                      repeats=7)
         shapes, dtypes = SHAPES, DTYPES
     repeats = args.repeats or sizes["repeats"]
-    for label, h, d in shapes:
+    for label, h, d in shapes if args.kv_dtypes is None else ():
         for dtype in dtypes:
             print(json.dumps(bench_write(label, h, d, dtype, sizes["num_seqs"], sizes["blocks_per_seq"],
                                          sizes["steps"], sizes["iters"], repeats)), flush=True)
@@ -341,7 +352,7 @@ def main(argv: List[str] = None) -> int:
                                               max(1, sizes["iters"] // 10), repeats, alloc)), flush=True)
     for label, h, d in shapes:
         for dtype in dtypes:
-            for kv_dtype in QUANT_KV:
+            for kv_dtype in quant_kv:
                 figs = bench_quant_write(label, h, d, dtype, kv_dtype, sizes["num_seqs"], sizes["blocks_per_seq"],
                                          sizes["steps"], sizes["iters"], repeats)
                 figs += bench_quant_gather(label, h, d, dtype, kv_dtype, sizes["seq_tokens"], sizes["num_tables"],

@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backend_cases import make_backend
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError
+from pagedkv.ops import reference
 from pagedkv.quant import bf16_down, bf16_up, dequantize, quantize, unpack_int3
 
 INF, NAN = float("inf"), float("nan")
@@ -155,3 +157,33 @@ def test_int3_typed_errors():
         dequantize(q[:, :4], s, z, torch.float32)
     # float32 params mean int4: the same bytes read as int4 (two codes per byte)
     assert dequantize(q, s.float()[:, :1].expand(3, 2).contiguous(), z.float(), torch.float32).shape == (3, 12)
+
+
+def _int3_layer(stored, groups, zero_dtype=torch.bfloat16):
+    kv = torch.randint(0, 256, (4, 2, 2, 1, stored), dtype=torch.int32).to(torch.uint8)
+    scale = torch.ones(4, 2, 2, 1, groups, dtype=torch.bfloat16)
+    return kv, scale, torch.zeros(4, 2, 2, 1, groups, dtype=zero_dtype)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "emulated"])
+@pytest.mark.parametrize("stored, groups, zero_dtype, error, match", [
+    (10, 1, torch.bfloat16, ShapeError,
+     r"^kv_layer: expected a last dim that is a multiple of 3 for int3 \(8 codes per 3 bytes\), got \(4, 2, 2, 1, 10\)$"),
+    (6, 4, torch.bfloat16, ShapeError,
+     r"^kv_scale: expected shape \(4, 2, 2, 1\) \+ \(groups,\), groups of a multiple of 8 elements dividing head_dim "
+     r"16, for a int3 \(uint8\) kv_layer, got \(4, 2, 2, 1, 4\)$"),
+    (6, 2, torch.float32, DTypeError, r"^kv_zero: expected dtype bfloat16, got torch.float32$"),
+])
+def test_bad_int3_layers_are_refused_before_anything_moves(backend, stored, groups, zero_dtype, error, match):
+    ops = reference if backend == "reference" else make_backend(backend).ops
+    kv, scale, zero = _int3_layer(stored, groups, zero_dtype)
+    before = [t.clone() for t in (kv, scale, zero)]
+    d = 8 * stored // 3 if stored % 3 == 0 else 8
+    key = torch.randn(3, 1, d)
+    with pytest.raises(error, match=match):
+        ops.write_kv(kv, torch.tensor([0, 5, 7]), key, key, kv_scale=scale, kv_zero=zero)
+    as32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(error, match=match):
+        ops.gather_kv(kv, as32([0, 2]), as32([1, 3]), as32([4]), out_dtype=torch.float32, kv_scale=scale,
+                      kv_zero=zero)
+    assert all(torch.equal(a, b) for a, b in zip((kv, scale, zero), before))

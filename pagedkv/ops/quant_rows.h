@@ -214,6 +214,21 @@ static inline __attribute__((always_inline)) void pkv_quantize_int3_values(
     }
 }
 
+/* One pack's 8 values (float(c_i) * s) + z (two roundings) into o[0, 8), as one 8-lane
+ * vector (GCC/Clang vector extensions): the AVX2 build shifts the lanes with vpsrlvd,
+ * the baseline build lowers the same operations to SSE2; either way per pack, since
+ * a group holds only a few packs (4 at G = 32) for a loop over packs to vectorize. */
+typedef uint32_t pkv_v8u __attribute__((vector_size(32)));
+typedef int32_t pkv_v8i __attribute__((vector_size(32)));
+typedef float pkv_v8f __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) void pkv_int3_pack_f32(uint32_t bits, float s, float z, float* o) {
+    const pkv_v8u shifts = {0u, 3u, 6u, 9u, 12u, 15u, 18u, 21u};
+    const pkv_v8u c = ((pkv_v8u){bits, bits, bits, bits, bits, bits, bits, bits} >> shifts) & 7u;
+    const pkv_v8f y = __builtin_convertvector((pkv_v8i)c, pkv_v8f) * s + z;
+    memcpy(o, &y, sizeof y);
+}
+
 /* y = (float(c) * s) + z per element of each group (two roundings), into float32 ``o`` */
 static inline __attribute__((always_inline)) void pkv_dequantize_int3_f32(
         const uint8_t* q, int64_t head_dim, int64_t groups, const uint16_t* scale, const uint16_t* zero, float* o) {
@@ -222,7 +237,7 @@ static inline __attribute__((always_inline)) void pkv_dequantize_int3_f32(
         const float s = pkv_bf16_to_f32(scale[g]), z = pkv_bf16_to_f32(zero[g]);
         for (int64_t j = g * packs; j < (g + 1) * packs; ++j) {
             const uint32_t bits = (uint32_t)q[3 * j] | ((uint32_t)q[3 * j + 1] << 8) | ((uint32_t)q[3 * j + 2] << 16);
-            for (int i = 0; i < 8; ++i) o[8 * j + i] = (float)((bits >> (3 * i)) & 7u) * s + z;
+            pkv_int3_pack_f32(bits, s, z, o + 8 * j);
         }
     }
 }
