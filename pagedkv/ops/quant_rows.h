@@ -179,49 +179,56 @@ static inline uint16_t pkv_f32_to_bf16_directed(float f, uint32_t up) {
     return (uint16_t)pkv_sel(a > 0x7f800000u, 0x7fc0u, ((u & 0x80000000u) | mag) >> 16);
 }
 
+/* int3 works a pack (8 codes, 3 bytes) at a time as one 8-lane vector (GCC/Clang vector
+ * extensions): the AVX2 build runs each operation as one 256-bit instruction (vpsrlvd
+ * for the per-lane shifts), the baseline build lowers the same operations to SSE2. A
+ * group holds too few packs (4 at G = 32) for the loop vectorizer to pay off. */
+typedef uint32_t pkv_v8u __attribute__((vector_size(32)));
+typedef int32_t pkv_v8i __attribute__((vector_size(32)));
+typedef float pkv_v8f __attribute__((vector_size(32)));
+
+/* The 24 bits c0 | c1 << 3 | ... | c7 << 21 of y[0, 8): c = clamp(rint((y - z) / s), 0, 7),
+ * NaN -> 0; the same operations, each rounding once, as the scalar int4 loop. */
+static inline __attribute__((always_inline)) uint32_t pkv_int3_pack_codes(const float* y, float s, float z) {
+    const pkv_v8u shifts = {0u, 3u, 6u, 9u, 12u, 15u, 18u, 21u};
+    pkv_v8f v;
+    memcpy(&v, y, sizeof v);
+    v = (v - z) / s;
+    v = (pkv_v8f)((pkv_v8i)v & (v == v));                /* NaN -> 0 */
+    v = (pkv_v8f)((pkv_v8i)v & (v > 0.0f));              /* below 0 (and -0) -> 0 */
+    const pkv_v8i big = v > 7.0f;
+    v = (pkv_v8f)(((pkv_v8i)v & ~big) | ((pkv_v8i)((pkv_v8f){7, 7, 7, 7, 7, 7, 7, 7}) & big));
+    v = (v + 8388608.0f) - 8388608.0f;                   /* rint, as pkv_rint_small */
+    const pkv_v8u c = (pkv_v8u)__builtin_convertvector(v, pkv_v8i) << shifts;
+    return c[0] | c[1] | c[2] | c[3] | c[4] | c[5] | c[6] | c[7];
+}
+
 /* Per group: z = bf16_down(min), s = fix(bf16_up((max - z) / 7)), c = clamp(rint((y - z) / s),
  * 0, 7) with NaN -> 0; codes 8j..8j+7 packed as 24 bits c0 | c1 << 3 | ... little-endian in
- * bytes 3j..3j+2. ``codes`` is the caller's scratch of head_dim bytes; head_dim / groups is
- * a multiple of 8. */
+ * bytes 3j..3j+2; head_dim / groups is a multiple of 8. */
 static inline __attribute__((always_inline)) void pkv_quantize_int3_values(
-        const float* y, int64_t head_dim, int64_t groups, uint8_t* q, uint16_t* scale, uint16_t* zero,
-        uint8_t* codes) {
+        const float* y, int64_t head_dim, int64_t groups, uint8_t* q, uint16_t* scale, uint16_t* zero) {
     const int64_t g_len = head_dim / groups;
     for (int64_t g = 0; g < groups; ++g) {
         const float* yg = y + g * g_len;
-        uint8_t* cg = codes + g * g_len;
         float mn, mx;
         pkv_reduce(yg, g_len, 0, &mn, &mx);
         const uint16_t zb = pkv_f32_to_bf16_directed(mn, 0);
         const float z = pkv_bf16_to_f32(zb);
         const float s = pkv_fix_scale(pkv_bf16_to_f32(pkv_f32_to_bf16_directed((mx - z) / 7.0f, 1)));
-        for (int64_t d = 0; d < g_len; ++d) {
-            float v = (yg[d] - z) / s;
-            v = v != v ? 0.0f : v;
-            v = v < 0.0f ? 0.0f : (v > 7.0f ? 7.0f : v);  /* clamp then round == round then clamp here */
-            cg[d] = (uint8_t)(int32_t)pkv_rint_small(v);
+        for (int64_t j = g * g_len / 8; j < (g + 1) * g_len / 8; ++j) {
+            const uint32_t bits = pkv_int3_pack_codes(y + 8 * j, s, z);
+            q[3 * j] = (uint8_t)bits;
+            q[3 * j + 1] = (uint8_t)(bits >> 8);
+            q[3 * j + 2] = (uint8_t)(bits >> 16);
         }
         scale[g] = pkv_f32_to_bf16(s);  /* exact: s is a bfloat16 value (or 1) */
         zero[g] = zb;
     }
-    for (int64_t j = 0; j < head_dim / 8; ++j) {
-        const uint8_t* c = codes + 8 * j;
-        uint32_t bits = 0;
-        for (int i = 0; i < 8; ++i) bits |= (uint32_t)c[i] << (3 * i);
-        q[3 * j] = (uint8_t)bits;
-        q[3 * j + 1] = (uint8_t)(bits >> 8);
-        q[3 * j + 2] = (uint8_t)(bits >> 16);
-    }
 }
 
 /* One pack's 8 values (float(c_i) * s) + z (two roundings) into o[0, 8), as one 8-lane
- * vector (GCC/Clang vector extensions): the AVX2 build shifts the lanes with vpsrlvd,
- * the baseline build lowers the same operations to SSE2; either way per pack, since
- * a group holds only a few packs (4 at G = 32) for a loop over packs to vectorize. */
-typedef uint32_t pkv_v8u __attribute__((vector_size(32)));
-typedef int32_t pkv_v8i __attribute__((vector_size(32)));
-typedef float pkv_v8f __attribute__((vector_size(32)));
-
+ * vector (pkv_int3_pack_codes says why). */
 static inline __attribute__((always_inline)) void pkv_int3_pack_f32(uint32_t bits, float s, float z, float* o) {
     const pkv_v8u shifts = {0u, 3u, 6u, 9u, 12u, 15u, 18u, 21u};
     const pkv_v8u c = ((pkv_v8u){bits, bits, bits, bits, bits, bits, bits, bits} >> shifts) & 7u;
@@ -251,7 +258,7 @@ static inline __attribute__((always_inline)) void pkv_quantize_values(
         const float* y, int qtype, int64_t head_dim, int64_t groups, uint8_t* q, float* scale, float* zero,
         uint8_t* codes) {
     if (qtype == PKV_INT3) {  /* its scale and zero arenas hold bfloat16 */
-        pkv_quantize_int3_values(y, head_dim, groups, q, (uint16_t*)scale, (uint16_t*)zero, codes);
+        pkv_quantize_int3_values(y, head_dim, groups, q, (uint16_t*)scale, (uint16_t*)zero);
         return;
     }
     if (qtype == PKV_E4M3 || qtype == PKV_E5M2) {
