@@ -19,7 +19,7 @@ MODEL = tuple(d.torch_dtype for d in dtypes.MODEL)
 QUANT = tuple(d.torch_dtype for d in dtypes.QUANTIZED)  # storage dtypes (int4: uint8)
 INT4 = dtypes.info("int4").torch_dtype
 # int4 cases: head_dim (made even) -> group size; 9 makes a byte span two groups
-INT4_GROUPS = {4: 2, 18: 9, 32: 8, 64: 32, 80: 16, 128: 64}
+INT4_GROUPS = {4: 2, 16: 4, 18: 9, 32: 8, 64: 32, 80: 16, 128: 64}
 LAYOUTS = ("NHD", "HND")
 SMALL_GRID = dict(grid=(2, 3, 1), block=(4, 2, 1))  # 48 threads for hundreds of items
 ONE_THREAD = dict(grid=(1, 1, 1), block=(1, 1, 1))
