@@ -20,7 +20,7 @@ MODEL = tuple(d.torch_dtype for d in dtypes.MODEL)
 # bfloat16 scale/zero views tell them apart)
 QUANT = tuple(d.name for d in dtypes.QUANTIZED)
 # int4 cases: head_dim (made even) -> group size; 9 makes a byte span two groups
-INT4_GROUPS = {4: 2, 18: 9, 32: 8, 64: 32, 80: 16, 128: 64}
+INT4_GROUPS = {4: 2, 16: 4, 18: 9, 32: 8, 64: 32, 80: 16, 128: 64}
 # int3 cases: head_dim (made a multiple of 8) -> group size (a multiple of 8)
 INT3_GROUPS = {8: 8, 16: 8, 24: 24, 32: 16, 64: 32, 80: 40, 128: 32}
 GROUPS = {"int4": INT4_GROUPS, "int3": INT3_GROUPS}

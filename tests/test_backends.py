@@ -371,6 +371,30 @@ def test_rotated_gather_unrotates_like_the_reference(backend, qdtype, out_dtype,
             assert_same(g, w)
 
 
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("signs_kind", ["pm1", "last_not_pm1", "first_not_pm1"])
+def test_rotated_gather_with_any_sign_values_matches_the_reference(backend, d, signs_kind):
+    # The CPU gather holds power-of-two rows of 16..128 floats in registers and folds the
+    # 1/sqrt(D) scale into the signs, which is exact only for +-1 signs: other values must
+    # take the general path, and the check must not disturb the signs it then uses.
+    signs = rotation_signs(d, 3)
+    if signs_kind == "last_not_pm1":
+        signs[-1] = 0.5
+    elif signs_kind == "first_not_pm1":
+        signs[0] = -3.0
+    gen = torch.Generator().manual_seed(d)
+    for qdtype in QUANT:
+        backend.require_quant(qdtype)
+        for out_dtype in MODEL:
+            layer, scale, zero = quantized_layer("NHD", qdtype, d, gen=gen)
+            indptr, indices, _, lens = tables(gen)
+            kw = dict(out_dtype=out_dtype, kv_scale=scale, kv_zero=zero, rotation_signs=signs)
+            want = ref.gather_kv(layer, indptr, indices, lens, **kw)
+            got, _ = _gather(backend, "csr", layer, (indptr, indices, lens), backend.dims[0], **kw)
+            for g, w in zip(got, want):
+                assert_same(g, w)
+
+
 def test_rotation_round_trip_stays_within_the_quantization_step(backend):
     # Not implied by the comparisons with the reference: the round trip must undo the
     # rotation. int8 rounds each rotated element by at most scale / 2, and the

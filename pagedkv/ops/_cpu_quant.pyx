@@ -37,6 +37,7 @@ cdef extern from "quant_rows.h" nogil:
                                            const float* scale, const float* zero, int out_type, char* out,
                                            float* tmp, const float* signs)
     pkv_dequantize_row_fn pkv_pick_dequantize_row()
+    pkv_dequantize_row_fn pkv_pick_unrotating_row(const float* signs, int64_t head_dim, float* cpost)
     int pkv_use_avx2()
 
 #: codes of the model dtypes (write input, gather output) and of the storage formats
@@ -223,6 +224,14 @@ def gather_quant(
     if batch == 0 or total == 0:
         return
     cdef float* signs = snapshot_signs(signs_ptr, head_dim)
+    cdef pkv_dequantize_row_fn row_fn = dequantize_row
+    cdef pkv_dequantize_row_fn regs_fn
+    if signs != NULL:
+        # the row held in registers when head_dim and the signs allow it: the snapshot is
+        # replaced by the scaled signs that path multiplies by (pkv_pick_unrotating_row)
+        regs_fn = pkv_pick_unrotating_row(signs, head_dim, signs)
+        if regs_fn != NULL:
+            row_fn = regs_fn
     cdef int64_t* token_row = <int64_t*> malloc(<size_t> total * 2 * 8)  # (block, offset) per token
     if token_row == NULL:
         free(signs)
@@ -259,9 +268,9 @@ def gather_quant(
             for kv in range(2):
                 for h in range(num_heads):
                     row = row_of(token_row[2 * t], kv, token_row[2 * t + 1], h, block_size, num_heads, hnd)
-                    dequantize_row(layer + row * row_bytes, qtype, head_dim, groups,
-                                   <const float*> (scale + row * param_row),
-                                   <const float*> (zero + row * param_row) if zero != NULL else NULL, out_type,
+                    row_fn(layer + row * row_bytes, qtype, head_dim, groups,
+                           <const float*> (scale + row * param_row),
+                           <const float*> (zero + row * param_row) if zero != NULL else NULL, out_type,
                                    (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row,
                                    tmp + openmp.omp_get_thread_num() * head_dim, signs)
     free(tmp)

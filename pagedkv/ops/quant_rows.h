@@ -598,6 +598,71 @@ __attribute__((target("avx2"))) static inline void pkv_hadamard_row_avx2(float* 
         start += n;
     }
 }
+/* Unrotating a row of 8 * NV floats (NV = 2, 4, 8 or 16) with the whole row in
+ * registers: the stages of pkv_hadamard_row_avx2 in the same order (each element sees the
+ * same adds and subtracts), then one multiply by ``cpost`` = c * post. That multiply is
+ * (y * c) * post bit for bit when every post is +1 or -1: rounding is symmetric in the
+ * sign, and x86 returns a NaN operand unchanged either way (the caller checks the signs).
+ * One load and one store per vector instead of one per pass. */
+__attribute__((target("avx2,f16c"))) static inline __attribute__((always_inline)) void pkv_unrotate_regs(
+        const float* y, const int nv, const float* cpost, int out_type, char* out, float* tmp) {
+    const __m256 neg13 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, 0, (int)0x80000000, 0,
+                                                              (int)0x80000000, 0, (int)0x80000000, 0));
+    const __m256 neg23 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, 0, 0,
+                                                              (int)0x80000000, (int)0x80000000, 0, 0));
+    const __m256 neg_hi = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, (int)0x80000000,
+                                                               (int)0x80000000, 0, 0, 0, 0));
+    __m256 v[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < nv; ++r) {
+        __m256 x = _mm256_loadu_ps(y + 8 * r);
+        x = _mm256_add_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(2, 2, 0, 0)),
+                          _mm256_xor_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(3, 3, 1, 1)), neg13));
+        x = _mm256_add_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm256_xor_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(3, 2, 3, 2)), neg23));
+        v[r] = _mm256_add_ps(_mm256_permute2f128_ps(x, x, 0x00),
+                             _mm256_xor_ps(_mm256_permute2f128_ps(x, x, 0x11), neg_hi));
+    }
+#pragma GCC unroll 4
+    for (int h = 1; h < nv; h *= 2)  /* stage 8h: registers h apart */
+#pragma GCC unroll 16
+        for (int k = 0; k < nv; ++k)
+            if (!(k & h)) {
+                const __m256 a = v[k], b = v[k + h];
+                v[k] = _mm256_add_ps(a, b);
+                v[k + h] = _mm256_sub_ps(a, b);
+            }
+#pragma GCC unroll 16
+    for (int r = 0; r < nv; ++r) v[r] = _mm256_mul_ps(v[r], _mm256_loadu_ps(cpost + 8 * r));
+    if (out_type == PKV_F32) {
+#pragma GCC unroll 16
+        for (int r = 0; r < nv; ++r) _mm256_storeu_ps((float*)out + 8 * r, v[r]);
+    } else if (out_type == PKV_F16) {
+#pragma GCC unroll 16
+        for (int r = 0; r < nv; ++r)
+            _mm_storeu_si128((__m128i*)(out + 16 * r), _mm256_cvtps_ph(v[r], _MM_FROUND_TO_NEAREST_INT));
+    } else {
+#pragma GCC unroll 16
+        for (int r = 0; r < nv; ++r) _mm256_storeu_ps(tmp + 8 * r, v[r]);
+        pkv_narrow_row(tmp, 8 * nv, out_type, (uint16_t*)out);
+    }
+}
+
+/* pkv_dequantize_row_avx2 for a rotated power-of-two row of 16 to 128 floats whose
+ * signs are all +-1: ``signs`` here is c * post (pkv_unrotate_regs), prepared once per
+ * call by the caller. */
+__attribute__((target("avx2,f16c"))) static void pkv_dequantize_row_avx2_regs(PKV_DEQUANT_ROW_ARGS) {
+    /* dequantizing into registers instead of the scratch row was measured slower (the
+     * 128-float row then runs out of vector registers) */
+    pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
+    switch (head_dim) {
+        case 16: pkv_unrotate_regs(tmp, 2, signs, out_type, out, tmp); break;
+        case 32: pkv_unrotate_regs(tmp, 4, signs, out_type, out, tmp); break;
+        case 64: pkv_unrotate_regs(tmp, 8, signs, out_type, out, tmp); break;
+        default: pkv_unrotate_regs(tmp, 16, signs, out_type, out, tmp); break;
+    }
+}
+
 __attribute__((target("avx2,f16c"))) static void pkv_dequantize_row_avx2(PKV_DEQUANT_ROW_ARGS) {
     if (out_type == PKV_F32) {
         pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, (float*)out);
@@ -663,6 +728,26 @@ static pkv_dequantize_row_fn pkv_pick_dequantize_row(void) {
     if (pkv_use_avx2()) return pkv_dequantize_row_avx2;
 #endif
     return pkv_dequantize_row_base;
+}
+
+/* The gather row function that unrotates with the row in registers, for ``signs`` of
+ * ``head_dim``, with its c * post vector written to ``cpost`` (head_dim floats, may be
+ * ``signs`` itself); NULL
+ * when that path does not apply (no AVX2, a head_dim other than 16, 32, 64 or 128, a
+ * sign other than +-1): the caller then runs pkv_pick_dequantize_row's with the signs. */
+static pkv_dequantize_row_fn pkv_pick_unrotating_row(const float* signs, int64_t head_dim, float* cpost) {
+#if PKV_HAVE_AVX2
+    if (!pkv_use_avx2() || (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128)) return NULL;
+    for (int64_t j = 0; j < head_dim; ++j)
+        if (signs[j] != 1.0f && signs[j] != -1.0f) return NULL;
+    /* every sign checked before the first write: cpost may be signs itself */
+    const float c = pkv_hadamard_scale(head_dim);
+    for (int64_t j = 0; j < head_dim; ++j) cpost[j] = c * signs[j];
+    return pkv_dequantize_row_avx2_regs;
+#else
+    (void)signs; (void)head_dim; (void)cpost;
+    return NULL;
+#endif
 }
 
 #endif
