@@ -437,12 +437,14 @@ def _tiered_run(kv, sid, toks, scale, gen, layers):
     return k
 
 
+@pytest.mark.parametrize("kv_dtype", ["int4", "int3"])
 @pytest.mark.parametrize("full_layers", [(), (0,)])
-def test_prefix_reloaded_from_the_host_tier_reads_its_own_tokens_not_the_window_of_the_last_occupant(full_layers):
+def test_prefix_reloaded_from_the_host_tier_reads_its_own_tokens_not_the_window_of_the_last_occupant(full_layers,
+                                                                                                     kv_dtype):
     # The device blocks a host-tier hit loads into were last written by other sequences,
     # whose exact copies the recent window still held: they must not show through.
     cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=4, block_size=4, dtype=torch.float32,
-                      kv_dtype="int4", kv_window=8, prefix_host_blocks=8, enable_prefix_caching=True, hash_seed=1,
+                      kv_dtype=kv_dtype, kv_window=8, prefix_host_blocks=8, enable_prefix_caching=True, hash_seed=1,
                       kv_full_precision_layers=full_layers)
     kv = PagedKVCache(cfg)
     g = torch.Generator().manual_seed(0)
@@ -458,9 +460,10 @@ def test_prefix_reloaded_from_the_host_tier_reads_its_own_tokens_not_the_window_
         k, v = kv.gather(4, layer, hit)
         if layer in full_layers:  # model precision: bit for bit
             assert torch.equal(k, want[:hit]) and torch.equal(v, -want[:hit])
-        else:
-            assert float((k - want[:hit]).abs().max()) < 0.5
-            assert float((v + want[:hit]).abs().max()) < 0.5
+        else:  # the other runs' values (100x larger) would be far off; int3's step is 15/7 int4's
+            tol = 0.5 if kv_dtype == "int4" else 1.1
+            assert float((k - want[:hit]).abs().max()) < tol
+            assert float((v + want[:hit]).abs().max()) < tol
     kv.free(4)
 
 
