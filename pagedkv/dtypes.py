@@ -149,6 +149,7 @@ for _row in ALL:
         # torch.uint8 spells int4 (the first row stored as uint8); int3 is told apart by
         # its bfloat16 params (layer_row)
         _BY_SPELLING.setdefault(_s, _row)
+del _row, _s
 
 
 def _spelling(value: Any) -> Optional[str]:
