@@ -598,22 +598,24 @@ __attribute__((target("avx2"))) static inline void pkv_hadamard_row_avx2(float* 
         start += n;
     }
 }
-/* Unrotating a row of 8 * NV floats (NV = 2, 4, 8 or 16) with the whole row in
- * registers: the stages of pkv_hadamard_row_avx2 in the same order (each element sees the
- * same adds and subtracts), then one multiply by ``cpost`` = c * post. That multiply is
- * (y * c) * post bit for bit when every post is +1 or -1: rounding is symmetric in the
- * sign, and x86 returns a NaN operand unchanged either way (the caller checks the signs).
- * One load and one store per vector instead of one per pass. */
-__attribute__((target("avx2,f16c"))) static inline __attribute__((always_inline)) void pkv_unrotate_regs(
-        const float* y, const int nv, const float* cpost, int out_type, char* out, float* tmp) {
+/* Unrotating a power-of-two row of 16 to 128 floats with the row in registers: the
+ * stages of pkv_hadamard_row_avx2 in the same order (each element sees the same adds and
+ * subtracts), then one multiply by ``cpost`` = c * post. That multiply is (y * c) * post
+ * bit for bit when every post is +1 or -1: rounding is symmetric in the sign, and x86
+ * returns a NaN operand unchanged either way (the caller checks the signs). One load and
+ * one store per vector instead of one per pass. */
+
+/* stages 1 to 4 * nv of y[0, 8 nv) into v (nv = 2, 4 or 8: at most 8 live vectors, so
+ * nothing spills) */
+__attribute__((target("avx2,f16c"))) static inline __attribute__((always_inline)) void pkv_hadamard_regs(
+        const float* y, const int nv, __m256* v) {
     const __m256 neg13 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, 0, (int)0x80000000, 0,
                                                               (int)0x80000000, 0, (int)0x80000000, 0));
     const __m256 neg23 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, 0, 0,
                                                               (int)0x80000000, (int)0x80000000, 0, 0));
     const __m256 neg_hi = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, (int)0x80000000,
                                                                (int)0x80000000, 0, 0, 0, 0));
-    __m256 v[16];
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int r = 0; r < nv; ++r) {
         __m256 x = _mm256_loadu_ps(y + 8 * r);
         x = _mm256_add_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(2, 2, 0, 0)),
@@ -623,29 +625,54 @@ __attribute__((target("avx2,f16c"))) static inline __attribute__((always_inline)
         v[r] = _mm256_add_ps(_mm256_permute2f128_ps(x, x, 0x00),
                              _mm256_xor_ps(_mm256_permute2f128_ps(x, x, 0x11), neg_hi));
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 3
     for (int h = 1; h < nv; h *= 2)  /* stage 8h: registers h apart */
-#pragma GCC unroll 16
+#pragma GCC unroll 8
         for (int k = 0; k < nv; ++k)
             if (!(k & h)) {
                 const __m256 a = v[k], b = v[k + h];
                 v[k] = _mm256_add_ps(a, b);
                 v[k + h] = _mm256_sub_ps(a, b);
             }
-#pragma GCC unroll 16
-    for (int r = 0; r < nv; ++r) v[r] = _mm256_mul_ps(v[r], _mm256_loadu_ps(cpost + 8 * r));
-    if (out_type == PKV_F32) {
-#pragma GCC unroll 16
-        for (int r = 0; r < nv; ++r) _mm256_storeu_ps((float*)out + 8 * r, v[r]);
-    } else if (out_type == PKV_F16) {
-#pragma GCC unroll 16
-        for (int r = 0; r < nv; ++r)
-            _mm_storeu_si128((__m128i*)(out + 16 * r), _mm256_cvtps_ph(v[r], _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* elements [8 r, 8 r + 8) of the output row: v * cpost, narrowed; bfloat16 goes through
+ * ``tmp`` (pkv_narrow_row, by the caller) */
+__attribute__((target("avx2,f16c"))) static inline __attribute__((always_inline)) void pkv_store_regs(
+        __m256 v, const float* cpost, int r, int out_type, char* out, float* tmp) {
+    v = _mm256_mul_ps(v, _mm256_loadu_ps(cpost + 8 * r));
+    if (out_type == PKV_F32)
+        _mm256_storeu_ps((float*)out + 8 * r, v);
+    else if (out_type == PKV_F16)
+        _mm_storeu_si128((__m128i*)(out + 16 * r), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else
+        _mm256_storeu_ps(tmp + 8 * r, v);
+}
+
+/* the unrotated row of y = tmp (8 nv floats, nv = 2, 4, 8 or 16) into ``out`` */
+__attribute__((target("avx2,f16c"))) static inline __attribute__((always_inline)) void pkv_unrotate_regs(
+        const int nv, const float* cpost, int out_type, char* out, float* tmp) {
+    __m256 v[8];
+    if (nv <= 8) {
+        pkv_hadamard_regs(tmp, nv, v);
+#pragma GCC unroll 8
+        for (int r = 0; r < nv; ++r) pkv_store_regs(v[r], cpost, r, out_type, out, tmp);
     } else {
-#pragma GCC unroll 16
-        for (int r = 0; r < nv; ++r) _mm256_storeu_ps(tmp + 8 * r, v[r]);
-        pkv_narrow_row(tmp, 8 * nv, out_type, (uint16_t*)out);
+        /* 128 floats: all stages but the last on each half, the first half parked in tmp
+         * (16 live vectors would spill), then the last stage half against half */
+        __m256 w[8];
+        pkv_hadamard_regs(tmp, 8, v);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) _mm256_storeu_ps(tmp + 8 * r, v[r]);
+        pkv_hadamard_regs(tmp + 64, 8, w);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+            const __m256 a = _mm256_loadu_ps(tmp + 8 * r);
+            pkv_store_regs(_mm256_add_ps(a, w[r]), cpost, r, out_type, out, tmp);
+            pkv_store_regs(_mm256_sub_ps(a, w[r]), cpost, r + 8, out_type, out, tmp);
+        }
     }
+    if (out_type == PKV_BF16) pkv_narrow_row(tmp, 8 * nv, out_type, (uint16_t*)out);
 }
 
 /* pkv_dequantize_row_avx2 for a rotated power-of-two row of 16 to 128 floats whose
@@ -656,10 +683,10 @@ __attribute__((target("avx2,f16c"))) static void pkv_dequantize_row_avx2_regs(PK
      * 128-float row then runs out of vector registers) */
     pkv_dequantize_f32(q, qtype, head_dim, groups, scale, zero, tmp);
     switch (head_dim) {
-        case 16: pkv_unrotate_regs(tmp, 2, signs, out_type, out, tmp); break;
-        case 32: pkv_unrotate_regs(tmp, 4, signs, out_type, out, tmp); break;
-        case 64: pkv_unrotate_regs(tmp, 8, signs, out_type, out, tmp); break;
-        default: pkv_unrotate_regs(tmp, 16, signs, out_type, out, tmp); break;
+        case 16: pkv_unrotate_regs(2, signs, out_type, out, tmp); break;
+        case 32: pkv_unrotate_regs(4, signs, out_type, out, tmp); break;
+        case 64: pkv_unrotate_regs(8, signs, out_type, out, tmp); break;
+        default: pkv_unrotate_regs(16, signs, out_type, out, tmp); break;
     }
 }
 
