@@ -530,30 +530,35 @@ static void pkv_dequantize_row_base(PKV_DEQUANT_ROW_ARGS) {
 #include <immintrin.h>
 #define PKV_HAVE_AVX2 1
 
-/* pkv_hadamard_row with 256-bit vectors: stages 1, 2 and 4 in one register pass over
- * whole 8-element chunks, then stage pairs of 8-float vectors; the same operations
- * (x + (-y) is x - y exactly), so the same bits. */
-__attribute__((target("avx2"))) static inline void pkv_hadamard_row_avx2(float* y, int64_t d, const float* pre,
-                                                                         const float* post) {
-    const int64_t end8 = d & ~(int64_t)7, end2 = d & ~(int64_t)3, end1 = d & ~(int64_t)1;
+/* stages 1, 2 and 4 of one 8-float chunk, in registers: (a, b) pairs as
+ * [a0 a0 a1 a1] + [b0 -b0 b1 -b1], then the same on pairs of pairs and on the two
+ * 128-bit halves (x + (-y) is x - y exactly) */
+__attribute__((target("avx2"))) static inline __attribute__((always_inline)) __m256 pkv_stages124(__m256 v) {
     const __m256 neg13 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, 0, (int)0x80000000, 0,
                                                               (int)0x80000000, 0, (int)0x80000000, 0));
     const __m256 neg23 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, 0, 0,
                                                               (int)0x80000000, (int)0x80000000, 0, 0));
     const __m256 neg_hi = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, (int)0x80000000,
                                                                (int)0x80000000, 0, 0, 0, 0));
+    v = _mm256_add_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 2, 0, 0)),
+                      _mm256_xor_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(3, 3, 1, 1)), neg13));
+    v = _mm256_add_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 1, 0)),
+                      _mm256_xor_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)), neg23));
+    return _mm256_add_ps(_mm256_permute2f128_ps(v, v, 0x00),
+                         _mm256_xor_ps(_mm256_permute2f128_ps(v, v, 0x11), neg_hi));
+}
+
+/* pkv_hadamard_row with 256-bit vectors: stages 1, 2 and 4 in one register pass over
+ * whole 8-element chunks, then stage pairs of 8-float vectors; the same operations
+ * (x + (-y) is x - y exactly), so the same bits. */
+__attribute__((target("avx2"))) static inline void pkv_hadamard_row_avx2(float* y, int64_t d, const float* pre,
+                                                                         const float* post) {
+    const int64_t end8 = d & ~(int64_t)7, end2 = d & ~(int64_t)3, end1 = d & ~(int64_t)1;
     int64_t i = 0;
     for (; i < end8; i += 8) {
         __m256 v = _mm256_loadu_ps(y + i);
         if (pre) v = _mm256_mul_ps(v, _mm256_loadu_ps(pre + i));
-        v = _mm256_add_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 2, 0, 0)),
-                          _mm256_xor_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(3, 3, 1, 1)), neg13));
-        v = _mm256_add_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 1, 0)),
-                          _mm256_xor_ps(_mm256_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)), neg23));
-        /* stage 4: [lo hi] -> [lo lo] + [hi -hi] */
-        v = _mm256_add_ps(_mm256_permute2f128_ps(v, v, 0x00),
-                          _mm256_xor_ps(_mm256_permute2f128_ps(v, v, 0x11), neg_hi));
-        _mm256_storeu_ps(y + i, v);
+        _mm256_storeu_ps(y + i, pkv_stages124(v));
     }
     if (pre)
         for (int64_t j = i; j < d; ++j) y[j] = y[j] * pre[j];
@@ -609,22 +614,8 @@ __attribute__((target("avx2"))) static inline void pkv_hadamard_row_avx2(float* 
  * nothing spills) */
 __attribute__((target("avx2,f16c"))) static inline __attribute__((always_inline)) void pkv_hadamard_regs(
         const float* y, const int nv, __m256* v) {
-    const __m256 neg13 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, 0, (int)0x80000000, 0,
-                                                              (int)0x80000000, 0, (int)0x80000000, 0));
-    const __m256 neg23 = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, 0, 0,
-                                                              (int)0x80000000, (int)0x80000000, 0, 0));
-    const __m256 neg_hi = _mm256_castsi256_ps(_mm256_set_epi32((int)0x80000000, (int)0x80000000, (int)0x80000000,
-                                                               (int)0x80000000, 0, 0, 0, 0));
 #pragma GCC unroll 8
-    for (int r = 0; r < nv; ++r) {
-        __m256 x = _mm256_loadu_ps(y + 8 * r);
-        x = _mm256_add_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(2, 2, 0, 0)),
-                          _mm256_xor_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(3, 3, 1, 1)), neg13));
-        x = _mm256_add_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(1, 0, 1, 0)),
-                          _mm256_xor_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(3, 2, 3, 2)), neg23));
-        v[r] = _mm256_add_ps(_mm256_permute2f128_ps(x, x, 0x00),
-                             _mm256_xor_ps(_mm256_permute2f128_ps(x, x, 0x11), neg_hi));
-    }
+    for (int r = 0; r < nv; ++r) v[r] = pkv_stages124(_mm256_loadu_ps(y + 8 * r));
 #pragma GCC unroll 3
     for (int h = 1; h < nv; h *= 2)  /* stage 8h: registers h apart */
 #pragma GCC unroll 8
