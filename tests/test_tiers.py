@@ -34,12 +34,18 @@ def reference_kv(tokens, **cfg):
     return out
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8_e4m3"])
-def test_evicted_prefix_is_served_from_host_then_disk_then_after_restart_bit_exact(tmp_path, kv_dtype):
+# int4/int3: grouped codes with float32 / bfloat16 parameters, rotated; head_dim 8 (int3
+# packs 8 codes per 3 bytes) and no recent window, so every read is of the stored codes
+LOW_BIT = dict(head_dim=8, kv_window=0)
+
+
+@pytest.mark.parametrize("kv_dtype, extra", [(None, {}), ("int8", {}), ("fp8_e4m3", {}), ("int4", LOW_BIT),
+                                             ("int3", LOW_BIT)], ids=["float32", "int8", "fp8_e4m3", "int4", "int3"])
+def test_evicted_prefix_is_served_from_host_then_disk_then_after_restart_bit_exact(tmp_path, kv_dtype, extra):
     opts = dict(num_blocks=6, kv_dtype=kv_dtype, prefix_host_blocks=4,
-                prefix_disk_dir=str(tmp_path / "tier"), prefix_disk_blocks=32)
+                prefix_disk_dir=str(tmp_path / "tier"), prefix_disk_blocks=32, **extra)
     a = prompt(100)                                  # 3 full blocks + 1 token
-    want = reference_kv(a, kv_dtype=kv_dtype)
+    want = reference_kv(a, kv_dtype=kv_dtype, **extra)
     with make(**opts) as cache:
         assert fill(cache, "a", a) == 0
         cache.free("a")
