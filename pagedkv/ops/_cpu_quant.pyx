@@ -271,8 +271,8 @@ def gather_quant(
                     row_fn(layer + row * row_bytes, qtype, head_dim, groups,
                            <const float*> (scale + row * param_row),
                            <const float*> (zero + row * param_row) if zero != NULL else NULL, out_type,
-                                   (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row,
-                                   tmp + openmp.omp_get_thread_num() * head_dim, signs)
+                           (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row,
+                           tmp + openmp.omp_get_thread_num() * head_dim, signs)
     free(tmp)
     free(signs)
     free(token_row)
