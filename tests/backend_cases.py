@@ -282,26 +282,52 @@ def arenas(kind: str, d: int, gen, nb=NB, layers=3):
 
 
 MODEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-KV_DTYPES = MODEL_DTYPES + ["fp8_e4m3", "fp8_e5m2", "int8"]
-STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+#: the grouped formats: head_dim is rounded up to what they pack (Layer.d), and the
+#: scale/zero views gain a groups dim
+GROUPED = ["int4", "int3"]
+KV_DTYPES = MODEL_DTYPES + ["fp8_e4m3", "fp8_e5m2", "int8"] + GROUPED
+STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8,
+           "int4": torch.uint8, "int3": torch.uint8}
+
+
+def layer_dim(kv_dtype, d: int) -> int:
+    """The head_dim a Layer of ``kv_dtype`` uses for a requested ``d``: ``d`` rounded up
+    to a whole pack (2 for int4, 8 for int3)."""
+    pack = {"int4": 2, "int3": 8}.get(kv_dtype, 1) if isinstance(kv_dtype, str) else 1
+    return -(-max(d, 1) // pack) * pack
 
 
 class Layer:
-    """A per-layer view plus its scale/zero views, and a dense model of what it holds."""
+    """A per-layer view plus its scale/zero views, and a dense model of what it holds.
 
-    def __init__(self, nb, bs, h, d, kv_dtype, layout="NHD", seed=0, random=False):
-        self.nb, self.bs, self.h, self.d, self.layout = nb, bs, h, d, layout
+    Grouped formats take head_dim ``layer_dim(kv_dtype, d)`` and a group size drawn
+    from ``group_seed`` (default ``seed``) among the legal ones (``self.group``)."""
+
+    def __init__(self, nb, bs, h, d, kv_dtype, layout="NHD", seed=0, random=False, group_seed=None):
         self.quant = kv_dtype if isinstance(kv_dtype, str) else None
+        d = layer_dim(kv_dtype, d)
+        self.nb, self.bs, self.h, self.d, self.layout = nb, bs, h, d, layout
         self.model_dtype = torch.float16 if self.quant else kv_dtype
         storage = STORAGE[self.quant] if self.quant else kv_dtype
-        shape = (nb, 2, bs, h, d) if layout == "NHD" else (nb, 2, h, bs, d)
+        row = dtypes.lookup(self.quant) if self.quant else None
+        stored = row.stored_dim(d) if row is not None else d
+        shape = (nb, 2, bs, h, stored) if layout == "NHD" else (nb, 2, h, bs, stored)
         g = torch.Generator().manual_seed(seed)
+        self.group = None
+        groups = ()
+        if self.quant in GROUPED:
+            step = 8 if self.quant == "int3" else 1
+            legal = [k for k in range(step, d + 1, step) if d % k == 0]
+            self.group = legal[(seed if group_seed is None else group_seed) % len(legal)]
+            groups = (d // self.group,)
         if random:  # start from garbage so untouched slots are checked too
-            self.kv = torch.randint(-100, 100, shape, generator=g).to(storage)
+            lo, hi = (0, 256) if storage == torch.uint8 else (-100, 100)
+            self.kv = torch.randint(lo, hi, shape, generator=g).to(storage)
         else:
             self.kv = torch.zeros(shape, dtype=storage)
-        self.scale = torch.rand(shape[:-1], generator=g) if self.quant else None
-        self.zero = torch.rand(shape[:-1], generator=g) if self.quant == "int8" else None
+        pdt = row.param_dtype if row is not None else torch.float32
+        self.scale = torch.rand(shape[:-1] + groups, generator=g).to(pdt) if self.quant else None
+        self.zero = torch.rand(shape[:-1] + groups, generator=g).to(pdt) if row is not None and row.zero_point else None
 
     def kw(self):
         return dict(layout=self.layout, kv_scale=self.scale, kv_zero=self.zero)
@@ -343,11 +369,11 @@ def rand_kv(n, h, d, dtype, seed=1):
     return (torch.randn(n, h, d, generator=g) * 3).to(dtype), (torch.randn(n, h, d, generator=g) * 3).to(dtype)
 
 
-def expected_rows(x, quant, out_dtype):
+def expected_rows(x, quant, out_dtype, group=None):
     """What a gather returns for rows written from ``x``: exact, or quantize->dequantize."""
     if quant is None:
         return x
-    return dequantize(*quantize(x, quant), out_dtype)
+    return dequantize(*quantize(x, quant, group_size=group), out_dtype)
 
 
 def csr(tables, seq_lens):

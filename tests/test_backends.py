@@ -624,7 +624,7 @@ def test_write_equals_reference(backend, kv_dtype, layout, nb, bs, h, d, n, seed
     n = min(n, nb * bs)
     slots = torch.randperm(nb * bs, generator=g)[:n]
     slots[torch.rand(n, generator=g) < 0.2] = -1  # padding tokens
-    k, v = rand_kv(n, h, d, a.model_dtype, seed=seed)
+    k, v = rand_kv(n, h, a.d, a.model_dtype, seed=seed)
     kv, scale, zero = _on(backend, a.kv, a.scale, a.zero)
     ref.write_kv(a.kv, slots, k, v, **a.kw())
     dev = backend.device
@@ -668,7 +668,8 @@ def test_gather_equals_reference(backend, kv_dtype, layout, bs, h, d, lens, seed
 def test_copy_and_swap_equal_reference(backend, kv_dtype, pair_dtype):
     layers, nb = 3, 10
     # all-layer arenas (data, scale, zero) with different garbage in every layer
-    arenas = [torch.stack([Layer(nb, 4, 2, 5, kv_dtype, seed=s, random=True).state()[i] for s in range(layers)])
+    arenas = [torch.stack([Layer(nb, 4, 2, 5, kv_dtype, seed=s, random=True, group_seed=1).state()[i]
+                           for s in range(layers)])
               for i in range(len(Layer(nb, 4, 2, 5, kv_dtype).state()))]
     pairs = torch.tensor([[1, 4], [2, 5], [1, 9]], dtype=pair_dtype)
     ra, ca = [a.clone() for a in arenas], _on(backend, *arenas)
