@@ -12,7 +12,12 @@ Crashes are caught by running the cases in a child process that reports each cas
 before running it; when the child dies, the case it was on is a crash and a new child
 resumes after it.
 
-Usage: ``python fuzz/hostile_inputs.py [--json]``; exit status 1 on any failure.
+The cache is float32, or quantized with ``--kv-dtype`` (int3 and int4 run with head_dim
+8, a whole int3 pack): the quantizing write and dequantizing gather then take the same
+bad inputs, and the scale, zero-point and window arenas are part of what must not change.
+
+Usage: ``python fuzz/hostile_inputs.py [--json] [--kv-dtype NAME]``; exit status 1 on any
+failure.
 """
 from __future__ import annotations
 
@@ -25,6 +30,17 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
+
+#: the cache's kv_dtype (None: float32) and head_dim, set by ``--kv-dtype``
+KV_DTYPE = None
+D = 4
+
+
+def set_kv_dtype(name) -> None:
+    global KV_DTYPE, D
+    KV_DTYPE = name
+    D = 8 if name in ("int3", "int4") else 4
+
 
 # ---- bad values, by the kind of argument they attack ------------------------------------
 INT_BAD: List[Tuple[str, Any]] = [
@@ -55,11 +71,11 @@ TOKENS_BAD: List[Tuple[str, Any]] = [
 
 def _torch_bad():
     import torch
-    k = torch.randn(2, 2, 4)
+    k = torch.randn(2, 2, D)
     return [
         ("fp16 for fp32", k.half()), ("complex", k.to(torch.complex64)), ("int", k.int()), ("2-D", k[0]),
-        ("wrong heads", torch.randn(2, 3, 4)), ("wrong dim", torch.randn(2, 2, 5)), ("sparse", k.to_sparse()),
-        ("meta", k.to("meta")), ("numpy", k.numpy()), ("list", k.tolist()), ("rows 3", torch.randn(3, 2, 4)),
+        ("wrong heads", torch.randn(2, 3, D)), ("wrong dim", torch.randn(2, 2, D + 1)), ("sparse", k.to_sparse()),
+        ("meta", k.to("meta")), ("numpy", k.numpy()), ("list", k.tolist()), ("rows 3", torch.randn(3, 2, D)),
     ]
 
 
@@ -87,8 +103,8 @@ def _pairs_bad():
 def fixture():
     import torch
     from pagedkv import CacheConfig, PagedKVCache
-    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=24, host_num_blocks=8,
-                      dtype=torch.float32)
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=D, block_size=4, num_blocks=24, host_num_blocks=8,
+                      dtype=torch.float32, kv_dtype=KV_DTYPE)
     cache = PagedKVCache(cfg)
     g = torch.Generator().manual_seed(0)
     prompt = list(range(100, 110))
@@ -98,7 +114,7 @@ def fixture():
         todo = len(prompt if sid == 0 else [7] * 5) - n
         slots = cache.reserve(sid, todo)
         for layer in range(2):
-            cache.write(layer, slots, torch.randn(todo, 2, 4, generator=g), torch.randn(todo, 2, 4, generator=g))
+            cache.write(layer, slots, torch.randn(todo, 2, D, generator=g), torch.randn(todo, 2, D, generator=g))
         cache.commit(sid, todo)
     cache.fork(0, 1)
     cache.add_sequence("req-a", prompt)            # a prefix hit on sequence 0's blocks
@@ -108,12 +124,20 @@ def fixture():
 
 
 def observe(cache) -> Tuple:
+    import torch
     seqs = []
     for s in sorted(cache.sequences(), key=repr):
         seqs.append((repr(s), cache.num_tokens(s), cache.num_reserved(s), tuple(cache.block_table(s).tolist()),
                      tuple(cache.token_ids(s).tolist())))
     pool = cache.pool
-    kv = hashlib.sha256(cache.store.kv.numpy().tobytes()).hexdigest()
+    kv = hashlib.sha256()
+    for t in cache.store.arenas:   # data, and the scale/zero arenas of a quantized cache
+        kv.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    window = cache.store.window
+    if window is not None:
+        kv.update(window.data.contiguous().view(torch.uint8).numpy().tobytes())
+        kv.update(window.valid.numpy().tobytes())
+    kv = kv.hexdigest()
     return (tuple(seqs), tuple(map(tuple, pool.free_lists())), tuple(pool.ref_cnt.tolist()), tuple(pool.states().tolist()),
             tuple(pool.pinned_blocks().tolist()), cache.is_swapped(5), kv)
 
@@ -126,7 +150,7 @@ def cases() -> List[Tuple[str, Callable[[Any], Any]]]:
     def add(name, fn):
         out.append((name, fn))
 
-    k2 = torch.randn(2, 2, 4)
+    k2 = torch.randn(2, 2, D)
     for label, v in COUNTS_BAD:
         add(f"reserve([0, 1], {label})", lambda c, v=v: c.reserve([0, 1], v))
         add(f"commit([0, 1], {label})", lambda c, v=v: c.commit([0, 1], v))
@@ -217,7 +241,8 @@ def run() -> Dict[str, Any]:
     results: List[Dict[str, Any]] = []
     start = 0
     while start < n:
-        p = subprocess.run([sys.executable, __file__, "--child", str(start)], capture_output=True, text=True)
+        kv = ["--kv-dtype", KV_DTYPE] if KV_DTYPE else []
+        p = subprocess.run([sys.executable, __file__, "--child", str(start)] + kv, capture_output=True, text=True)
         current = start
         for line in p.stdout.splitlines():
             rec = json.loads(line)
@@ -266,7 +291,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print every case's verdict")
+    ap.add_argument("--kv-dtype", default=None, help="quantize the cache (int8, fp8_e4m3, int4, int3...)")
     args = ap.parse_args(argv)
+    set_kv_dtype(args.kv_dtype)
     if args.child is not None:
         child(args.child)
         return 0
