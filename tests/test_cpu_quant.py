@@ -132,6 +132,48 @@ def test_block_ids_rewritten_by_another_thread_are_read_once():
     assert refused < 2000
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4", "int3"])
+def test_slots_rewritten_by_another_thread_never_store_past_a_quantized_arena(kv_dtype):
+    # The quantizing write snapshots the slots before it checks them: a slot flipped out
+    # of range meanwhile is refused by the value the loop saw, or never seen. The arena
+    # and its scale/zero views are views of larger buffers whose tails must stay zero.
+    from pagedkv.errors import InvalidArgumentError
+
+    nb, bs, h, d = 4, 4, 2, 8
+    row = dtypes.info(kv_dtype)
+    groups = (d // 8,) if row.grouped else ()
+    data = torch.zeros((nb + 4, 2, bs, h, row.stored_dim(d)), dtype=row.torch_dtype)
+    params = [torch.zeros((nb + 4, 2, bs, h) + groups, dtype=row.param_dtype) for _ in range(1 + row.zero_point)]
+    views = [data[:nb]] + [p[:nb] for p in params]
+    k, v = (torch.randn(8, h, d, generator=torch.Generator().manual_seed(i)) * 3 + 1 for i in (1, 2))
+    slots = torch.arange(8, dtype=torch.int64)
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            slots[5] = nb * bs + 3
+            slots[5] = 5
+
+    t = threading.Thread(target=flip)
+    t.start()
+    refused = 0
+    try:
+        for _ in range(2000):
+            try:
+                cpu_ops.write_kv(views[0], slots, k, v, kv_scale=views[1],
+                                 kv_zero=views[2] if row.zero_point else None)
+            except InvalidArgumentError as e:
+                assert "got 19 at index 5" in str(e)
+                refused += 1
+    finally:
+        stop.set()
+        t.join()
+    for whole in [data] + params:
+        assert not bool(whole[nb:].view(torch.uint8).any()), kv_dtype
+    assert bool(views[0].view(torch.uint8).any())  # the in-range rows were written
+    assert refused < 2000
+
+
 def test_every_quantized_format_has_a_compiled_loop():
     from pagedkv.ops import _cpu_quant
 
