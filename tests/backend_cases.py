@@ -5,6 +5,7 @@ small layers, tokens, tables and arenas in odd sizes (partial blocks everywhere)
 from __future__ import annotations
 
 import shutil
+import threading
 from typing import Optional
 
 import pytest
@@ -393,3 +394,36 @@ def padded(tables, seq_lens, width=None):
     for i, t in enumerate(tables):
         table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     return table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def calls_while_flipping(tensor, index, bad, good, call, times, error, message, on_result=None) -> int:
+    """Make ``call()`` ``times`` times while another thread flips ``tensor[index]``
+    between ``bad`` and ``good``: the check-then-reread race of an op that reads a
+    caller's array twice. Each refusal must be ``error`` with ``message`` in it; each
+    result goes to ``on_result``. Returns the number refused, which must be below
+    ``times`` (some calls saw ``good``)."""
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            tensor[index] = bad
+            tensor[index] = good
+
+    t = threading.Thread(target=flip)
+    t.start()
+    refused = 0
+    try:
+        for _ in range(times):
+            try:
+                out = call()
+            except error as e:
+                assert message in str(e), str(e)
+                refused += 1
+            else:
+                if on_result is not None:
+                    on_result(out)
+    finally:
+        stop.set()
+        t.join()
+    assert refused < times
+    return refused

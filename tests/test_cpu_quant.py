@@ -6,13 +6,13 @@ whole float32 range, and calls large enough to take the parallel path.
 
 Equality over the layouts and table kinds runs for every backend in test_backends.py.
 """
-import threading
 
 import pytest
 import torch
 
 from backend_cases import (
     QUANT,
+    calls_while_flipping,
     assert_same,
     assert_same_views,
     csr,
@@ -106,30 +106,15 @@ def test_block_ids_rewritten_by_another_thread_are_read_once():
     whole[2][nb:] = float("nan")
     layer = [t[:nb] for t in whole]
     indptr, indices, lens = csr([[0, 1, 2, 3]], [16])
-    stop = threading.Event()
 
-    def flip():
-        while not stop.is_set():
-            indices[2] = nb + 1
-            indices[2] = 2
+    def no_nan(kv):
+        assert not torch.isnan(kv[0]).any() and not torch.isnan(kv[1]).any()
 
-    t = threading.Thread(target=flip)
-    t.start()
-    refused = 0
-    try:
-        for _ in range(2000):
-            try:
-                k, v = cpu_ops.gather_kv(layer[0], indptr, indices, lens, out_dtype=torch.float32, kv_scale=layer[1],
-                                         kv_zero=layer[2])
-            except InvalidBlockError as e:
-                assert "got 5" in str(e)
-                refused += 1
-            else:
-                assert not torch.isnan(k).any() and not torch.isnan(v).any()
-    finally:
-        stop.set()
-        t.join()
-    assert refused < 2000
+    calls_while_flipping(
+        indices, 2, nb + 1, 2,
+        lambda: cpu_ops.gather_kv(layer[0], indptr, indices, lens, out_dtype=torch.float32, kv_scale=layer[1],
+                                  kv_zero=layer[2]),
+        2000, InvalidBlockError, "got 5", no_nan)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4", "int3"])
@@ -147,31 +132,13 @@ def test_slots_rewritten_by_another_thread_never_store_past_a_quantized_arena(kv
     views = [data[:nb]] + [p[:nb] for p in params]
     k, v = (torch.randn(8, h, d, generator=torch.Generator().manual_seed(i)) * 3 + 1 for i in (1, 2))
     slots = torch.arange(8, dtype=torch.int64)
-    stop = threading.Event()
-
-    def flip():
-        while not stop.is_set():
-            slots[5] = nb * bs + 3
-            slots[5] = 5
-
-    t = threading.Thread(target=flip)
-    t.start()
-    refused = 0
-    try:
-        for _ in range(2000):
-            try:
-                cpu_ops.write_kv(views[0], slots, k, v, kv_scale=views[1],
-                                 kv_zero=views[2] if row.zero_point else None)
-            except InvalidArgumentError as e:
-                assert "got 19 at index 5" in str(e)
-                refused += 1
-    finally:
-        stop.set()
-        t.join()
+    zero = views[2] if row.zero_point else None
+    calls_while_flipping(slots, 5, nb * bs + 3, 5,
+                         lambda: cpu_ops.write_kv(views[0], slots, k, v, kv_scale=views[1], kv_zero=zero),
+                         2000, InvalidArgumentError, "got 19 at index 5")
     for whole in [data] + params:
         assert not bool(whole[nb:].view(torch.uint8).any()), kv_dtype
     assert bool(views[0].view(torch.uint8).any())  # the in-range rows were written
-    assert refused < 2000
 
 
 def test_every_quantized_format_has_a_compiled_loop():

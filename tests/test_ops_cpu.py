@@ -5,13 +5,13 @@ dispatch layer. Equality with the reference over random shapes runs for every
 backend in test_backends.py; here only what the CPU loops add (the parallel path,
 threads rewriting the slot mapping) is compared element for element.
 """
-import threading
 
 import pytest
 import torch
 
 import pagedkv.ops as ops
-from backend_cases import KV_DTYPES, MODEL_DTYPES, Layer, csr, expected_rows, padded, rand_kv, same, same_state
+from backend_cases import (KV_DTYPES, MODEL_DTYPES, Layer, calls_while_flipping, csr, expected_rows, padded, rand_kv, same,
+                           same_state)
 from pagedkv.errors import (
     DeviceError,
     DTypeError,
@@ -472,29 +472,9 @@ def test_slots_rewritten_by_another_thread_never_store_out_of_range(backend):
     kv = whole[:nb]
     k, v = rand_kv(8, h, d, torch.float32)
     slots = torch.arange(8, dtype=torch.int64)
-    stop = threading.Event()
-
-    def flip():
-        bad = nb * bs + 3
-        while not stop.is_set():
-            slots[5] = bad
-            slots[5] = 5
-
-    t = threading.Thread(target=flip)
-    t.start()
-    refused = 0
-    try:
-        for _ in range(3000):
-            try:
-                ops.write_kv(kv, slots, k, v, backend=backend)
-            except InvalidArgumentError as e:
-                assert "got 19 at index 5" in str(e)
-                refused += 1
-    finally:
-        stop.set()
-        t.join()
+    calls_while_flipping(slots, 5, nb * bs + 3, 5, lambda: ops.write_kv(kv, slots, k, v, backend=backend),
+                         3000, InvalidArgumentError, "got 19 at index 5")
     assert torch.count_nonzero(whole[nb:]) == 0
-    assert refused < 3000
 
 
 def _sparse(t):
