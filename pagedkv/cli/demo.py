@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=40, help="token budget of the longest answer")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks in the arena (default 256)")
-    p.add_argument("--kv-dtype", default=None, help="KV storage: model dtype (default), fp8, fp8_e5m2 or int8")
+    p.add_argument("--kv-dtype", default=None,
+                   help="KV storage: model dtype (default), fp8, fp8_e5m2, int8, int4 or int3")
     p.add_argument("--max-batch", type=int, default=8, help="most requests decoding at once")
     p.add_argument("--arrival-gap", type=int, default=2, help="engine steps between request arrivals")
     p.add_argument("--seed", type=int, default=0, help="free-list shuffle seed (blocks out of order)")
