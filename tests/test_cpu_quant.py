@@ -168,6 +168,26 @@ def test_every_code_dequantizes_like_the_reference(qdtype, layout):
             assert_same(g, w)
 
 
+@pytest.mark.parametrize("qdtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_codes_decode_the_same_with_denormals_flushed(qdtype):
+    # The AVX2 loops decode fp8 through float16 (F16C); fp8 subnormals must not meet a
+    # float32 subnormal that a thread with flush-to-zero / denormals-are-zero would read
+    # as 0. Scale 1 keeps every result a normal float32.
+    data = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 2, 4, 1, 32).view(storage(qdtype))
+    scale = torch.ones(1, 2, 4, 1)
+    args = csr([[0]], [4])
+    want = ref.gather_kv(data, *args, out_dtype=torch.float32, kv_scale=scale)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = cpu_ops.gather_kv(data, *args, out_dtype=torch.float32, kv_scale=scale)
+    finally:
+        torch.set_flush_denormal(False)
+    assert bool((want[0][want[0] != 0].abs() < 2.0 ** -6).any())  # subnormal codes are in the sweep
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
 def _structured_floats() -> torch.Tensor:
     """Every sign/exponent/top-11-mantissa float32 pattern with the low 12 bits 0, 1,
     0x7ff, 0x800, 0x801, 0xfff: each round-down, tie and round-up case of a cast to
