@@ -110,6 +110,31 @@ class RecentWindow:
         self.data[:, d] = source.data[:, s].to(self.data.device)
         self.valid[:, d] = source.valid[:, s].to(self.valid.device)
 
+    def export_rows(self, blocks: np.ndarray):
+        """The window copies of ``blocks``, for another process's window (a sequence
+        handoff): ``(which, data, valid)`` with ``which`` the positions in ``blocks`` that
+        have one, ``data`` ``[L, len(which), 2, bs, H, D]`` and ``valid`` ``[L, len(which), bs]``."""
+        slots = self.slot_of[np.asarray(blocks, dtype=np.int64)]
+        which = np.nonzero(slots >= 0)[0]
+        s = torch.from_numpy(slots[which]).to(self.data.device)
+        return which, self.data[:, s], self.valid[:, s]
+
+    def import_rows(self, blocks: np.ndarray, data: torch.Tensor, valid: torch.Tensor) -> None:
+        """Give ``blocks`` (distinct, oldest first) the window copies ``data``/``valid``
+        that :meth:`export_rows` produced elsewhere; with fewer slots than blocks the
+        newest keep theirs."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if not len(blocks):
+            return
+        self.drop(blocks)
+        self._claim(blocks)
+        slots = self.slot_of[blocks]
+        held = np.nonzero(slots >= 0)[0]
+        d = torch.from_numpy(slots[held]).to(self.data.device)
+        h = torch.from_numpy(held).to(data.device)
+        self.data[:, d] = data[:, h].to(device=self.data.device, dtype=self.data.dtype)
+        self.valid[:, d] = valid[:, h].to(device=self.valid.device, dtype=torch.bool)
+
     # -- data -------------------------------------------------------------------------
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

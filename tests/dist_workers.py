@@ -26,6 +26,9 @@ from pagedkv import CacheConfig, PagedKVCache  # noqa: E402
 from pagedkv.errors import PagedKVError, TransferError  # noqa: E402
 
 TIMEOUT = 30.0
+# quantized handoffs: per-token scales; int4 with its recent window (head_dim 8, a window
+# of 6 tokens over blocks of 4), whose model-precision rows travel with the codes
+QUANTIZED_HANDOFFS = [("int8", {}), ("fp8_e4m3", {}), ("int4", dict(head_dim=8, kv_window=6))]
 
 
 def tokens(start, n):
@@ -57,8 +60,8 @@ def handoff(rank, out):
         out["sent_full"] = pd.send_sequence(cache, "req", 1, metadata={"next_token": 5}, timeout=TIMEOUT)
         out["sent_partly_cached"] = pd.send_sequence(cache, "req", 1, timeout=TIMEOUT)
         cache.free("req")
-        for kv_dtype in ("int8", "fp8_e4m3"):
-            q = make(num_blocks=32, kv_dtype=kv_dtype)
+        for kv_dtype, extra in QUANTIZED_HANDOFFS:
+            q = make(num_blocks=32, kv_dtype=kv_dtype, **extra)
             fill(q, "req", req)
             pd.send_sequence(q, "req", 1, timeout=TIMEOUT)
             q.free("req")
@@ -89,13 +92,18 @@ def handoff(rank, out):
         out["second"] = [got.seq_id, got.num_tokens, got.cached_tokens, got.metadata]
         assert_kv(cache, "again", req)
         cache.free("again")
-        for kv_dtype in ("int8", "fp8_e4m3"):
-            q = make(num_blocks=32, kv_dtype=kv_dtype)
+        for kv_dtype, extra in QUANTIZED_HANDOFFS:
+            q = make(num_blocks=32, kv_dtype=kv_dtype, **extra)
             pd.recv_sequence(q, 0, timeout=TIMEOUT)
-            want = reference_kv(req, kv_dtype=kv_dtype)
-            out[f"{kv_dtype}_exact"] = all(torch.equal(q.gather("req", layer)[0], k) and
-                                           torch.equal(q.gather("req", layer)[1], v)
-                                           for layer, (k, v) in enumerate(want))
+            want = reference_kv(req, kv_dtype=kv_dtype, **extra)
+            name = kv_dtype + ("_window" if extra.get("kv_window") else "")
+            out[f"{name}_exact"] = all(torch.equal(q.gather("req", layer)[0], k) and
+                                       torch.equal(q.gather("req", layer)[1], v)
+                                       for layer, (k, v) in enumerate(want))
+            if extra.get("kv_window"):   # the window rows made it: not what the codes alone give
+                codes_only = reference_kv(req, kv_dtype=kv_dtype, **dict(extra, kv_window=0))
+                out[f"{name}_differs_from_codes"] = any(not torch.equal(q.gather("req", layer)[0], k)
+                                                        for layer, (k, _) in enumerate(codes_only))
             q.free("req")
             assert_clean(q)
         sys_prompt = tokens(500, 17)

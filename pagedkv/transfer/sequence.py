@@ -63,6 +63,7 @@ def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, 
         bs = cache.config.block_size
         blocks = cache.block_table(tmp)[start:-(-computed // bs)].tolist() if start * bs < computed else []
         link.send_blocks(cache.store.arenas, blocks)
+        link.send_window(cache.store.window, blocks)
         expect_ok(link, "waiting for the receiver's commit")
         return len(blocks)
     finally:
@@ -112,6 +113,7 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
         blocks = cache.block_table(sid)[start:].tolist() if need else []
         link.recv_blocks(cache.store.arenas, blocks)
         cache.store.replaced(blocks)
+        link.recv_window(cache.store.window, blocks)
         if need:
             cache.commit(sid, need)
         link.send_json({"ok": True}, "confirming the commit")

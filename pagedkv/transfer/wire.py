@@ -19,6 +19,7 @@ import datetime
 import json
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -165,6 +166,50 @@ class Link:
                 pending.append(post(i + _DEPTH))
             self.wait(work, f"receiving layer {layer}")
             _wire(a[layer]).index_copy_(0, idx, buf.to(a.device))
+
+
+    # ---- recent-window rows -------------------------------------------------------------------
+    def send_window(self, window, blocks: Sequence[int]) -> None:
+        """After :meth:`send_blocks`: the model-precision window rows that ``window`` (a
+        :class:`~pagedkv.window.RecentWindow`, or None) holds for ``blocks``, so the
+        receiver reads the sequence's newest tokens exactly as this side does."""
+        if window is None or not len(blocks):
+            self.send_json({"window": []}, "sending the window rows")
+            return
+        which, data, valid = window.export_rows(np.asarray(list(blocks), dtype=np.int64))
+        self.send_json({"window": which.tolist(), "shape": list(data.shape),
+                        "dtype": str(data.dtype).replace("torch.", "")}, "sending the window rows")
+        if len(which):
+            for t in (data, valid):
+                raw = t.contiguous().view(torch.uint8).to(self.comm)
+                self.wait(self.send(raw, "sending the window rows"), "sending the window rows")
+
+    def recv_window(self, window, blocks: Sequence[int]) -> None:
+        """Receive what :meth:`send_window` sends into ``window`` for ``blocks`` (read and
+        dropped when this cache keeps no window, or keeps one of another shape)."""
+        what = "receiving the window rows"
+        msg = self.recv_json(what)
+        which = msg.get("window") if isinstance(msg, dict) else None
+        if not isinstance(which, list):
+            raise TransferError(f"transfer with rank {self.peer}: {what}: not a window message (corrupt stream)")
+        if not which:
+            return
+        try:
+            shape = [int(x) for x in msg["shape"]]
+            dtype = getattr(torch, msg["dtype"])
+            ok = (len(shape) == 6 and shape[1] == len(which) and isinstance(dtype, torch.dtype)
+                  and all(0 <= int(i) < len(blocks) for i in which) and len(set(which)) == len(which))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise TransferError(f"transfer with rank {self.peer}: {what}: a malformed window header (corrupt stream)")
+        data = torch.empty(shape, dtype=dtype, device=self.comm)
+        valid = torch.empty(shape[:2] + [shape[3]], dtype=torch.bool, device=self.comm)
+        for t in (data, valid):
+            self.wait(self.recv(t.view(torch.uint8), what), what)
+        if window is None or list(window.data.shape[2:]) != shape[2:] or window.data.shape[0] != shape[0]:
+            return
+        window.import_rows(np.asarray(list(blocks), dtype=np.int64)[np.asarray(which, dtype=np.int64)], data, valid)
 
 
 def _as_run(blocks: Sequence[int]):
