@@ -113,7 +113,9 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
         blocks = cache.block_table(sid)[start:].tolist() if need else []
         link.recv_blocks(cache.store.arenas, blocks)
         cache.store.replaced(blocks)
-        link.recv_window(cache.store.window, blocks)
+        cfg = cache.config
+        link.recv_window(cache.store.window, blocks,
+                         (cfg.num_layers, 2, bs, cfg.kv_heads_per_rank, cfg.head_dim))
         if need:
             cache.commit(sid, need)
         link.send_json({"ok": True}, "confirming the commit")

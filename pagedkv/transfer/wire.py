@@ -184,9 +184,11 @@ class Link:
                 raw = t.contiguous().view(torch.uint8).to(self.comm)
                 self.wait(self.send(raw, "sending the window rows"), "sending the window rows")
 
-    def recv_window(self, window, blocks: Sequence[int]) -> None:
+    def recv_window(self, window, blocks: Sequence[int], geometry: Sequence[int]) -> None:
         """Receive what :meth:`send_window` sends into ``window`` for ``blocks`` (read and
-        dropped when this cache keeps no window, or keeps one of another shape)."""
+        dropped when this cache keeps no window, or keeps one of another shape).
+        ``geometry``: this cache's ``(num_layers, 2, block_size, heads, head_dim)``, which
+        bounds what a corrupt stream could make this side allocate."""
         what = "receiving the window rows"
         msg = self.recv_json(what)
         which = msg.get("window") if isinstance(msg, dict) else None
@@ -197,8 +199,10 @@ class Link:
         try:
             shape = [int(x) for x in msg["shape"]]
             dtype = getattr(torch, msg["dtype"])
-            ok = (len(shape) == 6 and shape[1] == len(which) and isinstance(dtype, torch.dtype)
-                  and all(0 <= int(i) < len(blocks) for i in which) and len(set(which)) == len(which))
+            ok = (len(shape) == 6 and 0 < shape[0] <= geometry[0] and shape[1] == len(which)
+                  and shape[2:] == list(geometry[1:]) and dtype in (torch.float32, torch.float16, torch.bfloat16)
+                  and all(isinstance(i, int) and 0 <= i < len(blocks) for i in which)
+                  and len(set(which)) == len(which))
         except (KeyError, TypeError, ValueError, AttributeError):
             ok = False
         if not ok:
