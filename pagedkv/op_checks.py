@@ -39,6 +39,7 @@ __all__ = [
     "check_padded",
     "check_out",
     "check_rotation",
+    "check_key_channels",
     "check_pairs",
     "check_arenas",
     "check_block_ids",
@@ -240,6 +241,33 @@ def check_rotation(rotation_signs: object, geo: LayerGeometry, device: torch.dev
     if tuple(rotation_signs.shape) != (geo.head_dim,):
         raise ShapeError(expected("rotation_signs", f"shape ({geo.head_dim},) (head_dim)", tuple(rotation_signs.shape)))
     _same_device("rotation_signs", rotation_signs, device)
+
+
+def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, device: torch.device) -> bool:
+    """Structural checks of a gather's per-channel key parameters (int4 block keys,
+    :func:`pagedkv.quant.quantize_key_block`): both None, or both contiguous bfloat16
+    ``[num_blocks, H, head_dim]`` on the arena's device, for an int4 layer. Returns
+    whether they were given. The values are not read (a zero scale is data: that
+    (block, head) still holds per-token keys)."""
+    if key_scale is None and key_zero is None:
+        return False
+    if key_scale is None or key_zero is None:
+        missing = "key_scale" if key_scale is None else "key_zero"
+        raise InvalidArgumentError(expected(missing, "a tensor when the other block-key parameter is given", None))
+    if geo.kv_dtype != "int4":
+        raise InvalidArgumentError(expected("key_scale", "None unless the kv_layer is int4 (block keys)",
+                                            f"a tensor for a {geo.kv_dtype or 'model-dtype'} kv_layer"))
+    shape = (geo.num_blocks, geo.num_heads, geo.head_dim)
+    for name, t in (("key_scale", key_scale), ("key_zero", key_zero)):
+        t = check_tensor(name, t)
+        if t.dtype != torch.bfloat16:
+            raise DTypeError(expected(name, "dtype bfloat16", t.dtype))
+        if tuple(t.shape) != shape:
+            raise ShapeError(expected(name, f"shape {shape} [num_blocks, H, head_dim]", tuple(t.shape)))
+        _same_device(name, t, device)
+        if not t.is_contiguous():
+            raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {t.stride()}"))
+    return True
 
 
 def check_csr(indptr, indices, seq_lens, device) -> int:

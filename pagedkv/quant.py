@@ -63,6 +63,22 @@ becomes the quiet NaN ``0x7fc0``. So a group holding a NaN has ``z = NaN``, ``s 
 reads back ``z + 7`` for ``+inf`` and ``z + rint(g - z)`` (capped at 7) elsewhere, as
 int4 reads back ``mn + 15``.
 
+int4 **block keys** (``kv_key_quant="block"``): a full block's keys are quantized per
+channel, over the block's ``bs`` tokens, with a bfloat16 zero point and scale per
+(head, channel) rounded outward as int3's (KIVI's per-channel keys, aligned to blocks;
+the keys are not rotated). For ``x`` ``[bs, H, D]``, per ``(h, d)``::
+
+    mn, mx = min(x[:, h, d]), max(x[:, h, d])    # over the block's tokens
+    z    = bf16_down(mn)
+    s    = bf16_up((mx - z) / 15)
+    s    = 1 if s == 0 or not finite(s)
+    c    = clamp(rint(v), 0, 15), v = (x - z) / s, 0 where NaN
+    (packed two per byte along D, as int4)
+    y    = out_dtype((float(c) * s) + z)              # two separate roundings
+
+so a sealed block's scale is never 0, and a zero scale marks a (block, head) whose
+keys are still stored per token.
+
 The scale (and for int8/int4 the zero point ``mn``) are stored float32, shaped like
 the input without its last dimension (int4/int3: plus a trailing ``D / G`` groups dim;
 int3's scale and zero are bfloat16).
@@ -93,6 +109,8 @@ __all__ = [
     "unpack_int3",
     "bf16_down",
     "bf16_up",
+    "quantize_key_block",
+    "dequantize_key_channels",
 ]
 
 FP8_E4M3_MAX = dtypes.info("fp8_e4m3").max_finite
@@ -294,6 +312,43 @@ def _quantize_int3(xf: torch.Tensor, g: int):
         bits = bits | (c[..., i] << (3 * i))
     packed = torch.stack((bits & 0xFF, (bits >> 8) & 0xFF, bits >> 16), dim=-1).to(torch.uint8)
     return packed.reshape(lead + (3 * d // 8,)), s.to(torch.bfloat16), z.to(torch.bfloat16)
+
+
+def quantize_key_block(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel int4 codes of whole blocks of keys (see "block keys" above).
+
+    Args:
+        k: ``[..., bs, H, D]`` float32, float16 or bfloat16 (``D`` even): each leading
+            index is one block's keys.
+
+    Returns:
+        ``(codes, scale, zero)``: ``codes`` ``[..., bs, H, D / 2]`` uint8 (int4 packing);
+        ``scale``, ``zero`` ``[..., H, D]`` bfloat16.
+    """
+    if not isinstance(k, torch.Tensor) or k.dtype not in MODEL_DTYPES:
+        got = k.dtype if isinstance(k, torch.Tensor) else type(k).__name__
+        raise DTypeError(expected("k", "a float32, float16 or bfloat16 tensor", got))
+    if k.dim() < 3 or k.shape[-1] % 2 or 0 in k.shape[-3:]:
+        raise ShapeError(expected("k", "[..., block_size, H, D] with D even and no empty dim", tuple(k.shape)))
+    xf = k.to(torch.float32)
+    z = bf16_down(xf.amin(dim=-3))
+    mx = xf.amax(dim=-3)
+    s = _fix_scale(bf16_up((mx - z) / torch.tensor(15.0, dtype=torch.float32)))
+    v = (xf - z.unsqueeze(-3)) / s.unsqueeze(-3)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    c = torch.clamp(torch.round(v), 0.0, 15.0).to(torch.uint8)
+    c = c.reshape(c.shape[:-1] + (c.shape[-1] // 2, 2))
+    return c[..., 0] | (c[..., 1] << 4), s.to(torch.bfloat16), z.to(torch.bfloat16)
+
+
+def dequantize_key_channels(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``q`` ``[..., D / 2]`` of block keys with their block's per-channel
+    ``scale``/``zero`` ``[..., D]`` (bfloat16, broadcast to the rows) -> ``[..., D]``."""
+    c = unpack_int4(q).to(torch.float32)
+    y = c * scale.to(torch.float32)
+    y = y + zero.to(torch.float32)
+    return y.to(out_dtype)
 
 
 def unpack_int3(q: torch.Tensor) -> torch.Tensor:

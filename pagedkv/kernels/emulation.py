@@ -205,21 +205,25 @@ def write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None,
 
 
 def gather_kv(kv_layer, indptr, indices, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None, kv_zero=None,
-              out_key=None, out_value=None, rotation_signs=None, grid: Dims = None, block: Dims = None):
+              out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None, grid: Dims = None,
+              block: Dims = None):
     _check_cpu("kv_layer", kv_layer)
     launches, k, v = plans.plan_gather(kv_layer, seq_lens, indptr=indptr, indices=indices, layout=layout,
                                        out_dtype=out_dtype, kv_scale=kv_scale, kv_zero=kv_zero,
-                                       out_key=out_key, out_value=out_value, rotation_signs=rotation_signs)
+                                       out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
+                                       key_scale=key_scale, key_zero=key_zero)
     run(launches, grid=grid, block=block)
     return k, v
 
 
 def gather_kv_padded(kv_layer, block_table, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None, kv_zero=None,
-                     out_key=None, out_value=None, rotation_signs=None, grid: Dims = None, block: Dims = None):
+                     out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None,
+                     grid: Dims = None, block: Dims = None):
     _check_cpu("kv_layer", kv_layer)
     launches, k, v = plans.plan_gather(kv_layer, seq_lens, block_table=block_table, layout=layout,
                                        out_dtype=out_dtype, kv_scale=kv_scale, kv_zero=kv_zero,
-                                       out_key=out_key, out_value=out_value, rotation_signs=rotation_signs)
+                                       out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
+                                       key_scale=key_scale, key_zero=key_zero)
     run(launches, grid=grid, block=block)
     return k, v
 

@@ -145,6 +145,8 @@ def gather_kv(
     out_key=None,
     out_value=None,
     rotation_signs=None,
+    key_scale=None,
+    key_zero=None,
     stream=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """K/V of a batch of sequences as contiguous ``[sum(seq_lens), H, D]`` tensors in
@@ -156,7 +158,7 @@ def gather_kv(
     """
     return _gather(kv_layer, seq_lens, stream, indptr=indptr, indices=indices, layout=layout, out_dtype=out_dtype,
                    kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                   rotation_signs=rotation_signs)
+                   rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
 
 
 def gather_kv_padded(
@@ -171,12 +173,14 @@ def gather_kv_padded(
     out_key=None,
     out_value=None,
     rotation_signs=None,
+    key_scale=None,
+    key_zero=None,
     stream=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table."""
     return _gather(kv_layer, seq_lens, stream, block_table=block_table, layout=layout, out_dtype=out_dtype,
                    kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                   rotation_signs=rotation_signs)
+                   rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
 
 
 def _listed(arenas) -> list:

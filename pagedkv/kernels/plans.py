@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from pagedkv import dtypes
-from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, KernelUnavailableError, ShapeError, expected
 from pagedkv.kernels import sources
 from pagedkv import op_checks as checks
 
@@ -263,6 +263,8 @@ def plan_gather(
     out_key=None,
     out_value=None,
     rotation_signs=None,
+    key_scale=None,
+    key_zero=None,
 ):
     """Plan a CSR (``indptr``/``indices``) or padded (``block_table``) gather.
 
@@ -273,6 +275,9 @@ def plan_gather(
     """
     geo, out_dtype = checks.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     signs = _check_signs(rotation_signs, geo, kv_layer.device)
+    if checks.check_key_channels(key_scale, key_zero, geo, kv_layer.device):
+        raise KernelUnavailableError("pagedkv: the CUDA gather kernels do not read int4 block keys (key_scale/"
+                                     "key_zero) yet")
     _check_kernel_dtype(geo)
     device = kv_layer.device
     if block_table is None:

@@ -93,12 +93,15 @@ def gather_kv(
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
     rotation_signs: Optional[torch.Tensor] = None,
+    key_scale: Optional[torch.Tensor] = None,
+    key_zero: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (CSR block tables); see :func:`pagedkv.ops.reference.gather_kv`."""
     fn = _CPU.gather_kv if _cpu_fast(backend, kv_layer) else _impl("gather_kv", backend, _device(kv_layer))
     return fn(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
-              kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs)
+              kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
+              key_scale=key_scale, key_zero=key_zero)
 
 
 def gather_kv_padded(
@@ -113,6 +116,8 @@ def gather_kv_padded(
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
     rotation_signs: Optional[torch.Tensor] = None,
+    key_scale: Optional[torch.Tensor] = None,
+    key_zero: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (padded block table); see :func:`pagedkv.ops.reference.gather_kv_padded`."""
@@ -121,7 +126,8 @@ def gather_kv_padded(
     else:
         fn = _impl("gather_kv_padded", backend, _device(kv_layer))
     return fn(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
-              kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs)
+              kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
+              key_scale=key_scale, key_zero=key_zero)
 
 
 def _as_list(arenas: object) -> object:

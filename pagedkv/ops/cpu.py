@@ -320,8 +320,14 @@ def gather_kv(
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
     rotation_signs: Optional[torch.Tensor] = None,
+    key_scale: Optional[torch.Tensor] = None,
+    key_zero: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv` on CPU tensors."""
+    if key_scale is not None or key_zero is not None:
+        return _ref.gather_kv(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype,
+                              kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
+                              rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
     if _c is not None and rotation_signs is None:
         outs = _sparse_safe(_fast_gather_csr, kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                 out_key, out_value)
@@ -370,8 +376,14 @@ def gather_kv_padded(
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
     rotation_signs: Optional[torch.Tensor] = None,
+    key_scale: Optional[torch.Tensor] = None,
+    key_zero: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv_padded` on CPU tensors."""
+    if key_scale is not None or key_zero is not None:
+        return _ref.gather_kv_padded(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype,
+                                     kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
+                                     rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
     if _c is not None and rotation_signs is None:
         outs = _sparse_safe(_fast_gather_padded, kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                    out_key, out_value)

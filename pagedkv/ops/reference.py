@@ -41,6 +41,7 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
     check_csr,
     check_gather,
     check_layer,
+    check_key_channels,
     check_layout,
     check_out,
     check_padded,
@@ -59,7 +60,7 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
     validate_swap_blocks,
 )
 from pagedkv.errors import ShapeError, expected
-from pagedkv.quant import dequantize, is_quantized, quantize
+from pagedkv.quant import dequantize, dequantize_key_channels, is_quantized, quantize
 from pagedkv.rotation import rotate, unrotate
 
 from pagedkv import op_checks as _op_checks
@@ -183,17 +184,22 @@ def write_kv(
             _assign(kv_layer, layout, kv, blk, off, src)
 
 
-def _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value, signs):
+def _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value, signs,
+                   key_scale=None, key_zero=None):
     result = []
     for kv, out in ((0, out_key), (1, out_value)):
-        x = _plane(kv_layer, layout, kv, blk, off)
+        x = q = _plane(kv_layer, layout, kv, blk, off)
         if is_quantized(kv_layer.dtype):
             s = _plane(kv_scale, layout, kv, blk, off)
             z = _plane(kv_zero, layout, kv, blk, off) if kv_zero is not None else None
             if signs is None:
-                x = dequantize(x, s, z, out_dtype)
+                x = dequantize(q, s, z, out_dtype)
             else:  # unrotated in float32, then narrowed once
-                x = unrotate(dequantize(x, s, z, torch.float32), signs).to(out_dtype)
+                x = unrotate(dequantize(q, s, z, torch.float32), signs).to(out_dtype)
+            if kv == 0 and key_scale is not None:   # sealed blocks' keys: per channel, never rotated
+                ks, kz = key_scale[blk], key_zero[blk]          # [n, H, D]
+                sealed = ks[..., 0] != 0                        # [n, H]
+                x = torch.where(sealed.unsqueeze(-1), dequantize_key_channels(q, ks, kz, out_dtype), x)
         if out is not None:
             out.copy_(x)
             x = out
@@ -214,6 +220,8 @@ def gather_kv(
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
     rotation_signs: Optional[torch.Tensor] = None,
+    key_scale: Optional[torch.Tensor] = None,
+    key_zero: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch of sequences into contiguous tensors, in token order.
 
@@ -229,6 +237,11 @@ def gather_kv(
         rotation_signs: quantized only: float32 ``[D]`` signs of a rotated arena; each
             row is dequantized to float32, :func:`pagedkv.rotation.unrotate`-d, then
             converted to ``out_dtype``.
+        key_scale, key_zero: int4 only: bfloat16 ``[NB, H, D]`` per-channel parameters
+            of block keys (:func:`pagedkv.quant.quantize_key_block`). A K row whose
+            ``key_scale[block, head, 0]`` is nonzero is dequantized from them
+            (:func:`pagedkv.quant.dequantize_key_channels`; no unrotation), every
+            other K row from ``kv_scale``/``kv_zero`` as usual. V rows are unaffected.
 
     Returns:
         ``(key, value)``, each ``[sum(seq_lens), H, D]`` in ``out_dtype``: sequence 0's
@@ -236,12 +249,13 @@ def gather_kv(
     """
     geo, out_dtype = check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     check_rotation(rotation_signs, geo, kv_layer.device)
+    check_key_channels(key_scale, key_zero, geo, kv_layer.device)
     check_csr(indptr, indices, seq_lens, kv_layer.device)
     blk, off = _csr_token_index(indptr, indices, seq_lens, geo.block_size, geo.num_blocks)
     check_out(out_key, out_value, blk.numel(), geo, out_dtype, kv_layer.device)
     blk, off = blk.to(kv_layer.device), off.to(kv_layer.device)
     return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value,
-                          rotation_signs)
+                          rotation_signs, key_scale, key_zero)
 
 
 def gather_kv_padded(
@@ -256,6 +270,8 @@ def gather_kv_padded(
     out_key: Optional[torch.Tensor] = None,
     out_value: Optional[torch.Tensor] = None,
     rotation_signs: Optional[torch.Tensor] = None,
+    key_scale: Optional[torch.Tensor] = None,
+    key_zero: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table.
 
@@ -264,12 +280,13 @@ def gather_kv_padded(
     """
     geo, out_dtype = check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     check_rotation(rotation_signs, geo, kv_layer.device)
+    check_key_channels(key_scale, key_zero, geo, kv_layer.device)
     check_padded(block_table, seq_lens, kv_layer.device)
     blk, off = _padded_token_index(block_table, seq_lens, geo.block_size, geo.num_blocks)
     check_out(out_key, out_value, blk.numel(), geo, out_dtype, kv_layer.device)
     blk, off = blk.to(kv_layer.device), off.to(kv_layer.device)
     return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value,
-                          rotation_signs)
+                          rotation_signs, key_scale, key_zero)
 
 
 def copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> None:
