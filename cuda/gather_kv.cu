@@ -20,6 +20,11 @@
 //       token's block (a binary search of seq_ends), dequantizes the row into
 //       shared memory, runs the butterfly stages there (a barrier phase each), and
 //       stores the scaled, sign-multiplied row converted to the output type.
+// Every dequantizing entry point also takes key_scale/key_zero: null, or (int4 only)
+// the bfloat16 [num_blocks, H, D] per-channel parameters of block keys
+// (pagedkv/quant.py, "block keys"). A K row whose key_scale[block, head, 0] is
+// nonzero (a float compare: -0.0 is zero, NaN is not) is code * s + z per channel
+// and is never unrotated; every other row takes its per-token parameters.
 // csr: indptr [B + 1] + indices [nnz]; pad: block_table [B, width], row-major.
 #include "common.cuh"
 
@@ -133,6 +138,22 @@ __device__ __forceinline__ pkv_u32 pkv_code_at(const pkv_u8* __restrict__ kv, pk
   return kv[row * head_dim + d];
 }
 
+// Block keys: whether (block, head) holds per-channel int4 keys, and one of their
+// values. key_scale/key_zero are bfloat16 bits, [num_blocks, H, D] row-major.
+template <int Q>
+__device__ __forceinline__ bool pkv_key_sealed(const pkv_u16* __restrict__ key_scale, pkv_i64 block,
+                                               pkv_i64 head, pkv_i64 num_heads, pkv_i64 head_dim) {
+  if (Q != PKV_Q_INT4 || key_scale == 0) return false;
+  return pkv_bf16_to_f32(key_scale[(block * num_heads + head) * head_dim]) != 0.0f;
+}
+__device__ __forceinline__ float pkv_key_channel(pkv_u32 code, const pkv_u16* __restrict__ key_scale,
+                                                 const pkv_u16* __restrict__ key_zero, pkv_i64 block,
+                                                 pkv_i64 head, pkv_i64 num_heads, pkv_i64 head_dim,
+                                                 pkv_i64 d) {
+  const pkv_i64 i = (block * num_heads + head) * head_dim + d;
+  return __fadd_rn(__fmul_rn((float)code, pkv_bf16_to_f32(key_scale[i])), pkv_bf16_to_f32(key_zero[i]));
+}
+
 template <int Q, typename O, int LAYOUT, int TABLE>
 __device__ __forceinline__ void pkv_gather_dequant(
     const pkv_u8* __restrict__ kv, const float* __restrict__ scale,
@@ -140,7 +161,8 @@ __device__ __forceinline__ void pkv_gather_dequant(
     const int* __restrict__ table, const int* __restrict__ indptr,
     const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
     pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
-    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups) {
+    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
+    const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero) {
   const pkv_i64 row_elems = num_heads * head_dim;
   const pkv_i64 out_elems = total_tokens * row_elems;
   const pkv_i64 g_len = pkv_div(head_dim, groups);
@@ -165,8 +187,11 @@ __device__ __forceinline__ void pkv_gather_dequant(
         const bool has_zero = Q == PKV_Q_INT8 || Q == PKV_Q_INT4 || Q == PKV_Q_INT3;
         const float k_zero = has_zero ? pkv_param_load<Q>(zero, k_row * groups + g) : 0.0f;
         const float v_zero = has_zero ? pkv_param_load<Q>(zero, v_row * groups + g) : 0.0f;
-        k = pkv_dequantize<Q>(pkv_code_at<Q>(kv, k_row, head_dim, d), pkv_param_load<Q>(scale, k_row * groups + g),
-                              k_zero);
+        const pkv_u32 k_code = pkv_code_at<Q>(kv, k_row, head_dim, d);
+        if (pkv_key_sealed<Q>(key_scale, e.block, h, num_heads, head_dim))
+          k = pkv_key_channel(k_code, key_scale, key_zero, e.block, h, num_heads, head_dim, d);
+        else
+          k = pkv_dequantize<Q>(k_code, pkv_param_load<Q>(scale, k_row * groups + g), k_zero);
         v = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), pkv_param_load<Q>(scale, v_row * groups + g),
                               v_zero);
       }
@@ -220,10 +245,14 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
     const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
     pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
     pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
-    const float* __restrict__ signs) {
+    const float* __restrict__ signs, const pkv_u16* __restrict__ key_scale,
+    const pkv_u16* __restrict__ key_zero) {
   PKV_COOPERATIVE();
   PKV_SHARED float rot[PKV_ROT_FLOATS];  // per CTA row: its row
   PKV_SHARED bool found[PKV_MAX_THREADS];  // per CTA row: whether its token is in a sequence
+  // per CTA row: a block key row, final after the first phase; every thread still runs
+  // every phase (the barriers), the butterflies and the unrotation just pass it by
+  PKV_SHARED bool sealed[PKV_MAX_THREADS];
   const pkv_i64 bx = blockDim.x, by = blockDim.y;
   if (by * head_dim > PKV_ROT_FLOATS) return;  // not a planned launch: write nothing
   const pkv_i64 rows = total_tokens * 2 * num_heads;
@@ -242,12 +271,18 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
         const pkv_i64 block = pkv_token_block<TABLE>(t, table, indptr, seq_lens, seq_ends, batch,
                                                      num_entries, width, num_blocks, block_size,
                                                      &offset);
+        const pkv_i64 head = kvh - kvp * num_heads;
+        const bool is_key_block = kvp == 0 && block >= 0 &&
+                                  pkv_key_sealed<Q>(key_scale, block, head, num_heads, head_dim);
         found[threadIdx.y] = block != -2;
-        const pkv_i64 row = block < 0 ? 0 : pkv_row_index<LAYOUT>(block, kvp, offset, kvh - kvp * num_heads,
-                                                                  block_size, num_heads);
+        sealed[threadIdx.y] = is_key_block;
+        const pkv_i64 row = block < 0 ? 0 : pkv_row_index<LAYOUT>(block, kvp, offset, head, block_size, num_heads);
         for (pkv_i64 d = threadIdx.x; d < head_dim; d += bx) {
           float x = 0.0f;
-          if (block >= 0) {
+          if (is_key_block) {
+            x = pkv_key_channel(pkv_code_at<Q>(kv, row, head_dim, d), key_scale, key_zero, block, head, num_heads,
+                                head_dim, d);
+          } else if (block >= 0) {
             const pkv_i64 g = groups == 1 ? 0 : pkv_div(d, g_len);
             x = pkv_dequantize<Q>(pkv_code_at<Q>(kv, row, head_dim, d), pkv_param_load<Q>(scale, row * groups + g),
                                   has_zero ? pkv_param_load<Q>(zero, row * groups + g) : 0.0f);
@@ -258,7 +293,7 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
     });
     for (pkv_i64 h = 1; h < head_dim; h *= 2) {
       PKV_PHASE({
-        if (base + threadIdx.y < rows)
+        if (base + threadIdx.y < rows && !sealed[threadIdx.y])
           pkv_butterflies(rot + threadIdx.y * head_dim, head_dim, h, threadIdx.x, bx);
       });
     }
@@ -269,9 +304,11 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
         const pkv_i64 kvh = r - t * 2 * num_heads;
         const pkv_i64 kvp = kvh >= num_heads ? 1 : 0;
         O* out = (kvp ? out_value : out_key) + (t * num_heads + kvh - kvp * num_heads) * head_dim;
+        const bool as_is = sealed[threadIdx.y];
         for (pkv_i64 d = threadIdx.x; d < head_dim; d += bx) {
-          const float y = __fmul_rn(rot[threadIdx.y * head_dim + d], pkv_hadamard_scale_at(head_dim, d));
-          out[d] = pkv_dtype<O>::from_f32(__fmul_rn(y, signs[d]));
+          const float x = rot[threadIdx.y * head_dim + d];
+          out[d] = pkv_dtype<O>::from_f32(
+              as_is ? x : __fmul_rn(__fmul_rn(x, pkv_hadamard_scale_at(head_dim, d)), signs[d]));
         }
       }
     });
@@ -300,19 +337,24 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
                                   const float* __restrict__ scale,                           \
                                   const float* __restrict__ zero, O* __restrict__ out_key,   \
                                   O* __restrict__ out_value, PKV_GATHER_TABLE_PARAMS,        \
-                                  pkv_i64 head_dim, pkv_i64 groups) {                        \
+                                  pkv_i64 head_dim, pkv_i64 groups,                          \
+                                  const pkv_u16* __restrict__ key_scale,                     \
+                                  const pkv_u16* __restrict__ key_zero) {                    \
     pkv_gather_dequant<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,             \
-                                            PKV_GATHER_TABLE_ARGS, head_dim, groups);        \
+                                            PKV_GATHER_TABLE_ARGS, head_dim, groups,         \
+                                            key_scale, key_zero);                            \
   }                                                                                          \
   extern "C" __global__ void NAME##_rot(const pkv_u8* __restrict__ kv,                       \
                                         const float* __restrict__ scale,                     \
                                         const float* __restrict__ zero,                      \
                                         O* __restrict__ out_key, O* __restrict__ out_value,  \
                                         PKV_GATHER_TABLE_PARAMS, pkv_i64 head_dim,           \
-                                        pkv_i64 groups, const float* __restrict__ signs) {   \
+                                        pkv_i64 groups, const float* __restrict__ signs,     \
+                                        const pkv_u16* __restrict__ key_scale,               \
+                                        const pkv_u16* __restrict__ key_zero) {              \
     pkv_gather_dequant_rot<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,         \
                                                 PKV_GATHER_TABLE_ARGS, head_dim, groups,     \
-                                                signs);                                      \
+                                                signs, key_scale, key_zero);                 \
   }
 
 #define PKV_GATHER_COPY_ALL(T, TABLE, L, LAYOUT)                               \

@@ -154,7 +154,10 @@ def gather_kv(
     ``seq_lens [B]``, all on the arena's device). Dequantizes fp8/int8 storage into
     ``out_dtype``. Without ``out_key``/``out_value`` the output size is read from
     ``seq_lens`` (a device sync); pass them to stay sync-free. ``rotation_signs``
-    (float32 ``[D]``) unrotates each dequantized row in the kernel.
+    (float32 ``[D]``) unrotates each dequantized row in the kernel. ``key_scale``/
+    ``key_zero`` (int4 only, contiguous bfloat16 ``[NB, H, D]``): int4 block keys, read
+    per channel where ``key_scale[block, head, 0]`` is nonzero and never unrotated
+    (:func:`pagedkv.ops.reference.gather_kv`).
     """
     return _gather(kv_layer, seq_lens, stream, indptr=indptr, indices=indices, layout=layout, out_dtype=out_dtype,
                    kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from pagedkv import dtypes
-from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, KernelUnavailableError, ShapeError, expected
+from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.kernels import sources
 from pagedkv import op_checks as checks
 
@@ -271,13 +271,14 @@ def plan_gather(
     Returns ``(launches, out_key, out_value)``; the outputs are allocated here when
     not given. Without given outputs the total token count is ``seq_lens.sum()``,
     which syncs when ``seq_lens`` is on a GPU; pass ``out_key``/``out_value`` to
-    avoid that.
+    avoid that. ``key_scale``/``key_zero`` (int4 block keys) are passed to the
+    dequantizing kernels as two more pointers; null pointers mean no block keys.
     """
     geo, out_dtype = checks.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     signs = _check_signs(rotation_signs, geo, kv_layer.device)
-    if checks.check_key_channels(key_scale, key_zero, geo, kv_layer.device):
-        raise KernelUnavailableError("pagedkv: the CUDA gather kernels do not read int4 block keys (key_scale/"
-                                     "key_zero) yet")
+    if checks.check_key_channels(key_scale, key_zero, geo, kv_layer.device):  # int4 block keys
+        _check_aligned("key_scale", key_scale)
+        _check_aligned("key_zero", key_zero)
     _check_kernel_dtype(geo)
     device = kv_layer.device
     if block_table is None:
@@ -319,10 +320,12 @@ def plan_gather(
                                    rotated=signs is not None)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
         args += table_args + [_i64(dim), _i64(_groups(kv_layer, kv_scale))]
+        block_keys = [_ptr(key_scale), _ptr(key_zero)]  # null: no block keys
         if signs is not None:
             grid, block = _rot_dims(total * 2 * heads, max(1, dim // 2), dim)
-            return [Launch("gather_kv.cu", name, grid, block, tuple(args + [_ptr(signs)]), keep + (signs,))], \
-                out_key, out_value
+            return [Launch("gather_kv.cu", name, grid, block, tuple(args + [_ptr(signs)] + block_keys),
+                           keep + (signs,))], out_key, out_value
+        args += block_keys
         return [_launch("gather_kv.cu", name, entries, geo.block_size * heads * dim, args, keep)], out_key, out_value
     elt = kv_layer.element_size()
     unit = 16 if _vector_ok([dim * elt], [kv_layer, out_key, out_value]) else elt
