@@ -255,6 +255,7 @@ import dataclasses, sys, torch
 sys.path[:0] = [sys.argv[1]]
 import backend_cases as c
 import test_backends as t
+import test_block_keys_kernels as bk
 from pagedkv.kernels import emulation as emu, plans
 
 B = c.Backend("emulated")
@@ -285,6 +286,8 @@ for kind in ("f16", "fp8", "int8"):
     t.test_swap_blocks_between_arenas_of_different_sizes(B, kind, torch.int64)
 for dtype in (torch.float32, torch.float8_e4m3fn):
     t.test_convert_layout_like_the_reference(B, dtype, 3, True, 1)
+for rotated in (False, True):  # int4 block keys: the per-channel parameters' reads
+    bk.test_block_keys_gather_like_the_reference(B, (14, 7), "HND", rotated)
 print("ASAN-CLEAN", flush=True)
 """
 
