@@ -1,7 +1,8 @@
 """Bandwidth of the KV kernels against a plain device copy of the same bytes.
 
 For write_kv, gather_kv, copy_blocks (and, reported without a bar, the fp8 write,
-the dequantizing gather and a swap to pinned host memory) this prints one JSON line
+the dequantizing gathers (fp8; int4 with per-token keys and with block keys, plain
+and rotated) and a swap to pinned host memory) this prints one JSON line
 per figure: bytes moved (read + written), GPU time per call, GB/s, the GB/s of
 torch ``copy_`` (cudaMemcpy) moving the same bytes, and the fraction of it. The bar
 for the three main kernels is 80% of memcpy.
@@ -64,6 +65,29 @@ def report(op: str, variant: str, moved: int, us: float, baseline: float, bar: b
     emit(**fields)
 
 
+def int4_gather_cases(dev, NB: int, BS: int, H: int, D: int, T: int):
+    """``(variant, bytes moved, gather kwargs)`` of the int4 gathers (group 32) of T
+    tokens: per-token keys, then every block's keys sealed (block keys: per-channel
+    bfloat16 parameters per (block, head), the K rows never unrotated), each plain and
+    rotated."""
+    from pagedkv.rotation import rotation_signs
+
+    G = min(32, D)
+    codes = torch.randint(0, 256, (NB, 2, BS, H, D // 2), dtype=torch.int32, device=dev).to(torch.uint8)
+    scale = torch.rand(NB, 2, BS, H, D // G, device=dev)
+    layer = dict(kv_layer=codes, kv_scale=scale, kv_zero=torch.rand_like(scale))
+    keys = dict(key_scale=(torch.rand(NB, H, D, device=dev) + 0.5).to(torch.bfloat16),  # nonzero: sealed
+                key_zero=torch.rand(NB, H, D, device=dev).to(torch.bfloat16))
+    row = D // 2 + 8 * (D // G) + 2 * D  # codes, per-token scale/zero, the fp16 row written
+    key_row = D // 2 + 4 * D // BS + 2 * D  # codes, the block's channel parameters per token, the row
+    signs = dict(rotation_signs=rotation_signs(D, 0).to(dev))
+    cases = []
+    for rot, extra in (("", {}), (" rotated", signs)):
+        cases.append((f"int4 -> fp16 NHD csr{rot}", 2 * T * H * row, dict(layer, **extra)))
+        cases.append((f"int4 block keys -> fp16 NHD csr{rot}", T * H * (row + key_row), dict(layer, **keys, **extra)))
+    return cases
+
+
 def run(smoke: bool, iters: int) -> int:
     from pagedkv.kernels import ops
 
@@ -100,6 +124,10 @@ def run(smoke: bool, iters: int) -> int:
     fn = lambda: ops.gather_kv(q, indptr, indices, lens, out_dtype=torch.float16, kv_scale=s,  # noqa: E731
                                out_key=out_k, out_value=out_v)
     report("gather_kv", "fp8_e4m3 -> fp16 NHD csr", 2 * T * H * (D + 4 + D * elt), gpu_time_us(fn, iters), base, False)
+    for variant, moved_q, kw in int4_gather_cases(dev, NB, BS, H, D, T):
+        fn = lambda kw=kw: ops.gather_kv(indptr=indptr, indices=indices, seq_lens=lens, out_dtype=torch.float16,  # noqa: E731
+                                         out_key=out_k, out_value=out_v, **kw)
+        report("gather_kv", variant, moved_q, gpu_time_us(fn, iters), base, False)
 
     # copy_blocks: P (src, dst) pairs across every layer of a whole arena
     P = 16 if smoke else 256
