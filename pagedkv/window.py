@@ -137,11 +137,17 @@ class RecentWindow:
 
     # -- data -------------------------------------------------------------------------
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              trailing_dead: bool = False) -> None:
         """Keep the model-precision K/V of the written tokens (slots < 0 skipped).
 
         Every layer claims the same blocks (an engine writes the same slots in each
-        layer), so the claim after the first layer of a step only refreshes stamps."""
+        layer), so the claim after the first layer of a step only refreshes stamps.
+
+        ``trailing_dead``: a sequence writes its block in order, so the rows after the
+        last one written to a block here belong to no live token (a reused block's
+        previous occupant, or tokens rolled back): they stop answering. Block keys
+        need this, since they take a block's rows as its keys once all are valid."""
         slots = slot_mapping.cpu().numpy()
         ok = np.nonzero(slots >= 0)[0]
         if not len(ok):
@@ -153,12 +159,33 @@ class RecentWindow:
         if not held.any():
             return
         dev = self.data.device
+        offs = slots[ok][held] % self.block_size
+        if trailing_dead:
+            last = np.full(self.capacity, -1, dtype=np.int64)
+            np.maximum.at(last, wslot[held], offs)
+            touched = np.nonzero(last >= 0)[0]
+            dead = np.arange(self.block_size)[None, :] > last[touched][:, None]
+            self.valid[layer, torch.from_numpy(touched).to(dev)] &= torch.from_numpy(~dead).to(dev)
         rows = torch.from_numpy(ok[held]).to(dev)
         ws = torch.from_numpy(wslot[held]).to(dev)
-        off = torch.from_numpy(slots[ok][held] % self.block_size).to(dev)
+        off = torch.from_numpy(offs).to(dev)
         self.data[layer, ws, 0, off] = key[rows].to(self.data.dtype)
         self.data[layer, ws, 1, off] = value[rows].to(self.data.dtype)
         self.valid[layer, ws, off] = True
+
+    def full_blocks(self, layer: int, blocks: np.ndarray) -> np.ndarray:
+        """Those of ``blocks`` (distinct) whose every row is held for ``layer``."""
+        ws = self.slot_of[blocks]
+        held = ws >= 0
+        if not held.any():
+            return blocks[:0]
+        full = self.valid[layer, torch.from_numpy(ws[held]).to(self.valid.device)].all(dim=-1).cpu().numpy()
+        return blocks[held][full]
+
+    def rows(self, layer: int, blocks: np.ndarray, kv: int = 0):
+        """``(data, valid)`` of held ``blocks`` for ``layer``: ``[n, bs, H, D]`` and ``[n, bs]``."""
+        ws = torch.from_numpy(self.slot_of[blocks]).to(self.data.device)
+        return self.data[layer, ws, kv], self.valid[layer, ws]
 
     def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
                 value: torch.Tensor, pending: Optional[np.ndarray] = None, transform=None) -> None:
