@@ -10,11 +10,14 @@ codes are rewritten from those copies by :func:`pagedkv.quant.quantize_key_block
 its bfloat16 per-channel scale and zero land in the store's ``key_scale``/``key_zero``
 arenas, whose nonzero scale tells the gathers to read the block's keys per channel.
 
-A block whose copies left the window arena before it filled keeps its per-token keys:
-less accurate, never wrong. A write into a sealed block (a rollback, or a freed block
-taken by another sequence) unseals it first: the live rows before the write are
-requantized per token, from their window copies when held (exactly what a per-token
-write would have stored), else from their per-channel values.
+A block can only fill when its last row is written, and a sequence writes a block's
+rows in order, so by then every row held was written by the block's current occupant
+(a block that takes a new window slot starts with no row held). A block whose copies
+left the window arena before it filled keeps its per-token keys: less accurate, never
+wrong. A write into a sealed block (a rollback, or a freed block taken by another
+sequence) unseals it first: the live rows before the write are requantized per token,
+from their window copies when held (exactly what a per-token write would have stored),
+else from their per-channel values.
 
 The parameter arenas travel with the codes through every block copy (copy-on-write,
 host swap, prefix tiers, transfers), so a block is sealed wherever its bytes go.
@@ -38,24 +41,33 @@ class BlockKeys:
         self.store = store
         self.bs = store.config.block_size
         self.group = store.config.kv_group_size
+        ks = store.key_scale
+        self._bits = ks.view(torch.int16).numpy() if ks.device.type == "cpu" else None
 
     def after_write(self, layer: int, view: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slots: np.ndarray) -> None:
         """Unseal the sealed blocks this write touched, then seal the blocks it filled
-        (``layer`` indexes the quantized arena)."""
-        slots = slot_mapping.cpu().numpy()
+        (``layer`` indexes the quantized arena; ``slots``: the write's slot mapping)."""
         slots = slots[slots >= 0]
         if not len(slots):
             return
-        blocks, first = _first_offsets(slots, self.bs)
-        kscale, kzero = self.store.key_scale[layer], self.store.key_zero[layer]
-        dev = kscale.device
-        sealed = (kscale[torch.from_numpy(blocks).to(dev), :, 0] != 0).any(dim=-1).cpu().numpy()
+        blocks, first, last = _offset_range(slots, self.bs)
+        sealed = self._sealed(layer, blocks)
         for b, m in zip(blocks[sealed].tolist(), first[sealed].tolist()):
             self._unseal(layer, view, scale, zero, b, m)
-        full = self.store.window.full_blocks(layer, blocks)
-        if len(full):
-            self._seal(layer, view, full)
+        filled = blocks[last == self.bs - 1]
+        if len(filled):
+            full = self.store.window.full_blocks(layer, filled)
+            if len(full):
+                self._seal(layer, view, full)
+
+    def _sealed(self, layer: int, blocks: np.ndarray) -> np.ndarray:
+        """Whether each block's keys are per channel (its head 0 scale is nonzero; a
+        block is sealed and unsealed whole)."""
+        if self._bits is not None:     # the CPU arena's bfloat16 bits, read in place
+            return (self._bits[layer, blocks, 0, 0] & 0x7FFF) != 0
+        ks = self.store.key_scale[layer]
+        return (ks[torch.from_numpy(blocks).to(ks.device), 0, 0] != 0).cpu().numpy()
 
     def _seal(self, layer: int, view: torch.Tensor, blocks: np.ndarray) -> None:
         keys, _ = self.store.window.rows(layer, blocks)
@@ -91,11 +103,14 @@ class BlockKeys:
         kzero[block] = 0
 
 
-def _first_offsets(slots: np.ndarray, bs: int):
-    """Distinct blocks of ``slots`` and the lowest offset written to each."""
+def _offset_range(slots: np.ndarray, bs: int):
+    """Distinct blocks of ``slots``, with the lowest and highest offset written to each."""
     blocks = slots // bs
-    order = np.lexsort((slots % bs, blocks))
-    b = blocks[order]
+    offs = slots - blocks * bs
+    order = np.lexsort((offs, blocks))
+    b, o = blocks[order], offs[order]
     head = np.ones(len(b), dtype=bool)
     head[1:] = b[1:] != b[:-1]
-    return b[head].astype(np.int64), (slots[order] % bs)[head].astype(np.int64)
+    tail = np.ones(len(b), dtype=bool)
+    tail[:-1] = head[1:]
+    return b[head].astype(np.int64), o[head].astype(np.int64), o[tail].astype(np.int64)

@@ -236,9 +236,10 @@ class KVStore:
         ops.write_kv(view, slot_mapping, key, value, layout=self.layout, kv_scale=scale, kv_zero=zero,
                      rotation_signs=self.rotation_signs)
         if self.window is not None:
-            self.window.write(i, slot_mapping, key, value, trailing_dead=self.key_scale is not None)
-        if self.key_scale is not None:
-            self._block_keys.after_write(i, view, scale, zero, slot_mapping)
+            slots = slot_mapping.cpu().numpy()
+            self.window.write(i, slot_mapping, key, value, slots)
+            if self._block_keys is not None:
+                self._block_keys.after_write(i, view, scale, zero, slots)
 
     def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both

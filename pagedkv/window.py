@@ -138,17 +138,13 @@ class RecentWindow:
     # -- data -------------------------------------------------------------------------
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              trailing_dead: bool = False) -> None:
+              slots: Optional[np.ndarray] = None) -> None:
         """Keep the model-precision K/V of the written tokens (slots < 0 skipped).
 
         Every layer claims the same blocks (an engine writes the same slots in each
         layer), so the claim after the first layer of a step only refreshes stamps.
-
-        ``trailing_dead``: a sequence writes its block in order, so the rows after the
-        last one written to a block here belong to no live token (a reused block's
-        previous occupant, or tokens rolled back): they stop answering. Block keys
-        need this, since they take a block's rows as its keys once all are valid."""
-        slots = slot_mapping.cpu().numpy()
+        ``slots``: ``slot_mapping`` as numpy, when the caller has it already."""
+        slots = slot_mapping.cpu().numpy() if slots is None else slots
         ok = np.nonzero(slots >= 0)[0]
         if not len(ok):
             return
@@ -159,16 +155,9 @@ class RecentWindow:
         if not held.any():
             return
         dev = self.data.device
-        offs = slots[ok][held] % self.block_size
-        if trailing_dead:
-            last = np.full(self.capacity, -1, dtype=np.int64)
-            np.maximum.at(last, wslot[held], offs)
-            touched = np.nonzero(last >= 0)[0]
-            dead = np.arange(self.block_size)[None, :] > last[touched][:, None]
-            self.valid[layer, torch.from_numpy(touched).to(dev)] &= torch.from_numpy(~dead).to(dev)
         rows = torch.from_numpy(ok[held]).to(dev)
         ws = torch.from_numpy(wslot[held]).to(dev)
-        off = torch.from_numpy(offs).to(dev)
+        off = torch.from_numpy(slots[ok][held] % self.block_size).to(dev)
         self.data[layer, ws, 0, off] = key[rows].to(self.data.dtype)
         self.data[layer, ws, 1, off] = value[rows].to(self.data.dtype)
         self.valid[layer, ws, off] = True
