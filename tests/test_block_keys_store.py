@@ -289,3 +289,52 @@ def test_a_rejected_write_leaves_every_arena_and_the_staging_unchanged():
     after = [t for t in store.arenas] + [store.window.data, store.window.valid]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert np.array_equal(store.window.slot_of[:1], [0])
+
+
+def test_compaction_moves_sealed_blocks_and_the_partial_one_still_seals():
+    cfg = block_config(kv_window=0)
+    cache = PagedKVCache(cfg)
+    fill(cache, "x", *kv_data(3 * BS, seed=19))       # occupies the low blocks
+    k, v = kv_data(2 * BS + 2, seed=20)
+    fill(cache, "a", k, v)
+    cache.free("x")
+    before = gathers(cache, "a")
+    pairs = cache.compact(["a"])
+    assert len(pairs) == 3                             # every block of a moved down
+    for layer, (gk, gv) in enumerate(gathers(cache, "a")):
+        assert torch.equal(gk, before[layer][0]) and torch.equal(gv, before[layer][1])
+    k2, v2 = kv_data(2, seed=21)
+    slots = cache.reserve("a", 2)
+    for layer in range(L):
+        cache.write(layer, slots, k2, v2)
+    cache.commit("a", 2)
+    assert torch.equal(cache.gather("a", 2)[0], expected_keys(cfg, torch.cat([k, k2])))
+    cache.free("a")
+
+
+def test_full_precision_layers_hold_no_block_key_parameters():
+    cfg = block_config(kv_window=0, kv_full_precision_layers=(0,))
+    cache = PagedKVCache(cfg)
+    assert cache.store.key_scale.shape[0] == L - 1
+    assert cfg.key_param_bytes_per_block == (L - 1) * H * D * 4 and cache.store.nbytes == cfg.total_bytes
+    k, v = kv_data(9, seed=22)
+    fill(cache, "a", k, v)
+    assert torch.equal(cache.gather("a", 0)[0], k)
+    for layer in (1, 2):
+        assert torch.equal(cache.gather("a", layer)[0], expected_keys(cfg, k))
+    cache.free("a")
+
+
+def test_sliding_window_groups_seal_their_blocks_too():
+    # layers 0 and 2 full attention, layer 1 a sliding window of 8: two layer groups
+    cfg = block_config(kv_window=0, layer_windows=(0, 8, 0), num_blocks=48)
+    cache = PagedKVCache(cfg)
+    k, v = kv_data(4 * BS, seed=23)
+    fill(cache, "a", k, v, step=1)
+    want = expected_keys(cfg, k)
+    for layer in (0, 2):
+        assert torch.equal(cache.gather("a", layer)[0], want)
+    keys, _, _, positions = cache.gather_window(["a"], 1)
+    assert len(positions) < 4 * BS                      # the window released whole blocks
+    assert torch.equal(keys, want[positions.long()])    # the blocks it keeps, sealed
+    cache.free("a")
