@@ -4,17 +4,20 @@ Keys have outlier channels, which per-token groups spread over every code of a r
 quantizing each channel over a block's tokens (KIVI's per-channel keys, aligned to the
 paged block) halves int4's loss on SmolLM2 (README, "Low-bit KV"). A channel's range is
 only known once the block is full, so every key is first written per token, as int4
-always does, and its model-precision copy is kept in the window arena. When a write
-leaves a block with all ``block_size`` rows held there, the block is *sealed*: its key
-codes are rewritten from those copies by :func:`pagedkv.quant.quantize_key_block`, and
-its bfloat16 per-channel scale and zero land in the store's ``key_scale``/``key_zero``
-arenas, whose nonzero scale tells the gathers to read the block's keys per channel.
+always does, and its model-precision copy is kept in the window arena. A write that
+fills a block *seals* it: its key codes are rewritten by
+:func:`pagedkv.quant.quantize_key_block` from the exact keys (the write's own rows,
+plus the window copies of the rows written before it, when the window still holds every
+one: a prefill seals every block it writes whole, a decode step the block it finishes), and its bfloat16 per-channel scale and zero land
+in the store's ``key_scale``/``key_zero`` arenas, whose nonzero scale tells the
+gathers to read the block's keys per channel.
 
 A block can only fill when its last row is written, and a sequence writes a block's
 rows in order, so by then every row held was written by the block's current occupant
 (a block that takes a new window slot starts with no row held). A block whose copies
 left the window arena before it filled keeps its per-token keys: less accurate, never
-wrong. A write into a sealed block (a rollback, or a freed block taken by another
+wrong. (That happens to a block begun before a write that spans more blocks than the
+window arena holds: the write's first layer gives the block's slot to newer blocks.) A write into a sealed block (a rollback, or a freed block taken by another
 sequence) unseals it first: the live rows before the write are requantized per token,
 from their window copies when held (exactly what a per-token write would have stored),
 else from their per-channel values.
@@ -44,22 +47,48 @@ class BlockKeys:
         ks = store.key_scale
         self._bits = ks.view(torch.int16).numpy() if ks.device.type == "cpu" else None
 
-    def after_write(self, layer: int, view: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    slots: np.ndarray) -> None:
-        """Unseal the sealed blocks this write touched, then seal the blocks it filled
+    def on_write(self, layer: int, view: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 slots: np.ndarray, key: torch.Tensor) -> None:
+        """After the per-token write and before the window takes this write's rows:
+        unseal the sealed blocks it touched, then seal the blocks it finished (wrote
+        their last row) from their exact keys: this write's own rows, and the window
+        copies of the rows written before, when the window holds every one of them
         (``layer`` indexes the quantized arena; ``slots``: the write's slot mapping)."""
-        slots = slots[slots >= 0]
-        if not len(slots):
+        rows = np.nonzero(slots >= 0)[0]
+        if not len(rows):
             return
-        blocks, first, last = _offset_range(slots, self.bs)
-        sealed = self._sealed(layer, blocks)
-        for b, m in zip(blocks[sealed].tolist(), first[sealed].tolist()):
-            self._unseal(layer, view, scale, zero, b, m)
-        filled = blocks[last == self.bs - 1]
-        if len(filled):
-            full = self.store.window.full_blocks(layer, filled)
-            if len(full):
-                self._seal(layer, view, full)
+        s = slots[rows]
+        blocks, offs = s // self.bs, s % self.bs
+        order = np.lexsort((offs, blocks))
+        b, o, r = blocks[order], offs[order], rows[order]
+        start = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+        end = np.r_[start[1:], len(b)]
+        ids = b[start]
+        sealed = self._sealed(layer, ids)
+        for blk, m in zip(ids[sealed].tolist(), o[start][sealed].tolist()):
+            self._unseal(layer, view, scale, zero, blk, m)
+        finished = o[end - 1] == self.bs - 1
+        if not finished.any():
+            return
+        fin = ids[finished]
+        keys = torch.empty((len(fin), self.bs) + tuple(key.shape[1:]), dtype=torch.float32, device=key.device)
+        have = np.zeros((len(fin), self.bs), dtype=bool)
+        window = self.store.window
+        held = window.slot_of[fin] >= 0
+        if held.any():
+            data, valid = window.rows(layer, fin[held])
+            keys[torch.from_numpy(np.flatnonzero(held)).to(key.device)] = data.to(device=key.device,
+                                                                                  dtype=torch.float32)
+            have[held] = valid.cpu().numpy()
+        group = np.repeat(np.cumsum(finished) - 1, end - start)   # finished-block index per row
+        mine = np.repeat(finished, end - start)
+        gi, go = group[mine], o[mine]
+        keys[torch.from_numpy(gi).to(key.device), torch.from_numpy(go).to(key.device)] = \
+            key[torch.from_numpy(r[mine]).to(key.device)].to(torch.float32)
+        have[gi, go] = True
+        ok = have.all(axis=1)
+        if ok.any():
+            self._seal(layer, view, fin[ok], keys[torch.from_numpy(np.flatnonzero(ok)).to(key.device)])
 
     def _sealed(self, layer: int, blocks: np.ndarray) -> np.ndarray:
         """Whether each block's keys are per channel (its head 0 scale is nonzero; a
@@ -69,8 +98,8 @@ class BlockKeys:
         ks = self.store.key_scale[layer]
         return (ks[torch.from_numpy(blocks).to(ks.device), 0, 0] != 0).cpu().numpy()
 
-    def _seal(self, layer: int, view: torch.Tensor, blocks: np.ndarray) -> None:
-        keys, _ = self.store.window.rows(layer, blocks)
+    def _seal(self, layer: int, view: torch.Tensor, blocks: np.ndarray, keys: torch.Tensor) -> None:
+        """Requantize ``blocks``' keys per channel from their exact ``keys`` ``[n, bs, H, D]``."""
         codes, s, z = quantize_key_block(keys)
         blk = torch.from_numpy(blocks).to(view.device)
         if self.store.layout == "HND":
@@ -103,14 +132,3 @@ class BlockKeys:
         kzero[block] = 0
 
 
-def _offset_range(slots: np.ndarray, bs: int):
-    """Distinct blocks of ``slots``, with the lowest and highest offset written to each."""
-    blocks = slots // bs
-    offs = slots - blocks * bs
-    order = np.lexsort((offs, blocks))
-    b, o = blocks[order], offs[order]
-    head = np.ones(len(b), dtype=bool)
-    head[1:] = b[1:] != b[:-1]
-    tail = np.ones(len(b), dtype=bool)
-    tail[:-1] = head[1:]
-    return b[head].astype(np.int64), o[head].astype(np.int64), o[tail].astype(np.int64)

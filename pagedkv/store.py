@@ -237,9 +237,9 @@ class KVStore:
                      rotation_signs=self.rotation_signs)
         if self.window is not None:
             slots = slot_mapping.cpu().numpy()
+            if self._block_keys is not None:    # before the window's claim can take a block's slot
+                self._block_keys.on_write(i, view, scale, zero, slots, key)
             self.window.write(i, slot_mapping, key, value, slots)
-            if self._block_keys is not None:
-                self._block_keys.after_write(i, view, scale, zero, slots)
 
     def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both

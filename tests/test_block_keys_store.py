@@ -338,3 +338,30 @@ def test_sliding_window_groups_seal_their_blocks_too():
     assert len(positions) < 4 * BS                      # the window released whole blocks
     assert torch.equal(keys, want[positions.long()])    # the blocks it keeps, sealed
     cache.free("a")
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("sequences", [1, 16])
+def test_a_prefill_seals_every_block_it_writes_whole_whatever_the_staging_size(window, sequences):
+    # one staging slot per sequence: a 7-block write keeps at most two blocks' copies,
+    # but every block it writes whole is sealed from the write's own keys
+    cfg = block_config(kv_window=window, kv_window_sequences=sequences)
+    cache = PagedKVCache(cfg)
+    k, v = kv_data(7 * BS + 1, seed=24)
+    fill(cache, "a", k[:2], v[:2])                   # a partial first block, then the rest at once
+    slots = cache.reserve("a", k.shape[0] - 2)
+    for layer in range(L):
+        cache.write(layer, slots, k[2:], v[2:])
+    cache.commit("a", k.shape[0] - 2)
+    want = expected_keys(cfg, k, window)
+    for layer in range(L):
+        got = cache.gather("a", layer)[0]
+        assert torch.equal(got[BS:], want[BS:])
+        # the first block was finished by the write from the window's copies of its first
+        # rows; with one staging slot the first layer's write gave that slot to the
+        # newest block, so the later layers keep that block's per-token keys
+        if sequences > 1 or layer == 0:
+            assert torch.equal(got[:BS], want[:BS])
+        else:
+            assert torch.equal(got[:BS], expected_quantized(cfg, k[:BS]))
+    cache.free("a")
