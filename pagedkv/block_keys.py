@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from pagedkv.ops.reference import _assign, _plane
-from pagedkv.quant import dequantize_key_channels, quantize, quantize_key_block
+from pagedkv import ops
+from pagedkv.quant import dequantize_key_channels, quantize
 from pagedkv.rotation import rotate
 
 __all__ = ["BlockKeys"]
@@ -100,13 +101,8 @@ class BlockKeys:
 
     def _seal(self, layer: int, view: torch.Tensor, blocks: np.ndarray, keys: torch.Tensor) -> None:
         """Requantize ``blocks``' keys per channel from their exact ``keys`` ``[n, bs, H, D]``."""
-        codes, s, z = quantize_key_block(keys)
-        blk = torch.from_numpy(blocks).to(view.device)
-        if self.store.layout == "HND":
-            codes = codes.transpose(1, 2)          # [n, H, bs, D / 2]
-        view[blk, 0] = codes
-        self.store.key_scale[layer, blk] = s
-        self.store.key_zero[layer, blk] = z
+        ops.seal_key_blocks(view, torch.from_numpy(blocks).to(view.device), keys, self.store.key_scale[layer],
+                            self.store.key_zero[layer], layout=self.store.layout)
 
     def _unseal(self, layer: int, view, scale, zero, block: int, live: int) -> None:
         """Requantize rows ``[0, live)`` of ``block``'s keys per token, then clear its seal."""
