@@ -40,6 +40,7 @@ __all__ = [
     "check_out",
     "check_rotation",
     "check_key_channels",
+    "check_seal_key_blocks",
     "check_pairs",
     "check_arenas",
     "check_block_ids",
@@ -268,6 +269,32 @@ def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, 
         if not t.is_contiguous():
             raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {t.stride()}"))
     return True
+
+
+def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout) -> LayerGeometry:
+    """Structural checks of :func:`pagedkv.ops.reference.seal_key_blocks` (the block ids'
+    values are checked by the caller, from one read of them)."""
+    layout = check_layout(layout)
+    kv_layer = check_tensor("kv_layer", kv_layer)
+    if kv_layer.dtype != torch.uint8 or kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
+        want = "[num_blocks, 2, block_size, H, D / 2]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D / 2]"
+        raise ShapeError(expected("kv_layer", f"an int4 (uint8) {layout} layer view {want}",
+                                  f"{kv_layer.dtype} {tuple(kv_layer.shape)}"))
+    nb = kv_layer.shape[0]
+    bs, h = (kv_layer.shape[2], kv_layer.shape[3]) if layout == "NHD" else (kv_layer.shape[3], kv_layer.shape[2])
+    geo = LayerGeometry(nb, bs, h, 2 * kv_layer.shape[4], True, "int4")
+    device = kv_layer.device
+    _index_vector("blocks", blocks, (torch.int64,), device)
+    keys = check_tensor("keys", keys)
+    want = (blocks.shape[0], bs, h, geo.head_dim)
+    if tuple(keys.shape) != want:
+        raise ShapeError(expected("keys", f"shape {want} [len(blocks), block_size, H, head_dim]", tuple(keys.shape)))
+    if keys.dtype not in MODEL_DTYPES:
+        raise DTypeError(expected("keys", f"dtype {dtypes.torch_names(dtypes.MODEL)}", keys.dtype))
+    _same_device("keys", keys, device)
+    if not check_key_channels(key_scale, key_zero, geo, device):
+        raise InvalidArgumentError(expected("key_scale", "a bfloat16 [num_blocks, H, head_dim] tensor", None))
+    return geo
 
 
 def check_csr(indptr, indices, seq_lens, device) -> int:

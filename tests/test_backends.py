@@ -95,7 +95,7 @@ def test_dispatcher_refuses_unknown_and_incomplete_backends(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, partial.__name__, partial)
     monkeypatch.setitem(backends.MODULES, "partial", partial.__name__)
     monkeypatch.setitem(backends._LABELS, "partial", "a partial backend")
-    with pytest.raises(KernelUnavailableError, match=r"provides no gather_kv, gather_kv_padded, copy_blocks, swap_blocks, convert_layout$"):
+    with pytest.raises(KernelUnavailableError, match=r"provides no seal_key_blocks, gather_kv, gather_kv_padded, copy_blocks, swap_blocks, convert_layout$"):
         backends.load("partial")
 
 

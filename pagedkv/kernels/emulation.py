@@ -246,3 +246,11 @@ def convert_layout(arena, src_layout, dst_layout, *, scale=False, grid: Dims = N
     launches, out = plans.plan_convert_layout(arena, src_layout, dst_layout, scale=scale)
     run(launches, grid=grid, block=block)
     return out
+
+
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
+    """:func:`pagedkv.ops.reference.seal_key_blocks` on the emulation (the torch definition runs on
+    the tensors' own device; a block is sealed once per ``block_size`` tokens)."""
+    from pagedkv.ops import reference
+
+    reference.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)

@@ -229,3 +229,11 @@ def convert_layout(arena, src_layout: str, dst_layout: str, *, scale: bool = Fal
         launches, out = plans.plan_convert_layout(as_tensor(arena), src_layout, dst_layout, scale=scale)
         _run(launches, ts, device)
     return out
+
+
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
+    """:func:`pagedkv.ops.reference.seal_key_blocks` on CUDA tensors (the torch definition runs on
+    the tensors' own device; a block is sealed once per ``block_size`` tokens)."""
+    from pagedkv.ops import reference
+
+    reference.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)

@@ -26,6 +26,7 @@ from pagedkv.ops.backends import BACKENDS, resolve_backend
 __all__ = [
     "BACKENDS",
     "write_kv",
+    "seal_key_blocks",
     "gather_kv",
     "gather_kv_padded",
     "copy_blocks",
@@ -78,6 +79,13 @@ def write_kv(
     fn = _impl("write_kv", backend, _device(kv_layer))
     fn(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
        rotation_signs=rotation_signs)
+
+
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD",
+                    backend: str = "auto") -> None:
+    """Requantize whole blocks' keys per channel; see :func:`pagedkv.ops.reference.seal_key_blocks`."""
+    fn = _impl("seal_key_blocks", backend, _device(kv_layer))
+    fn(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
 
 
 def gather_kv(

@@ -28,7 +28,8 @@ from pagedkv.errors import InvalidArgumentError, KernelUnavailableError, expecte
 
 __all__ = ["DataOpsBackend", "OP_NAMES", "BACKENDS", "MODULES", "load", "resolve_backend", "implementation"]
 
-OP_NAMES = ("write_kv", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks", "convert_layout")
+OP_NAMES = ("write_kv", "seal_key_blocks", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks",
+            "convert_layout")
 
 #: backend name -> module implementing :class:`DataOpsBackend`
 MODULES: Dict[str, str] = {
@@ -49,6 +50,8 @@ class DataOpsBackend(Protocol):
 
     def write_kv(self, kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None,
                  rotation_signs=None) -> None: ...
+
+    def seal_key_blocks(self, kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None: ...
 
     def gather_kv(self, kv_layer, indptr, indices, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None,
                   kv_zero=None, out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None): ...

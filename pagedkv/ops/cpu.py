@@ -460,3 +460,11 @@ def swap_blocks(src_arenas, dst_arenas, pairs: torch.Tensor) -> None:
 def convert_layout(arena: torch.Tensor, src_layout: str, dst_layout: str, *, scale: bool = False) -> torch.Tensor:
     """:func:`pagedkv.ops.reference.convert_layout` (torch's strided copy is already memcpy-bound)."""
     return _ref.convert_layout(arena, src_layout, dst_layout, scale=scale)
+
+
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
+    """:func:`pagedkv.ops.reference.seal_key_blocks` on CPU tensors (the torch definition runs on
+    the tensors' own device; a block is sealed once per ``block_size`` tokens)."""
+    from pagedkv.ops import reference
+
+    reference.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)

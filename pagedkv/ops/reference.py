@@ -42,6 +42,7 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
     check_gather,
     check_layer,
     check_key_channels,
+    check_seal_key_blocks,
     check_layout,
     check_out,
     check_padded,
@@ -60,13 +61,14 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
     validate_swap_blocks,
 )
 from pagedkv.errors import ShapeError, expected
-from pagedkv.quant import dequantize, dequantize_key_channels, is_quantized, quantize
+from pagedkv.quant import dequantize, dequantize_key_channels, is_quantized, quantize, quantize_key_block
 from pagedkv.rotation import rotate, unrotate
 
 from pagedkv import op_checks as _op_checks
 
 __all__ = [
     "write_kv",
+    "seal_key_blocks",
     "gather_kv",
     "gather_kv_padded",
     "copy_blocks",
@@ -182,6 +184,41 @@ def write_kv(
                 _assign(kv_zero, layout, kv, blk, off, z)
         else:
             _assign(kv_layer, layout, kv, blk, off, src)
+
+
+def seal_key_blocks(
+    kv_layer: torch.Tensor,
+    blocks: torch.Tensor,
+    keys: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    *,
+    layout: str = "NHD",
+) -> None:
+    """Requantize whole blocks' keys per channel (int4 block keys).
+
+    Args:
+        kv_layer: an int4 (uint8) per-layer view (see :func:`write_kv`).
+        blocks: ``[M]`` int64 distinct block ids (duplicates: which lands is unspecified).
+        keys: ``[M, bs, H, D]`` the blocks' exact keys, float32/float16/bfloat16.
+        key_scale, key_zero: bfloat16 ``[NB, H, D]`` (see :func:`gather_kv`).
+
+    Block ``blocks[i]`` gets :func:`pagedkv.quant.quantize_key_block` of ``keys[i]``: its K
+    plane's codes, and its rows of ``key_scale``/``key_zero``. Nothing else changes.
+
+    Raises:
+        InvalidBlockError: a block id outside ``[0, NB)`` (checked before any write).
+    """
+    geo = check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout)
+    check_block_ids("blocks", blocks.tolist(), geo.num_blocks)
+    if not blocks.numel():
+        return
+    codes, s, z = quantize_key_block(keys)
+    if layout == "HND":
+        codes = codes.transpose(1, 2)
+    kv_layer[blocks, 0] = codes
+    key_scale[blocks] = s
+    key_zero[blocks] = z
 
 
 def _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value, signs,
