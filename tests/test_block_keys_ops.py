@@ -202,6 +202,28 @@ def test_a_large_gather_runs_threaded_and_equals_the_reference():
             assert_outputs_equal(want, got)
 
 
+@pytest.mark.parametrize("table", ["csr", "padded"])
+def test_a_non_contiguous_arena_takes_the_reference_path_with_its_block_keys(table):
+    # the loops take contiguous arenas only; the fallback must still apply key_scale/key_zero
+    d = 16
+    layer, scale, zero = int4_layer("NHD", d, seed=6)
+    wide = torch.zeros(layer.shape[:-1] + (layer.shape[-1] + 4,), dtype=layer.dtype)
+    wide[..., : layer.shape[-1]] = layer
+    strided = wide[..., : layer.shape[-1]]
+    assert not strided.is_contiguous()
+    gen = torch.Generator().manual_seed(6)
+    ks, kz, _ = key_channels(NB, H, d, gen)
+    indptr, indices, block_table, lens = tables(gen)
+    args = (indptr, indices, lens) if table == "csr" else (block_table, lens)
+    kw = dict(out_dtype=torch.float16, kv_scale=scale, kv_zero=zero, key_scale=ks, key_zero=kz)
+    want, _ = both(table, layer, args, **kw)
+    got = (cpu.gather_kv if table == "csr" else cpu.gather_kv_padded)(strided, *args, **kw)
+    plain = (cpu.gather_kv if table == "csr" else cpu.gather_kv_padded)(strided, *args, **dict(kw, key_scale=None,
+                                                                                                key_zero=None))
+    assert_outputs_equal(want, got)
+    assert not torch.equal(got[0], plain[0])
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     layout=st.sampled_from(LAYOUTS),
