@@ -43,6 +43,9 @@ PRECISIONS = {
     "fp8_e4m3_rotated": (dict(kv_dtype="fp8_e4m3", kv_rotation=True), 0.3),
     "int4_window128": (dict(kv_dtype="int4", kv_window=128), 0.1),
     "int4_window0": (dict(kv_dtype="int4", kv_window=0), 1.0),
+    # keys requantized per channel over each full block (kv_key_quant="block")
+    "int4_blockkeys_window128": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block"), 0.1),
+    "int4_blockkeys_window0": (dict(kv_dtype="int4", kv_window=0, kv_key_quant="block"), None),
     "int4_unrotated_window128": (dict(kv_dtype="int4", kv_window=128, kv_rotation=False), None),
     "int4_unrotated_window0": (dict(kv_dtype="int4", kv_window=0, kv_rotation=False), None),
     "int4_window0_fp_first_last": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=(0, -1)), None),

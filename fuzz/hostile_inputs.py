@@ -15,9 +15,10 @@ resumes after it.
 The cache is float32, or quantized with ``--kv-dtype`` (int3 and int4 run with head_dim
 8, a whole int3 pack): the quantizing write and dequantizing gather then take the same
 bad inputs, and the scale, zero-point and window arenas are part of what must not change.
+``--kv-key-quant block`` (int4) adds the block keys' parameter arenas, with sealed blocks.
 
-Usage: ``python fuzz/hostile_inputs.py [--json] [--kv-dtype NAME]``; exit status 1 on any
-failure.
+Usage: ``python fuzz/hostile_inputs.py [--json] [--kv-dtype NAME] [--kv-key-quant MODE]``;
+exit status 1 on any failure.
 """
 from __future__ import annotations
 
@@ -33,12 +34,13 @@ import numpy as np
 
 #: the cache's kv_dtype (None: float32) and head_dim, set by ``--kv-dtype``
 KV_DTYPE = None
+KV_KEY_QUANT = None
 D = 4
 
 
-def set_kv_dtype(name) -> None:
-    global KV_DTYPE, D
-    KV_DTYPE = name
+def set_kv_dtype(name, key_quant=None) -> None:
+    global KV_DTYPE, KV_KEY_QUANT, D
+    KV_DTYPE, KV_KEY_QUANT = name, key_quant
     D = 8 if name in ("int3", "int4") else 4
 
 
@@ -104,7 +106,7 @@ def fixture():
     import torch
     from pagedkv import CacheConfig, PagedKVCache
     cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=D, block_size=4, num_blocks=24, host_num_blocks=8,
-                      dtype=torch.float32, kv_dtype=KV_DTYPE)
+                      dtype=torch.float32, kv_dtype=KV_DTYPE, kv_key_quant=KV_KEY_QUANT)
     cache = PagedKVCache(cfg)
     g = torch.Generator().manual_seed(0)
     prompt = list(range(100, 110))
@@ -241,7 +243,8 @@ def run() -> Dict[str, Any]:
     results: List[Dict[str, Any]] = []
     start = 0
     while start < n:
-        kv = ["--kv-dtype", KV_DTYPE] if KV_DTYPE else []
+        kv = (["--kv-dtype", KV_DTYPE] if KV_DTYPE else []) + (["--kv-key-quant", KV_KEY_QUANT] if KV_KEY_QUANT
+                                                                 else [])
         p = subprocess.run([sys.executable, __file__, "--child", str(start)] + kv, capture_output=True, text=True)
         current = start
         for line in p.stdout.splitlines():
@@ -292,8 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print every case's verdict")
     ap.add_argument("--kv-dtype", default=None, help="quantize the cache (int8, fp8_e4m3, int4, int3...)")
+    ap.add_argument("--kv-key-quant", default=None, help="int4 keys: token (default) or block")
     args = ap.parse_args(argv)
-    set_kv_dtype(args.kv_dtype)
+    set_kv_dtype(args.kv_dtype, args.kv_key_quant)
     if args.child is not None:
         child(args.child)
         return 0

@@ -876,6 +876,8 @@ class PagedKVCache:
             raise ArgumentTypeError(expected("rotated", "True or False", repr(rotated)))
         if rotated and not self.config.kv_rotation:
             raise InvalidArgumentError(expected("rotated", "False for a cache without kv_rotation", True))
+        if rotated and self.config.block_keys:   # full blocks' keys are stored unrotated, per channel
+            raise InvalidArgumentError(expected("rotated", "False for a cache with kv_key_quant='block'", True))
         if self._groups is not None:
             from pagedkv.group_data import layer_slot
 

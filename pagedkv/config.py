@@ -37,6 +37,8 @@ MODEL_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 KV_DTYPE_NAMES: Dict[str, float] = {d.name: d.element_bytes for d in dtypes.QUANTIZED}
 #: default recent window (tokens kept in model precision) per quantized kv dtype
 DEFAULT_KV_WINDOW: Dict[str, int] = {"int4": 128, "int3": 128}
+#: ``kv_key_quant`` values: keys quantized per token (as values), or per channel over each full block.
+KEY_QUANT_MODES = ("token", "block")
 #: int4 group size along head_dim when none is given (chosen by measurement; README)
 DEFAULT_INT4_GROUP = 64
 #: int3 group size along head_dim when none is given and it divides head_dim (else the
@@ -172,6 +174,14 @@ class CacheConfig:
       give way first). Its bytes count in ``total_bytes`` and the budget. A reader
       that holds its pass's tokens in flight (``gather_pages(pending=)``, as
       ``PagedCache`` does) gets the ``kv_window`` tokens before the pass exact.
+    - ``kv_key_quant``: int4 only: ``"token"`` (default: keys quantized per token, as
+      values) or ``"block"``: once a block's ``block_size`` keys are all written, they
+      are requantized per channel over the block (KIVI's per-channel keys, aligned to
+      blocks; :func:`pagedkv.quant.quantize_key_block`), from the model-precision
+      copies the window arena holds. A block that never fills, or whose copies left the
+      window arena first (more than ``kv_window_sequences`` sequences writing at once),
+      keeps its per-token keys. The window arena exists even with ``kv_window=0``.
+      Costs ``32 / block_size`` bits per key element for the bfloat16 parameters.
     - ``kv_full_precision_layers``: layer indices (negative counts from the end) kept
       in model precision (no scales, no window).
 
@@ -220,6 +230,7 @@ class CacheConfig:
     kv_rotation_seed: int = 0
     kv_window: Optional[int] = None
     kv_window_sequences: int = 16
+    kv_key_quant: Optional[str] = None
     kv_full_precision_layers: Tuple[int, ...] = ()
     tp_size: int = 1
     tp_rank: int = 0
@@ -382,6 +393,7 @@ class CacheConfig:
         q = self.kv_dtype
         if q is None:
             for name, ok in (("kv_group_size", self.kv_group_size is None), ("kv_rotation", not self.kv_rotation),
+                             ("kv_key_quant", self.kv_key_quant in (None, "token")),
                              ("kv_window", not self.kv_window), ("kv_full_precision_layers",
                                                                  not self.kv_full_precision_layers)):
                 if not ok:
@@ -389,8 +401,16 @@ class CacheConfig:
                                                         repr(getattr(self, name))))
             put("kv_rotation", False)
             put("kv_window", 0)
+            put("kv_key_quant", "token")
             put("kv_full_precision_layers", ())
             return
+        kq = "token" if self.kv_key_quant is None else self.kv_key_quant
+        if kq not in KEY_QUANT_MODES:
+            raise InvalidArgumentError(expected("kv_key_quant", "'token' or 'block'", repr(kq)))
+        if kq == "block" and q != "int4":
+            raise InvalidArgumentError(expected("kv_key_quant", f"'token' for kv_dtype={q!r} ('block' is int4 only)",
+                                                repr(kq)))
+        put("kv_key_quant", kq)
         if q == "int4":
             if self.head_dim % 2:
                 raise InvalidArgumentError(expected("head_dim", "an even head_dim for int4 (two codes per byte)",
@@ -462,12 +482,28 @@ class CacheConfig:
         """Stored bits per K/V element of a quantized layer, scales included (model bits if none)."""
         if not self.quantized:
             return 8.0 * MODEL_DTYPE_NAMES[self.dtype]
-        return 8.0 * self.quant_head_bytes / self.head_dim
+        return 8.0 * self.quant_head_bytes / self.head_dim + (16.0 / self.block_size if self.block_keys else 0.0)
+
+    @property
+    def block_keys(self) -> bool:
+        """Whether full blocks' keys are requantized per channel (``kv_key_quant="block"``)."""
+        return self.kv_key_quant == "block"
+
+    @property
+    def key_param_bytes_per_block(self) -> int:
+        """Bytes of one block's per-channel key parameters across the quantized layer
+        slots (bfloat16 scale and zero per head and channel), 0 without block keys."""
+        if not self.block_keys:
+            return 0
+        lq = len(self.quantized_layers) if self._groups is None else self.arena_layers
+        return lq * self.kv_heads_per_rank * self.head_dim * 4
 
     @property
     def window_blocks(self) -> int:
-        """Blocks in the window arena: ``kv_window_sequences * (ceil(kv_window / block_size) + 1)``."""
-        if not self.kv_window:
+        """Blocks in the window arena: ``kv_window_sequences * (ceil(kv_window / block_size) + 1)``
+        (block keys stage each sequence's newest block there, so it exists with
+        ``kv_window=0`` too)."""
+        if not self.kv_window and not self.block_keys:
             return 0
         return self.kv_window_sequences * (-(-self.kv_window // self.block_size) + 1)
 
@@ -519,7 +555,12 @@ class CacheConfig:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token across all layers (with sliding layers: across a block's
-        :attr:`arena_layers` layer slots), K and V, including quantization scales."""
+        :attr:`arena_layers` layer slots), K and V, including quantization scales (block
+        keys' per-block parameters as a per-token share, rounded up)."""
+        return self._row_bytes_per_token + -(-self.key_param_bytes_per_block // self.block_size)
+
+    @property
+    def _row_bytes_per_token(self) -> int:
         full = self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
         layers = self.arena_layers
         if not self.quantized:
@@ -531,7 +572,7 @@ class CacheConfig:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block (``block_size`` tokens) across all layers."""
-        return self.bytes_per_token * self.block_size
+        return self._row_bytes_per_token * self.block_size + self.key_param_bytes_per_block
 
     @property
     def resolved_num_blocks(self) -> int:

@@ -154,6 +154,7 @@ def plan(
     kv_dtype: Any = None,
     layout: str = "NHD",
     attention_sinks: int = 0,
+    kv_key_quant: Any = None,
 ) -> PlanResult:
     """Plan a cache for a model.
 
@@ -162,9 +163,10 @@ def plan(
             config, dict, path to config.json).
         budget: bytes, or a string like ``"4GiB"``.
         max_seq_len: the full sequence length to count sequences of.
+        kv_key_quant: int4 only: ``"block"`` for per-channel keys (see :class:`CacheConfig`).
     """
     cfg = CacheConfig.from_hf_config(
         model_config, memory_budget=budget, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, layout=layout,
-        attention_sinks=attention_sinks,
+        attention_sinks=attention_sinks, kv_key_quant=kv_key_quant,
     )
     return plan_config(cfg, max_seq_len)

@@ -29,6 +29,7 @@ from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.ops import reference
 from pagedkv.rotation import rotate, rotation_signs
+from pagedkv.block_keys import BlockKeys
 from pagedkv.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
@@ -91,21 +92,23 @@ class KVStore:
         for i, layer in enumerate(sorted(full)):
             self._where[layer] = (False, i)
         self._num_main, self._num_full = len(quant), len(full)
-        (self.kv, self.kv_scale, self.kv_zero, self.kv_full) = self._allocate(
+        (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full) = self._allocate(
             config.resolved_num_blocks, self.device, pin=False)
         self.host_kv = self.host_kv_scale = self.host_kv_zero = self.host_kv_full = None
+        self.host_key_scale = self.host_key_zero = None
         if config.host_num_blocks:
             pin = self.device.type == "cuda"
-            (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_kv_full) = self._allocate(
-                config.host_num_blocks, torch.device("cpu"), pin=pin)
+            (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale, self.host_key_zero,
+             self.host_kv_full) = self._allocate(config.host_num_blocks, torch.device("cpu"), pin=pin)
         self.rotation_signs = None
         if config.kv_rotation:
             self.rotation_signs = rotation_signs(config.head_dim, config.kv_rotation_seed).to(self.device)
         self.window = self.host_window = None
-        if config.kv_window:
+        if config.window_blocks:
             self.window = self._window(config.resolved_num_blocks, self.device)
             if config.host_num_blocks:
                 self.host_window = self._window(config.host_num_blocks, torch.device("cpu"))
+        self._block_keys = BlockKeys(self) if config.block_keys else None
 
     def _window(self, num_blocks: int, device: torch.device) -> RecentWindow:
         c = self.config
@@ -117,17 +120,21 @@ class KVStore:
         kw = dict(device=device, pin_memory=pin) if pin else dict(device=device)
         shape = (self._num_main,) + cfg.layer_shape(num_blocks)
         kv = torch.zeros(shape, dtype=cfg.torch_cache_dtype, **kw)
-        scale = zero = full = None
+        scale = zero = kscale = kzero = full = None
         if cfg.quantized:
             groups = (cfg.head_dim // cfg.kv_group_size,) if dtypes.info(cfg.kv_dtype).grouped else ()
             scale = torch.zeros(shape[:-1] + groups, dtype=cfg.torch_scale_dtype, **kw)
             if dtypes.info(cfg.kv_dtype).zero_point:
                 zero = torch.zeros(shape[:-1] + groups, dtype=cfg.torch_scale_dtype, **kw)
+        if cfg.block_keys:   # a zero scale marks a block whose keys are still per token
+            kshape = (self._num_main, num_blocks, cfg.kv_heads_per_rank, cfg.head_dim)
+            kscale = torch.zeros(kshape, dtype=torch.bfloat16, **kw)
+            kzero = torch.zeros(kshape, dtype=torch.bfloat16, **kw)
         if self._num_full:
             d = cfg.head_dim
             fshape = (self._num_full,) + cfg.layer_shape(num_blocks)[:-1] + (d,)
             full = torch.zeros(fshape, dtype=cfg.torch_dtype, **kw)
-        return kv, scale, zero, full
+        return kv, scale, zero, kscale, kzero, full
 
     # -- views --------------------------------------------------------------------
 
@@ -169,13 +176,21 @@ class KVStore:
         zero = self.kv_zero[i] if self.kv_zero is not None else None
         return scale, zero
 
+    def layer_key_params(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Per-layer block-key ``(scale, zero)`` views ``[NB, H, D]`` (bfloat16; see
+        :func:`pagedkv.quant.quantize_key_block`), or ``(None, None)``."""
+        main, i = self._where[self._layer_index(layer)]
+        if not main or self.key_scale is None:
+            return None, None
+        return self.key_scale[i], self.key_zero[i]
+
     def _groups(self, host: bool = False) -> List[List[torch.Tensor]]:
         """Arena groups that share a leading ``num_layers`` dim (for block copies)."""
         if host:
-            main = [self.host_kv, self.host_kv_scale, self.host_kv_zero]
+            main = [self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale, self.host_key_zero]
             full = self.host_kv_full
         else:
-            main = [self.kv, self.kv_scale, self.kv_zero]
+            main = [self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero]
             full = self.kv_full
         groups = [[t for t in main if t is not None and t.shape[0]]]
         if full is not None:
@@ -184,14 +199,16 @@ class KVStore:
 
     @property
     def arenas(self) -> List[torch.Tensor]:
-        """The device arenas: data, then scale and zero when stored, then the model-precision layers."""
-        return [t for t in (self.kv, self.kv_scale, self.kv_zero, self.kv_full) if t is not None]
+        """The device arenas: data, then scale and zero when stored, block-key scale and
+        zero when stored, then the model-precision layers."""
+        return [t for t in (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full)
+                if t is not None]
 
     @property
     def host_arenas(self) -> List[torch.Tensor]:
         """The host-tier arenas (empty without a host tier)."""
-        return [t for t in (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_kv_full)
-                if t is not None]
+        return [t for t in (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale,
+                            self.host_key_zero, self.host_kv_full) if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -219,7 +236,10 @@ class KVStore:
         ops.write_kv(view, slot_mapping, key, value, layout=self.layout, kv_scale=scale, kv_zero=zero,
                      rotation_signs=self.rotation_signs)
         if self.window is not None:
-            self.window.write(i, slot_mapping, key, value)
+            slots = slot_mapping.cpu().numpy()
+            self.window.write(i, slot_mapping, key, value, slots)
+            if self._block_keys is not None:
+                self._block_keys.after_write(i, view, scale, zero, slots)
 
     def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
@@ -237,7 +257,7 @@ class KVStore:
         to_rotated = (lambda x: rotate(x.float(), self.rotation_signs)) if rotated else None
         if not main and not rotated:
             return read(self._out_dtype(main), None, out_key, out_value)
-        if main and self.window is None:
+        if main and (self.window is None or not self.window.window):   # no window rows to overlay
             return read(self._out_dtype(main), signs, out_key, out_value)
         model = self.config.torch_dtype
         geo, _ = reference.check_gather(view, self.layout, model, scale, zero)
@@ -272,9 +292,12 @@ class KVStore:
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
+        kscale, kzero = self.layer_key_params(layer)
+
         def read(out_dtype, signs, ok, ov):
             return ops.gather_kv(view, indptr, indices, seq_lens, layout=self.layout, out_dtype=out_dtype,
-                                 kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov, rotation_signs=signs)
+                                 kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov, rotation_signs=signs,
+                                 key_scale=kscale, key_zero=kzero)
 
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
@@ -294,10 +317,12 @@ class KVStore:
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
+        kscale, kzero = self.layer_key_params(layer)
+
         def read(out_dtype, signs, ok, ov):
             return ops.gather_kv_padded(view, block_table, seq_lens, layout=self.layout, out_dtype=out_dtype,
                                         kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov,
-                                        rotation_signs=signs)
+                                        rotation_signs=signs, key_scale=kscale, key_zero=kzero)
 
         def blocks():
             return blocks_of_padded(block_table.cpu().numpy())

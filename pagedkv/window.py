@@ -137,12 +137,14 @@ class RecentWindow:
 
     # -- data -------------------------------------------------------------------------
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              slots: Optional[np.ndarray] = None) -> None:
         """Keep the model-precision K/V of the written tokens (slots < 0 skipped).
 
         Every layer claims the same blocks (an engine writes the same slots in each
-        layer), so the claim after the first layer of a step only refreshes stamps."""
-        slots = slot_mapping.cpu().numpy()
+        layer), so the claim after the first layer of a step only refreshes stamps.
+        ``slots``: ``slot_mapping`` as numpy, when the caller has it already."""
+        slots = slot_mapping.cpu().numpy() if slots is None else slots
         ok = np.nonzero(slots >= 0)[0]
         if not len(ok):
             return
@@ -159,6 +161,20 @@ class RecentWindow:
         self.data[layer, ws, 0, off] = key[rows].to(self.data.dtype)
         self.data[layer, ws, 1, off] = value[rows].to(self.data.dtype)
         self.valid[layer, ws, off] = True
+
+    def full_blocks(self, layer: int, blocks: np.ndarray) -> np.ndarray:
+        """Those of ``blocks`` (distinct) whose every row is held for ``layer``."""
+        ws = self.slot_of[blocks]
+        held = ws >= 0
+        if not held.any():
+            return blocks[:0]
+        full = self.valid[layer, torch.from_numpy(ws[held]).to(self.valid.device)].all(dim=-1).cpu().numpy()
+        return blocks[held][full]
+
+    def rows(self, layer: int, blocks: np.ndarray, kv: int = 0):
+        """``(data, valid)`` of held ``blocks`` for ``layer``: ``[n, bs, H, D]`` and ``[n, bs]``."""
+        ws = torch.from_numpy(self.slot_of[blocks]).to(self.data.device)
+        return self.data[layer, ws, kv], self.valid[layer, ws]
 
     def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
                 value: torch.Tensor, pending: Optional[np.ndarray] = None, transform=None) -> None:

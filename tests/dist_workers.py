@@ -27,8 +27,10 @@ from pagedkv.errors import PagedKVError, TransferError  # noqa: E402
 
 TIMEOUT = 30.0
 # quantized handoffs: per-token scales; int4 with its recent window (head_dim 8, a window
-# of 6 tokens over blocks of 4), whose model-precision rows travel with the codes
-QUANTIZED_HANDOFFS = [("int8", {}), ("fp8_e4m3", {}), ("int4", dict(head_dim=8, kv_window=6))]
+# of 6 tokens over blocks of 4), whose model-precision rows travel with the codes; int4
+# block keys, whose per-channel parameters travel as an arena
+QUANTIZED_HANDOFFS = [("int8", {}), ("fp8_e4m3", {}), ("int4", dict(head_dim=8, kv_window=6)),
+                      ("int4", dict(head_dim=8, kv_window=0, kv_key_quant="block"))]
 
 
 def tokens(start, n):
@@ -96,7 +98,8 @@ def handoff(rank, out):
             q = make(num_blocks=32, kv_dtype=kv_dtype, **extra)
             pd.recv_sequence(q, 0, timeout=TIMEOUT)
             want = reference_kv(req, kv_dtype=kv_dtype, **extra)
-            name = kv_dtype + ("_window" if extra.get("kv_window") else "")
+            name = kv_dtype + ("_window" if extra.get("kv_window") else "") + (
+                "_block_keys" if extra.get("kv_key_quant") == "block" else "")
             out[f"{name}_exact"] = all(torch.equal(q.gather("req", layer)[0], k) and
                                        torch.equal(q.gather("req", layer)[1], v)
                                        for layer, (k, v) in enumerate(want))

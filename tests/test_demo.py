@@ -96,12 +96,17 @@ def test_request_that_can_never_fit(tiny):
         run_serve(model, tok, requests=1, max_new_tokens=8, block_size=16, num_blocks=4)
 
 
-def test_quantized_kv_runs(tiny):
+@pytest.mark.parametrize("kv", [["int8"], ["int4", "--kv-key-quant", "block"]], ids=["int8", "int4-block-keys"])
+def test_quantized_kv_runs(tiny, kv):
     model, tok = tiny
-    result, kv = run_serve(model, tok, requests=3, max_new_tokens=6, kv_dtype="int8")
-    assert kv.config.cache_dtype == "int8"
+    flags = build_parser().parse_args(["demo", "--model", "tiny", "--kv-dtype"] + kv)
+    result, cache = run_serve(model, tok, requests=3, max_new_tokens=6, kv_dtype=flags.kv_dtype,
+                              kv_key_quant=flags.kv_key_quant)
+    assert cache.config.cache_dtype == kv[0] and cache.config.kv_key_quant == (kv[2] if len(kv) > 1 else "token")
+    if cache.config.block_keys:   # the shared system prompt's full blocks were sealed
+        assert bool(cache.store.key_scale.any())
     assert all(1 <= len(r.output_ids) <= r.max_new_tokens for r in result.requests)
-    assert len(kv) == 0
+    assert len(cache) == 0
 
 
 @pytest.mark.model

@@ -60,6 +60,7 @@ def test_sequence_and_prefix_handoff_between_processes(tmp_path):
     assert recv["int8_exact"] and recv["fp8_e4m3_exact"]   # quantized blocks move with their scales
     # and with their recent-window rows: the receiver reads the newest tokens exactly
     assert recv["int4_window_exact"] and recv["int4_window_differs_from_codes"]
+    assert recv["int4_block_keys_exact"]                  # and block keys with their parameters
     assert send["prefix_sent"] == recv["prefix_received"] == [4, 0]
     assert recv["prefix_hit"] == 16
     wide, small, exists = recv["refusals"]

@@ -15,11 +15,12 @@ from pagedkv.errors import InvalidArgumentError
 SCRIPT = Path(__file__).resolve().parents[1] / "fuzz" / "hostile_inputs.py"
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8_e4m3", "int4", "int3"], ids=str)
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8_e4m3", "int4", "int3", "int4 block"], ids=str)
 def test_every_hostile_input_gets_a_typed_error_and_leaves_state_unchanged(kv_dtype):
     # quantized caches too: their writes and gathers run other loops, and their scale,
-    # zero-point and window arenas are part of the state a failing call must not change
-    extra = ["--kv-dtype", kv_dtype] if kv_dtype else []
+    # zero-point, block-key and window arenas are part of the state a failing call must not change
+    name, _, key_quant = (kv_dtype or "").partition(" ")
+    extra = (["--kv-dtype", name] if name else []) + (["--kv-key-quant", key_quant] if key_quant else [])
     p = subprocess.run([sys.executable, str(SCRIPT)] + extra, capture_output=True, text=True, timeout=600)
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]

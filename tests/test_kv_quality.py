@@ -63,7 +63,8 @@ def test_issue_goals_hold_on_held_out_text(smollm2):
     todo = [Variant("int8", dict(kv_dtype="int8")),
             Variant("fp8_rot", dict(kv_dtype="fp8_e4m3", kv_rotation=True)),
             Variant("int4_w0", dict(kv_dtype="int4", kv_window=0)),
-            Variant("int3_w0", dict(kv_dtype="int3", kv_window=0))]
+            Variant("int3_w0", dict(kv_dtype="int3", kv_window=0)),
+            Variant("int4_block_w0", dict(kv_dtype="int4", kv_window=0, kv_key_quant="block"))]
     q = kv_quality.evaluate(model, ids, todo, 1024, 512, 256)
     base = q["float32"]["perplexity"]
     rel = {v.name: 100 * (q[v.name]["perplexity"] - base) / base for v in todo}
@@ -74,3 +75,7 @@ def test_issue_goals_hold_on_held_out_text(smollm2):
     assert rel["int3_w0"] <= 3.0 and todo[3].sizes(model)["bits_per_element"] <= 4.0, (rel, q)
     # more bits lose less, by KL (the perplexity delta of a near-lossless format is noise)
     assert q["int8"]["kl"] < q["fp8_rot"]["kl"] < q["int4_w0"]["kl"] < q["int3_w0"]["kl"], q
+    # keys per channel over each full block lose much less than per-token int4, for one
+    # more bit per element (the bfloat16 parameters of blocks of 16)
+    assert q["int4_block_w0"]["kl"] < 0.7 * q["int4_w0"]["kl"] and rel["int4_block_w0"] < rel["int4_w0"], (rel, q)
+    assert todo[4].sizes(model)["bits_per_element"] <= 6.0

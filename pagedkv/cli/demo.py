@@ -91,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks in the arena (default 256)")
     p.add_argument("--kv-dtype", default=None,
                    help="KV storage: model dtype (default), fp8, fp8_e5m2, int8, int4 or int3")
+    p.add_argument("--kv-key-quant", default=None, choices=("token", "block"),
+                   help="int4 keys: per token (default) or per channel over each full block")
     p.add_argument("--max-batch", type=int, default=8, help="most requests decoding at once")
     p.add_argument("--arrival-gap", type=int, default=2, help="engine steps between request arrivals")
     p.add_argument("--seed", type=int, default=0, help="free-list shuffle seed (blocks out of order)")
@@ -264,7 +266,8 @@ def build_kv(model, args):
     from pagedkv.config import CacheConfig
 
     cfg = CacheConfig.from_hf_config(model.config, num_blocks=args.num_blocks, block_size=args.block_size,
-                                     dtype=torch.float32, kv_dtype=args.kv_dtype, shuffle_free_blocks=args.seed)
+                                     dtype=torch.float32, kv_dtype=args.kv_dtype, kv_key_quant=args.kv_key_quant,
+                                     shuffle_free_blocks=args.seed)
     return PagedKVCache(cfg)
 
 

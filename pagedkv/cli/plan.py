@@ -23,7 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, metavar="TOKENS", help="full sequence length to plan for")
     parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS")
     parser.add_argument("--dtype", default="fp16", help="model dtype: fp32, fp16 (default), bf16")
-    parser.add_argument("--kv-dtype", default=None, help="cache dtype: same as --dtype (default), fp8, fp8_e5m2, int8")
+    parser.add_argument("--kv-dtype", default=None,
+                        help="cache dtype: same as --dtype (default), fp8, fp8_e5m2, int8, int4, int3")
+    parser.add_argument("--kv-key-quant", default=None, choices=("token", "block"),
+                        help="int4 keys: per token (default) or per channel over each full block")
     parser.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
     parser.add_argument("--attention-sinks", type=int, default=0, metavar="TOKENS",
                         help="leading tokens every sliding-window layer keeps (StreamingLLM sinks)")
@@ -34,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``pagedkv plan``; returns the exit status."""
     explicit = (args.num_layers, args.num_kv_heads, args.head_dim)
     opts = dict(memory_budget=args.budget, block_size=args.block_size, dtype=args.dtype,
-                kv_dtype=args.kv_dtype, layout=args.layout, attention_sinks=args.attention_sinks)
+                kv_dtype=args.kv_dtype, layout=args.layout, attention_sinks=args.attention_sinks,
+                kv_key_quant=args.kv_key_quant)
     try:
         if args.model_config is not None:
             if any(v is not None for v in explicit):
