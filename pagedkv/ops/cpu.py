@@ -4,7 +4,7 @@ Each function runs the reference's structural checks (same errors, same messages
 then hands pointers, byte strides and counts to the Cython loops in
 :mod:`pagedkv.ops._cpu_copy` (byte moves) and :mod:`pagedkv.ops._cpu_quant`
 (quantizing writes, dequantizing gathers of fp8, int8, int4 and int3 arenas, int4 block
-keys included), which check index values before the first byte moves. Cases the loops
+keys included, and the sealing of block keys), which check index values before the first byte moves. Cases the loops
 do not cover go to the reference after the same checks: non-contiguous arenas (or
 scale/zero views), a zero-length ``head_dim`` of a quantized arena (the reference names
 the error).
@@ -34,6 +34,7 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "convert_layout",
+    "seal_key_blocks",
 ]
 
 #: True when the compiled loops are importable.
@@ -463,8 +464,24 @@ def convert_layout(arena: torch.Tensor, src_layout: str, dst_layout: str, *, sca
 
 
 def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
-    """:func:`pagedkv.ops.reference.seal_key_blocks` on CPU tensors (the torch definition runs on
-    the tensors' own device; a block is sealed once per ``block_size`` tokens)."""
-    from pagedkv.ops import reference
-
-    reference.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+    """:func:`pagedkv.ops.reference.seal_key_blocks` on CPU tensors: the reference's checks,
+    then one C loop over the blocks (``key_seal.h``); the block ids are read once, by the
+    loop, which refuses a bad one before any write."""
+    geo = _ref.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout)
+    _require_cpu("kv_layer", kv_layer)
+    # an empty dim (the reference names it) or strided code bytes: the torch definition
+    if (_q is None or 0 in (geo.block_size, geo.num_heads, geo.head_dim)
+            or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1)):
+        _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+        return
+    blocks = _c_contig(blocks)
+    keys = keys if keys.stride(3) == 1 else keys.contiguous()   # each (token, head) row read as one run
+    ls, ks, es = kv_layer.stride(), keys.stride(), keys.element_size()
+    tok, head = (ls[2], ls[3]) if layout == "NHD" else (ls[3], ls[2])
+    bad, value = _q.seal_key_blocks(
+        kv_layer.data_ptr(), ls[0], tok, head, key_scale.data_ptr(), key_zero.data_ptr(), blocks.data_ptr(),
+        blocks.shape[0], keys.data_ptr(), ks[0] * es, ks[1] * es, ks[2] * es, _model_code(keys.dtype),
+        geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim,
+    )
+    if bad >= 0:   # the value the loop saw: the caller's tensor may have changed since
+        raise _ref.block_id_error("blocks", value, geo.num_blocks, f"row {bad}")
