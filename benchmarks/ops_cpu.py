@@ -45,6 +45,12 @@ float32 gather of the same tables (``f32_ns``: a float32 arena into float32 outp
 is ``op_ns / f32_ns``), the per-token int4 gather (``per_token_ns``, same rotation) and the
 torch reference (``reference_ns``).
 
+``seal_key_blocks``: int4 block keys' sealing (the per-channel requantization of whole
+blocks: one per sequence and layer every ``block_size`` decode steps, every whole block
+of a prefill) of ``blocks`` blocks of float32 keys ``[16, H, D]`` per call into scattered
+blocks of an int4 arena, on one thread, timed interleaved with the torch reference
+(``reference_ns``); ``ns_per_block`` is ``op_ns`` over the blocks sealed.
+
 Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N] [--threads N] [--kv-dtypes int3,int4]``
 (``--kv-dtypes``: only the quantized figures of those formats).
 """
@@ -373,6 +379,47 @@ def bench_block_key_gather(label, h, d, dtype, seq_tokens, num_tables, iters, re
     return figs
 
 
+def bench_seal(label, h, d, num_blocks, arena_blocks, iters, repeats) -> Dict[str, object]:
+    nb = max(arena_blocks, num_blocks)
+    data = torch.zeros(nb, 2, BLOCK_SIZE, h, d // 2, dtype=torch.uint8)
+    key_scale = torch.zeros(nb, h, d, dtype=torch.bfloat16)
+    key_zero = torch.zeros(nb, h, d, dtype=torch.bfloat16)
+    perm = torch.randperm(nb)
+    calls = max(1, nb // num_blocks)
+    # call i seals the next num_blocks of a scattered order, as successive decode steps would
+    block_sets = [perm[c * num_blocks:(c + 1) * num_blocks].contiguous() for c in range(calls)]
+    keys = torch.randn(num_blocks, BLOCK_SIZE, h, d) * 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t = median_ns(
+            {
+                "op": lambda i: ops.seal_key_blocks(data, block_sets[i % calls], keys, key_scale, key_zero),
+                "reference": lambda i: ops.seal_key_blocks(data, block_sets[i % calls], keys, key_scale, key_zero,
+                                                           backend="reference"),
+            },
+            {"op": iters, "reference": max(1, iters // 10)},
+            repeats,
+        )
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "figure": "seal_key_blocks",
+        "shape": label,
+        "dtype": "float32",
+        "kv_dtype": "int4",
+        "blocks": num_blocks,
+        "block": [BLOCK_SIZE, h, d],
+        "op_ns": round(t["op"]),
+        "ns_per_block": round(t["op"] / num_blocks),
+        "reference_ns": round(t["reference"]),
+        "reference_ns_per_block": round(t["reference"] / num_blocks),
+        "speedup_vs_reference": round(t["reference"] / t["op"], 2),
+        "threads": used,
+    }
+
+
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few iterations (CI)")
@@ -393,11 +440,12 @@ def main(argv: List[str] = None) -> int:
         print(json.dumps({"error": "pagedkv.ops._cpu_copy is not built; timing the reference instead"}))
     torch.manual_seed(0)
     if args.smoke:
-        sizes = dict(num_seqs=8, blocks_per_seq=2, steps=4, seq_tokens=64, num_tables=2, iters=5, repeats=3)
+        sizes = dict(num_seqs=8, blocks_per_seq=2, steps=4, seq_tokens=64, num_tables=2, iters=5, repeats=3,
+                     seal_arena=128)
         shapes, dtypes = SHAPES[:1], DTYPES[:1]
     else:
         sizes = dict(num_seqs=256, blocks_per_seq=16, steps=256, seq_tokens=4096, num_tables=16, iters=200,
-                     repeats=7)
+                     repeats=7, seal_arena=4096)
         shapes, dtypes = SHAPES, DTYPES
     repeats = args.repeats or sizes["repeats"]
     for label, h, d in shapes if args.kv_dtypes is None else ():
@@ -419,6 +467,11 @@ def main(argv: List[str] = None) -> int:
                                                    max(1, sizes["iters"] // 10), repeats)
                 for fig in figs:
                     print(json.dumps(fig), flush=True)
+    if "int4" in quant_kv:
+        for label, h, d in shapes:
+            for num_blocks in (1, 64):
+                print(json.dumps(bench_seal(label, h, d, num_blocks, sizes["seal_arena"],
+                                            max(1, sizes["iters"] // max(1, num_blocks // 8)), repeats)), flush=True)
     return 0
 
 

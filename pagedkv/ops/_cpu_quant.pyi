@@ -51,3 +51,22 @@ def gather_quant(
     key_scale_ptr: int = 0,
     key_zero_ptr: int = 0,
 ) -> None: ...
+def seal_key_blocks(
+    layer_ptr: int,
+    layer_block_stride: int,
+    layer_tok_stride: int,
+    layer_head_stride: int,
+    key_scale_ptr: int,
+    key_zero_ptr: int,
+    blocks_ptr: int,
+    num_seal: int,
+    keys_ptr: int,
+    keys_block_stride: int,
+    keys_tok_stride: int,
+    keys_head_stride: int,
+    in_type: int,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_dim: int,
+) -> Tuple[int, int]: ...

@@ -3,8 +3,8 @@
 # distutils: extra_link_args = -fopenmp
 """Quantizing write and dequantizing gather of the fast CPU ops, on raw tensor pointers.
 
-The row arithmetic is ``quant_rows.h`` and, for int4 block keys, ``key_rows.h``
-(pagedkv/quant.py's, bit for bit). As in :mod:`pagedkv.ops._cpu_copy`, the Python side
+The row arithmetic is ``quant_rows.h`` and, for int4 block keys, ``key_rows.h`` (gather)
+and ``key_seal.h`` (``seal_key_blocks``) (pagedkv/quant.py's, bit for bit). As in :mod:`pagedkv.ops._cpu_copy`, the Python side
 (:mod:`pagedkv.ops.cpu`) has checked every shape, dtype, device and contiguity, and
 hands over addresses, byte strides and counts; slot values are checked here, from a
 private snapshot, before the first byte moves. Block tables arrive already snapshotted and validated (``validate_csr`` /
@@ -27,7 +27,7 @@ unrotates each dequantized float32 row before converting it (quant_rows.h). The 
 are copied once, before the loops, like the slots.
 """
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint16_t, uintptr_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 from cython.parallel cimport parallel, prange
 cimport openmp
@@ -51,6 +51,11 @@ cdef extern from "key_rows.h" nogil:
     pkv_key_row_fn pkv_pick_key_row()
     int pkv_key_sealed(const uint16_t* scale)
 
+cdef extern from "key_seal.h" nogil:
+    ctypedef void (*pkv_seal_head_fn)(const char* x, int in_type, int64_t x_tok, int64_t bs, int64_t head_dim,
+                                      uint8_t* q, int64_t q_tok, uint16_t* scale, uint16_t* zero)
+    pkv_seal_head_fn pkv_pick_seal_head()
+
 #: codes of the model dtypes (write input, gather output) and of the storage formats
 MODEL_CODES = {"float32": PKV_F32, "float16": PKV_F16, "bfloat16": PKV_BF16}
 QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "int4": PKV_INT4, "int3": PKV_INT3}
@@ -59,6 +64,7 @@ QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "in
 cdef pkv_quantize_row_fn quantize_row = pkv_pick_quantize_row()
 cdef pkv_dequantize_row_fn dequantize_row = pkv_pick_dequantize_row()
 cdef pkv_key_row_fn key_row = pkv_pick_key_row()
+cdef pkv_seal_head_fn seal_head = pkv_pick_seal_head()
 
 #: which build of the row functions runs: "avx2" (256-bit vectors, F16C) or "baseline"
 ROW_ISA = "avx2" if pkv_use_avx2() else "baseline"
@@ -305,3 +311,86 @@ def gather_quant(
     free(tmp)
     free(signs)
     free(token_row)
+
+
+def seal_key_blocks(
+    uintptr_t layer_ptr,
+    int64_t layer_block_stride,
+    int64_t layer_tok_stride,
+    int64_t layer_head_stride,
+    uintptr_t key_scale_ptr,
+    uintptr_t key_zero_ptr,
+    uintptr_t blocks_ptr,
+    int64_t num_seal,
+    uintptr_t keys_ptr,
+    int64_t keys_block_stride,
+    int64_t keys_tok_stride,
+    int64_t keys_head_stride,
+    int in_type,
+    int64_t num_blocks,
+    int64_t block_size,
+    int64_t num_heads,
+    int64_t head_dim,
+):
+    """Requantize whole blocks' keys per channel (pagedkv.quant.quantize_key_block) into
+    their K planes of an int4 layer and their rows of the contiguous bfloat16
+    ``[num_blocks, num_heads, head_dim]`` key scale and zero views.
+
+    ``layer_ptr`` is block 0's K plane; the layer's strides (bytes) step blocks, tokens
+    and heads of it, each K row's ``head_dim / 2`` bytes being dense. ``keys`` is
+    ``[num_seal, block_size, num_heads, head_dim]`` of ``in_type`` with the given byte
+    strides and dense rows. The int64 block ids are read once, into a private buffer;
+    returns ``(-1, 0)``, or the index and value of the first id outside
+    ``[0, num_blocks)`` (then nothing was written). An id given twice is sealed whole from
+    its last row (the reference leaves which row lands unspecified).
+    """
+    if head_dim < 2 or head_dim % 2 or block_size < 1 or num_heads < 1:
+        raise ValueError("seal_key_blocks: needs an even head_dim >= 2, block_size >= 1 and num_heads >= 1")
+    if num_seal < 0 or num_blocks < 0 or num_seal > INT64_MAX // 8:
+        raise OverflowError("seal_key_blocks: num_seal or num_blocks out of range")
+    if (head_dim > INT64_MAX // num_heads or block_size > INT64_MAX // (num_heads * head_dim)
+            or (num_seal and num_seal > INT64_MAX // (block_size * num_heads * head_dim))
+            or num_blocks > INT64_MAX // (num_heads * head_dim)):
+        raise OverflowError("seal_key_blocks: the key or parameter element count is out of range")
+    cdef int64_t* ids = <int64_t*> malloc(<size_t> (num_seal if num_seal else 1) * 8)
+    if ids == NULL:
+        raise MemoryError("seal_key_blocks: cannot snapshot the block ids")
+    memcpy(ids, <const void*> blocks_ptr, <size_t> num_seal * 8)
+    cdef int nth = threads_for(num_seal * block_size * num_heads * head_dim)
+    cdef uint8_t* seen = NULL
+    if nth > 1 and num_seal > 1:
+        # parallel seals of one id would interleave: keep only its last row, as a serial loop would
+        seen = <uint8_t*> calloc(<size_t> (num_blocks if num_blocks else 1), 1)
+        if seen == NULL:
+            free(ids)
+            raise MemoryError("seal_key_blocks: cannot mark the block ids")
+    cdef uint8_t* layer = <uint8_t*> layer_ptr
+    cdef uint16_t* key_scale = <uint16_t*> key_scale_ptr
+    cdef uint16_t* key_zero = <uint16_t*> key_zero_ptr
+    cdef const char* keys = <const char*> keys_ptr
+    cdef int64_t i, h, blk, kp, bad = -1
+    with nogil:
+        for i in range(num_seal):
+            if ids[i] < 0 or ids[i] >= num_blocks:
+                bad = i
+                break
+        if bad < 0:
+            if seen != NULL:
+                for i in range(num_seal - 1, -1, -1):
+                    if seen[ids[i]]:
+                        ids[i] = -1
+                    else:
+                        seen[ids[i]] = 1
+            for i in prange(num_seal, num_threads=nth, schedule="static"):
+                blk = ids[i]
+                if blk < 0:
+                    continue
+                for h in range(num_heads):
+                    kp = (blk * num_heads + h) * head_dim
+                    seal_head(keys + i * keys_block_stride + h * keys_head_stride, in_type, keys_tok_stride,
+                              block_size, head_dim, layer + blk * layer_block_stride + h * layer_head_stride,
+                              layer_tok_stride, key_scale + kp, key_zero + kp)
+    free(seen)
+    cdef int64_t bad_value = ids[bad] if bad >= 0 else 0
+    free(ids)
+    return bad, bad_value

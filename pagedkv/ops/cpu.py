@@ -4,7 +4,7 @@ Each function runs the reference's structural checks (same errors, same messages
 then hands pointers, byte strides and counts to the Cython loops in
 :mod:`pagedkv.ops._cpu_copy` (byte moves) and :mod:`pagedkv.ops._cpu_quant`
 (quantizing writes, dequantizing gathers of fp8, int8, int4 and int3 arenas, int4 block
-keys included), which check index values before the first byte moves. Cases the loops
+keys included, and the sealing of block keys), which check index values before the first byte moves. Cases the loops
 do not cover go to the reference after the same checks: non-contiguous arenas (or
 scale/zero views), a zero-length ``head_dim`` of a quantized arena (the reference names
 the error).
@@ -34,6 +34,7 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "convert_layout",
+    "seal_key_blocks",
 ]
 
 #: True when the compiled loops are importable.
@@ -462,9 +463,71 @@ def convert_layout(arena: torch.Tensor, src_layout: str, dst_layout: str, *, sca
     return _ref.convert_layout(arena, src_layout, dst_layout, scale=scale)
 
 
-def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
-    """:func:`pagedkv.ops.reference.seal_key_blocks` on CPU tensors (the torch definition runs on
-    the tensors' own device; a block is sealed once per ``block_size`` tokens)."""
-    from pagedkv.ops import reference
+_U8, _BF16 = torch.uint8, torch.bfloat16
+# the loops' code of each key dtype the fast path takes
+_SEAL_IN = {} if _q is None else {
+    torch.float32: _q.MODEL_CODES["float32"], torch.float16: _q.MODEL_CODES["float16"],
+    torch.bfloat16: _q.MODEL_CODES["bfloat16"],
+}
 
-    reference.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+
+def _fast_seal(kv_layer, blocks, keys, key_scale, key_zero, layout) -> bool:
+    """Seal inputs that plainly pass every check (each attribute read once; a decode step
+    seals one block per sequence and layer); False hands them to the checked path."""
+    if not (type(kv_layer) is _T and type(blocks) is _T and type(keys) is _T and type(key_scale) is _T
+            and type(key_zero) is _T):
+        return False
+    ls, bsh = kv_layer.shape, blocks.shape
+    if not (len(ls) == 5 and ls[1] == 2 and len(bsh) == 1 and kv_layer.dtype == _U8 and blocks.dtype == _I64):
+        return False
+    if layout == "NHD":
+        bs, h = ls[2], ls[3]
+    elif layout == "HND":
+        h, bs = ls[2], ls[3]
+    else:
+        return False
+    nb, d2, m = ls[0], ls[4], bsh[0]
+    d = 2 * d2
+    pshape = (nb, h, d)
+    kdt = keys.dtype
+    if not (bs and h and d2 and keys.shape == (m, bs, h, d) and kdt in _SEAL_IN and key_scale.dtype == _BF16
+            and key_zero.dtype == _BF16 and key_scale.shape == pshape and key_zero.shape == pshape
+            and kv_layer.is_cpu and blocks.is_cpu and keys.is_cpu and key_scale.is_cpu and key_zero.is_cpu):
+        return False
+    lst, kst, dense = kv_layer.stride(), keys.stride(), (h * d, d, 1)
+    if not ((lst[4] == 1 or d2 == 1) and kst[3] == 1 and key_scale.stride() == dense
+            and key_zero.stride() == dense and (blocks.stride()[0] == 1 or m < 2)):
+        return False
+    _seal(kv_layer, lst, blocks, m, keys, kst, key_scale, key_zero, _SEAL_IN[kdt], nb, bs, h, d,
+          layout == "HND")
+    return True
+
+
+def _seal(kv_layer, lst, blocks, m, keys, kst, key_scale, key_zero, in_code, nb, bs, h, d, hnd) -> None:
+    es = keys.element_size()
+    tok, head = (lst[3], lst[2]) if hnd else (lst[2], lst[3])
+    bad, value = _q.seal_key_blocks(
+        kv_layer.data_ptr(), lst[0], tok, head, key_scale.data_ptr(), key_zero.data_ptr(), blocks.data_ptr(), m,
+        keys.data_ptr(), kst[0] * es, kst[1] * es, kst[2] * es, in_code, nb, bs, h, d,
+    )
+    if bad >= 0:   # the value the loop saw: the caller's tensor may have changed since
+        raise _ref.block_id_error("blocks", value, nb, f"row {bad}")
+
+
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
+    """:func:`pagedkv.ops.reference.seal_key_blocks` on CPU tensors: the reference's checks,
+    then one C loop over the blocks (``key_seal.h``); the block ids are read once, by the
+    loop, which refuses a bad one before any write."""
+    if _q is not None and _sparse_safe(_fast_seal, kv_layer, blocks, keys, key_scale, key_zero, layout):
+        return
+    geo = _ref.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout)
+    _require_cpu("kv_layer", kv_layer)
+    # an empty dim (the reference names it) or strided code bytes: the torch definition
+    if (_q is None or 0 in (geo.block_size, geo.num_heads, geo.head_dim)
+            or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1)):
+        _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+        return
+    blocks = _c_contig(blocks)
+    keys = keys if keys.stride(3) == 1 else keys.contiguous()   # each (token, head) row read as one run
+    _seal(kv_layer, kv_layer.stride(), blocks, blocks.shape[0], keys, keys.stride(), key_scale, key_zero,
+          _model_code(keys.dtype), geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim, layout == "HND")
