@@ -38,6 +38,13 @@ the issue's goal ``vs_plain <= 2``. ``ns_per_token`` is ``op_ns`` over the token
 same interleaved run; ``unrotated_ns`` is the quantized op above, ``vs_unrotated`` the
 rotation's cost, ``reference_ns`` the torch reference with the same rotation.
 
+``block_key_gather_kv`` / ``block_key_gather_kv_rot``: the int4 gather above with every
+block's keys sealed (``key_scale``/``key_zero``: per-channel bfloat16 block keys, rotated
+cache or not; sealed K rows are never unrotated, V rows are), timed interleaved with the
+float32 gather of the same tables (``f32_ns``: a float32 arena into float32 outputs; ``vs_f32``
+is ``op_ns / f32_ns``), the per-token int4 gather (``per_token_ns``, same rotation) and the
+torch reference (``reference_ns``).
+
 Usage: ``python benchmarks/ops_cpu.py [--smoke] [--repeats N] [--threads N] [--kv-dtypes int3,int4]``
 (``--kv-dtypes``: only the quantized figures of those formats).
 """
@@ -316,6 +323,56 @@ def bench_quant_gather(label, h, d, dtype, kv_dtype, seq_tokens, num_tables, ite
     return quant_figures("quant_gather_kv", label, dtype, kv_dtype, t, nbytes, seq_tokens)
 
 
+def bench_block_key_gather(label, h, d, dtype, seq_tokens, num_tables, iters, repeats) -> List[Dict[str, object]]:
+    blocks = seq_tokens // BLOCK_SIZE
+    nb = blocks * num_tables
+    shape = (nb, 2, BLOCK_SIZE, h, d)
+    f32 = torch.randn(shape)
+    data, scale, zero = quant_arena(shape, "int4", d)
+    # every block sealed: a nonzero first scale per (block, head); values do not change the work
+    key_scale = (torch.rand(nb, h, d) + 0.01).to(torch.bfloat16)
+    key_zero = torch.randn(nb, h, d).to(torch.bfloat16)
+    perm = torch.randperm(nb).to(torch.int32)
+    tables = [perm[t * blocks:(t + 1) * blocks].contiguous() for t in range(num_tables)]
+    indptr = torch.tensor([0, blocks], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_tokens], dtype=torch.int32)
+    out = dict(out_key=torch.empty(seq_tokens, h, d, dtype=dtype), out_value=torch.empty(seq_tokens, h, d, dtype=dtype))
+    out32 = dict(out_key=torch.empty(seq_tokens, h, d), out_value=torch.empty(seq_tokens, h, d))
+    figs = []
+    for signs in (None, rotation_signs(d, 0)):
+        tkw = dict(out_dtype=dtype, kv_scale=scale, kv_zero=zero, rotation_signs=signs, **out)
+        bkw = dict(tkw, key_scale=key_scale, key_zero=key_zero)
+        t = median_ns(
+            {
+                "op": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens, **bkw),
+                "f32": lambda i: ops.gather_kv(f32, indptr, tables[i % num_tables], seq_lens, **out32),
+                "per_token": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens, **tkw),
+                "reference": lambda i: ops.gather_kv(data, indptr, tables[i % num_tables], seq_lens,
+                                                     backend="reference", **bkw),
+            },
+            {"op": iters, "f32": iters, "per_token": iters, "reference": max(1, iters // 4)},
+            repeats,
+        )
+        figs.append({
+            "figure": "block_key_gather_kv" + ("" if signs is None else "_rot"),
+            "shape": label,
+            "dtype": str(dtype).replace("torch.", ""),
+            "kv_dtype": "int4",
+            "tokens": seq_tokens,
+            "bytes": 2 * out["out_key"].numel() * out["out_key"].element_size(),
+            "op_ns": round(t["op"]),
+            "ns_per_token": round(t["op"] / seq_tokens, 1),
+            "f32_ns": round(t["f32"]),
+            "vs_f32": round(t["op"] / t["f32"], 3),
+            "per_token_ns": round(t["per_token"]),
+            "vs_per_token": round(t["op"] / t["per_token"], 3),
+            "reference_ns": round(t["reference"]),
+            "speedup_vs_reference": round(t["reference"] / t["op"], 2),
+            "threads": torch.get_num_threads(),
+        })
+    return figs
+
+
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few iterations (CI)")
@@ -357,6 +414,9 @@ def main(argv: List[str] = None) -> int:
                                          sizes["steps"], sizes["iters"], repeats)
                 figs += bench_quant_gather(label, h, d, dtype, kv_dtype, sizes["seq_tokens"], sizes["num_tables"],
                                            max(1, sizes["iters"] // 10), repeats)
+                if kv_dtype == "int4":
+                    figs += bench_block_key_gather(label, h, d, dtype, sizes["seq_tokens"], sizes["num_tables"],
+                                                   max(1, sizes["iters"] // 10), repeats)
                 for fig in figs:
                     print(json.dumps(fig), flush=True)
     return 0

@@ -48,4 +48,6 @@ def gather_quant(
     groups: int,
     hnd: bool,
     signs_ptr: int = 0,
+    key_scale_ptr: int = 0,
+    key_zero_ptr: int = 0,
 ) -> None: ...

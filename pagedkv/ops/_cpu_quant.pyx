@@ -3,11 +3,11 @@
 # distutils: extra_link_args = -fopenmp
 """Quantizing write and dequantizing gather of the fast CPU ops, on raw tensor pointers.
 
-The row arithmetic is ``quant_rows.h`` (pagedkv/quant.py's, bit for bit). As in
-:mod:`pagedkv.ops._cpu_copy`, the Python side (:mod:`pagedkv.ops.cpu`) has checked
-every shape, dtype, device and contiguity, and hands over addresses, byte strides and
-counts; slot values are checked here, from a private snapshot, before the first byte
-moves. Block tables arrive already snapshotted and validated (``validate_csr`` /
+The row arithmetic is ``quant_rows.h`` and, for int4 block keys, ``key_rows.h``
+(pagedkv/quant.py's, bit for bit). As in :mod:`pagedkv.ops._cpu_copy`, the Python side
+(:mod:`pagedkv.ops.cpu`) has checked every shape, dtype, device and contiguity, and
+hands over addresses, byte strides and counts; slot values are checked here, from a
+private snapshot, before the first byte moves. Block tables arrive already snapshotted and validated (``validate_csr`` /
 ``validate_padded`` of ``_cpu_copy`` ran on the same copy).
 
 A "row" is one (token, head) of one plane (K or V): ``head_dim`` codes (int4:
@@ -16,12 +16,17 @@ int4/int3), plus as many zero points for int8/int4/int3. Row ``r`` of a layer st
 byte ``r * row_bytes`` of the data and at element ``r * groups`` of the scale/zero views
 (float32; bfloat16 for int3: the row functions read them as such).
 
+An int4 gather may pass ``key_scale_ptr``/``key_zero_ptr``: the bfloat16
+``[num_blocks, H, head_dim]`` per-channel parameters of block keys (pagedkv/quant.py).
+A K row whose (block, head) has a nonzero first key scale is dequantized from them
+(never unrotated); every other row as above.
+
 A rotated cache passes ``signs_ptr``, the address of its float32 ``[head_dim]`` signs
 (0: no rotation): a write rotates each widened row before quantizing it, a gather
 unrotates each dequantized float32 row before converting it (quant_rows.h). The signs
 are copied once, before the loops, like the slots.
 """
-from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from cython.parallel cimport parallel, prange
@@ -40,6 +45,12 @@ cdef extern from "quant_rows.h" nogil:
     pkv_dequantize_row_fn pkv_pick_unrotating_row(const float* signs, int64_t head_dim, float* cpost)
     int pkv_use_avx2()
 
+cdef extern from "key_rows.h" nogil:
+    ctypedef void (*pkv_key_row_fn)(const uint8_t* q, int64_t head_dim, const uint16_t* scale,
+                                    const uint16_t* zero, int out_type, char* out, float* tmp)
+    pkv_key_row_fn pkv_pick_key_row()
+    int pkv_key_sealed(const uint16_t* scale)
+
 #: codes of the model dtypes (write input, gather output) and of the storage formats
 MODEL_CODES = {"float32": PKV_F32, "float16": PKV_F16, "bfloat16": PKV_BF16}
 QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "int4": PKV_INT4, "int3": PKV_INT3}
@@ -47,6 +58,7 @@ QUANT_CODES = {"fp8_e4m3": PKV_E4M3, "fp8_e5m2": PKV_E5M2, "int8": PKV_INT8, "in
 # the row functions for this CPU (256-bit vectors and F16C where the CPU has them)
 cdef pkv_quantize_row_fn quantize_row = pkv_pick_quantize_row()
 cdef pkv_dequantize_row_fn dequantize_row = pkv_pick_dequantize_row()
+cdef pkv_key_row_fn key_row = pkv_pick_key_row()
 
 #: which build of the row functions runs: "avx2" (256-bit vectors, F16C) or "baseline"
 ROW_ISA = "avx2" if pkv_use_avx2() else "baseline"
@@ -212,13 +224,20 @@ def gather_quant(
     int64_t groups,
     bint hnd,
     uintptr_t signs_ptr=0,
+    uintptr_t key_scale_ptr=0,
+    uintptr_t key_zero_ptr=0,
 ):
     """Dequantize validated tables into contiguous ``[total, H, D]`` outputs of ``out_type``.
 
     Sequence ``b``'s blocks are ``blocks[first(b):]``, ``first(b)`` being ``starts[b]``
     (CSR indptr, ``start_stride == 0``) or ``b * start_stride`` (padded rows).
+    ``key_scale_ptr``/``key_zero_ptr``: both 0, or both set for an int4 layer.
     """
     check_sizes(head_dim, groups, qtype)
+    if (key_scale_ptr == 0) != (key_zero_ptr == 0) or (key_scale_ptr != 0 and qtype != PKV_INT4):
+        raise ValueError("gather_quant: block keys need both key_scale and key_zero, on an int4 layer")
+    if num_heads < 0 or head_dim > INT64_MAX // 2 or (num_heads and head_dim * 2 > INT64_MAX // num_heads):
+        raise OverflowError("gather_quant: num_heads * head_dim out of range")
     if batch < 0 or total < 0 or total > INT64_MAX // 16:
         raise OverflowError("gather_quant: total out of range")
     if batch == 0 or total == 0:
@@ -247,7 +266,11 @@ def gather_quant(
     cdef char* out_v = <char*> out_v_ptr
     cdef int64_t row_bytes = row_bytes_of(qtype, head_dim)
     cdef int64_t out_row = head_dim * (4 if out_type == PKV_F32 else 2)
-    cdef int64_t b, j, n, first, u = 0, t, h, row
+    cdef const uint16_t* key_scale = <const uint16_t*> key_scale_ptr  # NULL: no block keys
+    cdef const uint16_t* key_zero = <const uint16_t*> key_zero_ptr
+    cdef int64_t b, j, n, first, u = 0, t, h, row, kp
+    cdef char* dst
+    cdef float* row_tmp
     cdef int kv
     cdef int nth = threads_for(2 * total * num_heads * head_dim)
     # one scratch row per thread, for narrowing to float16/bfloat16
@@ -268,11 +291,17 @@ def gather_quant(
             for kv in range(2):
                 for h in range(num_heads):
                     row = row_of(token_row[2 * t], kv, token_row[2 * t + 1], h, block_size, num_heads, hnd)
-                    row_fn(layer + row * row_bytes, qtype, head_dim, groups,
-                           <const float*> (scale + row * param_row),
-                           <const float*> (zero + row * param_row) if zero != NULL else NULL, out_type,
-                           (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row,
-                           tmp + openmp.omp_get_thread_num() * head_dim, signs)
+                    dst = (out_k if kv == 0 else out_v) + (t * num_heads + h) * out_row
+                    row_tmp = tmp + openmp.omp_get_thread_num() * head_dim
+                    kp = (token_row[2 * t] * num_heads + h) * head_dim  # the (block, head)'s key channels
+                    if kv == 0 and key_scale != NULL and pkv_key_sealed(key_scale + kp):
+                        key_row(layer + row * row_bytes, head_dim, key_scale + kp, key_zero + kp, out_type, dst,
+                                row_tmp)
+                    else:
+                        row_fn(layer + row * row_bytes, qtype, head_dim, groups,
+                               <const float*> (scale + row * param_row),
+                               <const float*> (zero + row * param_row) if zero != NULL else NULL, out_type,
+                               dst, row_tmp, signs)
     free(tmp)
     free(signs)
     free(token_row)

@@ -3,10 +3,11 @@
 Each function runs the reference's structural checks (same errors, same messages),
 then hands pointers, byte strides and counts to the Cython loops in
 :mod:`pagedkv.ops._cpu_copy` (byte moves) and :mod:`pagedkv.ops._cpu_quant`
-(quantizing writes, dequantizing gathers of fp8, int8, int4 and int3 arenas), which check
-index values before the first byte moves. Cases the loops do not cover go to the
-reference after the same checks: non-contiguous arenas (or scale/zero views), a
-zero-length ``head_dim`` of a quantized arena (the reference names the error).
+(quantizing writes, dequantizing gathers of fp8, int8, int4 and int3 arenas, int4 block
+keys included), which check index values before the first byte moves. Cases the loops
+do not cover go to the reference after the same checks: non-contiguous arenas (or
+scale/zero views), a zero-length ``head_dim`` of a quantized arena (the reference names
+the error).
 Results equal the reference element for element.
 """
 from __future__ import annotations
@@ -196,14 +197,17 @@ def _write_quant(kv_layer, slots, key, value, kv_scale, kv_zero, geo, hnd: bool,
 
 
 def _gather_quant(kv_layer, kv_scale, kv_zero, indptr, width, table, seq_lens, batch, total, geo, out_dtype,
-                  out_key, out_value, hnd: bool, rotation_signs=None):
+                  out_key, out_value, hnd: bool, rotation_signs=None, key_scale=None, key_zero=None):
     ok, ov = _outputs(out_key, out_value, total, geo, out_dtype, kv_layer.device)
     signs_ptr, _keep = _signs_ptr(rotation_signs)
+    # block keys: contiguous bfloat16 [num_blocks, H, head_dim] (check_key_channels passed)
+    ks_ptr = 0 if key_scale is None else key_scale.data_ptr()
+    kz_ptr = 0 if key_zero is None else key_zero.data_ptr()
     _q.gather_quant(
         kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(),
         0 if indptr is None else indptr.data_ptr(), width, table.data_ptr(), seq_lens.data_ptr(), batch, total,
         ok.data_ptr(), ov.data_ptr(), _quant_code(geo), _model_code(out_dtype), geo.block_size,
-        geo.num_heads, geo.head_dim, _groups(kv_layer, kv_scale), hnd, signs_ptr,
+        geo.num_heads, geo.head_dim, _groups(kv_layer, kv_scale), hnd, signs_ptr, ks_ptr, kz_ptr,
     )
     return ok, ov
 
@@ -324,11 +328,7 @@ def gather_kv(
     key_zero: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv` on CPU tensors."""
-    if key_scale is not None or key_zero is not None:
-        return _ref.gather_kv(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype,
-                              kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                              rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
-    if _c is not None and rotation_signs is None:
+    if _c is not None and rotation_signs is None and key_scale is None and key_zero is None:
         outs = _sparse_safe(_fast_gather_csr, kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                 out_key, out_value)
         if outs is not None:
@@ -336,6 +336,7 @@ def gather_kv(
     c = _loops()
     geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     _ref.check_rotation(rotation_signs, geo, kv_layer.device)
+    _ref.check_key_channels(key_scale, key_zero, geo, kv_layer.device)
     batch = _ref.check_csr(indptr, indices, seq_lens, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
     if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
@@ -346,11 +347,12 @@ def gather_kv(
         if code != _OK:
             _raise_table_error(code, b, a, z, False, geo.block_size, geo.num_blocks, nnz)
         return _gather_quant(kv_layer, kv_scale, kv_zero, indptr, 0, indices, seq_lens, batch, a, geo, out_dtype,
-                             out_key, out_value, layout == "HND", rotation_signs)
+                             out_key, out_value, layout == "HND", rotation_signs, key_scale,
+                             key_zero)
     if geo.quantized or not kv_layer.is_contiguous():
         return _ref.gather_kv(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype,
                               kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                              rotation_signs=rotation_signs)
+                              rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
     indptr, indices, seq_lens = _c_contig(indptr), _c_contig(indices), _c_contig(seq_lens)
     nnz = indices.shape[0]
     code, b, a, z = c.validate_csr(indptr.data_ptr(), indices.data_ptr(), seq_lens.data_ptr(), batch, nnz,
@@ -380,11 +382,7 @@ def gather_kv_padded(
     key_zero: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv_padded` on CPU tensors."""
-    if key_scale is not None or key_zero is not None:
-        return _ref.gather_kv_padded(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype,
-                                     kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                                     rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
-    if _c is not None and rotation_signs is None:
+    if _c is not None and rotation_signs is None and key_scale is None and key_zero is None:
         outs = _sparse_safe(_fast_gather_padded, kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                    out_key, out_value)
         if outs is not None:
@@ -392,6 +390,7 @@ def gather_kv_padded(
     c = _loops()
     geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
     _ref.check_rotation(rotation_signs, geo, kv_layer.device)
+    _ref.check_key_channels(key_scale, key_zero, geo, kv_layer.device)
     batch = _ref.check_padded(block_table, seq_lens, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
     if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
@@ -402,11 +401,12 @@ def gather_kv_padded(
         if code != _OK:
             _raise_table_error(code, b, a, z, True, geo.block_size, geo.num_blocks)
         return _gather_quant(kv_layer, kv_scale, kv_zero, None, width, block_table, seq_lens, batch, a, geo,
-                             out_dtype, out_key, out_value, layout == "HND", rotation_signs)
+                             out_dtype, out_key, out_value, layout == "HND", rotation_signs, key_scale,
+                             key_zero)
     if geo.quantized or not kv_layer.is_contiguous():
         return _ref.gather_kv_padded(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype,
                                      kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                                     rotation_signs=rotation_signs)
+                                     rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
     block_table, seq_lens = _c_contig(block_table), _c_contig(seq_lens)
     width = block_table.shape[1]
     code, b, a, z = c.validate_padded(block_table.data_ptr(), seq_lens.data_ptr(), batch, width,
