@@ -2,7 +2,8 @@
 
 For write_kv, gather_kv, copy_blocks (and, reported without a bar, the fp8 write,
 the dequantizing gathers (fp8; int4 with per-token keys and with block keys, plain
-and rotated) and a swap to pinned host memory) this prints one JSON line
+and rotated), the int4 block-key seal (with the torch definition's time on the same
+GPU as its second baseline) and a swap to pinned host memory) this prints one JSON line
 per figure: bytes moved (read + written), GPU time per call, GB/s, the GB/s of
 torch ``copy_`` (cudaMemcpy) moving the same bytes, and the fraction of it. The bar
 for the three main kernels is 80% of memcpy.
@@ -88,6 +89,19 @@ def int4_gather_cases(dev, NB: int, BS: int, H: int, D: int, T: int):
     return cases
 
 
+def seal_case(dev, NB: int, BS: int, H: int, D: int, T: int):
+    """``(bytes moved, seal arguments)`` of sealing the T // BS blocks that T fp16 keys
+    fill, in shuffled order: read the keys, write the K codes and each block's
+    per-channel bfloat16 scale and zero point."""
+    m = T // BS
+    layer = torch.zeros(NB, 2, BS, H, D // 2, dtype=torch.uint8, device=dev)
+    keys = torch.randn(m, BS, H, D, device=dev).to(torch.float16)
+    blocks = torch.randperm(NB, device=dev)[:m]
+    params = [torch.zeros(NB, H, D, dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    moved = m * BS * H * (2 * D + D // 2) + m * H * D * 2 * 2
+    return moved, (layer, blocks, keys, *params)
+
+
 def run(smoke: bool, iters: int) -> int:
     from pagedkv.kernels import ops
 
@@ -128,6 +142,16 @@ def run(smoke: bool, iters: int) -> int:
         fn = lambda kw=kw: ops.gather_kv(indptr=indptr, indices=indices, seq_lens=lens, out_dtype=torch.float16,  # noqa: E731
                                          out_key=out_k, out_value=out_v, **kw)
         report("gather_kv", variant, moved_q, gpu_time_us(fn, iters), base, False)
+
+    # seal_key_blocks: the blocks T keys fill, against memcpy and the torch definition
+    from pagedkv.ops import reference
+
+    moved_s, seal_args = seal_case(dev, NB, BS, H, D, T)
+    us = gpu_time_us(lambda: ops.seal_key_blocks(*seal_args), iters)
+    report("seal_key_blocks", "int4 block keys fp16 NHD", moved_s, us, memcpy_gbps(moved_s // 2, iters), False)
+    us_ref = gpu_time_us(lambda: reference.seal_key_blocks(*seal_args), iters)
+    emit(op="seal_key_blocks", variant="int4 block keys fp16 NHD", us_per_call=round(us, 2),
+         torch_reference_us_per_call=round(us_ref, 2), speedup_vs_torch_reference=round(us_ref / us, 2))
 
     # copy_blocks: P (src, dst) pairs across every layer of a whole arena
     P = 16 if smoke else 256

@@ -76,7 +76,7 @@ def test_source_defines_exactly_its_registered_entry_points(ptx, source, arch):
     assert set(n.decode() for n in ENTRY.findall(code)) == set(sources.entry_points()[source])
 
 
-@pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu"])
+@pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu", "seal_keys.cu"])
 def test_quantization_math_is_not_contracted_into_fma(ptx, source):
     # The torch reference rounds after every multiply and add; an FMA would not.
     assert b"fma.rn.f32" not in ptx(source, "sm_90")

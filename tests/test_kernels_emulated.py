@@ -256,6 +256,7 @@ sys.path[:0] = [sys.argv[1]]
 import backend_cases as c
 import test_backends as t
 import test_block_keys_kernels as bk
+import test_seal_keys_kernels as sk
 from pagedkv.kernels import emulation as emu, plans
 
 B = c.Backend("emulated")
@@ -288,6 +289,9 @@ for dtype in (torch.float32, torch.float8_e4m3fn):
     t.test_convert_layout_like_the_reference(B, dtype, 3, True, 1)
 for rotated in (False, True):  # int4 block keys: the per-channel parameters' reads
     bk.test_block_keys_gather_like_the_reference(B, (14, 7), "HND", rotated)
+for layout in c.LAYOUTS:  # int4 block keys: the seal, and its guard on block ids
+    sk.test_sealed_blocks_equal_the_reference_bit_for_bit(B, (10, 7), layout, torch.bfloat16)
+sk.test_kernel_skips_ids_outside_the_layer()
 print("ASAN-CLEAN", flush=True)
 """
 

@@ -35,6 +35,7 @@ __all__ = [
     "run",
     "conversion",
     "write_kv",
+    "seal_key_blocks",
     "gather_kv",
     "gather_kv_padded",
     "copy_blocks",
@@ -248,9 +249,8 @@ def convert_layout(arena, src_layout, dst_layout, *, scale=False, grid: Dims = N
     return out
 
 
-def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
-    """:func:`pagedkv.ops.reference.seal_key_blocks` on the emulation (the torch definition runs on
-    the tensors' own device; a block is sealed once per ``block_size`` tokens)."""
-    from pagedkv.ops import reference
-
-    reference.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD", grid: Dims = None,
+                    block: Dims = None) -> None:
+    _check_cpu("kv_layer", kv_layer)
+    launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+    run(launches, grid=grid, block=block)

@@ -27,7 +27,7 @@ from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, expect
 from pagedkv.kernels import build, driver, plans
 from pagedkv.kernels.plans import as_tensor
 
-__all__ = ["write_kv", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks", "convert_layout"]
+__all__ = ["write_kv", "seal_key_blocks", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks", "convert_layout"]
 
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types that are GPU memory
@@ -231,9 +231,23 @@ def convert_layout(arena, src_layout: str, dst_layout: str, *, scale: bool = Fal
     return out
 
 
-def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
-    """:func:`pagedkv.ops.reference.seal_key_blocks` on CUDA tensors (the torch definition runs on
-    the tensors' own device; a block is sealed once per ``block_size`` tokens)."""
-    from pagedkv.ops import reference
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD", stream=None) -> None:
+    """Requantize whole blocks' keys per channel (int4 block keys): block ``blocks[i]``
+    gets :func:`pagedkv.quant.quantize_key_block` of ``keys[i]`` in its K plane's codes
+    and its rows of ``key_scale``/``key_zero``; nothing else changes.
 
-    reference.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+    Args:
+        kv_layer: contiguous int4 (uint8) per-layer view, NHD ``[NB, 2, bs, H, D / 2]``
+            or HND ``[NB, 2, H, bs, D / 2]``.
+        blocks: ``[M]`` int64 distinct block ids on the same device; not read here (that
+            would sync): an id outside ``[0, NB)`` is skipped by the kernel.
+        keys: ``[M, bs, H, D]`` float32/float16/bfloat16, any M/token/head strides,
+            dense head_dim.
+        key_scale, key_zero: contiguous bfloat16 ``[NB, H, D]``.
+        stream: see the module docstring.
+    """
+    device = _cuda_device("kv_layer", kv_layer)
+    with _on_stream(device, stream) as ts:
+        kv_layer, blocks, keys, key_scale, key_zero = map(as_tensor, (kv_layer, blocks, keys, key_scale, key_zero))
+        launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+        _run(launches, ts, device)

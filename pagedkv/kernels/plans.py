@@ -35,6 +35,7 @@ __all__ = [
     "check_dims",
     "as_tensor",
     "plan_write_kv",
+    "plan_seal_key_blocks",
     "plan_gather",
     "plan_copy_blocks",
     "plan_swap_blocks",
@@ -243,6 +244,39 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
     args = [_ptr(kv_layer), _ptr(key), _ptr(value), _ptr(slots)] + tail + [_i64(head_chunks)]
     args += [_i64(s // per) for s in strides]
     return [_launch("write_kv.cu", name, tokens, heads * head_chunks, args, (slots,))]
+
+
+# ----------------------------------------------------------------------------------
+# seal_key_blocks
+
+
+def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> List[Launch]:
+    """Plan :func:`pagedkv.ops.reference.seal_key_blocks` (same arguments).
+
+    The ids are read once, from a copy the kernel then reads too: on the CPU they are
+    checked like the reference (InvalidBlockError before any write); on a GPU they are
+    not read (no sync), and the kernel skips an id outside the layer. A repeated id
+    leaves each of its bytes from one of its rows (unspecified which).
+    """
+    geo = checks.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout)
+    ids = blocks.clone(memory_format=torch.contiguous_format)  # the one read of the caller's tensor
+    if ids.device.type == "cpu":
+        checks.check_block_ids("blocks", ids.tolist(), geo.num_blocks)
+    _check_contiguous("kv_layer", kv_layer)
+    _check_rows("keys", keys)
+    for name, t in (("keys", keys), ("key_scale", key_scale), ("key_zero", key_zero)):
+        _check_aligned(name, t)
+    seals = ids.shape[0]
+    if seals == 0:
+        return []
+    if 0 in (geo.block_size, geo.num_heads, geo.head_dim):
+        raise ShapeError(expected("keys", "[len(blocks), block_size, H, head_dim] with no empty dim",
+                                  tuple(keys.shape)))
+    name = sources.seal_keys_name(layout.lower(), _MODEL_NAMES[keys.dtype])
+    args = [_ptr(kv_layer), _ptr(key_scale), _ptr(key_zero), _ptr(keys), _ptr(ids), _i64(seals)]
+    args += [_i64(geo.num_blocks), _i64(geo.block_size), _i64(geo.num_heads), _i64(geo.head_dim)]
+    args += [_i64(keys.stride(0)), _i64(keys.stride(1)), _i64(keys.stride(2))]
+    return [_launch("seal_keys.cu", name, seals * geo.num_heads, geo.head_dim // 2, args, (ids,))]
 
 
 # ----------------------------------------------------------------------------------

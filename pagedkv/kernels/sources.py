@@ -35,9 +35,10 @@ __all__ = [
     "gather_name",
     "copy_blocks_name",
     "transpose_name",
+    "seal_keys_name",
 ]
 
-SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu")
+SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu", "seal_keys.cu")
 
 #: variant axes, in the spelling of the entry-point names
 LAYOUTS = ("nhd", "hnd")
@@ -122,6 +123,11 @@ def transpose_name(chunk: str) -> str:
     return f"pkv_transpose_{chunk}"
 
 
+def seal_keys_name(layout: str, in_type: str) -> str:
+    """``pkv_seal_keys_{layout}_{in}``: int4 block keys from keys of model dtype ``in``."""
+    return f"pkv_seal_keys_{layout}_{in_type}"
+
+
 _COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
 
 
@@ -139,9 +145,11 @@ def entry_points() -> Dict[str, Tuple[str, ...]]:
                        for o in MODEL_TYPES for r in (False, True)]
     copy = [copy_blocks_name(c, i) for c in CHUNKS for i in INDEX_TYPES]
     transpose = [transpose_name(c) for c in CHUNKS]
+    seal = [seal_keys_name(lo, t) for lo in LAYOUTS for t in MODEL_TYPES]
     return {
         "write_kv.cu": tuple(write),
         "gather_kv.cu": tuple(gather),
         "copy_blocks.cu": tuple(copy),
         "convert_layout.cu": tuple(transpose),
+        "seal_keys.cu": tuple(seal),
     }
