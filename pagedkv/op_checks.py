@@ -282,6 +282,9 @@ def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout) -
                                   f"{kv_layer.dtype} {tuple(kv_layer.shape)}"))
     nb = kv_layer.shape[0]
     bs, h = (kv_layer.shape[2], kv_layer.shape[3]) if layout == "NHD" else (kv_layer.shape[3], kv_layer.shape[2])
+    if 0 in (bs, h, kv_layer.shape[4]):
+        raise ShapeError(expected("kv_layer", "a non-empty block_size, H and head_dim",
+                                  f"{layout} {tuple(kv_layer.shape)}"))
     geo = LayerGeometry(nb, bs, h, 2 * kv_layer.shape[4], True, "int4")
     device = kv_layer.device
     _index_vector("blocks", blocks, (torch.int64,), device)

@@ -71,10 +71,11 @@ def bad_cases():
         (dict(key_scale=None, key_zero=None), InvalidArgumentError, r"^key_scale: expected a bfloat16"),
         (dict(kv_layer=kv.view(torch.int8)), ShapeError, r"^kv_layer: expected an int4 \(uint8\) NHD layer view"),
         (dict(key_scale=ks[:, :, :4]), ShapeError, r"^key_scale: expected shape \(6, 2, 8\)"),
+        (dict(kv_layer=kv[:, :, :, :0]), ShapeError, r"^kv_layer: expected a non-empty block_size, H and head_dim"),
     ], good
 
 
-@pytest.mark.parametrize("i", range(10))
+@pytest.mark.parametrize("i", range(11))
 def test_bad_input_is_a_typed_error_and_changes_nothing(i):
     cases, good = bad_cases()
     change, err, match = cases[i]

@@ -275,7 +275,7 @@ def _bad_cases():
         (dict(keys=misaligned), InvalidArgumentError, r"^keys: expected a data pointer aligned to its 4-byte elements"),
         (dict(blocks=torch.tensor([1]), keys=torch.empty(1, 0, 2, 8), kv_layer=torch.zeros(6, 2, 0, 2, 4,
                                                                                              dtype=torch.uint8)),
-         ShapeError, r"^keys: expected \[len\(blocks\), block_size, H, head_dim\] with no empty dim"),
+         ShapeError, r"^kv_layer: expected a non-empty block_size, H and head_dim"),
         (dict(kv_layer=torch.zeros(6, 2, 4, 2, 4, dtype=torch.uint8, device="meta")), DeviceError,
          r"^kv_layer: expected a CPU tensor \(the emulation runs on the host\), got meta"),
     ], good

@@ -269,9 +269,6 @@ def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout=
     seals = ids.shape[0]
     if seals == 0:
         return []
-    if 0 in (geo.block_size, geo.num_heads, geo.head_dim):
-        raise ShapeError(expected("keys", "[len(blocks), block_size, H, head_dim] with no empty dim",
-                                  tuple(keys.shape)))
     name = sources.seal_keys_name(layout.lower(), _MODEL_NAMES[keys.dtype])
     args = [_ptr(kv_layer), _ptr(key_scale), _ptr(key_zero), _ptr(keys), _ptr(ids), _i64(seals)]
     args += [_i64(geo.num_blocks), _i64(geo.block_size), _i64(geo.num_heads), _i64(geo.head_dim)]
