@@ -62,8 +62,11 @@ class BlockKeys:
         blocks, offs = s // self.bs, s % self.bs
         order = np.lexsort((offs, blocks))
         b, o, r = blocks[order], offs[order], rows[order]
-        start = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-        end = np.r_[start[1:], len(b)]
+        head = np.empty(len(b), dtype=bool)
+        head[0] = True
+        np.not_equal(b[1:], b[:-1], out=head[1:])
+        start = np.flatnonzero(head)
+        end = np.append(start[1:], len(b))
         ids = b[start]
         sealed = self._sealed(layer, ids)
         for blk, m in zip(ids[sealed].tolist(), o[start][sealed].tolist()):
