@@ -4,7 +4,10 @@ small layers, tokens, tables and arenas in odd sizes (partial blocks everywhere)
 """
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from typing import Optional
 
@@ -432,3 +435,14 @@ def calls_while_flipping(tensor, index, bad, good, call, times, error, message, 
     if on_result is not None:
         on_result(out)
     return refused
+
+
+def run_on_baseline_build(script: str, *args: str) -> str:
+    """Run ``script`` in a fresh process with ``PAGEDKV_CPU_BASELINE=1`` (the CPU loops
+    pick their baseline build, whatever this machine supports); returns its stdout,
+    after asserting it exited cleanly."""
+    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd="/", env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()

@@ -9,8 +9,6 @@ parameters with the reference's typed errors before anything is written.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from backend_cases import (
     name,
     offset_view,
     padded,
+    run_on_baseline_build,
     same_state,
     tables,
 )
@@ -356,9 +355,5 @@ print(n)
 def test_baseline_row_build_matches_the_reference_too():
     # This machine may pick the AVX2 build: PAGEDKV_CPU_BASELINE makes a fresh process
     # run the baseline one against the reference.
-    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
     here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT, here], capture_output=True, text=True, cwd="/",
-                         env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == str(3 * 2 * 7 * 2)
+    assert run_on_baseline_build(_BASELINE_SCRIPT, here) == str(3 * 2 * 7 * 2)

@@ -278,12 +278,6 @@ print(cases)
 def test_baseline_row_build_matches_the_reference_too():
     # This machine may pick the AVX2 build: PAGEDKV_CPU_BASELINE makes a fresh process
     # run the baseline (SSE) one, rotated and not, against the reference.
-    import os
-    import subprocess
-    import sys
+    from backend_cases import run_on_baseline_build
 
-    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
-    out = subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT], capture_output=True, text=True, cwd="/", env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == str(7 * 3 * 2)
+    assert run_on_baseline_build(_BASELINE_SCRIPT) == str(7 * 3 * 2)

@@ -9,15 +9,14 @@ the reference's typed error before any write; block ids are read once.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend_cases import LAYOUTS, MODEL, assert_same, calls_while_flipping, name, offset_view
+from backend_cases import (LAYOUTS, MODEL, assert_same, calls_while_flipping, name, offset_view,
+                           run_on_baseline_build)
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
@@ -329,9 +328,5 @@ print(n)
 def test_baseline_build_matches_the_reference_too():
     # This machine may pick the AVX2 build: PAGEDKV_CPU_BASELINE makes a fresh process
     # run the baseline one against the reference.
-    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
     here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT, here], capture_output=True, text=True, cwd="/",
-                         env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == str(len(LAYOUTS) * len(MODEL) * len(D_VALUES))
+    assert run_on_baseline_build(_BASELINE_SCRIPT, here) == str(len(LAYOUTS) * len(MODEL) * len(D_VALUES))
