@@ -108,6 +108,10 @@ def _sparse_safe(fast, *args):
         return None
 
 
+# where a layer view keeps (block_size, H), by layout
+_LAYOUT_DIMS = {"NHD": (2, 3), "HND": (3, 2)}
+
+
 def _fast_write(kv_layer, slot_mapping, key, value, layout) -> bool:
     if not (type(kv_layer) is _T and type(key) is _T and type(value) is _T and type(slot_mapping) is _T):
         return False
@@ -120,12 +124,10 @@ def _fast_write(kv_layer, slot_mapping, key, value, layout) -> bool:
         and kv_layer.is_contiguous() and slot_mapping.is_contiguous()
     ):
         return False
-    if layout == "NHD":
-        bs, h = ls[2], ls[3]
-    elif layout == "HND":
-        h, bs = ls[2], ls[3]
-    else:
+    dims = _LAYOUT_DIMS.get(layout)
+    if dims is None:
         return False
+    bs, h = ls[dims[0]], ls[dims[1]]
     kst, vst = key.stride(), value.stride()
     if ks[1] != h or ks[2] != ls[4] or kst[2] != 1 or vst[2] != 1:
         return False
@@ -480,12 +482,10 @@ def _fast_seal(kv_layer, blocks, keys, key_scale, key_zero, layout) -> bool:
     ls, bsh = kv_layer.shape, blocks.shape
     if not (len(ls) == 5 and ls[1] == 2 and len(bsh) == 1 and kv_layer.dtype == _U8 and blocks.dtype == _I64):
         return False
-    if layout == "NHD":
-        bs, h = ls[2], ls[3]
-    elif layout == "HND":
-        h, bs = ls[2], ls[3]
-    else:
+    dims = _LAYOUT_DIMS.get(layout)
+    if dims is None:
         return False
+    bs, h = ls[dims[0]], ls[dims[1]]
     nb, d2, m = ls[0], ls[4], bsh[0]
     d = 2 * d2
     pshape = (nb, h, d)
@@ -522,9 +522,8 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD"
         return
     geo = _ref.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout)
     _require_cpu("kv_layer", kv_layer)
-    # an empty dim (the reference names it) or strided code bytes: the torch definition
-    if (_q is None or 0 in (geo.block_size, geo.num_heads, geo.head_dim)
-            or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1)):
+    # strided code bytes: the torch definition (the check refused empty dims)
+    if _q is None or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1):
         _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
         return
     blocks = _c_contig(blocks)
