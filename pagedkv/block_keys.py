@@ -69,8 +69,15 @@ class BlockKeys:
         end = np.append(start[1:], len(b))
         ids = b[start]
         sealed = self._sealed(layer, ids)
-        for blk, m in zip(ids[sealed].tolist(), o[start][sealed].tolist()):
-            self._unseal(layer, view, scale, zero, blk, m)
+        if sealed.any():
+            first = o[start]
+            reused = ids[sealed & (first == 0)]     # nothing live before the write: only the seal goes
+            if len(reused):
+                idx = torch.from_numpy(reused).to(view.device)
+                self.store.key_scale[layer, idx] = 0
+                self.store.key_zero[layer, idx] = 0
+            for blk, m in zip(ids[sealed & (first > 0)].tolist(), first[sealed & (first > 0)].tolist()):
+                self._unseal(layer, view, scale, zero, blk, m)
         finished = o[end - 1] == self.bs - 1
         if not finished.any():
             return
@@ -108,26 +115,24 @@ class BlockKeys:
                             self.store.key_zero[layer], layout=self.store.layout)
 
     def _unseal(self, layer: int, view, scale, zero, block: int, live: int) -> None:
-        """Requantize rows ``[0, live)`` of ``block``'s keys per token, then clear its seal."""
+        """Requantize rows ``[0, live)`` (``live >= 1``) of ``block``'s keys per token, then
+        clear its seal."""
         kscale, kzero = self.store.key_scale[layer], self.store.key_zero[layer]
-        if live:
-            dev = view.device
-            blk = torch.full((live,), block, dtype=torch.int64, device=dev)
-            off = torch.arange(live, device=dev)
-            keys = dequantize_key_channels(_plane(view, self.store.layout, 0, blk, off), kscale[block],
-                                           kzero[block], torch.float32)
-            window = self.store.window
-            if window.held(block) is not None:
-                exact, valid = window.rows(layer, np.array([block]))
-                ok = valid[0, :live].to(dev)
-                keys[ok] = exact[0, :live][ok].to(device=dev, dtype=torch.float32)
-            if self.store.rotation_signs is not None:
-                keys = rotate(keys, self.store.rotation_signs)
-            q, s, z = quantize(keys, "int4", group_size=self.group)
-            _assign(view, self.store.layout, 0, blk, off, q)
-            _assign(scale, self.store.layout, 0, blk, off, s)
-            _assign(zero, self.store.layout, 0, blk, off, z)
+        dev = view.device
+        blk = torch.full((live,), block, dtype=torch.int64, device=dev)
+        off = torch.arange(live, device=dev)
+        keys = dequantize_key_channels(_plane(view, self.store.layout, 0, blk, off), kscale[block], kzero[block],
+                                       torch.float32)
+        window = self.store.window
+        if window.held(block) is not None:
+            exact, valid = window.rows(layer, np.array([block]))
+            ok = valid[0, :live].to(dev)
+            keys[ok] = exact[0, :live][ok].to(device=dev, dtype=torch.float32)
+        if self.store.rotation_signs is not None:
+            keys = rotate(keys, self.store.rotation_signs)
+        q, s, z = quantize(keys, "int4", group_size=self.group)
+        _assign(view, self.store.layout, 0, blk, off, q)
+        _assign(scale, self.store.layout, 0, blk, off, s)
+        _assign(zero, self.store.layout, 0, blk, off, z)
         kscale[block] = 0
         kzero[block] = 0
-
-
