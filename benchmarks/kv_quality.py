@@ -11,8 +11,8 @@ perplexity slice), 64 greedy tokens each with full-precision KV and with the pre
 under test; the fraction of the 320 positions where the tokens agree.
 
 Prints one JSON line per precision: perplexity delta (%), the goal, stored bits and
-bytes per element (scales included; the window arena is reported apart, as bytes per
-sequence), and greedy agreement. ``--probe`` adds the measurements behind the chosen
+bytes per element (scales included; the window arena, which also holds the sink tokens,
+is reported apart, as bytes per sequence), and greedy agreement. ``--probe`` adds the measurements behind the chosen
 int4 scheme (group sizes, no rotation, 3-bit and per-channel keys simulated by
 quantize-dequantize before the write). ``--smoke`` uses a tiny random-weight model and
 a short text (no download), only to prove the script runs.
@@ -46,6 +46,11 @@ PRECISIONS = {
     # keys requantized per channel over each full block (kv_key_quant="block")
     "int4_blockkeys_window128": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block"), 0.1),
     "int4_blockkeys_window0": (dict(kv_dtype="int4", kv_window=0, kv_key_quant="block"), None),
+    # int4/int3 keep each sequence's first 4 tokens (attention sinks) in model precision
+    # by default; these rows show what that buys
+    "int4_blockkeys_window128_nosink": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
+                                             kv_sink_tokens=0), None),
+    "int4_window0_nosink": (dict(kv_dtype="int4", kv_window=0, kv_sink_tokens=0), 1.0),
     "int4_unrotated_window128": (dict(kv_dtype="int4", kv_window=128, kv_rotation=False), None),
     "int4_unrotated_window0": (dict(kv_dtype="int4", kv_window=0, kv_rotation=False), None),
     "int4_window0_fp_first_last": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=(0, -1)), None),
@@ -89,7 +94,7 @@ class Variant:
         per_elem = cfg.bytes_per_token / (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
         if self.peer:
             per_elem = PEERS[self.peer][1] / 8
-        window = cfg.window_bytes // max(1, cfg.kv_window_sequences) if cfg.kv_window else 0
+        window = cfg.window_bytes // max(1, cfg.kv_window_sequences) if cfg.window_blocks else 0
         return {"bits_per_element": round(8 * per_elem, 3), "bytes_per_element": round(per_elem, 4),
                 "bytes_per_token": round(per_elem * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim),
                 "window_bytes_per_sequence": window}

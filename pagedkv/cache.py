@@ -116,6 +116,8 @@ class PagedKVCache:
             self.store = KVStore(config)
             config = self.store.config  # may differ: fp8 -> int8 fallback
         self.config = config
+        # sink tokens matter only where a store keeps model-precision copies of them
+        self._sink_tokens = config.kv_sink_tokens if self.store is not None and self.store.window is not None else 0
         nb = config.resolved_num_blocks
         self.index: Optional[PrefixIndex] = self._prefix_index(config) if config.enable_prefix_caching else None
         self._pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
@@ -203,6 +205,9 @@ class PagedKVCache:
                     if fresh:
                         self._ids.forget(key)
                     raise
+            if hit and self._sink_tokens:     # a shared first block keeps its exact sink rows
+                first = self.tables.block_table(np.array([key], np.int64), -1, None, internal=True)
+                self.store.window.pin(first[0, :self.config.sink_blocks].astype(np.int64), held_only=True)
             return hit
 
     def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
@@ -228,6 +233,8 @@ class PagedKVCache:
                 self._tiers.sync()      # evicted KV goes down before anything overwrites it
             if self._book.num_pending_copies:
                 self._copy_on_write()
+            if self._sink_tokens:
+                self._pin_sinks(keys, internal, num_tokens)
             return slots
 
     def advance(self, seq_ids: SeqIds, token_ids) -> np.ndarray:
@@ -248,7 +255,23 @@ class PagedKVCache:
                 self._tiers.sync()
             if self._book.num_pending_copies:
                 self._copy_on_write()
+            if self._sink_tokens:
+                self._pin_sinks(keys, internal, 1)
             return slots
+
+    def _pin_sinks(self, keys, internal: bool, reserved) -> None:
+        """Pin the first blocks of the sequences whose reservation just covered one of
+        their first ``kv_sink_tokens`` tokens, so those tokens stay in model precision."""
+        lens = np.atleast_1d(self.tables.seq_lens(keys, False, internal=internal))
+        starts = lens - reserved
+        fresh = starts < self._sink_tokens
+        if not fresh.any():
+            return
+        width = self.config.sink_blocks
+        tables = self._groups.tables if self._groups is not None else [self.tables]
+        sub = np.atleast_1d(np.asarray(keys, dtype=np.int64))[fresh]
+        firsts = [t.block_table(sub, -1, None, internal=internal)[:, :width].reshape(-1) for t in tables]
+        self.store.pin_sinks(np.concatenate(firsts).astype(np.int64))
 
     def _copy_on_write(self) -> None:
         self._copy_pairs(self._book.take_copies())

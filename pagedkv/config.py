@@ -37,6 +37,8 @@ MODEL_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 KV_DTYPE_NAMES: Dict[str, float] = {d.name: d.element_bytes for d in dtypes.QUANTIZED}
 #: default recent window (tokens kept in model precision) per quantized kv dtype
 DEFAULT_KV_WINDOW: Dict[str, int] = {"int4": 128, "int3": 128}
+#: Leading tokens of each sequence kept in model precision, by kv_dtype (see ``kv_sink_tokens``).
+DEFAULT_KV_SINK: Dict[str, int] = {"int4": 4, "int3": 4}
 #: ``kv_key_quant`` values: keys quantized per token (as values), or per channel over each full block.
 KEY_QUANT_MODES = ("token", "block")
 #: int4 group size along head_dim when none is given (chosen by measurement; README)
@@ -174,6 +176,13 @@ class CacheConfig:
       give way first). Its bytes count in ``total_bytes`` and the budget. A reader
       that holds its pass's tokens in flight (``gather_pages(pending=)``, as
       ``PagedCache`` does) gets the ``kv_window`` tokens before the pass exact.
+    - ``kv_sink_tokens``: the first ``kv_sink_tokens`` tokens of each sequence are read
+      back in model precision too (default 4 for int4/int3, 0 otherwise). Attention
+      sinks, the first tokens most heads attend to heavily, carry an outsized share of
+      the error a low-bit cache makes (StreamingLLM, IntactKV, KVQuant). Their blocks are
+      pinned in the window arena, which gets ``ceil(kv_sink_tokens / block_size)`` more
+      blocks per ``kv_window_sequences``; past that many sequences, the least recently
+      pinned lose their exact copies and read back quantized.
     - ``kv_key_quant``: int4 only: ``"token"`` (default: keys quantized per token, as
       values) or ``"block"``: once a block's ``block_size`` keys are all written, they
       are requantized per channel over the block (KIVI's per-channel keys, aligned to
@@ -230,6 +239,7 @@ class CacheConfig:
     kv_rotation_seed: int = 0
     kv_window: Optional[int] = None
     kv_window_sequences: int = 16
+    kv_sink_tokens: Optional[int] = None
     kv_key_quant: Optional[str] = None
     kv_full_precision_layers: Tuple[int, ...] = ()
     tp_size: int = 1
@@ -394,13 +404,15 @@ class CacheConfig:
         if q is None:
             for name, ok in (("kv_group_size", self.kv_group_size is None), ("kv_rotation", not self.kv_rotation),
                              ("kv_key_quant", self.kv_key_quant in (None, "token")),
-                             ("kv_window", not self.kv_window), ("kv_full_precision_layers",
+                             ("kv_window", not self.kv_window), ("kv_sink_tokens", not self.kv_sink_tokens),
+                             ("kv_full_precision_layers",
                                                                  not self.kv_full_precision_layers)):
                 if not ok:
                     raise InvalidArgumentError(expected(name, "its default for an unquantized cache (kv_dtype=None)",
                                                         repr(getattr(self, name))))
             put("kv_rotation", False)
             put("kv_window", 0)
+            put("kv_sink_tokens", 0)
             put("kv_key_quant", "token")
             put("kv_full_precision_layers", ())
             return
@@ -434,6 +446,8 @@ class CacheConfig:
         w = DEFAULT_KV_WINDOW.get(q, 0) if self.kv_window is None else self.kv_window
         put("kv_window", _check_int("kv_window", w, 0))
         put("kv_window_sequences", _check_int("kv_window_sequences", self.kv_window_sequences, 1))
+        sink = DEFAULT_KV_SINK.get(q, 0) if self.kv_sink_tokens is None else self.kv_sink_tokens
+        put("kv_sink_tokens", _check_int("kv_sink_tokens", sink, 0))
         layers = self.kv_full_precision_layers
         if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, set, frozenset)):
             raise InvalidArgumentError(expected("kv_full_precision_layers", "a tuple of layer indices", repr(layers)))
@@ -502,10 +516,16 @@ class CacheConfig:
     def window_blocks(self) -> int:
         """Blocks in the window arena: ``kv_window_sequences * (ceil(kv_window / block_size) + 1)``
         (block keys stage each sequence's newest block there, so it exists with
-        ``kv_window=0`` too)."""
-        if not self.kv_window and not self.block_keys:
-            return 0
-        return self.kv_window_sequences * (-(-self.kv_window // self.block_size) + 1)
+        ``kv_window=0`` too), plus :attr:`sink_blocks` per sequence."""
+        recent = 0
+        if self.kv_window or self.block_keys:
+            recent = -(-self.kv_window // self.block_size) + 1
+        return self.kv_window_sequences * (recent + self.sink_blocks)
+
+    @property
+    def sink_blocks(self) -> int:
+        """Leading blocks of a sequence pinned in the window arena for ``kv_sink_tokens``."""
+        return -(-(self.kv_sink_tokens or 0) // self.block_size)
 
     @property
     def window_bytes(self) -> int:

@@ -113,7 +113,8 @@ class KVStore:
     def _window(self, num_blocks: int, device: torch.device) -> RecentWindow:
         c = self.config
         return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.kv_heads_per_rank, c.head_dim,
-                            c.kv_window, c.torch_dtype, device)
+                            c.kv_window, c.torch_dtype, device, sink=c.kv_sink_tokens,
+                            pin_capacity=c.kv_window_sequences * c.sink_blocks)
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
         cfg = self.config
@@ -241,6 +242,11 @@ class KVStore:
                 self._block_keys.on_write(i, view, scale, zero, slots, key)
             self.window.write(i, slot_mapping, key, value, slots)
 
+    def pin_sinks(self, blocks: np.ndarray) -> None:
+        """Pin sequences' first blocks (their ``kv_sink_tokens``) in the window arena."""
+        if self.window is not None and self.window.sink:
+            self.window.pin(blocks)
+
     def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
         inside the data op), overlay the window, fill outputs.
@@ -257,7 +263,7 @@ class KVStore:
         to_rotated = (lambda x: rotate(x.float(), self.rotation_signs)) if rotated else None
         if not main and not rotated:
             return read(self._out_dtype(main), None, out_key, out_value)
-        if main and (self.window is None or not self.window.window):   # no window rows to overlay
+        if main and (self.window is None or not (self.window.window or self.window.sink)):   # nothing to overlay
             return read(self._out_dtype(main), signs, out_key, out_value)
         model = self.config.torch_dtype
         geo, _ = reference.check_gather(view, self.layout, model, scale, zero)

@@ -13,6 +13,14 @@ recently written block (least recently written first); the config sizes the aren
 answer only for tokens written since the block got it, so a reused block, a copied
 block or a block loaded back from the host never shows stale values.
 
+Attention sinks (``kv_sink_tokens``): a sequence's first blocks are *pinned* in the
+arena when their tokens are reserved, so the least-recently-written rule never takes
+them; at most ``pin_capacity`` slots are pinned, and pinning one more unpins the least
+recently used. A read overlays a sequence's first ``sink`` tokens as it overlays its
+last ``window`` tokens. A pin that outlives its sequence (the block freed and reused
+elsewhere) only occupies a slot until it is the oldest: rows are valid only once
+written since the slot was claimed, so no read ever gets another block's rows.
+
 The slot map lives on the host (numpy): it is bookkeeping, touched once per call.
 """
 from __future__ import annotations
@@ -33,13 +41,19 @@ class RecentWindow:
         num_blocks: blocks of the main arena (block ids are ``[0, num_blocks)``).
         capacity: window block slots.
         block_size, num_heads, head_dim: block geometry.
-        window: tokens per sequence read from the window (``>= 1``).
+        window: tokens per sequence read from the window (``>= 0``).
         dtype, device: the model dtype and the arena device.
+        sink: leading tokens per sequence read from the window (pinned blocks).
+        pin_capacity: most slots pinned at once.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, capacity: int, block_size: int, num_heads: int,
-                 head_dim: int, window: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, window: int, dtype: torch.dtype, device: torch.device, sink: int = 0,
+                 pin_capacity: int = 0):
         self.window = window
+        self.sink = sink
+        self.pin_capacity = min(pin_capacity, capacity)
+        self.pinned = np.zeros(capacity, dtype=bool)
         self.block_size = block_size
         self.capacity = capacity
         # NHD whatever the main layout: the window arena is internal
@@ -57,26 +71,64 @@ class RecentWindow:
 
     # -- slot map -------------------------------------------------------------------
 
-    def _claim(self, blocks: np.ndarray) -> None:
-        """Give every block in ``blocks`` (distinct, oldest first) a slot, stamped in order."""
+    def _claim(self, blocks: np.ndarray, pinned_ok: bool = False) -> None:
+        """Give every block in ``blocks`` (distinct, oldest first) a slot, stamped in order.
+
+        Pinned blocks keep theirs; the other blocks share the slots the pins leave, the
+        oldest going without when there are too few. ``pinned_ok`` (:meth:`pin`): pinned
+        slots may be taken too, least recently used first, after every unpinned one."""
         blocks = blocks[-self.capacity:]
+        have = self.slot_of[blocks]
+        if not pinned_ok and self.pinned.any():
+            pin_held = np.zeros(len(blocks), dtype=bool)
+            h = have >= 0
+            pin_held[h] = self.pinned[have[h]]
+            rest = np.nonzero(~pin_held)[0]
+            room = self.capacity - int(self.pinned.sum())
+            if len(rest) > room:
+                sel = np.ones(len(blocks), dtype=bool)
+                sel[rest[:len(rest) - room]] = False
+                blocks, have = blocks[sel], have[sel]
         stamps = self.clock + 1 + np.arange(len(blocks))
         self.clock += len(blocks)
-        have = self.slot_of[blocks]
         keep = have >= 0
         self.stamp[have[keep]] = stamps[keep]
-        need = blocks[~keep]
+        need, stamps = blocks[~keep], stamps[~keep]
         if len(need):
             taken = np.zeros(self.capacity, dtype=bool)
             taken[have[keep]] = True
-            order = np.argsort(np.where(taken, np.iinfo(np.int64).max, self.stamp), kind="stable")
+            rank = self.stamp + np.where(self.pinned, self.clock + 1, 0)
+            order = np.argsort(np.where(taken, np.iinfo(np.int64).max, rank), kind="stable")
             slots = order[:len(need)]
             old = self.block_of[slots]
             self.slot_of[old[old >= 0]] = -1
             self.block_of[slots] = need
             self.slot_of[need] = slots
-            self.stamp[slots] = stamps[~keep]
+            self.stamp[slots] = stamps
+            self.pinned[slots] = False
             self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
+
+    def pin(self, blocks: np.ndarray, held_only: bool = False) -> None:
+        """Keep ``blocks`` (a sequence's first blocks, distinct) in the arena: claim a slot
+        for each and pin it; beyond ``pin_capacity`` the least recently used pins are
+        released. The blocks' rows are held from their next write on. ``held_only``:
+        pin only blocks that hold a slot already (a prefix hit's blocks: a new slot would
+        hold none of their rows)."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        blocks = blocks[blocks >= 0]
+        if held_only:
+            blocks = blocks[self.slot_of[blocks] >= 0]
+        blocks = blocks[-self.pin_capacity:] if self.pin_capacity else blocks[:0]
+        if not len(blocks):
+            return
+        self._claim(blocks, pinned_ok=True)
+        self.pinned[self.slot_of[blocks]] = True
+        over = int(self.pinned.sum()) - self.pin_capacity
+        if over > 0:
+            mine = np.zeros(self.capacity, dtype=bool)
+            mine[self.slot_of[blocks]] = True
+            cand = np.nonzero(self.pinned & ~mine)[0]
+            self.pinned[cand[np.argsort(self.stamp[cand], kind="stable")[:over]]] = False
 
     def drop(self, blocks: np.ndarray) -> None:
         """Forget the window copies of ``blocks`` (their data was replaced by other means)."""
@@ -87,6 +139,7 @@ class RecentWindow:
             self.slot_of[self.block_of[slots]] = -1
             self.block_of[slots] = -1
             self.stamp[slots] = 0
+            self.pinned[slots] = False
             self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
 
     def copy(self, src: np.ndarray, dst: np.ndarray, source: Optional["RecentWindow"] = None) -> None:
@@ -99,10 +152,13 @@ class RecentWindow:
         if not has.any():
             return
         src, dst = src[has], dst[has]
+        pins = dst[source.pinned[source.slot_of[src]]]     # a copied sink block stays pinned
         if source is self:
             self._claim(_distinct_by_last(np.concatenate([src, dst])))  # dst stamped newest
         else:
             self._claim(_distinct_by_last(dst))
+        if len(pins):
+            self.pin(_distinct_by_last(pins))
         both = (source.slot_of[src] >= 0) & (self.slot_of[dst] >= 0)
         src, dst = src[both], dst[both]
         s = torch.from_numpy(source.slot_of[src]).to(source.data.device)
@@ -179,7 +235,7 @@ class RecentWindow:
     def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
                 value: torch.Tensor, pending: Optional[np.ndarray] = None, transform=None) -> None:
         """Overwrite, in gathered ``key``/``value`` ``[sum(seq_lens), H, D]``, each
-        sequence's last ``window`` tokens that the window arena holds.
+        sequence's first ``sink`` and last ``window`` tokens that the window arena holds.
 
         ``blocks_per_seq(b)`` returns sequence ``b``'s block ids (numpy int64).
         ``pending[b]``: sequence ``b``'s trailing tokens that are not written yet (the
@@ -189,10 +245,16 @@ class RecentWindow:
         rows, wsl, offs = [], [], []
         base = 0
         ends = seq_lens if pending is None else seq_lens - pending
+        sinks = []
         for b, (n, end) in enumerate(zip(seq_lens.tolist(), ends.tolist())):
             lo = max(0, end - self.window)
-            if end > lo:
+            head = min(self.sink, lo)     # the sink tokens not already in the recent window
+            if end > lo or head:
                 pos = np.arange(lo, end, dtype=np.int64)
+                if head:
+                    pos = np.concatenate([np.arange(head, dtype=np.int64), pos])
+                    first = blocks_per_seq(b)[:(head - 1) // self.block_size + 1]
+                    sinks.append(first[first >= 0])
                 blk = blocks_per_seq(b)[pos // self.block_size]
                 ws = self.slot_of[blk]
                 held = ws >= 0
@@ -200,6 +262,12 @@ class RecentWindow:
                 wsl.append(ws[held])
                 offs.append(pos[held] % self.block_size)
             base += n
+        if sinks:       # pins in use stay the most recently used
+            ws = self.slot_of[np.concatenate(sinks)]
+            ws = ws[ws >= 0]
+            ws = ws[self.pinned[ws]]
+            self.clock += 1
+            self.stamp[ws] = self.clock
         if not rows:
             return
         rows_np = np.concatenate(rows)

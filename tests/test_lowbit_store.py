@@ -15,7 +15,10 @@ L, H, D, BS = 3, 2, 32, 4
 
 
 def config(**kw):
+    # sink tokens are tested in test_sink_tokens.py; here every read model has none
     base = dict(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=24, dtype="float32")
+    if kw.get("kv_dtype") in ("int4", "int3"):
+        base["kv_sink_tokens"] = 0
     base.update(kw)
     return CacheConfig(**base)
 

@@ -36,7 +36,7 @@ def reference_kv(tokens, **cfg):
 
 # int4/int3: grouped codes with float32 / bfloat16 parameters, rotated; head_dim 8 (int3
 # packs 8 codes per 3 bytes) and no recent window, so every read is of the stored codes
-LOW_BIT = dict(head_dim=8, kv_window=0)
+LOW_BIT = dict(head_dim=8, kv_window=0, kv_sink_tokens=0)   # the tiers carry no window rows
 
 
 @pytest.mark.parametrize("kv_dtype, extra", [(None, {}), ("int8", {}), ("fp8_e4m3", {}), ("int4", LOW_BIT),

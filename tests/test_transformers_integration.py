@@ -387,7 +387,7 @@ def test_window_holds_the_tokens_before_each_pass_exactly():
     # computed, and only older tokens dequantized.
     W = 3
     cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=16, block_size=4,
-                      dtype=torch.float32, kv_dtype="int4", kv_window=W)
+                      dtype=torch.float32, kv_dtype="int4", kv_window=W, kv_sink_tokens=0)
     kv = PagedKVCache(cfg)
     g = torch.Generator().manual_seed(2)
     seen = [[], []]  # per layer: every token's K as computed, in order
