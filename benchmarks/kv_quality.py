@@ -51,6 +51,8 @@ PRECISIONS = {
     "int4_blockkeys_window128_nosink": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
                                              kv_sink_tokens=0), None),
     "int4_window0_nosink": (dict(kv_dtype="int4", kv_window=0, kv_sink_tokens=0), 1.0),
+    "int4_blockkeys_window128_fp_calibrated": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
+                                                    kv_full_precision_layers=CALIBRATED), None),
     "int4_unrotated_window128": (dict(kv_dtype="int4", kv_window=128, kv_rotation=False), None),
     "int4_unrotated_window0": (dict(kv_dtype="int4", kv_window=0, kv_rotation=False), None),
     "int4_window0_fp_first_last": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=(0, -1)), None),

@@ -155,6 +155,7 @@ def plan(
     layout: str = "NHD",
     attention_sinks: int = 0,
     kv_key_quant: Any = None,
+    kv_sink_tokens: Any = None,
 ) -> PlanResult:
     """Plan a cache for a model.
 
@@ -164,9 +165,11 @@ def plan(
         budget: bytes, or a string like ``"4GiB"``.
         max_seq_len: the full sequence length to count sequences of.
         kv_key_quant: int4 only: ``"block"`` for per-channel keys (see :class:`CacheConfig`).
+        kv_sink_tokens: leading tokens per sequence kept in model precision (quantized
+            caches; default 4 for int4/int3). Their pinned blocks count in the arena bytes.
     """
     cfg = CacheConfig.from_hf_config(
         model_config, memory_budget=budget, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, layout=layout,
-        attention_sinks=attention_sinks, kv_key_quant=kv_key_quant,
+        attention_sinks=attention_sinks, kv_key_quant=kv_key_quant, kv_sink_tokens=kv_sink_tokens,
     )
     return plan_config(cfg, max_seq_len)

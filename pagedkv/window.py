@@ -131,15 +131,17 @@ class RecentWindow:
             self.pinned[cand[np.argsort(self.stamp[cand], kind="stable")[:over]]] = False
 
     def drop(self, blocks: np.ndarray) -> None:
-        """Forget the window copies of ``blocks`` (their data was replaced by other means)."""
+        """Forget the window copies of ``blocks`` (their data was replaced by other means).
+        A pinned block keeps its slot and pin, with no row held: it is still its
+        sequence's first block, and its next rows (a transfer's, a rewrite's) belong there."""
         blocks = np.asarray(blocks, dtype=np.int64)
         slots = self.slot_of[blocks]
         slots = slots[slots >= 0]
         if len(slots):
-            self.slot_of[self.block_of[slots]] = -1
-            self.block_of[slots] = -1
-            self.stamp[slots] = 0
-            self.pinned[slots] = False
+            free = slots[~self.pinned[slots]]
+            self.slot_of[self.block_of[free]] = -1
+            self.block_of[free] = -1
+            self.stamp[free] = 0
             self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
 
     def copy(self, src: np.ndarray, dst: np.ndarray, source: Optional["RecentWindow"] = None) -> None:

@@ -30,7 +30,9 @@ TIMEOUT = 30.0
 # of 6 tokens over blocks of 4), whose model-precision rows travel with the codes; int4
 # block keys, whose per-channel parameters travel as an arena
 QUANTIZED_HANDOFFS = [("int8", {}), ("fp8_e4m3", {}), ("int4", dict(head_dim=8, kv_window=6)),
-                      ("int4", dict(head_dim=8, kv_window=0, kv_key_quant="block"))]
+                      ("int4", dict(head_dim=8, kv_window=0, kv_key_quant="block")),
+                      # one sequence's window: the first block keeps its sink rows only by its pin
+                      ("int4", dict(head_dim=8, kv_window=4, kv_window_sequences=1))]
 
 
 def tokens(start, n):
@@ -99,10 +101,25 @@ def handoff(rank, out):
             pd.recv_sequence(q, 0, timeout=TIMEOUT)
             want = reference_kv(req, kv_dtype=kv_dtype, **extra)
             name = kv_dtype + ("_window" if extra.get("kv_window") else "") + (
-                "_block_keys" if extra.get("kv_key_quant") == "block" else "")
+                "_block_keys" if extra.get("kv_key_quant") == "block" else "") + (
+                "_one_sequence" if extra.get("kv_window_sequences") == 1 else "")
             out[f"{name}_exact"] = all(torch.equal(q.gather("req", layer)[0], k) and
                                        torch.equal(q.gather("req", layer)[1], v)
                                        for layer, (k, v) in enumerate(want))
+            exact = reference_kv(req, **{k: v for k, v in extra.items() if k == "head_dim"})
+            out[f"{name}_sink_exact"] = all(torch.equal(q.gather("req", layer)[0][:4], k[:4])
+                                            for layer, (k, _) in enumerate(exact))
+            if extra.get("kv_window_sequences") == 1:   # decoding goes on: only the pin keeps the sink
+                more = tokens(100, 33)
+                slots = q.reserve("req", 12)
+                for layer in range(q.config.num_layers):
+                    k, v = expected_kv(more, layer, q.config.kv_heads_per_rank, q.config.head_dim)
+                    q.write(layer, slots, k[21:], v[21:])
+                q.commit("req", 12)
+                out[f"{name}_sink_kept"] = all(
+                    torch.equal(q.gather("req", layer)[0][:4],
+                                expected_kv(more, layer, q.config.kv_heads_per_rank, q.config.head_dim)[0][:4])
+                    for layer in range(q.config.num_layers))
             if extra.get("kv_window"):   # the window rows made it: not what the codes alone give
                 codes_only = reference_kv(req, kv_dtype=kv_dtype, **dict(extra, kv_window=0))
                 out[f"{name}_differs_from_codes"] = any(not torch.equal(q.gather("req", layer)[0], k)

@@ -61,6 +61,10 @@ def test_sequence_and_prefix_handoff_between_processes(tmp_path):
     # and with their recent-window rows: the receiver reads the newest tokens exactly
     assert recv["int4_window_exact"] and recv["int4_window_differs_from_codes"]
     assert recv["int4_block_keys_exact"]                  # and block keys with their parameters
+    # the first 4 tokens (sink) arrive exact, even where only the pin keeps them
+    assert recv["int4_window_one_sequence_exact"]
+    assert all(recv[f"{n}_sink_exact"] for n in ("int4_window", "int4_block_keys", "int4_window_one_sequence"))
+    assert recv["int4_window_one_sequence_sink_kept"]      # 3 more blocks written after the handoff
     assert send["prefix_sent"] == recv["prefix_received"] == [4, 0]
     assert recv["prefix_hit"] == 16
     wide, small, exists = recv["refusals"]

@@ -298,3 +298,29 @@ def test_random_workload_keeps_sinks_exact_and_everything_else_as_without():
                 check_read(kv, twin, s, *truth[s], 3)
     for c in (kv, twin):
         c.free(sorted(truth))
+
+
+def test_plan_and_the_cli_count_the_pinned_blocks(capsys):
+    import json
+
+    from pagedkv.cli import main
+    from pagedkv.planner import plan
+
+    hf = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    with_sink = plan(hf, "1GiB", 4096, dtype="float16", kv_dtype="int4")
+    without = plan(hf, "1GiB", 4096, dtype="float16", kv_dtype="int4", kv_sink_tokens=0)
+    c = CacheConfig.from_hf_config(hf, memory_budget="1GiB", dtype="float16", kv_dtype="int4")
+    # one more pinned block per kv_window_sequences, in model precision, fewer blocks left
+    one = 28 * (2 * 16 * 8 * 128 * 2 + 16)      # a block of every layer, K and V, plus validity
+    assert c.kv_sink_tokens == 4 and c.window_bytes - (one * 16) == CacheConfig.from_hf_config(
+        hf, memory_budget="1GiB", dtype="float16", kv_dtype="int4", kv_sink_tokens=0).window_bytes
+    assert with_sink.num_blocks < without.num_blocks
+    rc = main(["plan", "--num-layers", "28", "--num-kv-heads", "8", "--head-dim", "128", "--budget", "1GiB",
+               "--kv-dtype", "int4", "--kv-sink-tokens", "0", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_blocks"] == CacheConfig(num_layers=28, num_kv_heads=8, head_dim=128, memory_budget="1GiB",
+                                            kv_dtype="int4", kv_sink_tokens=0).resolved_num_blocks
+    rc = main(["plan", "--num-layers", "28", "--num-kv-heads", "8", "--head-dim", "128", "--budget", "1GiB",
+               "--kv-dtype", "int4", "--kv-sink-tokens", "-2"])
+    assert rc == 2 and "kv_sink_tokens: expected" in capsys.readouterr().err

@@ -93,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV storage: model dtype (default), fp8, fp8_e5m2, int8, int4 or int3")
     p.add_argument("--kv-key-quant", default=None, choices=("token", "block"),
                    help="int4 keys: per token (default) or per channel over each full block")
+    p.add_argument("--kv-sink-tokens", type=int, default=None,
+                   help="leading tokens per sequence kept in model precision (int4/int3 default 4)")
     p.add_argument("--max-batch", type=int, default=8, help="most requests decoding at once")
     p.add_argument("--arrival-gap", type=int, default=2, help="engine steps between request arrivals")
     p.add_argument("--seed", type=int, default=0, help="free-list shuffle seed (blocks out of order)")
@@ -267,7 +269,7 @@ def build_kv(model, args):
 
     cfg = CacheConfig.from_hf_config(model.config, num_blocks=args.num_blocks, block_size=args.block_size,
                                      dtype=torch.float32, kv_dtype=args.kv_dtype, kv_key_quant=args.kv_key_quant,
-                                     shuffle_free_blocks=args.seed)
+                                     kv_sink_tokens=args.kv_sink_tokens, shuffle_free_blocks=args.seed)
     return PagedKVCache(cfg)
 
 

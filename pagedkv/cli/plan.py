@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache dtype: same as --dtype (default), fp8, fp8_e5m2, int8, int4, int3")
     parser.add_argument("--kv-key-quant", default=None, choices=("token", "block"),
                         help="int4 keys: per token (default) or per channel over each full block")
+    parser.add_argument("--kv-sink-tokens", type=int, default=None, metavar="TOKENS",
+                        help="leading tokens per sequence kept in model precision (int4/int3 default 4)")
     parser.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
     parser.add_argument("--attention-sinks", type=int, default=0, metavar="TOKENS",
                         help="leading tokens every sliding-window layer keeps (StreamingLLM sinks)")
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     explicit = (args.num_layers, args.num_kv_heads, args.head_dim)
     opts = dict(memory_budget=args.budget, block_size=args.block_size, dtype=args.dtype,
                 kv_dtype=args.kv_dtype, layout=args.layout, attention_sinks=args.attention_sinks,
-                kv_key_quant=args.kv_key_quant)
+                kv_key_quant=args.kv_key_quant, kv_sink_tokens=args.kv_sink_tokens)
     try:
         if args.model_config is not None:
             if any(v is not None for v in explicit):
