@@ -248,24 +248,27 @@ class RecentWindow:
         base = 0
         ends = seq_lens if pending is None else seq_lens - pending
         sinks = []
+        head_pos = np.arange(self.sink, dtype=np.int64)
         for b, (n, end) in enumerate(zip(seq_lens.tolist(), ends.tolist())):
             lo = max(0, end - self.window)
             head = min(self.sink, lo)     # the sink tokens not already in the recent window
             if end > lo or head:
                 pos = np.arange(lo, end, dtype=np.int64)
+                table = blocks_per_seq(b)
                 if head:
-                    pos = np.concatenate([np.arange(head, dtype=np.int64), pos])
-                    first = blocks_per_seq(b)[:(head - 1) // self.block_size + 1]
-                    sinks.append(first[first >= 0])
-                blk = blocks_per_seq(b)[pos // self.block_size]
+                    pos = np.concatenate([head_pos[:head], pos])
+                    if layer == 0:
+                        sinks.append(table[:(head - 1) // self.block_size + 1])
+                blk = table[pos // self.block_size]
                 ws = self.slot_of[blk]
                 held = ws >= 0
                 rows.append(base + pos[held])
                 wsl.append(ws[held])
                 offs.append(pos[held] % self.block_size)
             base += n
-        if sinks:       # pins in use stay the most recently used
-            ws = self.slot_of[np.concatenate(sinks)]
+        if sinks:       # pins in use stay the most recently used (once per pass: at layer 0)
+            first = np.concatenate(sinks)
+            ws = self.slot_of[first[first >= 0]]
             ws = ws[ws >= 0]
             ws = ws[self.pinned[ws]]
             self.clock += 1
