@@ -32,7 +32,17 @@ from pagedkv.integrations.transformers import PagedCache
 from pagedkv.testing.kv_peers import PEERS, FakeQuantCache
 
 CALIBRATED = "calibrated"  # placeholder resolved by main() from a calibration pass
+CALIBRATED_1 = "calibrated:1"  # the same, one layer
 CALIBRATED_LAYERS = 2
+
+
+def calibrated_count(layers):
+    """How many layers a calibration placeholder asks for, or None for real layer indices."""
+    if layers == CALIBRATED:
+        return CALIBRATED_LAYERS
+    if layers == CALIBRATED_1:
+        return 1
+    return None
 
 #: name -> (CacheConfig overrides, goal in % perplexity increase or None). The issue-11
 #: table first, then the variants that show what each part of the int4 scheme buys.
@@ -51,8 +61,11 @@ PRECISIONS = {
     "int4_blockkeys_window128_nosink": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
                                              kv_sink_tokens=0), None),
     "int4_window0_nosink": (dict(kv_dtype="int4", kv_window=0, kv_sink_tokens=0), 1.0),
+    # block keys plus the one or two layers a calibration pass ranks most sensitive
     "int4_blockkeys_window128_fp_calibrated": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
-                                                    kv_full_precision_layers=CALIBRATED), None),
+                                                    kv_full_precision_layers=CALIBRATED), 0.1),
+    "int4_blockkeys_window128_fp_calibrated1": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
+                                                     kv_full_precision_layers=CALIBRATED_1), 0.1),
     "int4_unrotated_window128": (dict(kv_dtype="int4", kv_window=128, kv_rotation=False), None),
     "int4_unrotated_window0": (dict(kv_dtype="int4", kv_window=0, kv_rotation=False), None),
     "int4_window0_fp_first_last": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=(0, -1)), None),
@@ -169,7 +182,8 @@ def calibrated(overrides, model, ids):
     t0 = time.perf_counter()
     # four chunks: the last three read the earlier ones back from the arena
     sens = layer_sensitivity(model, ids, chunk=max(1, ids.shape[1] // 4), **opts)
-    layers = choose_full_precision_layers(sens, min(CALIBRATED_LAYERS, len(sens) - 1))
+    n = calibrated_count(overrides.get("kv_full_precision_layers")) or CALIBRATED_LAYERS
+    layers = choose_full_precision_layers(sens, min(n, len(sens) - 1))
     print(json.dumps({"bench": "kv_quality", "calibration": opts, "tokens": ids.shape[1],
                       "layer_kl": [round(x, 6) for x in sens], "chosen": list(layers),
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
@@ -178,7 +192,7 @@ def calibrated(overrides, model, ids):
 
 def _full_layers(v) -> int:
     layers = (v.overrides or {}).get("kv_full_precision_layers", ())
-    return 1 if layers == CALIBRATED else len(layers)  # calibrated(): at most num_layers - 1
+    return 1 if calibrated_count(layers) else len(layers)  # calibrated(): at most num_layers - 1
 
 
 def variants(names=None, probe=False, head_dim=64, num_layers=30):
@@ -218,7 +232,7 @@ def main(argv=None):
     hd = model.config.hidden_size // model.config.num_attention_heads
     todo = variants(args.only, args.probe, hd, model.config.num_hidden_layers)
     for v in todo:
-        if v.overrides and v.overrides.get("kv_full_precision_layers") == CALIBRATED:
+        if v.overrides and calibrated_count(v.overrides.get("kv_full_precision_layers")):
             v.overrides = calibrated(v.overrides, model, calib_ids)
     quality = evaluate(model, ids, todo, window, stride, chunk)
     t0 = time.perf_counter()

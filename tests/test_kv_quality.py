@@ -15,6 +15,7 @@ _spec.loader.exec_module(kv_quality)
 Variant = kv_quality.Variant
 
 HELD_OUT = 12_000
+CALIBRATION = 8_192 + 3_200    # the benchmark's calibration text (after its greedy prompts)
 
 
 @pytest.mark.slow
@@ -64,7 +65,15 @@ def test_issue_goals_hold_on_held_out_text(smollm2):
             Variant("fp8_rot", dict(kv_dtype="fp8_e4m3", kv_rotation=True)),
             Variant("int4_w0", dict(kv_dtype="int4", kv_window=0)),
             Variant("int3_w0", dict(kv_dtype="int3", kv_window=0)),
-            Variant("int4_block_w0", dict(kv_dtype="int4", kv_window=0, kv_key_quant="block"))]
+            Variant("int4_block_w0", dict(kv_dtype="int4", kv_window=0, kv_key_quant="block")),
+            Variant("int4_block_w128", dict(kv_dtype="int4", kv_window=128, kv_key_quant="block")),
+            Variant("int4_block_w128_nosink", dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
+                                                    kv_sink_tokens=0)),
+            # plus the layer a calibration pass (on text outside this slice) ranks most sensitive
+            Variant("int4_block_w128_cal1", kv_quality.calibrated(
+                dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
+                     kv_full_precision_layers=kv_quality.CALIBRATED_1), model,
+                kv_quality.text_ids(tok, 512, start=CALIBRATION)))]
     q = kv_quality.evaluate(model, ids, todo, 1024, 512, 256)
     base = q["float32"]["perplexity"]
     rel = {v.name: 100 * (q[v.name]["perplexity"] - base) / base for v in todo}
@@ -79,3 +88,13 @@ def test_issue_goals_hold_on_held_out_text(smollm2):
     # more bit per element (the bfloat16 parameters of blocks of 16)
     assert q["int4_block_w0"]["kl"] < 0.7 * q["int4_w0"]["kl"] and rel["int4_block_w0"] < rel["int4_w0"], (rel, q)
     assert todo[4].sizes(model)["bits_per_element"] <= 6.0
+    # the first tokens kept exact (default 4) take a large share of what is left, by KL
+    # and top-1 (the perplexity delta at this level is noise of either sign: -0.03% without
+    # the sink, +0.13% with it, here; +0.35% and +0.11% on the benchmark's slice)
+    assert q["int4_block_w128"]["kl"] < 0.8 * q["int4_block_w128_nosink"]["kl"], q
+    assert q["int4_block_w128"]["top1"] > q["int4_block_w128_nosink"]["top1"], q
+    # the issue's 0.1% goal for 4-bit with a window of 128, with one calibrated layer in
+    # model precision
+    assert rel["int4_block_w128_cal1"] <= 0.1 and q["int4_block_w128_cal1"]["kl"] < q["int4_block_w128"]["kl"], (
+        rel, q)
+    assert len(todo[7].overrides["kv_full_precision_layers"]) == 1
