@@ -516,11 +516,17 @@ class CacheConfig:
     def window_blocks(self) -> int:
         """Blocks in the window arena: ``kv_window_sequences * (ceil(kv_window / block_size) + 1)``
         (block keys stage each sequence's newest block there, so it exists with
-        ``kv_window=0`` too), plus :attr:`sink_blocks` per sequence."""
+        ``kv_window=0`` too), plus :attr:`sink_blocks` per sequence; with layer groups,
+        that many per group (a sequence has a block table per group)."""
         recent = 0
         if self.kv_window or self.block_keys:
             recent = -(-self.kv_window // self.block_size) + 1
-        return self.kv_window_sequences * (recent + self.sink_blocks)
+        return self.kv_window_sequences * self.table_groups * (recent + self.sink_blocks)
+
+    @property
+    def table_groups(self) -> int:
+        """Block tables per sequence: one, or one per layer group."""
+        return 1 if self._groups is None else len(self._groups.groups)
 
     @property
     def sink_blocks(self) -> int:

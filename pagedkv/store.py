@@ -114,7 +114,7 @@ class KVStore:
         c = self.config
         return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.kv_heads_per_rank, c.head_dim,
                             c.kv_window, c.torch_dtype, device, sink=c.kv_sink_tokens,
-                            pin_capacity=c.kv_window_sequences * c.sink_blocks)
+                            pin_capacity=c.kv_window_sequences * c.table_groups * c.sink_blocks)
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
         cfg = self.config

@@ -324,3 +324,26 @@ def test_plan_and_the_cli_count_the_pinned_blocks(capsys):
     rc = main(["plan", "--num-layers", "28", "--num-kv-heads", "8", "--head-dim", "128", "--budget", "1GiB",
                "--kv-dtype", "int4", "--kv-sink-tokens", "-2"])
     assert rc == 2 and "kv_sink_tokens: expected" in capsys.readouterr().err
+
+
+def test_sliding_window_layer_groups_keep_the_sink_of_their_full_attention_layers():
+    # layers 0 and 2 full attention, layer 1 a sliding window of 8: two layer groups whose
+    # first blocks are both pinned; the sliding layer releases its first blocks and never
+    # reads them, the full layers read their sink exact
+    kv, twin = pair(2, kv_dtype="int4", kv_window=0, layer_windows=(0, 8, 0), num_blocks=96,
+                    kv_window_sequences=1)
+    k, v = kv_data(10 * BS, seed=30)
+    for c in (kv, twin):
+        c.add_sequence("a")
+    for a in range(0, 10 * BS, 3):
+        write((kv, twin), "a", k[a:a + 3], v[a:a + 3], a)
+    for layer in (0, 2):
+        gk, gv = kv.gather("a", layer)
+        tk, tv = twin.gather("a", layer)
+        assert torch.equal(gk[:2], k[:2]) and torch.equal(gv[:2], v[:2])
+        assert torch.equal(gk[2:], tk[2:]) and torch.equal(gv[2:], tv[2:])
+    got = kv.gather_window(["a"], 1)
+    want = twin.gather_window(["a"], 1)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))    # nothing of the sink left there
+    for c in (kv, twin):
+        c.free(["a"])
