@@ -206,8 +206,7 @@ class PagedKVCache:
                         self._ids.forget(key)
                     raise
             if hit and self._sink_tokens:     # a shared first block keeps its exact sink rows
-                first = self.tables.block_table(np.array([key], np.int64), -1, None, internal=True)
-                self.store.window.pin(first[0, :self.config.sink_blocks].astype(np.int64), held_only=True)
+                self.store.pin_sinks(self._first_blocks(np.array([key], np.int64), True), held_only=True)
             return hit
 
     def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
@@ -267,11 +266,15 @@ class PagedKVCache:
         fresh = starts < self._sink_tokens
         if not fresh.any():
             return
+        self.store.pin_sinks(self._first_blocks(np.atleast_1d(np.asarray(keys, dtype=np.int64))[fresh], internal))
+
+    def _first_blocks(self, keys: np.ndarray, internal: bool) -> np.ndarray:
+        """The blocks holding the sink tokens of ``keys``, in every layer group's table
+        (-1 where a table has none yet)."""
         width = self.config.sink_blocks
         tables = self._groups.tables if self._groups is not None else [self.tables]
-        sub = np.atleast_1d(np.asarray(keys, dtype=np.int64))[fresh]
-        firsts = [t.block_table(sub, -1, None, internal=internal)[:, :width].reshape(-1) for t in tables]
-        self.store.pin_sinks(np.concatenate(firsts).astype(np.int64))
+        firsts = [t.block_table(keys, -1, None, internal=internal)[:, :width].reshape(-1) for t in tables]
+        return np.concatenate(firsts).astype(np.int64)
 
     def _copy_on_write(self) -> None:
         self._copy_pairs(self._book.take_copies())

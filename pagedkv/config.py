@@ -521,7 +521,13 @@ class CacheConfig:
         recent = 0
         if self.kv_window or self.block_keys:
             recent = -(-self.kv_window // self.block_size) + 1
-        return self.kv_window_sequences * self.table_groups * (recent + self.sink_blocks)
+        return self.kv_window_sequences * self.table_groups * recent + self.pinned_blocks
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Window arena blocks that sink tokens may pin: :attr:`sink_blocks` per table of
+        ``kv_window_sequences`` sequences."""
+        return self.kv_window_sequences * self.table_groups * self.sink_blocks
 
     @property
     def table_groups(self) -> int:

@@ -114,7 +114,7 @@ class KVStore:
         c = self.config
         return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.kv_heads_per_rank, c.head_dim,
                             c.kv_window, c.torch_dtype, device, sink=c.kv_sink_tokens,
-                            pin_capacity=c.kv_window_sequences * c.table_groups * c.sink_blocks)
+                            pin_capacity=c.pinned_blocks)
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
         cfg = self.config
@@ -242,10 +242,11 @@ class KVStore:
                 self._block_keys.on_write(i, view, scale, zero, slots, key)
             self.window.write(i, slot_mapping, key, value, slots)
 
-    def pin_sinks(self, blocks: np.ndarray) -> None:
-        """Pin sequences' first blocks (their ``kv_sink_tokens``) in the window arena."""
+    def pin_sinks(self, blocks: np.ndarray, held_only: bool = False) -> None:
+        """Pin sequences' first blocks (their ``kv_sink_tokens``) in the window arena
+        (``held_only``: see :meth:`RecentWindow.pin`)."""
         if self.window is not None and self.window.sink:
-            self.window.pin(blocks)
+            self.window.pin(blocks, held_only=held_only)
 
     def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
