@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import TierFileError, expected
+from pagedkv.kvformat import differences, shown
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ROOT_HASH, ChainIndex, chain_hash, slot_dtype
 
@@ -182,14 +183,12 @@ class DiskPrefixTier(Tier):
         if meta.get("version") != self.meta["version"]:
             raise TierFileError(expected(self._file("meta.json"), f"version={FORMAT_VERSION}",
                                          f"version={meta.get('version')!r}"))
-        theirs, ours = meta.get("kv_format"), self.meta["kv_format"]
-        if theirs != ours:
-            keys = sorted(set(ours) | set(theirs or {}))
-            diff = [k for k in keys if (theirs or {}).get(k) != ours.get(k)]
-            k = diff[0] if diff else "kv_format"
+        diff = differences(self.meta["kv_format"], meta.get("kv_format"))
+        if diff:     # every differing setting, both values: the directory is left as it is
             raise TierFileError(expected(
-                self._file("meta.json"), f"a tier written for this model shape and settings ({k}={ours.get(k)!r})",
-                f"{k}={(theirs or {}).get(k)!r}"))
+                self._file("meta.json"), "a tier written for this model shape and settings ("
+                + ", ".join(f"{k}={shown(m)}" for k, _, m in diff) + ")",
+                ", ".join(f"{k}={shown(t)}" for k, t, _ in diff)))
         for key in ("capacity", "record_bytes", "block_size", "weak_hash"):
             if meta.get(key) != self.meta[key]:
                 raise TierFileError(expected(self._file("meta.json"), f"{key}={self.meta[key]!r} (this cache)",
