@@ -16,13 +16,18 @@ from pagedkv._core.prefix import hash_bytes
 from pagedkv.cache import as_token_ids, namespace_key
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
-from pagedkv.transfer.protocol import (abort, expect_ok, header, jsonable, recv_tokens, refusal, refuse,
-                                       scratch_id, send_tokens)
+from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_kv, recv_tokens,
+                                       refusal, refuse, scratch_id, send_tokens)
+from pagedkv.transfer.schema import check, integer, list_of_digits, optional, scalar, text
 from pagedkv.transfer.wire import Link
 
 __all__ = ["send_prefix", "recv_prefix", "block_hashes"]
 
 KIND = "prefix"
+
+#: the header's fields past magic, version, kind and format (``hashes`` is checked once
+#: ``num_tokens`` is known)
+HEADER = {"cache_salt": optional(text()), "adapter_id": scalar, "num_tokens": integer(0, MAX_TOKENS)}
 
 
 def block_hashes(tokens: np.ndarray, block_size: int, cache_salt=None, adapter_id=None) -> list:
@@ -60,15 +65,19 @@ def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None,
     try:
         m = held // bs
         offered = full[:m * bs]
+        link.send_hello()
         link.send_json(header(KIND, cache, cache_salt=cache_salt, adapter_id=adapter_id, num_tokens=len(offered),
                               hashes=[str(h) for h in block_hashes(offered, bs, cache_salt, adapter_id)]),
                        "sending the header")
         send_tokens(link, offered)
-        start = int(expect_ok(link, "waiting for the receiver's allocation")["start_block"])
+        start = expect_ok(link, "waiting for the receiver's allocation", {"start_block": integer(0, m)})["start_block"]
         blocks = cache.block_table(tmp)[start:m].tolist()
         link.send_blocks(cache.store.arenas, blocks)
-        expect_ok(link, "waiting for the receiver's commit")
+        expect_ok(link, "waiting for the receiver's commit", last=True)
         return len(blocks)
+    except TransferError as e:
+        link.send_abort(str(e))          # when the receiver still waits for this side
+        raise
     finally:
         cache.free(tmp)
 
@@ -84,24 +93,34 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
                                             "transfer moves one block table)", "sliding-window layer groups"))
     link = Link(src, group, timeout, cache.store.device)
     bs = cache.config.block_size
+    link.recv_hello()
     h = link.recv_json("waiting for the header")
-    reason = refusal(h, KIND, cache)
-    if reason is None and "abort" in h:
-        raise TransferError(f"rank {src} aborted the transfer: {h['abort']}")
-    tokens = recv_tokens(link, h)
+    reason = refusal(h, KIND, cache, HEADER, link)
+    if reason is None:
+        if h["num_tokens"] % bs:
+            reason = f"header: num_tokens={h['num_tokens']} is not whole blocks of {bs}"
+        else:
+            reason = check(h, {"hashes": list_of_digits(h["num_tokens"] // bs)}, "header")
+    try:
+        tokens = recv_tokens(link, h["num_tokens"] if reason is None else None)   # also when refusing
+    except TransferError as e:
+        if link.broken:
+            raise
+        reason = str(e)
     tmp = scratch_id()
     added = False
+    k = m = 0
     if reason is None:
         try:
             salt, adapter = h["cache_salt"], h["adapter_id"]
-            if len(tokens) % bs or [str(x) for x in block_hashes(tokens, bs, salt, adapter)] != h["hashes"]:
+            if [str(x) for x in block_hashes(tokens, bs, salt, adapter)] != h["hashes"]:
                 raise TransferError("the tokens received do not reproduce the sender's block hashes")
             m = len(tokens) // bs
             k = cache.add_sequence(tmp, np.append(tokens, np.int32(0)), cache_salt=salt, adapter_id=adapter) // bs
             added = True
             if k < m:
                 cache.reserve(tmp, (m - k) * bs)
-        except (PagedKVError, KeyError) as e:
+        except PagedKVError as e:
             reason = str(e)
             if added:
                 cache.free(tmp)
@@ -110,8 +129,7 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
     try:
         link.send_json({"ok": True, "start_block": min(k, m)}, "sending the allocation")
         blocks = cache.block_table(tmp)[k:m].tolist() if k < m else []
-        link.recv_blocks(cache.store.arenas, blocks)
-        cache.store.replaced(blocks)
+        recv_kv(link, cache, blocks, window=False)       # verified before anything is committed
         if blocks:
             cache.commit(tmp, (m - k) * bs)
         link.send_json({"ok": True}, "confirming the commit")

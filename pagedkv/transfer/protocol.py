@@ -1,14 +1,22 @@
 """The conversation both transfers follow, and the checks on what a peer says.
 
-1. sender -> receiver: a JSON header (kind, KV format, namespace, counts, ...) or an
-   ``abort`` with the sender's reason; then the token ids;
+1. sender -> receiver: a hello (see :mod:`pagedkv.transfer.wire`), then a JSON header
+   (kind, KV format, namespace, counts, ...) and the token ids, or an abort with the
+   sender's reason;
 2. receiver -> sender: ``{"ok": true, "start_block": k}`` (it already holds the first
    ``k`` blocks, from its prefix cache or its tiers) or ``{"ok": false, "reason": ...}``;
-3. sender -> receiver: the KV of blocks ``k..`` (see :mod:`pagedkv.transfer.wire`);
-4. receiver -> sender: ``{"ok": true}`` once it committed (registered) them.
+3. sender -> receiver: the KV of blocks ``k..`` (and, for a sequence, its window rows),
+   each payload framed with its size and checksum; or an abort;
+4. receiver -> sender: ``{"ok": true}`` once it verified and committed (registered)
+   them, or ``{"ok": false, "reason": ...}``.
 
-The receiver allocates before step 2 and commits after step 3; any failure in between
-frees what it allocated, so a failed transfer registers nothing and leaks nothing.
+Every message is checked before anything is done with it: the header against a strict
+schema (:mod:`pagedkv.transfer.schema`) and this cache's KV format (every setting that
+differs is named, with both values); the token ids and KV against the sizes announced
+and their checksums. The receiver allocates before step 2 and commits after step 3,
+only once everything arrived intact; any failure in between frees what it allocated,
+so a failed transfer registers nothing and leaks nothing. Both sides raise
+:class:`~pagedkv.errors.TransferError` with the same reason.
 """
 from __future__ import annotations
 
@@ -20,12 +28,14 @@ import numpy as np
 import torch
 
 from pagedkv.errors import InvalidArgumentError, TransferError, expected
-from pagedkv.kvformat import kv_format
-from pagedkv.transfer.wire import MAGIC, VERSION, Link
+from pagedkv.kvformat import describe, differences, kv_format
+from pagedkv.transfer.schema import check, exactly
+from pagedkv.transfer.wire import DATA, MAGIC, MAX_DEPTH, MAX_JSON, VERSION, Link, json_depth
 
-__all__ = ["header", "refusal", "scratch_id", "jsonable", "abort", "expect_ok", "send_tokens", "recv_tokens"]
+__all__ = ["header", "refusal", "scratch_id", "jsonable", "abort", "expect_ok", "refuse", "send_tokens",
+           "recv_tokens", "recv_kv", "MAX_TOKENS"]
 
-_MAX_TOKENS = 1 << 31
+MAX_TOKENS = (1 << 31) - 1
 
 
 def scratch_id() -> str:
@@ -34,11 +44,15 @@ def scratch_id() -> str:
 
 
 def jsonable(name: str, value: Any) -> Any:
+    """``value``, refused unless a peer would accept it (JSON, bounded size and depth)."""
     try:
-        json.dumps(value)
-    except (TypeError, ValueError):
+        raw = json.dumps(value).encode()
+    except (TypeError, ValueError, RecursionError):
         raise InvalidArgumentError(expected(name, "a JSON-serializable value to send to a peer",
                                             type(value).__name__)) from None
+    if len(raw) > MAX_JSON // 2 or json_depth(raw) > MAX_DEPTH // 2:
+        raise InvalidArgumentError(expected(name, f"JSON of at most {MAX_JSON // 2} bytes and nesting "
+                                            f"{MAX_DEPTH // 2} to send to a peer", f"{len(raw)} bytes"))
     return value
 
 
@@ -50,55 +64,93 @@ def header(kind: str, cache, **fields) -> Dict[str, Any]:
 
 def abort(link: Link, kind: str, error: BaseException) -> None:
     """Tell a waiting receiver that this sender failed before sending anything."""
-    link.send_json({"magic": MAGIC, "version": VERSION, "kind": kind, "abort": str(error)}, "sending an abort")
+    link.send_hello()
+    link.send_abort(str(error))
 
 
-def refusal(h: Any, kind: str, cache) -> Optional[str]:
-    """Why a received header cannot be served here (None when it can)."""
-    if not isinstance(h, dict) or h.get("magic") != MAGIC:
-        return "not a pagedkv transfer"
+def refusal(h: Any, kind: str, cache, fields: Dict[str, Any], link: Link) -> Optional[str]:
+    """Why a received header cannot be served here (None when it can): not a pagedkv
+    header, another kind, another KV format (every differing setting named), or a field
+    that fails ``fields`` (see :func:`pagedkv.transfer.schema.check`)."""
+    if type(h) is not dict or h.get("magic") != MAGIC:
+        return "not a pagedkv transfer header"
     if h.get("version") != VERSION:
         return f"protocol version {h.get('version')!r}, this side speaks {VERSION}"
     if h.get("kind") != kind:
         return f"a {h.get('kind')!r} transfer, this side expects {kind!r}"
-    if "abort" in h:
-        return None
-    mine, theirs = kv_format(cache.store), h.get("format")
-    if theirs != mine:
-        keys = sorted(set(mine) | set(theirs or {}))
-        diff = [k for k in keys if (theirs or {}).get(k) != mine.get(k)]
-        k = diff[0] if diff else "format"
-        return f"KV format differs: {k}={(theirs or {}).get(k)!r} there, {mine.get(k)!r} here"
-    return None
+    diff = differences(kv_format(cache.store), h.get("format"))
+    if diff:
+        return "KV format differs: " + describe(diff, f"on the sender (rank {link.peer})", "on the receiver")
+    return check(h, fields, "header")
 
 
-def expect_ok(link: Link, what: str) -> Dict[str, Any]:
-    reply = link.recv_json(what)
-    if not isinstance(reply, dict) or not reply.get("ok"):
-        reason = reply.get("reason") if isinstance(reply, dict) else reply
-        raise TransferError(f"rank {link.peer} refused the transfer: {reason}")
+def expect_ok(link: Link, what: str, fields: Optional[Dict[str, Any]] = None, last: bool = False) -> Dict[str, Any]:
+    """The peer's ``{"ok": true, ...}`` reply, checked against ``fields``. A refusal or a
+    malformed reply raises TransferError; ``last``: the peer expects nothing after it."""
+    try:
+        reply = link.recv_json(what)
+    except TransferError:
+        link.broken = True
+        raise
+    if type(reply) is dict and reply.get("ok") is False:
+        link.broken = True          # the peer gave up: it reads nothing more
+        reason = reply.get("reason")
+        raise TransferError(f"rank {link.peer} refused the transfer: "
+                            f"{reason if type(reason) is str else '(no reason given)'}")
+    why = check(reply, dict({"ok": exactly(True)}, **(fields or {})), "reply")
+    if last:
+        link.broken = True
+    if why is not None:
+        raise TransferError(f"transfer with rank {link.peer}: {what}: {why} (corrupt stream)")
     return reply
 
 
 def refuse(link: Link, reason: str) -> None:
     """Tell the sender why the transfer is refused, then raise the same reason here."""
     link.send_json({"ok": False, "reason": reason}, "refusing")
+    link.broken = True
     raise TransferError(f"refused the transfer from rank {link.peer}: {reason}")
 
 
 def send_tokens(link: Link, tokens: np.ndarray) -> None:
-    if len(tokens):
-        t = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)).to(link.ctl)
-        link.wait(link.send(t, "sending tokens"), "sending tokens")
+    link.send_data(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)), "sending tokens")
 
 
-def recv_tokens(link: Link, h: Any) -> np.ndarray:
-    """The token ids a header announced (none for an abort or a foreign header)."""
-    n = h.get("num_tokens", 0) if isinstance(h, dict) and "abort" not in h else 0
-    if not isinstance(n, int) or not 0 <= n < _MAX_TOKENS:
-        raise TransferError(f"transfer with rank {link.peer}: a header announcing {n!r} tokens (corrupt stream)")
-    if not n:
-        return np.empty(0, dtype=np.int32)
+def recv_tokens(link: Link, n: Optional[int]) -> Optional[np.ndarray]:
+    """The ``n`` token ids the header announced, verified (size and checksum); with
+    ``n=None`` (a header this side refuses) whatever came is received and dropped."""
+    what = "receiving tokens"
+    if n is None:
+        _, size, _ = link.recv_frame(what, DATA)
+        link.drain(size, what)
+        return None
     t = torch.empty(n, dtype=torch.int32, device=link.ctl)
-    link.wait(link.recv(t, "receiving tokens"), "receiving tokens")
+    link.recv_data(t, what)
     return t.cpu().numpy()
+
+
+def recv_kv(link: Link, cache, blocks, window: bool) -> None:
+    """Step 3 on the receiver: ``blocks``' KV (and the window rows when ``window``), each
+    part verified before it lands in blocks no reader can see yet. On a bad part the
+    rest is received and dropped, the sender is told why, and TransferError is raised."""
+    error: Optional[TransferError] = None
+    try:
+        link.recv_blocks(cache.store.arenas, blocks)
+        cache.store.replaced(blocks)
+    except TransferError as e:
+        if link.broken:
+            raise
+        error = e
+    if window:
+        cfg = cache.config
+        try:
+            link.recv_window(None if error is not None else cache.store.window, blocks,
+                             (cfg.num_layers, 2, cfg.block_size, cfg.kv_heads_per_rank, cfg.head_dim))
+        except TransferError as e:
+            if link.broken or error is not None:
+                raise error or e
+            error = e
+    if error is not None:
+        link.send_json({"ok": False, "reason": str(error)}, "refusing")
+        link.broken = True
+        raise error

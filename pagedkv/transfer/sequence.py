@@ -4,12 +4,33 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
-from pagedkv.transfer.protocol import abort, expect_ok, header, jsonable, recv_tokens, refusal, refuse, scratch_id, send_tokens
+from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_kv, recv_tokens,
+                                       refusal, refuse, scratch_id, send_tokens)
+from pagedkv.transfer.schema import Invalid, anything, integer, optional, scalar, text
 from pagedkv.transfer.wire import Link
 
 __all__ = ["send_sequence", "recv_sequence", "ReceivedSequence"]
 
 KIND = "sequence"
+
+
+def _seq_id(v):
+    if v is not None and type(v) is not str and (type(v) is not int or not -(1 << 63) <= v < (1 << 63)):
+        raise Invalid("null, a str or a 64-bit int")
+    return v
+
+
+def _sendable_id(v):
+    try:
+        return _seq_id(v)
+    except Invalid:
+        return None         # the receiver then needs seq_id=
+
+
+#: the header's fields past magic, version, kind and format
+HEADER = {"seq_id": _seq_id, "cache_salt": optional(text()), "adapter_id": scalar, "metadata": anything,
+          "priority": optional(integer(0, 127)), "num_tokens": integer(0, MAX_TOKENS),
+          "num_computed": integer(0, MAX_TOKENS)}
 
 
 class ReceivedSequence(NamedTuple):
@@ -54,18 +75,23 @@ def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, 
     try:
         tokens = cache.token_ids(seq_id)
         computed = cache.num_tokens(tmp)
-        link.send_json(header(KIND, cache, seq_id=seq_id if isinstance(seq_id, (str, int)) else None,
+        bs = cache.config.block_size
+        link.send_hello()
+        link.send_json(header(KIND, cache, seq_id=_sendable_id(seq_id),
                               cache_salt=salt, adapter_id=adapter, metadata=metadata,
                               priority=info["priority"] if info["priority"] >= 0 else None,
                               num_tokens=len(tokens), num_computed=computed), "sending the header")
         send_tokens(link, tokens)
-        start = int(expect_ok(link, "waiting for the receiver's allocation")["start_block"])
-        bs = cache.config.block_size
+        start = expect_ok(link, "waiting for the receiver's allocation",
+                          {"start_block": integer(0, -(-len(tokens) // bs))})["start_block"]
         blocks = cache.block_table(tmp)[start:-(-computed // bs)].tolist() if start * bs < computed else []
         link.send_blocks(cache.store.arenas, blocks)
         link.send_window(cache.store.window, blocks)
-        expect_ok(link, "waiting for the receiver's commit")
+        expect_ok(link, "waiting for the receiver's commit", last=True)
         return len(blocks)
+    except TransferError as e:
+        link.send_abort(str(e))          # when the receiver still waits for this side
+        raise
     finally:
         cache.free(tmp)
 
@@ -82,25 +108,31 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
     """
     _require_store(cache)
     link = Link(src, group, timeout, cache.store.device)
+    link.recv_hello()
     h = link.recv_json("waiting for the header")
-    reason = refusal(h, KIND, cache)
-    if reason is None and "abort" in h:
-        raise TransferError(f"rank {src} aborted the transfer: {h['abort']}")
-    tokens = recv_tokens(link, h)          # also when refusing: the sender sent them
-    sid = seq_id if seq_id is not None else (h.get("seq_id") if isinstance(h, dict) else None)
+    reason = refusal(h, KIND, cache, HEADER, link)
+    if reason is None and h["num_computed"] > h["num_tokens"]:
+        reason = f"header: num_computed={h['num_computed']} exceeds num_tokens={h['num_tokens']}"
+    try:
+        tokens = recv_tokens(link, h["num_tokens"] if reason is None else None)   # also when refusing
+    except TransferError as e:
+        if link.broken:
+            raise
+        reason = str(e)
+    sid = seq_id if seq_id is not None else (h["seq_id"] if reason is None else None)
     if reason is None and sid is None:
         reason = "the sender's sequence id cannot be sent: pass seq_id= to recv_sequence"
     added = False
-    hit = 0
+    hit = need = 0
     if reason is None:
         try:
             hit = cache.add_sequence(sid, tokens, cache_salt=h["cache_salt"], adapter_id=h["adapter_id"],
                                      priority=h["priority"])
             added = True
-            need = max(0, int(h["num_computed"]) - hit)
+            need = max(0, h["num_computed"] - hit)
             if need:
                 cache.reserve(sid, need)
-        except (PagedKVError, KeyError) as e:
+        except PagedKVError as e:
             reason = str(e)
             if added:
                 cache.free(sid)
@@ -111,15 +143,11 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
         start = hit // bs
         link.send_json({"ok": True, "start_block": start}, "sending the allocation")
         blocks = cache.block_table(sid)[start:].tolist() if need else []
-        link.recv_blocks(cache.store.arenas, blocks)
-        cache.store.replaced(blocks)
-        cfg = cache.config
-        link.recv_window(cache.store.window, blocks,
-                         (cfg.num_layers, 2, bs, cfg.kv_heads_per_rank, cfg.head_dim))
+        recv_kv(link, cache, blocks, window=True)        # verified before anything is committed
         if need:
             cache.commit(sid, need)
         link.send_json({"ok": True}, "confirming the commit")
     except BaseException:
         cache.free(sid)
         raise
-    return ReceivedSequence(sid, cache.num_tokens(sid), hit, h.get("metadata"))
+    return ReceivedSequence(sid, cache.num_tokens(sid), hit, h["metadata"])

@@ -1,22 +1,34 @@
 """Framing over torch.distributed point-to-point: control messages and KV blocks.
 
 Every operation is an ``isend``/``irecv`` waited with a timeout, so a dead or silent
-peer surfaces as :class:`~pagedkv.errors.TransferError` in bounded time. Control
-messages are int64 vectors and length-prefixed bytes (UTF-8 JSON); with NCCL they live
-on the GPU, as NCCL requires.
+peer surfaces as :class:`~pagedkv.errors.TransferError` in bounded time. With NCCL the
+messages live on the GPU, as NCCL requires.
+
+A conversation opens with one int64 *hello* (magic and protocol version; a single int,
+so a peer of another version, which posts its own first receive, fails with a typed
+error rather than a size mismatch). After it, every message is a *frame* (int64
+``[FRAME_MAGIC, kind, nbytes, checksum]``) followed by its payload of ``nbytes``
+bytes: a JSON control message, a data payload (token ids, one layer of one arena, window
+rows), or an abort with the peer's reason. The receiver checks the frame against what it
+expects before it posts the payload's receive (gloo ends the process when a payload is
+larger than its receive buffer), drains a payload of the wrong size when it is small
+enough and refuses, and verifies the checksum of every payload before the data is used.
+What the framing cannot stop is a peer that lies in its frame *and* sends more bytes;
+see docs/trust.md.
 
 KV moves layer by layer and arena by arena (data, then quantization scales): the
 sender sends a view of its arena when the blocks form one run (no copy) and gathers
 them otherwise; the receiver receives into a staging buffer of one layer's blocks
 (a few, rotating, so the next receives are posted before the current one is copied
-in) and copies it into its arena only once it has fully arrived. A transfer that
-fails therefore never leaves a partly received layer in a block the cache can read,
-and a receive still in flight after a timeout can only land in its own buffer.
+in), verifies it, and copies it into its arena only then. A transfer that fails
+therefore never leaves a partly received or corrupt layer in a block the cache can
+read, and a receive still in flight after a timeout can only land in its own buffer.
 """
 from __future__ import annotations
 
 import datetime
 import json
+import zlib
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
@@ -25,12 +37,56 @@ import torch.distributed as dist
 
 from pagedkv.errors import InvalidArgumentError, TransferError, expected
 
-__all__ = ["Link", "MAGIC", "VERSION"]
+__all__ = ["Link", "MAGIC", "VERSION", "PeerAborted", "checksum", "json_depth"]
 
 MAGIC = 0x706B7678          # "pkvx"
-VERSION = 1
+VERSION = 2
+HELLO = (MAGIC << 16) | VERSION
+FRAME_MAGIC = 0x706B76786672     # "pkvxfr"
+JSON, DATA, ABORT = 1, 2, 3
+_FRAME_INTS = 4
+_FRAME_ROOM = 8             # a frame is received into this many int64s: a later version may add fields
 _TAG = 0x5000               # gloo matches by tag; NCCL keeps p2p order per peer
 _DEPTH = 3                  # KV messages in flight per direction (receive buffers: one more per arena)
+MAX_JSON = 1 << 24          # bytes of one control message
+MAX_DEPTH = 64              # nesting of one control message
+DRAIN_LIMIT = 1 << 26       # a payload of the wrong size up to this is received and dropped
+
+
+class PeerAborted(TransferError):
+    """The peer sent an abort in place of the message this side expected."""
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Checksum of a contiguous tensor's bytes: CRC-32 on the CPU (gloo); on a GPU (NCCL,
+    where both peers are on GPUs) a position-weighted sum computed on the device."""
+    b = t.reshape(-1).view(torch.uint8)
+    if b.device.type == "cpu":
+        return zlib.crc32(b.numpy())
+    x = b.to(torch.int64)
+    w = torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device) % 65521
+    return (int(x.sum()) & 0xFFFFFFFF) | ((int((x * w).sum()) & 0x7FFFFFFF) << 32)
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest nesting of ``[``/``{`` in JSON text ``raw`` (strings skipped), computed
+    without recursion, so that a hostile message cannot exhaust the stack of json.loads."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    if not len(a):
+        return 0
+    quote = a == ord('"')
+    esc = np.zeros(len(a), dtype=bool)
+    bs = np.flatnonzero(a == ord("\\"))
+    if len(bs):                 # a quote preceded by an odd run of backslashes is escaped
+        run = np.zeros(len(a), dtype=np.int64)
+        for i in bs.tolist():   # backslashes are rare in control messages
+            run[i] = (run[i - 1] if i else 0) + 1
+        esc[1:] = run[:-1] % 2 == 1
+    quote &= ~esc
+    inside = (np.cumsum(quote) - quote) % 2 == 1
+    opens = ((a == ord("[")) | (a == ord("{"))) & ~inside & ~quote
+    closes = ((a == ord("]")) | (a == ord("}"))) & ~inside & ~quote
+    return int(np.max(np.cumsum(opens.astype(np.int64) - closes), initial=0))
 
 
 class Link:
@@ -56,6 +112,7 @@ class Link:
         self.comm = self.ctl                 # where tensors must be to cross
         self.step = 0
         self.bytes_moved = 0
+        self.broken = False                  # the peer died, timed out or aborted: say nothing more
 
     # ---- primitives ---------------------------------------------------------------------
     def _tag(self) -> int:
@@ -66,6 +123,7 @@ class Link:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as e:
+            self.broken = True
             raise TransferError(f"transfer with rank {self.peer} failed while {what}: {e}") from None
 
     def send(self, t: torch.Tensor, what: str):
@@ -73,6 +131,7 @@ class Link:
         try:
             work = dist.isend(t, self.peer, group=self.group, tag=self._tag())
         except RuntimeError as e:
+            self.broken = True
             raise TransferError(f"transfer with rank {self.peer} failed while {what}: {e}") from None
         self.bytes_moved += t.numel() * t.element_size()
         return work
@@ -81,6 +140,7 @@ class Link:
         try:
             work = dist.irecv(t, self.peer, group=self.group, tag=self._tag())
         except RuntimeError as e:
+            self.broken = True
             raise TransferError(f"transfer with rank {self.peer} failed while {what}: {e}") from None
         self.bytes_moved += t.numel() * t.element_size()
         return work
@@ -88,43 +148,133 @@ class Link:
     def wait(self, work, what: str) -> None:
         self._wait(work, what)
 
-    # ---- control messages -------------------------------------------------------------------
+    def corrupt(self, what: str, why: str) -> TransferError:
+        return TransferError(f"transfer with rank {self.peer}: {what}: {why} (corrupt stream)")
+
+    # ---- hello and frames -----------------------------------------------------------------
+    def send_hello(self) -> None:
+        self.send_ints([HELLO], "opening the transfer")
+
+    def recv_hello(self) -> None:
+        what = "opening the transfer"
+        t = torch.zeros(_FRAME_ROOM, dtype=torch.int64, device=self.ctl)
+        self.wait(self.recv(t, what), what)
+        got = int(t[0])
+        if got >> 16 != MAGIC:
+            self.broken = True          # not our protocol: nothing we send would be understood
+            raise self.corrupt(what, f"not a pagedkv transfer of protocol version {VERSION} "
+                                     f"(first message {got}; a peer speaking version 1?)")
+        if got & 0xFFFF != VERSION:
+            self.broken = True
+            raise TransferError(f"transfer with rank {self.peer}: protocol version {got & 0xFFFF}, "
+                                f"this side speaks {VERSION}")
+
     def send_ints(self, values: Sequence[int], what: str) -> None:
         self.wait(self.send(torch.tensor(list(values), dtype=torch.int64, device=self.ctl), what), what)
 
-    def recv_ints(self, n: int, what: str) -> List[int]:
-        t = torch.empty(n, dtype=torch.int64, device=self.ctl)
+    def send_frame(self, kind: int, payload: Optional[torch.Tensor], what: str, check: Optional[int] = None):
+        """Send a frame and start sending ``payload`` (contiguous, on the comm device) after
+        it; returns the payload's work (None for an empty one)."""
+        n = 0 if payload is None else payload.numel() * payload.element_size()
+        if check is None:
+            check = checksum(payload) if n else 0
+        self.send_ints([FRAME_MAGIC, kind, n, check], what)
+        return self.send(payload, what) if n else None
+
+    def recv_frame(self, what: str, kind: int) -> List[int]:
+        """``[kind, nbytes, checksum]`` of the next frame; an abort raises :class:`PeerAborted`."""
+        t = torch.zeros(_FRAME_ROOM, dtype=torch.int64, device=self.ctl)
         self.wait(self.recv(t, what), what)
-        return t.tolist()
+        magic, got, n, check = t[:_FRAME_INTS].tolist()
+        if magic != FRAME_MAGIC or not 0 <= n or got not in (JSON, DATA, ABORT):
+            self.broken = True          # out of step with the peer: no reply could be matched
+            raise self.corrupt(what, f"a malformed frame {t[:_FRAME_INTS].tolist()}")
+        if got == ABORT:
+            raw = self._payload(n, check, what, MAX_JSON)
+            self.broken = True
+            try:
+                reason = json.loads(raw.decode()) if json_depth(raw) <= MAX_DEPTH else "(unreadable reason)"
+            except ValueError:
+                reason = "(unreadable reason)"
+            raise PeerAborted(f"rank {self.peer} aborted the transfer: {reason}")
+        if got != kind:
+            self.drain(n, what)
+            raise self.corrupt(what, f"a {_KINDS[got]} message where a {_KINDS[kind]} message was due")
+        return [got, n, check]
 
-    def send_json(self, obj: Any, what: str) -> None:
-        raw = json.dumps(obj, sort_keys=True).encode()
-        self.send_ints([len(raw)], what)
-        if raw:
-            self.send_bytes(raw, what)
+    def drain(self, n: int, what: str) -> None:
+        """Receive and drop a payload of ``n`` bytes, so the peer's send completes and the
+        conversation stays in step; too large a payload is left (the peer times out)."""
+        if 0 < n <= DRAIN_LIMIT:
+            self.wait(self.recv(torch.empty(n, dtype=torch.uint8, device=self.ctl), what), what)
+        elif n:
+            self.broken = True
 
-    def recv_json(self, what: str, limit: int = 1 << 26) -> Any:
-        (n,) = self.recv_ints(1, what)
-        if not 0 <= n <= limit:
-            raise TransferError(f"transfer with rank {self.peer}: {what}: a message of {n} bytes (corrupt stream)")
-        raw = self.recv_bytes(n, what) if n else b""
-        try:
-            return json.loads(raw.decode())
-        except ValueError:
-            raise TransferError(f"transfer with rank {self.peer}: {what}: a message that is not JSON") from None
-
-    def send_bytes(self, raw: bytes, what: str) -> None:
-        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.ctl)
-        self.wait(self.send(t, what), what)
-
-    def recv_bytes(self, n: int, what: str) -> bytes:
+    def _payload(self, n: int, check: int, what: str, limit: int) -> bytes:
+        if n > limit:
+            self.drain(n, what)
+            raise self.corrupt(what, f"a message of {n} bytes (at most {limit})")
+        if not n:
+            return b""
         t = torch.empty(n, dtype=torch.uint8, device=self.ctl)
         self.wait(self.recv(t, what), what)
+        if checksum(t) != check:
+            raise self.corrupt(what, "a message whose checksum does not match its frame")
         return bytes(t.cpu().numpy())
+
+    def send_abort(self, reason: str) -> None:
+        """Tell the peer, in place of the next message it expects from this side, that this
+        side gave up (best effort: the peer may be gone)."""
+        if self.broken:
+            return
+        raw = json.dumps(str(reason)[:4096]).encode()
+        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.ctl)
+        try:
+            w = self.send_frame(ABORT, t, "sending an abort")
+            self.wait(w, "sending an abort")
+        except TransferError:
+            pass
+
+    # ---- control messages -------------------------------------------------------------------
+    def send_json(self, obj: Any, what: str) -> None:
+        raw = json.dumps(obj, sort_keys=True).encode()
+        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.ctl)
+        self.wait(self.send_frame(JSON, t, what), what)
+
+    def recv_json(self, what: str, limit: int = MAX_JSON) -> Any:
+        _, n, check = self.recv_frame(what, JSON)
+        raw = self._payload(n, check, what, limit)
+        if json_depth(raw) > MAX_DEPTH:
+            raise self.corrupt(what, f"a message nested deeper than {MAX_DEPTH}")
+        try:
+            return json.loads(raw.decode())
+        except (ValueError, RecursionError):
+            raise self.corrupt(what, "a message that is not JSON") from None
+
+    def send_data(self, t: torch.Tensor, what: str) -> None:
+        """One data payload (``t`` contiguous on any device)."""
+        t = t.contiguous().to(self.comm)
+        work = self.send_frame(DATA, t, what)
+        if work is not None:
+            self.wait(work, what)
+
+    def recv_data(self, t: torch.Tensor, what: str) -> None:
+        """Receive a payload of exactly ``t``'s size into ``t`` (contiguous, comm device)
+        and verify it; the wrong size is drained (when small) and raises."""
+        _, n, check = self.recv_frame(what, DATA)
+        want = t.numel() * t.element_size()
+        if n != want:
+            self.drain(n, what)
+            raise self.corrupt(what, f"{n} bytes where {want} were announced")
+        if n:
+            self.wait(self.recv(t, what), what)
+            if checksum(t) != check:
+                raise self.corrupt(what, "data whose checksum does not match its frame")
 
     # ---- KV blocks ----------------------------------------------------------------------------
     def send_blocks(self, arenas: List[torch.Tensor], blocks: Sequence[int]) -> None:
-        """Send ``blocks`` of every layer of every arena (``[L, NB, ...]``), in order."""
+        """Send ``blocks`` of every layer of every arena (``[L, NB, ...]``), in order, each
+        part framed with its size and checksum."""
         if not len(blocks):
             return
         run = _as_run(blocks)
@@ -135,7 +285,7 @@ class Link:
                 src = a[layer]
                 part = src[run[0]:run[1]] if run is not None else src.index_select(0, idx)
                 part = _wire(part).to(self.comm).contiguous()     # no copy for a run on the comm device
-                window.append((self.send(part, f"sending layer {layer}"), part, layer))
+                window.append((self.send_frame(DATA, part, f"sending layer {layer}"), part, layer))
                 if len(window) > _DEPTH:
                     w, _, lay = window.pop(0)
                     self.wait(w, f"sending layer {lay}")
@@ -143,30 +293,50 @@ class Link:
             self.wait(w, f"sending layer {lay}")
 
     def recv_blocks(self, arenas: List[torch.Tensor], blocks: Sequence[int]) -> None:
-        """Receive what :meth:`send_blocks` sends into ``blocks`` of ``arenas``."""
+        """Receive what :meth:`send_blocks` sends into ``blocks`` of ``arenas``. Each part
+        is checked (size, then checksum) before it is copied in; after a bad part the rest
+        are received and dropped (the conversation stays in step) and TransferError is
+        raised. The blocks must be ones no reader can see yet (allocated, uncommitted)."""
         if not len(blocks):
             return
         n = len(blocks)
         idx = torch.tensor(list(blocks), dtype=torch.int64, device=arenas[0].device)
         jobs = [(layer, a) for layer in range(arenas[0].shape[0]) for a in arenas]
         buffers = {}
+        error: Optional[TransferError] = None
+        pending: List[Any] = []
 
-        def post(i):
-            layer, a = jobs[i]
+        def land(entry):
+            nonlocal error
+            work, buf, check, layer, a = entry
+            self.wait(work, f"receiving layer {layer}")
+            if error is None and checksum(buf) != check:
+                error = self.corrupt(f"receiving layer {layer}", "data whose checksum does not match its frame")
+            if error is None:
+                _wire(a[layer]).index_copy_(0, idx, buf.to(a.device))
+
+        for i, (layer, a) in enumerate(jobs):
+            what = f"receiving layer {layer}"
+            _, size, check = self.recv_frame(what, DATA)
             key = (id(a), i % (_DEPTH + 1))
             if key not in buffers:
                 buffers[key] = torch.empty((n,) + tuple(a.shape[2:]), dtype=_wire_dtype(a.dtype), device=self.comm)
             buf = buffers[key]
-            return self.recv(buf, f"receiving layer {layer}"), buf
-
-        pending = [post(i) for i in range(min(_DEPTH, len(jobs)))]
-        for i, (layer, a) in enumerate(jobs):
-            work, buf = pending.pop(0)
-            if i + _DEPTH < len(jobs):
-                pending.append(post(i + _DEPTH))
-            self.wait(work, f"receiving layer {layer}")
-            _wire(a[layer]).index_copy_(0, idx, buf.to(a.device))
-
+            want = buf.numel() * buf.element_size()
+            if size != want:
+                self.drain(size, what)
+                if error is None:
+                    error = self.corrupt(what, f"{size} bytes where {want} were announced ({n} block(s))")
+                if self.broken:
+                    break
+                continue
+            pending.append((self.recv(buf, what), buf, check, layer, a))
+            if len(pending) >= _DEPTH:
+                land(pending.pop(0))
+        for entry in pending:
+            land(entry)
+        if error is not None:
+            raise error
 
     # ---- recent-window rows -------------------------------------------------------------------
     def send_window(self, window, blocks: Sequence[int]) -> None:
@@ -181,8 +351,7 @@ class Link:
                         "dtype": str(data.dtype).replace("torch.", "")}, "sending the window rows")
         if len(which):
             for t in (data, valid):
-                raw = t.contiguous().view(torch.uint8).to(self.comm)
-                self.wait(self.send(raw, "sending the window rows"), "sending the window rows")
+                self.send_data(t.contiguous().view(torch.uint8), "sending the window rows")
 
     def recv_window(self, window, blocks: Sequence[int], geometry: Sequence[int]) -> None:
         """Receive what :meth:`send_window` sends into ``window`` for ``blocks`` (read and
@@ -193,27 +362,31 @@ class Link:
         msg = self.recv_json(what)
         which = msg.get("window") if isinstance(msg, dict) else None
         if not isinstance(which, list):
-            raise TransferError(f"transfer with rank {self.peer}: {what}: not a window message (corrupt stream)")
+            raise self.corrupt(what, "not a window message")
         if not which:
             return
-        try:
-            shape = [int(x) for x in msg["shape"]]
-            dtype = getattr(torch, msg["dtype"])
-            ok = (len(shape) == 6 and 0 < shape[0] <= geometry[0] and shape[1] == len(which)
-                  and shape[2:] == list(geometry[1:]) and dtype in (torch.float32, torch.float16, torch.bfloat16)
-                  and all(isinstance(i, int) and 0 <= i < len(blocks) for i in which)
-                  and len(set(which)) == len(which))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            ok = False
+        shape, name = msg.get("shape"), msg.get("dtype")
+        dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(name) \
+            if isinstance(name, str) else None
+        ok = (isinstance(shape, list) and len(shape) == 6 and all(type(x) is int for x in shape)
+              and dtype is not None and 0 < shape[0] <= geometry[0] and shape[1] == len(which)
+              and shape[2:] == list(geometry[1:]) and all(type(i) is int and 0 <= i < len(blocks) for i in which)
+              and len(set(which)) == len(which))
         if not ok:
-            raise TransferError(f"transfer with rank {self.peer}: {what}: a malformed window header (corrupt stream)")
+            for _ in range(2):          # the rows the sender sends after its header
+                _, n, _ = self.recv_frame(what, DATA)
+                self.drain(n, what)
+            raise self.corrupt(what, "a malformed window header")
         data = torch.empty(shape, dtype=dtype, device=self.comm)
         valid = torch.empty(shape[:2] + [shape[3]], dtype=torch.bool, device=self.comm)
         for t in (data, valid):
-            self.wait(self.recv(t.view(torch.uint8), what), what)
+            self.recv_data(t.view(torch.uint8), what)
         if window is None or list(window.data.shape[2:]) != shape[2:] or window.data.shape[0] != shape[0]:
             return
         window.import_rows(np.asarray(list(blocks), dtype=np.int64)[np.asarray(which, dtype=np.int64)], data, valid)
+
+
+_KINDS = {JSON: "control", DATA: "data", ABORT: "abort"}
 
 
 def _as_run(blocks: Sequence[int]):
