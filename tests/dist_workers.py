@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+import zlib
 
 import numpy as np
 import torch
@@ -341,7 +342,218 @@ def smollm2(rank, out):
     assert_clean(kv)
 
 
-SCENARIOS = {"handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
+# ---- format pairs: every setting that changes a block's bytes, refused on both sides ----------
+def _admit(cache, sid, toks):
+    cfg = cache.config
+    cache.add_sequence(sid, toks)
+    slots = cache.reserve(sid, len(toks))
+    heads = list(cfg.kv_head_indices)
+    for layer in range(cfg.num_layers):
+        k, v = expected_kv(toks, layer, cfg.num_kv_heads, cfg.head_dim)
+        cache.write(layer, slots, k[:, heads].to(cfg.torch_dtype), v[:, heads].to(cfg.torch_dtype))
+    cache.commit(sid, len(toks))
+
+
+def formats(rank, out):
+    from test_kv_fingerprint import FORMAT_PAIRS, config
+    req = tokens(100, 17)
+    for setting, a, b, _ in FORMAT_PAIRS:
+        cache = PagedKVCache(config(**(a if rank == 0 else b)))
+        if rank == 0:
+            _admit(cache, "req", req)
+            out[setting] = expect_error(lambda: pd.send_sequence(cache, "req", 1, timeout=TIMEOUT))
+            out[setting + "/prefix"] = expect_error(lambda: pd.send_prefix(cache, req, 1, timeout=TIMEOUT))
+            cache.free("req")
+        else:
+            out[setting] = expect_error(lambda: pd.recv_sequence(cache, 0, timeout=TIMEOUT))
+            out[setting + "/prefix"] = expect_error(lambda: pd.recv_prefix(cache, 0, timeout=TIMEOUT))
+            out[setting + "/hit"] = cache.match_prefix(req)
+        assert_clean(cache)
+
+
+# ---- hostile peers ------------------------------------------------------------------------------
+# A hostile (or buggy, or version-skewed) peer speaks the wire protocol with one thing
+# wrong; the honest side must raise TransferError and be left as it was.
+def _send_raw(link, kind, payload: bytes, nbytes=None, check=None):
+    from pagedkv.transfer import wire
+    t = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
+    n = len(payload) if nbytes is None else nbytes
+    link.send_ints([wire.FRAME_MAGIC, kind, n, wire.checksum(t) if check is None and t is not None else (check or 0)],
+                   "hostile frame")
+    if t is not None:
+        link.wait(link.send(t, "hostile payload"), "hostile payload")
+
+
+def hostile_sender(cache, seq, case, kind="sequence"):
+    """Send ``seq`` (or, for ``kind="prefix"``, its full blocks) to rank 1 with ``case``'s
+    fault; returns the receiver's last reply (or the error this side saw)."""
+    from pagedkv.transfer import wire
+    from pagedkv.transfer.prefix import block_hashes
+    from pagedkv.transfer.protocol import header
+    link = wire.Link(1, None, TIMEOUT)
+    bs = cache.config.block_size
+    toks = cache.token_ids(seq)
+    computed = cache.num_tokens(seq)
+    if kind == "prefix":
+        toks = toks[:computed // bs * bs]
+        computed = len(toks)
+        h = header(kind, cache, cache_salt=None, adapter_id=None, num_tokens=len(toks),
+                   hashes=[str(x) for x in block_hashes(toks, bs)])
+    else:
+        h = header(kind, cache, seq_id=seq, cache_salt=None, adapter_id=None, metadata=None, priority=None,
+                   num_tokens=len(toks), num_computed=computed)
+    h.update(case.get("header", {}))
+    for k in case.get("drop", ()):
+        h.pop(k)
+    link.send_hello()
+    _send_raw(link, wire.JSON, case["raw_header"] if "raw_header" in case else json.dumps(h).encode())
+    sent = np.ascontiguousarray(case.get("tokens", toks), dtype=np.int32).tobytes()
+    honest = np.ascontiguousarray(toks, dtype=np.int32).tobytes()
+    if "token_frame" in case:            # the frame announces the honest size; fewer bytes follow
+        _send_raw(link, wire.DATA, sent, nbytes=len(honest), check=zlib.crc32(honest))
+    else:
+        _send_raw(link, wire.DATA, sent)
+    reply = link.recv_json("hostile: allocation")
+    if not reply.get("ok"):
+        return reply
+    blocks = cache.block_table(seq)[reply["start_block"]:-(-computed // bs)].tolist()
+    for layer in range(cache.store.arenas[0].shape[0]):
+        for a in cache.store.arenas:
+            part = wire._wire(a[layer][blocks]).contiguous()
+            raw = bytearray(part.view(torch.uint8).numpy().tobytes())
+            check = zlib.crc32(bytes(raw))
+            if case.get("blocks") == "one":          # 1 block per layer, honestly framed
+                _send_raw(link, wire.DATA, bytes(raw[:len(raw) // len(blocks)]))
+            elif case.get("blocks") == "one_lying":  # framed as all of them
+                _send_raw(link, wire.DATA, bytes(raw[:len(raw) // len(blocks)]), nbytes=len(raw), check=check)
+            elif case.get("blocks") == "flip":       # a bit flipped in transit
+                raw[len(raw) // 2] ^= 1
+                _send_raw(link, wire.DATA, bytes(raw), check=check)
+            elif case.get("blocks") == "more":       # more bytes than announced, honestly framed
+                _send_raw(link, wire.DATA, bytes(raw) * 2)
+            else:
+                _send_raw(link, wire.DATA, bytes(raw))
+    if kind == "sequence":
+        link.send_window(None, blocks)
+    return link.recv_json("hostile: commit")
+
+
+def hostile_receiver(case):
+    """Answer an honest sender with ``case``'s malformed allocation reply, then read the
+    abort it must send (or the commit stage)."""
+    from pagedkv.transfer import wire
+    link = wire.Link(0, None, TIMEOUT)
+    link.recv_hello()
+    link.recv_json("hostile: header")
+    _, n, _ = link.recv_frame("hostile: tokens", wire.DATA)
+    link.drain(n, "hostile: tokens")
+    _send_raw(link, wire.JSON, case["reply"] if isinstance(case["reply"], bytes) else json.dumps(case["reply"]).encode())
+    try:
+        link.recv_frame("hostile: after the reply", wire.DATA)
+    except wire.PeerAborted as e:
+        return str(e)
+    return "no abort"
+
+
+DEEP = b'{"magic": %d, "metadata": ' % 0x706B7678 + b"[" * 100000 + b"]" * 100000 + b"}"
+#: (name, case) for hostile_sender against recv_sequence
+HOSTILE_SEQUENCE = [
+    ("num_computed_abc", {"header": {"num_computed": "abc"}}),
+    ("num_computed_null", {"header": {"num_computed": None}}),
+    ("num_computed_negative", {"header": {"num_computed": -1}}),
+    ("num_computed_past_tokens", {"header": {"num_computed": 99}}),
+    ("num_tokens_true", {"header": {"num_tokens": True}}),
+    ("num_tokens_str", {"header": {"num_tokens": "13"}}),
+    ("num_tokens_2_40", {"header": {"num_tokens": 2 ** 40}}),
+    ("format_list", {"header": {"format": [1, 2]}}),
+    ("format_str", {"header": {"format": "int8"}}),
+    ("format_missing", {"drop": ["format"]}),
+    ("priority_str", {"header": {"priority": "high"}}),
+    ("priority_999", {"header": {"priority": 999}}),
+    ("cache_salt_list", {"header": {"cache_salt": ["a"]}}),
+    ("adapter_dict", {"header": {"adapter_id": {"a": 1}}}),
+    ("seq_id_list", {"header": {"seq_id": [1]}}),
+    ("seq_id_missing", {"drop": ["seq_id"]}),
+    ("header_a_list", {"raw_header": b"[1, 2, 3]"}),
+    ("header_not_json", {"raw_header": b"{not json"}),
+    ("header_not_utf8", {"raw_header": b"\xff\xfe{}"}),
+    ("header_nested_100000", {"raw_header": DEEP}),
+    ("magic_wrong", {"header": {"magic": 1}}),
+    ("version_99", {"header": {"version": 99}}),
+    ("kind_prefix", {"header": {"kind": "prefix"}}),
+    ("tokens_3_of_13", {"tokens": np.arange(100, 103)}),
+    ("tokens_short_frame_lies", {"tokens": np.arange(100, 103), "token_frame": True}),
+    ("tokens_more_than_announced", {"tokens": np.arange(100, 120)}),
+    ("blocks_1_of_4", {"blocks": "one"}),
+    ("blocks_1_of_4_frame_lies", {"blocks": "one_lying"}),
+    ("blocks_bit_flipped", {"blocks": "flip"}),
+    ("blocks_more_than_announced", {"blocks": "more"}),
+]
+HOSTILE_PREFIX = [
+    ("tokens_3_of_16", {"tokens": np.arange(100, 103)}),
+    ("blocks_1_of_4", {"blocks": "one"}),
+    ("blocks_bit_flipped", {"blocks": "flip"}),
+    ("hashes_a_str", {"header": {"hashes": "123"}}),
+    ("hashes_wrong_count", {"header": {"hashes": ["1"]}}),
+    ("num_tokens_not_whole_blocks", {"header": {"num_tokens": 13}}),
+]
+#: (name, reply) for hostile_receiver against send_sequence
+HOSTILE_REPLIES = [
+    ("no_start_block", {"ok": True}),
+    ("start_block_str", {"ok": True, "start_block": "3"}),
+    ("start_block_true", {"ok": True, "start_block": True}),
+    ("start_block_negative", {"ok": True, "start_block": -1}),
+    ("start_block_99", {"ok": True, "start_block": 99}),
+    ("ok_1", {"ok": 1, "start_block": 0}),
+    ("reply_a_list", [True, 0]),
+    ("reply_nested_100000", b"[" * 100000 + b"]" * 100000),
+]
+
+
+def _state(cache, req):
+    return [cache.sequences(), sorted(cache.index.cached_blocks().tolist()), cache.pool.num_free_blocks,
+            cache.match_prefix(req)]
+
+
+def hostile(rank, out):
+    req = tokens(100, 13)             # 3 full blocks + 1 token; 4 blocks hold its KV
+    cache = make(num_blocks=32)
+    fill(cache, "warm", tokens(900, 9))     # something cached on both sides
+    cache.free("warm")
+    if rank == 0:
+        fill(cache, "req", req)
+        out["sequence"] = {name: hostile_sender(cache, "req", case) for name, case in HOSTILE_SEQUENCE}
+        fill(cache, "pfx", tokens(300, 16))
+        out["prefix"] = {name: hostile_sender(cache, "pfx", case, "prefix") for name, case in HOSTILE_PREFIX}
+        cache.free("pfx")
+        before = _state(cache, req)
+        out["sender"] = {}
+        for name, _ in HOSTILE_REPLIES:
+            out["sender"][name] = expect_error(lambda: pd.send_sequence(cache, "req", 1, timeout=TIMEOUT))
+            out["sender"][name + "/unchanged"] = _state(cache, req) == before
+            assert_kv(cache, "req", req)
+        out["after"] = pd.send_sequence(cache, "req", 1, timeout=TIMEOUT)     # still in step: a real one works
+        cache.free("req")
+        assert_clean(cache)
+        return
+    out["sequence"], out["prefix"], out["unchanged"] = {}, {}, {}
+    for kind, table, fn in (("sequence", HOSTILE_SEQUENCE, pd.recv_sequence),
+                            ("prefix", HOSTILE_PREFIX, pd.recv_prefix)):
+        probe = req if kind == "sequence" else tokens(300, 16)
+        for name, _ in table:
+            before = _state(cache, probe)
+            out[kind][name] = expect_error(lambda: fn(cache, 0, timeout=TIMEOUT))
+            out["unchanged"][kind + "/" + name] = _state(cache, probe) == before
+            cache.check_invariants()
+    out["replies"] = {name: hostile_receiver(dict(reply=reply)) for name, reply in HOSTILE_REPLIES}
+    got = pd.recv_sequence(cache, 0, timeout=TIMEOUT)
+    assert_kv(cache, "req", req)
+    out["after"] = got.num_tokens
+    cache.free("req")
+    assert_clean(cache)
+
+
+SCENARIOS = {"formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
 
 
 def main():

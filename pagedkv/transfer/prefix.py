@@ -16,8 +16,8 @@ from pagedkv._core.prefix import hash_bytes
 from pagedkv.cache import as_token_ids, namespace_key
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
-from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_kv, recv_tokens,
-                                       refusal, refuse, scratch_id, send_tokens)
+from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_header, recv_kv,
+                                       recv_tokens, refuse, scratch_id, send_tokens)
 from pagedkv.transfer.schema import check, integer, list_of_digits, optional, scalar, text
 from pagedkv.transfer.wire import Link
 
@@ -94,8 +94,7 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
     link = Link(src, group, timeout, cache.store.device)
     bs = cache.config.block_size
     link.recv_hello()
-    h = link.recv_json("waiting for the header")
-    reason = refusal(h, KIND, cache, HEADER, link)
+    h, reason = recv_header(link, KIND, cache, HEADER)
     if reason is None:
         if h["num_tokens"] % bs:
             reason = f"header: num_tokens={h['num_tokens']} is not whole blocks of {bs}"

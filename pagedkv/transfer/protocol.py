@@ -32,7 +32,7 @@ from pagedkv.kvformat import describe, differences, kv_format
 from pagedkv.transfer.schema import check, exactly
 from pagedkv.transfer.wire import DATA, MAGIC, MAX_DEPTH, MAX_JSON, VERSION, Link, json_depth
 
-__all__ = ["header", "refusal", "scratch_id", "jsonable", "abort", "expect_ok", "refuse", "send_tokens",
+__all__ = ["header", "recv_header", "refusal", "scratch_id", "jsonable", "abort", "expect_ok", "refuse", "send_tokens",
            "recv_tokens", "recv_kv", "MAX_TOKENS"]
 
 MAX_TOKENS = (1 << 31) - 1
@@ -84,14 +84,22 @@ def refusal(h: Any, kind: str, cache, fields: Dict[str, Any], link: Link) -> Opt
     return check(h, fields, "header")
 
 
+def recv_header(link: Link, kind: str, cache, fields: Dict[str, Any]):
+    """``(header, why it is refused or None)``; a header that is not even JSON is refused
+    (after its tokens are drained) rather than raised, so the sender learns why."""
+    try:
+        h = link.recv_json("waiting for the header")
+    except TransferError as e:
+        if link.broken:
+            raise
+        return None, str(e)
+    return h, refusal(h, kind, cache, fields, link)
+
+
 def expect_ok(link: Link, what: str, fields: Optional[Dict[str, Any]] = None, last: bool = False) -> Dict[str, Any]:
     """The peer's ``{"ok": true, ...}`` reply, checked against ``fields``. A refusal or a
     malformed reply raises TransferError; ``last``: the peer expects nothing after it."""
-    try:
-        reply = link.recv_json(what)
-    except TransferError:
-        link.broken = True
-        raise
+    reply = link.recv_json(what)        # a malformed one raises; the peer still waits for this side
     if type(reply) is dict and reply.get("ok") is False:
         link.broken = True          # the peer gave up: it reads nothing more
         reason = reply.get("reason")
@@ -151,6 +159,4 @@ def recv_kv(link: Link, cache, blocks, window: bool) -> None:
                 raise error or e
             error = e
     if error is not None:
-        link.send_json({"ok": False, "reason": str(error)}, "refusing")
-        link.broken = True
-        raise error
+        refuse(link, str(error))

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
-from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_kv, recv_tokens,
-                                       refusal, refuse, scratch_id, send_tokens)
+from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_header, recv_kv,
+                                       recv_tokens, refuse, scratch_id, send_tokens)
 from pagedkv.transfer.schema import Invalid, anything, integer, optional, scalar, text
 from pagedkv.transfer.wire import Link
 
@@ -109,8 +109,7 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
     _require_store(cache)
     link = Link(src, group, timeout, cache.store.device)
     link.recv_hello()
-    h = link.recv_json("waiting for the header")
-    reason = refusal(h, KIND, cache, HEADER, link)
+    h, reason = recv_header(link, KIND, cache, HEADER)
     if reason is None and h["num_computed"] > h["num_tokens"]:
         reason = f"header: num_computed={h['num_computed']} exceeds num_tokens={h['num_tokens']}"
     try:
