@@ -105,22 +105,16 @@ def unclassified(cls) -> Tuple[List[str], List[str]]:
     return [n for n in names if n not in known], sorted(known - set(names))
 
 
-_checked: set = set()
-
-
 def fingerprint(config) -> Dict[str, Any]:
     """The fingerprint of everything in ``config`` that changes what a stored block means
     (see :data:`STORED`), JSON-normalized. Raises :class:`~pagedkv.errors.InternalError`
     when a field of ``config`` is not classified (or a classified name is gone)."""
-    cls = type(config)
-    if cls not in _checked:
-        missing, gone = unclassified(cls)
-        if missing:
-            raise InternalError(f"CacheConfig field(s) {missing} not classified in pagedkv.kvformat "
-                                "(STORED or NOT_STORED)")
-        if gone:
-            raise InternalError(f"classified in pagedkv.kvformat but not CacheConfig fields: {gone}")
-        _checked.add(cls)
+    missing, gone = unclassified(type(config))
+    if missing:
+        raise InternalError(f"CacheConfig field(s) {missing} not classified in pagedkv.kvformat "
+                            "(STORED or NOT_STORED)")
+    if gone:
+        raise InternalError(f"classified in pagedkv.kvformat but not CacheConfig fields: {gone}")
     out: Dict[str, Any] = {"format": FORMAT}
     for derive in STORED.values():
         out.update(derive(config))
