@@ -47,7 +47,7 @@ import torch
 from pagedkv.errors import HostMemoryError, InvalidArgumentError, TierFileError, TierStorageError, expected
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ROOT_HASH, ChainIndex, chain_hash, slot_dtype
-from pagedkv.tiers.tierdir import TierDir
+from pagedkv.tiers.tierdir import TierDir, storage_error
 
 try:
     import fcntl
@@ -127,8 +127,8 @@ class DiskPrefixTier(Tier):
                         raise self._corrupt("blocks.bin", s, "its data does not match its CRC-32")
             self.index.pins[:] = 0
         except BaseException:
+            self.dir.rollback()       # before close(): it removes what this open created through the directory
             self.close()
-            self.dir.rollback()
             raise
         self.arenas, self._records_view = [], []
         base = torch.from_numpy(self.blocks).view(capacity, self.record_bytes)
@@ -167,8 +167,7 @@ class DiskPrefixTier(Tier):
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise TierFileError(expected("prefix_disk_dir", "a directory no other cache has open",
                                                  f"{self.path!r} (locked by another cache)")) from None
-                raise TierStorageError(expected(self._file("lock"), "a file pagedkv can lock",
-                                                e.strerror)) from None
+                raise storage_error(self._file("lock"), "a file pagedkv can lock", e) from None
         return fd
 
     def _create(self) -> None:
@@ -178,7 +177,7 @@ class DiskPrefixTier(Tier):
             per = self.record_bytes + slot_dtype(self.block_size).itemsize
             err = TierStorageError(expected("prefix_disk_blocks", f"at most {free // per} blocks ({free} bytes "
                                             f"free in {self.path!r})", f"{self.meta['capacity']} ({need} bytes)"))
-            err.errno, err.strerror = errno.ENOSPC, os.strerror(errno.ENOSPC)
+            err.errno = errno.ENOSPC
             raise err
         for name, size in self._sizes():
             self.dir.create_file(name, size)

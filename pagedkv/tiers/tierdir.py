@@ -42,7 +42,7 @@ def _kind(mode: int) -> str:
 
 def storage_error(argument: str, what: str, e: OSError) -> TierStorageError:
     err = TierStorageError(expected(argument, what, f"{errno.errorcode.get(e.errno, e.errno)} ({e.strerror})"))
-    err.errno, err.strerror = e.errno, e.strerror
+    err.errno = e.errno       # (not strerror: OSError would print "[Errno N] ..." instead of the message)
     return err
 
 
