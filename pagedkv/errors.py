@@ -28,6 +28,7 @@ __all__ = [
     "ModelUnavailableError",
     "InternalError",
     "TierFileError",
+    "TierStorageError",
     "TransferError",
     "expected",
 ]
@@ -155,6 +156,12 @@ class InternalError(PagedKVError, RuntimeError):
 class TierFileError(PagedKVError, ValueError):
     """A disk prefix tier's files are corrupt, truncated, locked by another process, or
     were written for another model shape or settings. They are refused, never used."""
+
+
+class TierStorageError(TierFileError, OSError):
+    """The disk prefix tier's storage refused an operation: no space (``ENOSPC``), a file
+    too large (``EFBIG``), a read-only or unwritable directory (``EROFS``, ``EACCES``,
+    ``EPERM``). ``errno`` is set; the directory is left as it was."""
 
 
 class TransferError(PagedKVError, RuntimeError):

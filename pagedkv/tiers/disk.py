@@ -22,13 +22,21 @@ is not used. Reads verify the block's CRC again before its data reaches the devi
 block that fails is dropped (with its descendants) and costs a miss.
 
 A slot becomes valid on disk only after its data is written and sealed (CRC, then the
-record), so a process killed mid-write leaves at worst an empty slot.
+record, whose ``valid`` byte is stored last; emptying stores it first), so a process
+killed mid-write leaves at worst an empty slot. A record a crash can orphan (its parent
+slot emptied, its namespace never written) costs that record, a miss, never the tier;
+``hits`` and ``stamp``, which only order eviction, are renumbered at open.
+
+The files are opened only through :class:`~pagedkv.tiers.tierdir.TierDir` (no symbolic
+link, no FIFO, no file of another user; see docs/tier-directory.md), with their space
+reserved, so a full filesystem is a :class:`~pagedkv.errors.TierStorageError` when the
+tier is opened, never a ``SIGBUS`` later.
 """
 from __future__ import annotations
 
 import errno
-import json
 import os
+import warnings
 import weakref
 import zlib
 from typing import Callable, List, Optional
@@ -36,10 +44,11 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from pagedkv.errors import TierFileError, expected
+from pagedkv.errors import HostMemoryError, InvalidArgumentError, TierFileError, TierStorageError, expected
 from pagedkv.kvformat import differences, shown
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ROOT_HASH, ChainIndex, chain_hash, slot_dtype
+from pagedkv.tiers.tierdir import TierDir, storage_error
 
 try:
     import fcntl
@@ -51,6 +60,11 @@ __all__ = ["DiskPrefixTier", "FORMAT_VERSION"]
 FORMAT_VERSION = 1
 _MAGIC = "pagedkv-prefix-tier"
 _ALIGN = 64
+MAX_SLOTS = 2**31 - 1          # slot ids and parent links are int32
+_NAMES = ("lock", "meta.json", "meta.json.tmp", "namespaces.json", "namespaces.json.tmp", "blocks.bin", "index.bin")
+_JSON_NAMES = {str: "string", int: "integer", bool: "boolean", dict: "object"}
+_META_TYPES = {"magic": str, "version": int, "capacity": int, "record_bytes": int, "block_size": int,
+               "weak_hash": bool, "kv_format": dict}
 
 
 def _aligned(n: int) -> int:
@@ -72,9 +86,11 @@ class DiskPrefixTier(Tier):
                  kv_format: dict, *, eviction: str, weak_hash: bool, verify_blocks: bool = True,
                  on_evict: Optional[Callable[[int], None]] = None):
         super().__init__()
-        self.path = path
         self.block_size = block_size
         self.weak_hash = weak_hash
+        self.num_write_errors = 0     # namespaces.json writes that failed (those blocks were not written down)
+        self._maps: list = []
+        self._loaded = False
         sections, offset = [], 0
         for a in store_arenas:
             per_block = a[:, 0].numel() * a.element_size()
@@ -84,14 +100,17 @@ class DiskPrefixTier(Tier):
         self.meta = {"magic": _MAGIC, "version": FORMAT_VERSION, "capacity": capacity,
                      "record_bytes": offset, "block_size": block_size, "weak_hash": bool(weak_hash),
                      "kv_format": kv_format}
+        if not 0 < capacity <= MAX_SLOTS:               # before anything is created or allocated
+            raise InvalidArgumentError(expected("prefix_disk_blocks", f"an int in [1, {MAX_SLOTS}] (tier slot "
+                                                "ids are int32)", capacity))
+        self._check_host_memory(capacity)
+        self.dir = TierDir(path)
+        self.path = self.dir.path
         try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as e:
-            raise TierFileError(expected("prefix_disk_dir", "a directory pagedkv can create",
-                                         f"{path!r} ({e.strerror})")) from None
-        self._unlock = weakref.finalize(self, _unlock, self._lock())   # also on garbage collection
-        try:
-            fresh = not os.path.exists(self._file("meta.json"))
+            self._unlock = weakref.finalize(self, _unlock, self._lock())   # also on garbage collection
+            for name in _NAMES:                         # nothing but our own regular files, before any change
+                self.dir.check(name)
+            fresh = self.dir.lstat("meta.json") is None
             if fresh:
                 self._create()
             else:
@@ -100,6 +119,7 @@ class DiskPrefixTier(Tier):
             if not fresh:
                 self._load_namespaces()
                 self._check_records()
+            self._loaded = True
             self.index = ChainIndex(self.records, block_size, eviction=eviction, weak_hash=weak_hash,
                                     on_evict=on_evict, on_removed=self._persist)
             if not fresh and verify_blocks:
@@ -108,6 +128,7 @@ class DiskPrefixTier(Tier):
                         raise self._corrupt("blocks.bin", s, "its data does not match its CRC-32")
             self.index.pins[:] = 0
         except BaseException:
+            self.dir.rollback()       # before close(): it removes what this open created through the directory
             self.close()
             raise
         self.arenas, self._records_view = [], []
@@ -120,10 +141,25 @@ class DiskPrefixTier(Tier):
 
     # ---- files ----------------------------------------------------------------------
     def _file(self, name: str) -> str:
-        return os.path.join(self.path, name)
+        return self.dir.file(name)
+
+    def _sizes(self):
+        n = self.meta["capacity"]
+        return (("blocks.bin", n * self.record_bytes), ("index.bin", n * slot_dtype(self.block_size).itemsize))
+
+    def _check_host_memory(self, capacity: int) -> None:
+        # The index is a private copy in host memory, plus four per-slot arrays.
+        need = capacity * (slot_dtype(self.block_size).itemsize + 16)
+        try:
+            have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):   # pragma: no cover - no sysconf
+            return
+        if need > have:
+            raise HostMemoryError(expected("prefix_disk_blocks", f"a tier index that fits in host memory "
+                                           f"({have} bytes)", f"{capacity} blocks ({need} bytes of index)"))
 
     def _lock(self):
-        fd = os.open(self._file("lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self.dir.open("lock", os.O_RDWR, create=True)
         if fcntl is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -132,48 +168,50 @@ class DiskPrefixTier(Tier):
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise TierFileError(expected("prefix_disk_dir", "a directory no other cache has open",
                                                  f"{self.path!r} (locked by another cache)")) from None
-                raise
+                raise storage_error(self._file("lock"), "a file pagedkv can lock", e) from None
         return fd
 
     def _create(self) -> None:
-        n = self.meta["capacity"]
-        for name, size in (("blocks.bin", n * self.record_bytes),
-                           ("index.bin", n * slot_dtype(self.block_size).itemsize)):
-            with open(self._file(name), "wb") as f:
-                f.truncate(size)
+        need = sum(size for _, size in self._sizes())
+        free = self.dir.free_bytes()
+        if need > free:
+            per = self.record_bytes + slot_dtype(self.block_size).itemsize
+            err = TierStorageError(expected("prefix_disk_blocks", f"at most {free // per} blocks ({free} bytes "
+                                            f"free in {self.path!r})", f"{self.meta['capacity']} ({need} bytes)"))
+            err.errno = errno.ENOSPC
+            raise err
+        for name, size in self._sizes():
+            self.dir.create_file(name, size)
         self._write_json("namespaces.json", [])
         self._write_json("meta.json", self.meta)     # last: its presence marks a complete tier
 
     def _write_json(self, name: str, obj) -> None:
-        tmp = self._file(name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._file(name))
+        self.dir.write_json(name, obj)
 
     def _read_json(self, name: str):
-        try:
-            with open(self._file(name), encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError) as e:
-            raise TierFileError(expected(self._file(name), "a readable pagedkv prefix-tier JSON file",
-                                         f"{type(e).__name__}: {e}")) from None
+        return self.dir.read_json(name)
 
     def _open_maps(self) -> None:
         n = self.meta["capacity"]
         dt = slot_dtype(self.block_size)
-        for name, size in (("blocks.bin", n * self.record_bytes), ("index.bin", n * dt.itemsize)):
-            have = os.path.getsize(self._file(name)) if os.path.exists(self._file(name)) else -1
-            if have != size:
-                raise TierFileError(expected(self._file(name), f"{size} bytes", f"{have} bytes (truncated or foreign)"))
-        self.blocks = np.memmap(self._file("blocks.bin"), dtype=np.uint8, mode="r+")
+        for name, size in self._sizes():
+            self._maps.append(self.dir.map(name, size))
+        self.blocks = np.frombuffer(self._maps[0], dtype=np.uint8)
         # The index works on a private copy; a record reaches the file only when it is
         # sealed (data written) or emptied, so the file never shows a half-written slot.
-        self._disk = np.memmap(self._file("index.bin"), dtype=dt, mode="r+")
+        self._disk = np.frombuffer(self._maps[1], dtype=dt)
+        self._disk_raw = self._disk.view(np.uint8).reshape(n, dt.itemsize)
         self.records = np.array(self._disk)
         self._raw_records = self.records.view(np.uint8).reshape(n, dt.itemsize)
         self._checked_bytes = dt.fields["rec_crc"][1]
+
+    def _check_meta_types(self, meta: dict) -> None:
+        # Before any comparison: a field of the wrong type is a foreign header, not a crash.
+        for key, kind in _META_TYPES.items():
+            v = meta.get(key)
+            if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+                raise TierFileError(expected(self._file("meta.json"), f"{key} as a JSON {_JSON_NAMES[kind]}",
+                                             f"{type(v).__name__} {v!r}"[:200]))
 
     def _check_meta(self) -> None:
         meta = self._read_json("meta.json")
@@ -183,6 +221,7 @@ class DiskPrefixTier(Tier):
         if meta.get("version") != self.meta["version"]:
             raise TierFileError(expected(self._file("meta.json"), f"version={FORMAT_VERSION}",
                                          f"version={meta.get('version')!r}"))
+        self._check_meta_types(meta)
         diff = differences(self.meta["kv_format"], meta.get("kv_format"))
         if diff:     # every differing setting, both values: the directory is left as it is
             raise TierFileError(expected(
@@ -205,14 +244,25 @@ class DiskPrefixTier(Tier):
         for key in raw:
             self.namespace(key, create=True)
 
-    def _namespace_added(self, key: bytes) -> None:
-        if getattr(self, "index", None) is not None:   # not while loading them
-            self._write_json("namespaces.json", [k.hex() for k in self.ns_keys])
+    def namespace(self, key: bytes, create: bool):
+        # namespaces.json is written before the namespace exists in memory: a failed
+        # write (ENOSPC) leaves both as they were, and no sealed record can name a
+        # namespace the file lacks.
+        if create and self._loaded and key not in self.ns_ids:
+            try:
+                self._write_json("namespaces.json", [k.hex() for k in self.ns_keys] + [key.hex()])
+            except TierFileError:
+                self.num_write_errors += 1
+                raise
+        return super().namespace(key, create)
 
     def _corrupt(self, name: str, slot: int, why: str) -> TierFileError:
         return TierFileError(expected(self._file(name), f"slot {slot} intact", why))
 
     def _check_records(self) -> None:
+        """Refuse evidence of corruption (a bad flag, a CRC or a hash that disagrees with
+        its record); drop, as a miss, what an interrupted writer can leave (a record whose
+        parent slot was emptied or whose namespace never reached namespaces.json)."""
         r = self.records
         valid = np.array(r["valid"])
         if not np.isin(valid, (0, 1)).all():
@@ -226,11 +276,8 @@ class DiskPrefixTier(Tier):
             if zlib.crc32(self._raw_records[s, :self._checked_bytes]) != int(rec_crc[s]):
                 raise self._corrupt("index.bin", s, "its record does not match its CRC-32")
             p = int(parent[s])
-            if not (p == ROOT or (0 <= p < n and valid[p] == 1 and gen[p] == pgen[s])):
-                raise self._corrupt("index.bin", s, f"its parent link ({p}) names no valid slot")
-            if not 0 <= ns[s] < len(self.ns_keys):
-                raise self._corrupt("index.bin", s, f"namespace {int(ns[s])} is not in namespaces.json")
-            kids.setdefault(p, []).append(s)
+            if (p == ROOT or (0 <= p < n and valid[p] == 1 and gen[p] == pgen[s])) and 0 <= ns[s] < len(self.ns_keys):
+                kids.setdefault(p, []).append(s)
         # Recompute every hash from the root down (parents first): a record that decodes
         # but lies about its content is refused too.
         hashes, owner = {ROOT: ROOT_HASH}, {}
@@ -247,8 +294,18 @@ class DiskPrefixTier(Tier):
                 hashes[s], owner[h] = h, s
                 nxt.extend(kids.get(s, ()))
             frontier = nxt
-        if len(owner) != len(held):
-            raise self._corrupt("index.bin", min(set(held) - set(owner.values())), "it is not reachable from the root")
+        orphans = sorted(set(held) - set(owner.values()))
+        for s in orphans:
+            r["valid"][s] = 0
+            r["gen"][s] += 1
+            self._persist(s)
+        self.num_orphans_dropped = len(orphans)
+        # hits and stamp are outside the CRC and only order eviction: renumber the stamps
+        # (any stored value, 2**64-1 included, becomes a rank) so the clock cannot overflow.
+        live = np.flatnonzero(r["valid"] == 1)
+        order = live[np.argsort(np.array(r["stamp"][live]), kind="stable")]
+        r["stamp"][:] = 0
+        r["stamp"][order] = np.arange(1, len(live) + 1)
 
     # ---- data ------------------------------------------------------------------------------
     # A slot's bytes are contiguous here and strided (one run per layer) in an arena:
@@ -275,20 +332,25 @@ class DiskPrefixTier(Tier):
             self.num_corrupt += 1
         return ok
 
+    # A record's first byte is its valid flag. Sealing stores it last and emptying stores
+    # it first, so a writer killed between any two stores leaves the slot empty on disk.
     def written(self, slots: np.ndarray) -> None:
-        r = self.records
+        r, raw, disk = self.records, self._raw_records, self._disk_raw
         for s in np.asarray(slots).tolist():
             r["crc"][s] = self._block_crc(s)
-            r["rec_crc"][s] = zlib.crc32(self._raw_records[s, :self._checked_bytes])
-            self._disk[s] = r[s]
+            r["rec_crc"][s] = zlib.crc32(raw[s, :self._checked_bytes])
+            disk[s, 1:] = raw[s, 1:]
+            disk[s, 0] = raw[s, 0]
         super().written(slots)
 
     def _persist(self, slot: int) -> None:
         # An emptied slot is marked so on disk before anything can overwrite its data.
-        self._disk[slot] = self.records[slot]
+        self._disk_raw[slot, 0] = self._raw_records[slot, 0]
+        self._disk_raw[slot, 1:] = self._raw_records[slot, 1:]
 
     def cleared(self) -> None:
-        self._disk[:] = self.records
+        self._disk_raw[:, 0] = self._raw_records[:, 0]
+        self._disk_raw[:, 1:] = self._raw_records[:, 1:]
 
     def flush(self) -> None:
         """Write the eviction order (hits, recency) and push the maps to the file."""
@@ -297,18 +359,30 @@ class DiskPrefixTier(Tier):
         sealed = (self.records["valid"] == 1) & (self.index.busy == 0)
         self._disk["hits"][sealed] = self.records["hits"][sealed]
         self._disk["stamp"][sealed] = self.records["stamp"][sealed]
-        self._disk.flush()
-        self.blocks.flush()
+        for m in self._maps:
+            m.flush()
 
     def close(self) -> None:
-        """Flush and release the files (idempotent)."""
-        if getattr(self, "index", None) is not None:
-            self.flush()
-        self.arenas = []
-        self.blocks = self._disk = self._raw_records = None
-        unlock = getattr(self, "_unlock", None)
-        if unlock is not None:
-            unlock()
+        """Flush and release the files at once (descriptors, maps, lock), without waiting
+        for the garbage collector (idempotent)."""
+        try:
+            if getattr(self, "index", None) is not None:
+                self.flush()
+        finally:
+            self.arenas, self._records_view = [], []
+            self.blocks = self._disk = self._disk_raw = None
+            for m in getattr(self, "_maps", ()):
+                try:
+                    m.close()
+                except BufferError:      # a caller still holds a view: the map goes with it
+                    pass
+            self._maps = []
+            unlock = getattr(self, "_unlock", None)
+            if unlock is not None:
+                unlock()
+            d = getattr(self, "dir", None)
+            if d is not None:
+                d.close()
 
 
 def _unlock(fd: int) -> None:

@@ -26,11 +26,13 @@ copies run and before slots reach the caller), so the copies read intact KV.
 """
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from pagedkv.errors import TierFileError
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.kvformat import kv_format
 from pagedkv.tiers.base import Tier
@@ -186,7 +188,13 @@ class PrefixTiers:
                 break
             key = rec.parent
         for key, rec in reversed(path):
-            ns = target.namespace(rec.ns_key, create=True)
+            try:
+                ns = target.namespace(rec.ns_key, create=True)
+            except TierFileError as e:
+                # The disk refused namespaces.json (ENOSPC...): the device call that got
+                # here already happened, so this block is not written down (a later miss).
+                warnings.warn(f"prefix tier: block not written down: {e}", RuntimeWarning, stacklevel=2)
+                return -1
             slot, created = target.index.insert(parent, ns, target.ns_hashes[ns], rec.tokens)
             if slot < 0:
                 return -1
