@@ -98,9 +98,17 @@ __device__ __forceinline__ float pkv_attn_q(const Q* __restrict__ q, pkv_i64 i) 
   return pkv_dtype<Q>::to_f32(q[i]);
 }
 
+// The attention CTA is one flat team of threads, whatever the shape of its block.
+__device__ __forceinline__ pkv_i64 pkv_attn_tid() {
+  return ((pkv_i64)threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ pkv_i64 pkv_attn_threads() {
+  return (pkv_i64)blockDim.x * blockDim.y * blockDim.z;
+}
+
 // Stage h of the butterflies over `rows` rows of length d held at buf (row stride d).
 __device__ __forceinline__ void pkv_attn_butterflies(float* buf, pkv_i64 rows, pkv_i64 d, pkv_i64 h) {
-  for (pkv_i64 r = 0; r < rows; ++r) pkv_butterflies(buf + r * d, d, h, threadIdx.x, blockDim.x);
+  for (pkv_i64 r = 0; r < rows; ++r) pkv_butterflies(buf + r * d, d, h, pkv_attn_tid(), pkv_attn_threads());
 }
 
 template <int F, typename Q, int LAYOUT, int MODE>
@@ -175,7 +183,7 @@ __device__ __forceinline__ void pkv_attn(
     const pkv_i64 head0 = hk * group + chunk * heads_per_cta;  // the CTA's first query head
 
     PKV_PHASE({  // the queries (rotated once), and the row state
-      for (pkv_i64 e = threadIdx.x; e < R * D; e += blockDim.x) {
+      for (pkv_i64 e = pkv_attn_tid(); e < R * D; e += pkv_attn_threads()) {
         const pkv_i64 r = pkv_div(e, D), d = e - r * D;
         const pkv_i64 i = pkv_div(r, heads_per_cta), g = r - i * heads_per_cta;
         float x = 0.0f;
@@ -185,7 +193,7 @@ __device__ __forceinline__ void pkv_attn(
         if (rotated) qr[e] = __fmul_rn(x, signs[d]);
         acc[e] = 0.0f;
       }
-      for (pkv_i64 r = threadIdx.x; r < R; r += blockDim.x) {
+      for (pkv_i64 r = pkv_attn_tid(); r < R; r += pkv_attn_threads()) {
         mrow[r] = neg_inf;
         lrow[r] = 0.0f;
       }
@@ -195,7 +203,7 @@ __device__ __forceinline__ void pkv_attn(
         PKV_PHASE({ pkv_attn_butterflies(qr, R, D, h); });
       }
       PKV_PHASE({
-        for (pkv_i64 e = threadIdx.x; e < R * D; e += blockDim.x) {
+        for (pkv_i64 e = pkv_attn_tid(); e < R * D; e += pkv_attn_threads()) {
           const pkv_i64 d = e - pkv_div(e, D) * D;
           qr[e] = __fmul_rn(qr[e], pkv_hadamard_scale_at(D, d));
         }
@@ -203,14 +211,14 @@ __device__ __forceinline__ void pkv_attn(
     }
     for (pkv_i64 t0 = k_begin; t0 < k_end; t0 += T) {
       PKV_PHASE({  // 1. the tile's keys and values
-        for (pkv_i64 t = threadIdx.x; t < T; t += blockDim.x) {
+        for (pkv_i64 t = pkv_attn_tid(); t < T; t += pkv_attn_threads()) {
           const pkv_i64 k = t0 + t;
           kpos[t] = k < k_end ? (k < ns ? k : w_lo + k - ns) : -1;
           const pkv_i64 block = kpos[t] < 0 ? -1 : pkv_attn_block(indptr, indices, b, kpos[t], block_size,
                                                                    num_entries, num_blocks);
           ksealed[t] = block >= 0 && pkv_key_sealed<F>(key_scale, block, hk, num_kv_heads, D);
         }
-        for (pkv_i64 e = threadIdx.x; e < T * D; e += blockDim.x) {
+        for (pkv_i64 e = pkv_attn_tid(); e < T * D; e += pkv_attn_threads()) {
           const pkv_i64 t = pkv_div(e, D), d = e - t * D;
           const pkv_i64 k = t0 + t;
           float kx = 0.0f, vx = 0.0f;
@@ -234,7 +242,7 @@ __device__ __forceinline__ void pkv_attn(
         }
       });
       PKV_PHASE({  // 2. logits
-        for (pkv_i64 e = threadIdx.x; e < R * T; e += blockDim.x) {
+        for (pkv_i64 e = pkv_attn_tid(); e < R * T; e += pkv_attn_threads()) {
           const pkv_i64 r = pkv_div(e, T), t = e - r * T;
           const pkv_i64 p = pos0 + pkv_div(r, heads_per_cta);
           const pkv_i64 j = kpos[t];
@@ -251,7 +259,7 @@ __device__ __forceinline__ void pkv_attn(
         }
       });
       PKV_PHASE({  // 3. online softmax
-        for (pkv_i64 r = threadIdx.x; r < R; r += blockDim.x) {
+        for (pkv_i64 r = pkv_attn_tid(); r < R; r += pkv_attn_threads()) {
           float mx = mrow[r];
           for (pkv_i64 t = 0; t < T; ++t) mx = sc[r * T + t] > mx ? sc[r * T + t] : mx;
           const float a = mx == neg_inf ? 1.0f : expf(__fsub_rn(mrow[r], mx));  // m = -inf: a = 0
@@ -268,7 +276,7 @@ __device__ __forceinline__ void pkv_attn(
         }
       });
       PKV_PHASE({  // 4. accumulate
-        for (pkv_i64 e = threadIdx.x; e < R * D; e += blockDim.x) {
+        for (pkv_i64 e = pkv_attn_tid(); e < R * D; e += pkv_attn_threads()) {
           const pkv_i64 r = pkv_div(e, D), d = e - r * D;
           float x = __fmul_rn(acc[e], alpha[r]);
           for (pkv_i64 t = 0; t < T; ++t) x = __fadd_rn(x, __fmul_rn(sc[r * T + t], vs[t * KS + d]));
@@ -278,7 +286,7 @@ __device__ __forceinline__ void pkv_attn(
     }
     if (num_splits > 1) {
       PKV_PHASE({  // this split's (acc, m, l); the merge kernel normalizes and unrotates
-        for (pkv_i64 e = threadIdx.x; e < R * D; e += blockDim.x) {
+        for (pkv_i64 e = pkv_attn_tid(); e < R * D; e += pkv_attn_threads()) {
           const pkv_i64 r = pkv_div(e, D), d = e - r * D;
           const pkv_i64 i = pkv_div(r, heads_per_cta), g = r - i * heads_per_cta;
           if (i < ntok && chunk * heads_per_cta + g < group && tok0 + i < num_q_tokens && pos0 + i >= 0) {
@@ -294,7 +302,7 @@ __device__ __forceinline__ void pkv_attn(
       continue;
     }
     PKV_PHASE({
-      for (pkv_i64 e = threadIdx.x; e < R * D; e += blockDim.x) {
+      for (pkv_i64 e = pkv_attn_tid(); e < R * D; e += pkv_attn_threads()) {
         const float l = lrow[pkv_div(e, D)];
         acc[e] = l > 0.0f ? __fdiv_rn(acc[e], l) : 0.0f;
       }
@@ -305,7 +313,7 @@ __device__ __forceinline__ void pkv_attn(
       }
     }
     PKV_PHASE({
-      for (pkv_i64 e = threadIdx.x; e < R * D; e += blockDim.x) {
+      for (pkv_i64 e = pkv_attn_tid(); e < R * D; e += pkv_attn_threads()) {
         const pkv_i64 r = pkv_div(e, D), d = e - r * D;
         const pkv_i64 i = pkv_div(r, heads_per_cta), g = r - i * heads_per_cta;
         if (i < ntok && chunk * heads_per_cta + g < group && tok0 + i < num_q_tokens && pos0 + i >= 0) {
