@@ -338,7 +338,7 @@ def cases(draw):
     return case, opts
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(drawn=cases())
 def test_hypothesis_shapes_match_the_definition(drawn):
     case, opts = drawn
@@ -423,3 +423,31 @@ def test_empty_query_batch_returns_an_empty_output():
 def test_a_sequence_without_queries_leaves_the_others_right(backend):
     case = Case("fp8_e4m3", "NHD", 16, 4, 1, 3, [7, 30, 12], [2, 0, 5], seed=21)
     check(case, run(backend, case))
+
+
+# ----------------------------------------------------------------------------------
+# NVRTC: every variant compiles (test_kernels_compile.py, for sm_80/89/90); here the
+# kernels take exactly the arguments the plan passes
+
+
+def test_ptx_kernels_take_the_planned_arguments():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python (NVRTC) is not installed")
+    import re
+
+    from pagedkv.kernels import build
+    from pagedkv.kernels.options import CompileOptions
+
+    ptx = build.build("paged_attention.cu", CompileOptions(arch="sm_90")).data.decode(errors="replace")
+    names = set(re.findall(r"\.entry\s+(\w+)", ptx))
+    assert names == set(sources.entry_points()["paged_attention.cu"])
+
+    def params(kernel):
+        body = ptx[ptx.index(f".entry {kernel}("):]
+        return body[: body.index(")")].count(".param")
+
+    case = Case("int4", "NHD", 16, 4, 1, 3, [30], [1], q_dtype=torch.float16, rotated=True, seed=1, group_size=8)
+    launches, _ = attention_plans.plan_paged_attention(case.q, case.kv, *case.tables("cpu"), **case.kw,
+                                                       num_splits=2)
+    assert len(launches) == 2
+    for ln in launches:
+        assert params(ln.kernel) == len(ln.args), ln.kernel
