@@ -2,7 +2,8 @@
 
 For write_kv, gather_kv, copy_blocks (and, reported without a bar, the fp8 write,
 the dequantizing gathers (fp8; int4 with per-token keys and with block keys, plain
-and rotated), the int4 block-key seal (with the torch definition's time on the same
+and rotated), a decode step of paged attention (fp16, int8, rotated int4 with block
+keys), the int4 block-key seal (with the torch definition's time on the same
 GPU as its second baseline) and a swap to pinned host memory) this prints one JSON line
 per figure: bytes moved (read + written), GPU time per call, GB/s, the GB/s of
 torch ``copy_`` (cudaMemcpy) moving the same bytes, and the fraction of it. The bar
@@ -102,6 +103,44 @@ def seal_case(dev, NB: int, BS: int, H: int, D: int, T: int):
     return moved, (layer, blocks, keys, *params)
 
 
+def attention_cases(dev, smoke: bool):
+    """``(variant, bytes read, call)`` of one decode step of paged attention: batch 8 x
+    4,096 tokens of context (smoke: 2 x 256), 32 query heads on 8 KV heads, head_dim
+    128, block size 16, over shuffled blocks; fp16 K/V, then int8 and rotated int4
+    (group 32) with block keys. Bytes read: the K/V rows (codes and their parameters)
+    and the queries, written: the output; the same bytes a memcpy moves is the bar."""
+    from pagedkv.kernels import ops
+    from pagedkv.rotation import rotation_signs
+
+    B, N, HQ, H, D, BS = (2, 256, 32, 8, 128, 16) if smoke else (8, 4096, 32, 8, 128, 16)
+    nb = B * N // BS
+    indptr = torch.arange(0, nb + 1, N // BS, dtype=torch.int32, device=dev)
+    indices = torch.randperm(nb, device=dev).to(torch.int32)
+    lens = torch.full((B,), N, dtype=torch.int32, device=dev)
+    q_indptr = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(B, HQ, D, device=dev, dtype=torch.float16)
+    out = torch.empty_like(q)
+    tables = (indptr, indices, lens, q_indptr)
+    fp16 = torch.randn(nb, 2, BS, H, D, device=dev).to(torch.float16)
+    int8 = torch.randint(-128, 128, (nb, 2, BS, H, D), dtype=torch.int32, device=dev).to(torch.int8)
+    s8 = torch.rand(nb, 2, BS, H, device=dev) * 0.01
+    codes = torch.randint(0, 256, (nb, 2, BS, H, D // 2), dtype=torch.int32, device=dev).to(torch.uint8)
+    s4 = torch.rand(nb, 2, BS, H, D // 32, device=dev) * 0.1
+    keys = dict(key_scale=(torch.rand(nb, H, D, device=dev) + 0.5).to(torch.bfloat16),
+                key_zero=torch.rand(nb, H, D, device=dev).to(torch.bfloat16))
+    signs = rotation_signs(D, 0).to(dev)
+    tokens = B * N * H  # (token, KV head) rows of K and of V
+    qo = 2 * B * HQ * D * 2
+    return [
+        ("fp16 NHD", 2 * tokens * D * 2 + qo, lambda: ops.paged_attention(q, fp16, *tables, out=out)),
+        ("int8 NHD", 2 * tokens * (D + 8) + qo,
+         lambda: ops.paged_attention(q, int8, *tables, kv_scale=s8, kv_zero=s8, out=out)),
+        ("int4 block keys rotated NHD", tokens * (D + 8 * (D // 32)) + tokens * (D // 2 + 4 * D // BS) + qo,
+         lambda: ops.paged_attention(q, codes, *tables, kv_scale=s4, kv_zero=s4, rotation_signs=signs, out=out,
+                                     **keys)),
+    ]
+
+
 def run(smoke: bool, iters: int) -> int:
     from pagedkv.kernels import ops
 
@@ -170,6 +209,11 @@ def run(smoke: bool, iters: int) -> int:
     d2h = 2 * (moved // 2) / gpu_time_us(lambda: staging.copy_(src, non_blocking=True), iters) / 1e3
     us = gpu_time_us(lambda: ops.swap_blocks([arena], [host], out_pairs), iters)
     report("swap_blocks", "fp16 device -> pinned host", moved, us, d2h, False)
+
+    # paged attention, one decode step (split-K), against a memcpy of the bytes it reads
+    for variant, moved_a, fn in attention_cases(dev, smoke):
+        report("paged_attention", f"decode {variant}", moved_a, gpu_time_us(fn, iters),
+               memcpy_gbps(moved_a // 2, iters), False)
     return 0
 
 

@@ -124,35 +124,7 @@ __device__ __forceinline__ void pkv_gather_copy(
   }
 }
 
-// The code of element d of a quantized row (int4: its nibble of byte d / 2; int3:
-// bits 3 (d % 8) of the 24-bit little-endian pack d / 8).
-template <int Q>
-__device__ __forceinline__ pkv_u32 pkv_code_at(const pkv_u8* __restrict__ kv, pkv_i64 row,
-                                               pkv_i64 head_dim, pkv_i64 d) {
-  if (Q == PKV_Q_INT4) return (kv[row * (head_dim / 2) + d / 2] >> ((pkv_u32)(d & 1) * 4)) & 15u;
-  if (Q == PKV_Q_INT3) {
-    const pkv_u8* p = kv + row * pkv_row_bytes<Q>(head_dim) + d / 8 * 3;
-    const pkv_u32 bits = (pkv_u32)p[0] | ((pkv_u32)p[1] << 8) | ((pkv_u32)p[2] << 16);
-    return (bits >> (3 * (pkv_u32)(d & 7))) & 7u;
-  }
-  return kv[row * head_dim + d];
-}
-
-// Block keys: whether (block, head) holds per-channel int4 keys, and one of their
-// values. key_scale/key_zero are bfloat16 bits, [num_blocks, H, D] row-major.
-template <int Q>
-__device__ __forceinline__ bool pkv_key_sealed(const pkv_u16* __restrict__ key_scale, pkv_i64 block,
-                                               pkv_i64 head, pkv_i64 num_heads, pkv_i64 head_dim) {
-  if (Q != PKV_Q_INT4 || key_scale == 0) return false;
-  return pkv_bf16_to_f32(key_scale[(block * num_heads + head) * head_dim]) != 0.0f;
-}
-__device__ __forceinline__ float pkv_key_channel(pkv_u32 code, const pkv_u16* __restrict__ key_scale,
-                                                 const pkv_u16* __restrict__ key_zero, pkv_i64 block,
-                                                 pkv_i64 head, pkv_i64 num_heads, pkv_i64 head_dim,
-                                                 pkv_i64 d) {
-  const pkv_i64 i = (block * num_heads + head) * head_dim + d;
-  return __fadd_rn(__fmul_rn((float)code, pkv_bf16_to_f32(key_scale[i])), pkv_bf16_to_f32(key_zero[i]));
-}
+// pkv_code_at, pkv_key_sealed and pkv_key_channel_value: common.cuh ("Reading rows").
 
 template <int Q, typename O, int LAYOUT, int TABLE>
 __device__ __forceinline__ void pkv_gather_dequant(
@@ -189,7 +161,7 @@ __device__ __forceinline__ void pkv_gather_dequant(
         const float v_zero = has_zero ? pkv_param_load<Q>(zero, v_row * groups + g) : 0.0f;
         const pkv_u32 k_code = pkv_code_at<Q>(kv, k_row, head_dim, d);
         if (pkv_key_sealed<Q>(key_scale, e.block, h, num_heads, head_dim))
-          k = pkv_key_channel(k_code, key_scale, key_zero, e.block, h, num_heads, head_dim, d);
+          k = pkv_key_channel_value(k_code, key_scale, key_zero, e.block, h, num_heads, head_dim, d);
         else
           k = pkv_dequantize<Q>(k_code, pkv_param_load<Q>(scale, k_row * groups + g), k_zero);
         v = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), pkv_param_load<Q>(scale, v_row * groups + g),
@@ -280,7 +252,7 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
         for (pkv_i64 d = threadIdx.x; d < head_dim; d += bx) {
           float x = 0.0f;
           if (is_key_block) {
-            x = pkv_key_channel(pkv_code_at<Q>(kv, row, head_dim, d), key_scale, key_zero, block, head, num_heads,
+            x = pkv_key_channel_value(pkv_code_at<Q>(kv, row, head_dim, d), key_scale, key_zero, block, head, num_heads,
                                 head_dim, d);
           } else if (block >= 0) {
             const pkv_i64 g = groups == 1 ? 0 : pkv_div(d, g_len);

@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence, Tuple
 import torch
 
 from pagedkv.errors import DeviceError, KernelCompileError, KernelUnavailableError, expected
-from pagedkv.kernels import build, plans, sources
+from pagedkv.kernels import attention_plans, build, plans, sources
 
 __all__ = [
     "library",
@@ -41,6 +41,7 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "convert_layout",
+    "paged_attention",
 ]
 
 CXX = os.environ.get("CXX", "g++")
@@ -254,3 +255,19 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD"
     _check_cpu("kv_layer", kv_layer)
     launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
     run(launches, grid=grid, block=block)
+
+
+def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None, kv_zero=None,
+                    key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None, soft_cap=None, window=None,
+                    sink_tokens=0, num_splits=None, out=None, exact_rows=None, num_sms=attention_plans.DEFAULT_SMS,
+                    grid: Dims = None, block: Dims = None):
+    """:func:`pagedkv.ops.paged_attention` through the CUDA kernels' plan, on the CPU.
+    ``num_sms`` stands in for the GPU's SM count (it sets the automatic splits)."""
+    _check_cpu("kv_layer", kv_layer)
+    launches, out = attention_plans.plan_paged_attention(
+        q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
+        key_scale=key_scale, key_zero=key_zero, rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap,
+        window=window, sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows,
+        num_sms=num_sms)
+    run(launches, grid=grid, block=block)
+    return out

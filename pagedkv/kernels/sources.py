@@ -36,9 +36,13 @@ __all__ = [
     "copy_blocks_name",
     "transpose_name",
     "seal_keys_name",
+    "ATTENTION_MODES",
+    "attention_name",
+    "attention_merge_name",
 ]
 
-SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu", "seal_keys.cu")
+SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu", "seal_keys.cu",
+                "paged_attention.cu")
 
 #: variant axes, in the spelling of the entry-point names
 LAYOUTS = ("nhd", "hnd")
@@ -128,6 +132,22 @@ def seal_keys_name(layout: str, in_type: str) -> str:
     return f"pkv_seal_keys_{layout}_{in_type}"
 
 
+#: paged attention: decode (one query token per CTA) and prefill (query tiles)
+ATTENTION_MODES = ("decode", "prefill")
+
+
+def attention_name(mode: str, layout: str, kv_type: str, q_type: str) -> str:
+    """``pkv_attn_{mode}_{layout}_{kv}`` (model-dtype K/V, q of that dtype) or
+    ``pkv_attn_{mode}_{layout}_{quant}_q{q}``."""
+    if kv_type in MODEL_TYPES:
+        return f"pkv_attn_{mode}_{layout}_{kv_type}"
+    return f"pkv_attn_{mode}_{layout}_{kv_type}_q{q_type}"
+
+
+def attention_merge_name(out_type: str) -> str:
+    return f"pkv_attn_merge_{out_type}"
+
+
 _COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
 
 
@@ -146,10 +166,15 @@ def entry_points() -> Dict[str, Tuple[str, ...]]:
     copy = [copy_blocks_name(c, i) for c in CHUNKS for i in INDEX_TYPES]
     transpose = [transpose_name(c) for c in CHUNKS]
     seal = [seal_keys_name(lo, t) for lo in LAYOUTS for t in MODEL_TYPES]
+    attn = [attention_name(m, lo, t, t) for m in ATTENTION_MODES for lo in LAYOUTS for t in MODEL_TYPES]
+    attn += [attention_name(m, lo, k, t) for m in ATTENTION_MODES for lo in LAYOUTS for k in QUANT_TYPES
+             for t in MODEL_TYPES]
+    attn += [attention_merge_name(t) for t in MODEL_TYPES]
     return {
         "write_kv.cu": tuple(write),
         "gather_kv.cu": tuple(gather),
         "copy_blocks.cu": tuple(copy),
         "convert_layout.cu": tuple(transpose),
         "seal_keys.cu": tuple(seal),
+        "paged_attention.cu": tuple(attn),
     }

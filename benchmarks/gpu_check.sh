@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# gpu_check.sh - the one-command check to run first whenever an NVIDIA GPU is lent.
+#
+#   bash benchmarks/gpu_check.sh            # from the repository root
+#
+# On a machine with an NVIDIA GPU, in under 8 minutes (each step has its own time
+# limit, 7 minutes in all):
+#   1. builds and installs pagedkv into the current Python (pip, no dependency
+#      resolution: torch, cuda-python and pytest must already be there);
+#   2. runs every test marked `cuda` (all the kernels, paged attention included,
+#      against the CPU reference);
+#   3. runs benchmarks/kernels.py and, when present, benchmarks/attention.py;
+#   4. prints one summary: the device, each step's status and time, the test counts
+#      and every benchmark figure (JSON lines).
+# Without a GPU it says so and exits 0 at once. The exit status is 0 when every step
+# passed, 1 otherwise. Logs stay in $GPU_CHECK_LOGS (default: a temporary folder).
+# PYTHON picks the interpreter; PAGEDKV_SKIP_BUILD=1 skips step 1.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+LOGS=${GPU_CHECK_LOGS:-$(mktemp -d -t pagedkv-gpu-check.XXXXXX)}
+mkdir -p "$LOGS"
+START=$(date +%s)
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU here (nvidia-smi finds none); nothing to check"
+  exit 0
+fi
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+  echo "gpu_check: an NVIDIA GPU is present but torch cannot use it (torch.cuda.is_available() is False);"
+  echo "gpu_check: install a CUDA build of torch, then run this again"
+  exit 0
+fi
+
+declare -a NAMES STATUS SECONDS_TAKEN
+FAILED=0
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$(date +%s) rc
+  echo "gpu_check: $name (limit ${limit}s)..."
+  timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  NAMES+=("$name")
+  SECONDS_TAKEN+=($(( $(date +%s) - t0 )))
+  if [ $rc -eq 0 ]; then
+    STATUS+=("ok")
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    STATUS+=("timed out")
+    FAILED=1
+  else
+    STATUS+=("failed (exit $rc)")
+    FAILED=1
+  fi
+  return $rc
+}
+
+if [ "${PAGEDKV_SKIP_BUILD:-0}" != "1" ]; then
+  step build 150 "$PY" -m pip install --no-deps --no-build-isolation -q .
+fi
+# the tests import the installed package: run them from outside the checkout's package dir
+step cuda-tests 240 env OMP_NUM_THREADS=4 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rfE tests
+step kernels-bench 60 "$PY" benchmarks/kernels.py
+if [ -f benchmarks/attention.py ]; then
+  step attention-bench 60 "$PY" benchmarks/attention.py
+fi
+
+echo
+echo "================ pagedkv GPU check: summary ================"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/device: /'
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>/dev/null
+for i in "${!NAMES[@]}"; do
+  printf '%-16s %-18s %4ss\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECONDS_TAKEN[$i]}"
+done
+if [ -f "$LOGS/cuda-tests.log" ]; then
+  echo "cuda tests: $(grep -E '(passed|failed|error|skipped|deselected)' "$LOGS/cuda-tests.log" | tail -1)"
+  grep -E '^(FAILED|ERROR) ' "$LOGS/cuda-tests.log" | head -20
+fi
+for b in kernels-bench attention-bench; do
+  if [ -f "$LOGS/$b.log" ]; then
+    echo "--- $b figures"
+    grep -E '^\{' "$LOGS/$b.log" || tail -5 "$LOGS/$b.log"
+  fi
+done
+echo "total: $(( $(date +%s) - START ))s; logs in $LOGS"
+exit $FAILED

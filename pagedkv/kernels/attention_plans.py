@@ -1,0 +1,305 @@
+"""Launch plan of paged attention (cuda/paged_attention.cu).
+
+:func:`plan_paged_attention` validates a call of :func:`pagedkv.ops.paged_attention`
+(the same errors and messages as the public op's checks, plus what the kernels add:
+a contiguous arena, a dense head_dim in ``q``, aligned pointers), picks the kernel
+and its tiling, and returns the :class:`~pagedkv.kernels.plans.Launch` records that
+the CUDA launcher (:mod:`pagedkv.kernels.ops`) and the host emulation
+(:mod:`pagedkv.kernels.emulation`) both run.
+
+Tiling. A CTA holds, in PKV_ATTN_FLOATS shared floats, its R query rows (once as
+given, once rotated when the arena is, and their float32 accumulators), one tile of
+T keys and values, and the R x T logits. R = q_tile tokens x heads_per_cta query
+heads of one KV head: the decode kernel takes one token and the whole GQA group; the
+prefill kernel a tile of tokens. T and the tile shrink until the buffers fit.
+
+Splits (flash-decoding). Each tile's visible keys are cut into ``num_splits`` ranges,
+one CTA each; with more than one, every split writes its float32 (acc, max, sum)
+and a merge kernel combines them exactly. ``num_splits=None`` picks enough splits
+to give the GPU about two CTAs per SM, at most one per 256 keys of the average
+sequence (estimated from the table sizes, so nothing is read from the device).
+
+Index values that live on a GPU are not read (that would sync): the kernel reads a
+bad entry as zeros and skips a query tile it cannot place. Index tensors on the CPU
+are checked like the public op checks them.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from pagedkv import op_checks as checks
+from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.kernels import sources
+from pagedkv.kernels.plans import (
+    _MODEL_NAMES,
+    _QUANT_NAMES,
+    Launch,
+    _check_aligned,
+    _check_contiguous,
+    _check_kernel_dtype,
+    _check_rows,
+    _check_signs,
+    _groups,
+    _i64,
+    _ptr,
+    _rot_dims,
+    MAX_GRID_X,
+    MAX_GRID_Y,
+)
+from pagedkv.quant import MODEL_DTYPES
+
+__all__ = ["ATTN_FLOATS", "ATTN_MAX_TILE", "ATTN_MAX_ROWS", "ATTN_THREADS", "DEFAULT_SMS", "Tiling",
+           "tiling", "auto_splits", "plan_paged_attention"]
+
+ATTN_FLOATS = 11264  # cuda/paged_attention.cu PKV_ATTN_FLOATS
+ATTN_MAX_TILE = 64   # PKV_ATTN_MAX_TILE: keys per tile
+ATTN_MAX_ROWS = 64   # PKV_ATTN_MAX_ROWS: query rows per CTA
+ATTN_THREADS = 128
+DEFAULT_SMS = 108    # the SM count a plan assumes off a GPU (an A100's): the emulation runs GPU plans
+SPLIT_MIN_KEYS = 256  # auto splits: no split gets fewer keys of the average sequence than this
+MAX_SPLITS = 64
+PREFILL_ROWS = 16    # prefill: query rows per CTA to aim for
+
+
+class Tiling(tuple):
+    """``(mode, heads_per_cta, q_tile, kv_tile)``."""
+
+    __slots__ = ()
+
+    def __new__(cls, mode: str, heads_per_cta: int, q_tile: int, kv_tile: int):
+        return super().__new__(cls, (mode, heads_per_cta, q_tile, kv_tile))
+
+    mode = property(lambda self: self[0])
+    heads_per_cta = property(lambda self: self[1])
+    q_tile = property(lambda self: self[2])
+    kv_tile = property(lambda self: self[3])
+
+
+def _fits(rows: int, tile: int, head_dim: int, rotated: bool) -> bool:
+    ks = head_dim | 1
+    need = (3 if rotated else 2) * rows * head_dim + 2 * tile * ks + rows * tile + 3 * rows
+    return need <= ATTN_FLOATS and rows <= ATTN_MAX_ROWS and tile <= ATTN_MAX_TILE
+
+
+def tiling(decode: bool, group: int, head_dim: int, rotated: bool) -> Tiling:
+    """The largest tiling whose buffers fit the CTA's shared memory (see the module)."""
+    heads = min(group, ATTN_MAX_ROWS)
+    q_tile = 1 if decode else max(1, PREFILL_ROWS // heads)
+    tile = 32
+    while not _fits(heads * q_tile, tile, head_dim, rotated):
+        if tile > 8:
+            tile //= 2
+        elif q_tile > 1:
+            q_tile //= 2
+        elif heads > 1:
+            heads = -(-heads // 2)
+        elif tile > 1:
+            tile //= 2
+        else:
+            raise ShapeError(expected("q", f"a head_dim the attention kernels hold in shared memory "
+                                      f"(<= {max_head_dim(rotated)})", head_dim))
+    return Tiling("decode" if decode else "prefill", heads, q_tile, tile)
+
+
+def max_head_dim(rotated: bool) -> int:
+    d = 1
+    while _fits(1, 1, d + 1, rotated):
+        d += 1
+    return d
+
+
+def auto_splits(works: int, avg_keys: int, num_sms: int) -> int:
+    """Splits per tile: about two CTAs per SM, at most one per SPLIT_MIN_KEYS keys."""
+    want = -(-2 * num_sms // max(1, works))
+    return max(1, min(want, avg_keys // SPLIT_MIN_KEYS, MAX_SPLITS))
+
+
+# ----------------------------------------------------------------------------------
+# checks (the public op's messages; see pagedkv.ops.attention_reference.check_attention)
+
+
+def _index(name: str, x: object, device: torch.device) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "iu":
+            raise DTypeError(expected(name, "an integer NumPy array or an int32 tensor", f"NumPy {x.dtype}"))
+        if x.ndim != 1:
+            raise ShapeError(expected(name, "a 1-D array", x.shape))
+        if x.size and (int(x.min()) < -2**31 or int(x.max()) >= 2**31):
+            raise InvalidArgumentError(expected(name, "values that fit int32", f"range [{x.min()}, {x.max()}]"))
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(device)
+    t = checks.check_tensor(name, x)
+    if t.dtype != torch.int32:
+        raise DTypeError(expected(name, "dtype int32 (or a NumPy integer array)", t.dtype))
+    if t.dim() != 1:
+        raise ShapeError(expected(name, "a 1-D tensor", tuple(t.shape)))
+    if t.device != device:
+        raise DeviceError(expected(name, f"device {device}", t.device))
+    return t
+
+
+def _number(name: str, x: object, what: str, ok) -> Optional[float]:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(float(x)):
+        raise InvalidArgumentError(expected(name, what, repr(x)))
+    return float(x)
+
+
+def _integer(name: str, x: object, lo: int, allow_none: bool = True) -> Optional[int]:
+    if x is None and allow_none:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < lo:
+        raise InvalidArgumentError(expected(name, f"{'None or ' if allow_none else ''}an int >= {lo}", repr(x)))
+    return int(x)
+
+
+def _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q: int) -> None:
+    """The values of CPU-resident tables (a GPU's are not read)."""
+    ptr, idx, lens, qp = indptr.tolist(), indices.tolist(), seq_lens.tolist(), q_indptr.tolist()
+    nnz, bs = len(idx), geo.block_size
+    for b, n in enumerate(lens):
+        lo, hi = ptr[b], ptr[b + 1]
+        if not 0 <= lo <= hi <= nnz:
+            raise checks.indptr_error(b, lo, hi, nnz)
+        if n < 0 or n > (hi - lo) * bs:
+            raise checks.seq_len_error(b, n, hi - lo, bs, padded=False)
+        checks.check_block_ids("indices", idx[lo:lo + -(-n // bs)], geo.num_blocks,
+                               where=lambda j, b=b: checks.csr_block_where(b, j))
+    if qp[0] != 0 or qp[-1] != num_q:
+        raise InvalidArgumentError(expected("q_indptr", f"offsets from 0 to {num_q} (num_q_tokens)",
+                                            f"[{qp[0]}, ..., {qp[-1]}]"))
+    for b, n in enumerate(lens):
+        nq = qp[b + 1] - qp[b]
+        if nq < 0 or nq > n:
+            raise InvalidArgumentError(expected(
+                "q_indptr", f"0 <= q_indptr[{b + 1}] - q_indptr[{b}] <= seq_lens[{b}] = {n} (queries are the "
+                "sequence's last tokens)", f"{nq} queries"))
+
+
+# ----------------------------------------------------------------------------------
+# the plan
+
+
+def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
+                         kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
+                         soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None, exact_rows=None,
+                         num_sms: int = DEFAULT_SMS) -> Tuple[List[Launch], torch.Tensor]:
+    """Plan :func:`pagedkv.ops.paged_attention` (same arguments); returns ``(launches, out)``.
+
+    ``num_sms``: the device's SM count, for the automatic ``num_splits``.
+    """
+    geo = checks.check_layer(kv_layer, layout, kv_scale, kv_zero)
+    device = kv_layer.device
+    signs = _check_signs(rotation_signs, geo, device)
+    if checks.check_key_channels(key_scale, key_zero, geo, device):
+        _check_aligned("key_scale", key_scale)
+        _check_aligned("key_zero", key_zero)
+    q = checks.check_tensor("q", q)
+    if q.dtype not in MODEL_DTYPES:
+        raise DTypeError(expected("q", "dtype float32, float16 or bfloat16", q.dtype))
+    if q.dim() != 3 or q.shape[2] != geo.head_dim:
+        raise ShapeError(expected("q", f"[num_q_tokens, num_q_heads, {geo.head_dim}]", tuple(q.shape)))
+    if q.device != device:
+        raise DeviceError(expected("q", f"device {device} (the kv_layer's)", q.device))
+    if not geo.quantized and q.dtype != kv_layer.dtype:
+        raise DTypeError(expected("q", f"dtype {kv_layer.dtype} (the kv_layer dtype)", q.dtype))
+    num_q, hq, d = q.shape
+    if geo.num_heads == 0 or hq == 0 or hq % geo.num_heads:
+        raise ShapeError(expected("q", f"num_q_heads a positive multiple of {geo.num_heads} (the KV heads)",
+                                  tuple(q.shape)))
+    if d == 0:
+        raise ShapeError(expected("kv_layer", "a head_dim >= 1", tuple(kv_layer.shape)))
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    sm_scale = _number("sm_scale", sm_scale, "None or a finite float", math.isfinite)
+    soft_cap = _number("soft_cap", soft_cap, "None or a float > 0", lambda v: math.isfinite(v) and v > 0)
+    window = _integer("window", window, 1)
+    sink_tokens = _integer("sink_tokens", sink_tokens, 0, allow_none=False)
+    num_splits = _integer("num_splits", num_splits, 1)
+    if num_splits is not None and num_splits > MAX_GRID_X:
+        raise InvalidArgumentError(expected("num_splits", f"None or an int in [1, {MAX_GRID_X}]", num_splits))
+    indptr = _index("indptr", indptr, device)
+    indices = _index("indices", indices, device)
+    seq_lens = _index("seq_lens", seq_lens, device)
+    q_indptr = _index("q_indptr", q_indptr, device)
+    batch = checks.check_csr(indptr, indices, seq_lens, device)
+    if q_indptr.shape[0] != batch + 1:
+        raise ShapeError(expected("q_indptr", f"[{batch + 1}] (len(indptr))", tuple(q_indptr.shape)))
+    # read once: the checks and the kernel see the same values
+    indptr, indices, seq_lens, q_indptr = (t.contiguous().clone() for t in (indptr, indices, seq_lens, q_indptr))
+    if device.type == "cpu":
+        _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q)
+    if out is not None:
+        out = checks.check_tensor("out", out)
+        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            raise ShapeError(expected("out", f"{q.dtype} {tuple(q.shape)} (as q)", f"{out.dtype} {tuple(out.shape)}"))
+        if out.device != device:
+            raise DeviceError(expected("out", f"device {device}", out.device))
+        if not out.is_contiguous():
+            raise InvalidArgumentError(expected("out", "a contiguous tensor", f"strides {out.stride()}"))
+    if exact_rows is not None:
+        raise InvalidArgumentError(expected("exact_rows", "None for the CUDA kernels (the model-precision window "
+                                            "overlay runs on the 'cpu' and 'reference' backends)", "an ExactRows"))
+    _check_kernel_dtype(geo)
+    _check_contiguous("kv_layer", kv_layer)
+    if geo.quantized:
+        _check_contiguous("kv_scale", kv_scale)
+        if kv_zero is not None:
+            _check_contiguous("kv_zero", kv_zero)
+    _check_rows("q", q)
+    _check_aligned("q", q)
+    if out is None:
+        out = torch.empty((num_q, hq, d), dtype=q.dtype, device=device)
+    else:
+        _check_aligned("out", out)
+    if num_q == 0 or batch == 0:
+        return [], out
+
+    group = hq // geo.num_heads
+    decode = num_q == batch  # one query per sequence (any split of them is still served right)
+    tl = tiling(decode, group, d, signs is not None)
+    chunks = -(-group // tl.heads_per_cta)
+    keep = [indptr, indices, seq_lens, q_indptr]
+    if decode:
+        tiles, tile_ends = num_q, None
+    else:
+        q_lens = (q_indptr[1:] - q_indptr[:-1]).clamp(min=0).to(torch.int64)
+        tile_ends = torch.cumsum(-(-q_lens // tl.q_tile), 0)  # inclusive; on the tables' device, no sync
+        tiles = min(num_q, -(-num_q // tl.q_tile) + batch)
+        keep.append(tile_ends)
+    works = tiles * geo.num_heads * chunks
+    if num_splits is None:
+        avg = indices.shape[0] * geo.block_size // batch
+        if window is not None:
+            avg = min(avg, window + sink_tokens)
+        num_splits = auto_splits(works, avg, num_sms)
+    part_o = part_ml = None
+    if num_splits > 1:
+        part_o = torch.empty((num_splits, num_q, hq, d), dtype=torch.float32, device=device)
+        part_ml = torch.empty((num_splits, num_q, hq, 2), dtype=torch.float32, device=device)
+        keep += [part_o, part_ml]
+    if signs is not None:
+        keep.append(signs)
+    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]
+    q_type = _MODEL_NAMES[q.dtype]
+    name = sources.attention_name(tl.mode, layout.lower(), kv_type, q_type)
+    args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key_scale), _ptr(key_zero), _ptr(signs), _ptr(q),
+            _ptr(out), _ptr(part_o), _ptr(part_ml), _ptr(indptr), _ptr(indices), _ptr(seq_lens), _ptr(q_indptr),
+            _ptr(tile_ends), _i64(batch), _i64(indices.shape[0]), _i64(geo.num_blocks), _i64(geo.block_size),
+            _i64(geo.num_heads), _i64(d), _i64(_groups(kv_layer, kv_scale) if geo.quantized else 1), _i64(num_q),
+            _i64(hq), _i64(q.stride(0)), _i64(q.stride(1)), _i64(tl.heads_per_cta), _i64(tl.q_tile),
+            _i64(tl.kv_tile), _i64(num_splits), _i64(tiles), ("f32", sm_scale), ("f32", soft_cap or 0.0),
+            _i64(window or 0), _i64(sink_tokens)]
+    grid = (min(num_splits, MAX_GRID_X), min(works, MAX_GRID_Y), 1)
+    launches = [Launch("paged_attention.cu", name, grid, (ATTN_THREADS, 1, 1), tuple(args), tuple(keep))]
+    if num_splits > 1:
+        rows = num_q * hq
+        mgrid, mblock = _rot_dims(rows, d, d)
+        margs = [_ptr(part_o), _ptr(part_ml), _ptr(signs), _ptr(out), _i64(rows), _i64(d), _i64(num_splits)]
+        launches.append(Launch("paged_attention.cu", sources.attention_merge_name(q_type), mgrid, mblock,
+                               tuple(margs), tuple(keep)))
+    return launches, out
