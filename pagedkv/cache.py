@@ -912,6 +912,44 @@ class PagedKVCache:
             pending = self._pending(pending, seq_lens)
         return self._require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
 
+    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
+        """:func:`pagedkv.ops.paged_attention` of ``q`` over ``layer``'s pages, reading
+        exactly what :meth:`gather_pages` (no ``pending``) reads: the quantized rows in
+        place, the window and sink rows in model precision from the window arena, the
+        rotation folded into ``q`` and the output. The table is as for :meth:`gather_pages`
+        (with layer groups, the layer's group's). ``options``: the op's keywords
+        (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``, ``num_splits``, ``out``,
+        ``backend``)."""
+        from pagedkv.ops import ExactRows, paged_attention
+
+        store = self._require_store()
+        if self._groups is not None:
+            from pagedkv.group_data import layer_slot
+
+            layer = layer_slot(self.config.layer_groups, layer)[1]
+        view = store.layer(layer)
+        scale, zero = store.layer_scales(layer)
+        kscale, kzero = store.layer_key_params(layer)
+        main, i = store._where[layer]
+        w, exact = store.window, None
+        if main and w is not None and (w.window or w.sink):
+            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
+        out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
+                              kv_zero=zero, key_scale=kscale, key_zero=kzero,
+                              rotation_signs=store.rotation_signs if main else None, exact_rows=exact, **options)
+        if exact is not None and i == 0 and w.sink:     # the sinks' pins stay most recently used, as a gather's
+            ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
+                indices.cpu() if hasattr(indices, "cpu") else indices)
+            lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
+            heads = np.minimum(w.sink, np.maximum(lens - w.window, 0))
+            first = [idx[ptr[b]:ptr[b] + (n - 1) // w.block_size + 1] for b, n in enumerate(heads.tolist()) if n]
+            if first:
+                ws = w.slot_of[np.concatenate(first).astype(np.int64)]
+                ws = ws[ws >= 0]
+                w.clock += 1
+                w.stamp[ws[w.pinned[ws]]] = w.clock
+        return out
+
     @property
     def rotation_signs(self):
         """The float32 ``[head_dim]`` signs of the cache's rotation (a copy), or None

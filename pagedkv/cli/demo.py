@@ -99,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrival-gap", type=int, default=2, help="engine steps between request arrivals")
     p.add_argument("--seed", type=int, default=0, help="free-list shuffle seed (blocks out of order)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--gather", action="store_true",
+                   help="attend over gathered K/V (the old path) instead of reading the pages (pagedkv attention)")
 
 
 def _chat_ids(tokenizer, user: str) -> List[int]:
@@ -138,7 +140,7 @@ class _Progress:
 
 
 def serve(model, tokenizer, requests: List[Request], kv, *, max_batch: int = 8,
-          progress: bool = False) -> DemoResult:
+          progress: bool = False, paged: bool = True) -> DemoResult:
     """Run the engine loop until every request is answered; frees everything it admits,
     also when it fails."""
     import torch
@@ -146,7 +148,11 @@ def serve(model, tokenizer, requests: List[Request], kv, *, max_batch: int = 8,
     from pagedkv.integrations.transformers import PagedCache
 
     eos = {int(tokenizer.eos_token_id)}
-    cache = PagedCache(kv)
+    if paged:   # the registered attention reads the pages; PagedCache.update only writes
+        from pagedkv.integrations import hf_attention
+
+        model.set_attn_implementation(hf_attention.register())
+    cache = PagedCache(kv, paged_attention=paged)
     pending = deque(sorted(requests, key=lambda r: r.arrival_step))
     waiting: deque = deque()
     running: List[Request] = []
@@ -322,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         kv = build_kv(model, args)
         requests = make_requests(tokenizer, args.requests, args.max_new_tokens, args.arrival_gap)
         result = serve(model, tokenizer, requests, kv, max_batch=args.max_batch,
-                       progress=not args.no_progress and sys.stderr.isatty())
+                       progress=not args.no_progress and sys.stderr.isatty(), paged=not args.gather)
     except PagedKVError as e:
         print(f"pagedkv demo: error: {e}", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ import torch
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.errors import InternalError, InvalidArgumentError, ShapeError, expected
-from pagedkv.integrations import hf_windows
+from pagedkv.integrations import hf_attention, hf_windows
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -133,7 +133,8 @@ class PagedLayer(CacheLayerMixin):
 class _StepPlan:
     """What layer 0 decided for one forward pass; every layer reuses it."""
 
-    __slots__ = ("q", "write_slots", "n_new", "new_mask", "indptr", "indices", "lens", "dest", "columns", "groups")
+    __slots__ = ("q", "write_slots", "n_new", "new_mask", "indptr", "indices", "lens", "dest", "columns", "groups",
+                 "q_indptr", "q_rows")
 
     def __init__(self, q, write_slots, n_new, new_mask, indptr, indices, lens, dest, columns, groups=None):
         self.q = q                      # new columns in this pass
@@ -146,6 +147,8 @@ class _StepPlan:
         self.dest = dest                # None, or int64 rows of the padded output per gathered token
         self.columns = columns          # columns after this pass
         self.groups = groups            # None, or a hf_windows.GroupStep per layer group
+        self.q_indptr = None            # paged attention: int32 [B+1] real queries per row
+        self.q_rows = None              # paged attention: None (every column) or int64 rows of [B*q]
 
 
 class PagedCache(Cache):
@@ -167,7 +170,7 @@ class PagedCache(Cache):
     reserved, and the rows it created.
     """
 
-    def __init__(self, kv: PagedKVCache, *, cache_salt: Optional[str] = None):
+    def __init__(self, kv: PagedKVCache, *, cache_salt: Optional[str] = None, paged_attention: bool = False):
         if not isinstance(kv, PagedKVCache):
             raise InvalidArgumentError(expected("kv", "a PagedKVCache", type(kv).__name__))
         if kv.device is None:
@@ -176,8 +179,13 @@ class PagedCache(Cache):
         if kv.config.attention_sinks:
             raise InvalidArgumentError(expected("kv", "a PagedKVCache without attention sinks (transformers' "
                                                 "sliding layers have none)", f"{kv.config.attention_sinks} sinks"))
+        if paged_attention is not True and paged_attention is not False:
+            raise InvalidArgumentError(expected("paged_attention", "True or False", repr(paged_attention)))
         self.kv = kv
         self.cache_salt = cache_salt
+        # update() only writes; the "pagedkv" attention reads the pages (hf_attention)
+        self.paged_attention = paged_attention
+        self._ticket = None
         self.num_layers = kv.config.num_layers
         self._windows = hf_windows.layer_windows(kv)     # None: every layer is full attention
         windows = self._windows or [0] * self.num_layers
@@ -325,7 +333,7 @@ class PagedCache(Cache):
         """Undo the forward pass in progress: its reserved slots go back, and rows it
         created itself are freed."""
         reserved, self._reserved = self._reserved, None
-        self._plan = self._input_ids = None
+        self._plan = self._input_ids = self._ticket = None
         if reserved is not None and reserved.any():
             self.kv.unreserve(self.seq_ids, reserved)
         if self._implicit:
@@ -412,6 +420,8 @@ class PagedCache(Cache):
         # Read before writing: the new tokens' rows are overwritten below by their K/V
         # as computed, and a recent window still holds the tokens just before the pass.
         columns = plan.columns
+        if self.paged_attention and plan.groups is None:
+            return self._write_only(key_states, value_states, layer_idx, plan)
         if plan.groups is not None:   # layer groups: this layer's group's tables and window
             step = plan.groups[self.kv.config.layer_groups.layer_group[layer_idx]]
             k, v = self.kv.gather_pages(layer_idx, step.indptr, step.indices, step.lens, pending=plan.n_new)
@@ -439,6 +449,47 @@ class PagedCache(Cache):
         if layer_idx == self.num_layers - 1:
             self._finish_step()
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def _write_only(self, key_states, value_states, layer_idx: int, plan):
+        """Paged attention: write the pass's K/V, hand the attention a ticket to the pages."""
+        self._check_ticket()
+        B, H, q, D = key_states.shape
+        self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
+                      value_states.transpose(1, 2).reshape(B * q, H, D))
+        self.layers[layer_idx].is_initialized = True
+        self._ticket = hf_attention.Ticket(self, layer_idx, plan)
+        if layer_idx == self.num_layers - 1:
+            self._finish_step()
+        return hf_attention.tag(key_states, self._ticket), value_states
+
+    def _check_ticket(self) -> None:
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None and not ticket.taken:
+            raise InvalidArgumentError(expected(
+                "attn_implementation", f"'{hf_attention.NAME}' (hf_attention.register()) for a PagedCache with "
+                "paged_attention=True", f"an attention that did not read layer {ticket.layer_idx}'s pages"))
+
+    def paged_attend(self, ticket, query, scaling, soft_cap):
+        """The attention of a ticket's layer over its pages: ``query`` ``[B, Hq, q, D]`` ->
+        ``[B, q, Hq, D]`` (padding query columns get zeros)."""
+        plan = ticket.plan
+        B, Hq, q, D = query.shape
+        if plan.q_indptr is None:
+            nq = np.minimum(plan.lens.cpu().numpy().astype(np.int64), q)
+            qp = np.zeros(B + 1, dtype=np.int32)
+            np.cumsum(nq, out=qp[1:])
+            plan.q_indptr = torch.from_numpy(qp).to(query.device)
+            if (nq != q).any():
+                rows = np.concatenate([b * q + np.arange(q - n, q) for b, n in enumerate(nq.tolist())])
+                plan.q_rows = torch.from_numpy(rows.astype(np.int64)).to(query.device)
+        flat = query.transpose(1, 2).reshape(B * q, Hq, D)
+        if plan.q_rows is not None:
+            flat = flat[plan.q_rows]
+        out = self.kv.attention(ticket.layer_idx, flat, plan.indptr, plan.indices, plan.lens, plan.q_indptr,
+                                sm_scale=scaling, soft_cap=soft_cap)
+        if plan.q_rows is None:
+            return out.view(B, q, Hq, D)
+        return out.new_zeros(B * q, Hq, D).index_copy_(0, plan.q_rows, out).view(B, q, Hq, D)
 
     def _plan_step(self, key_states) -> None:
         if self._plan is not None:   # undone by update()'s handler before this reaches the caller

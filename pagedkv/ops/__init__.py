@@ -22,6 +22,7 @@ import torch
 
 from pagedkv.ops import backends
 from pagedkv.ops.backends import BACKENDS, resolve_backend
+from pagedkv.ops.paged_attention import ExactRows, paged_attention
 
 __all__ = [
     "BACKENDS",
@@ -33,6 +34,8 @@ __all__ = [
     "swap_blocks",
     "convert_layout",
     "resolve_backend",
+    "paged_attention",
+    "ExactRows",
 ]
 
 # The fast CPU module when its loops are built: the per-call fast path skips the

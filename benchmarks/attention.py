@@ -1,0 +1,140 @@
+"""Decode attention of one layer: paged attention vs gather + SDPA, same process (JSON).
+
+    OMP_NUM_THREADS=1 python benchmarks/attention.py            # batch 8 x 4096 context
+    python benchmarks/attention.py --smoke                      # tiny, for CI
+
+For each shape (query heads / KV heads / head_dim) and KV format (fp32, int8, int4 with
+block keys, int3), one decode step (one query per sequence) is timed as
+``pagedkv.ops.paged_attention`` and as ``gather_kv`` (to float32) followed by
+``torch.nn.functional.scaled_dot_product_attention`` (GQA): the median ns per call.
+``bytes`` is what paged attention reads (the K/V rows and their parameters); ``GBps``
+that over its time, next to a same-size ``memcpy`` (``torch.Tensor.copy_``) in the same
+process. Threads: whatever ``OMP_NUM_THREADS`` / ``torch.get_num_threads()`` say (printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv import dtypes
+from pagedkv.ops import gather_kv, paged_attention
+from pagedkv.ops import reference as ref
+
+SHAPES = [(9, 3, 64), (32, 8, 128)]
+FORMATS = ["float32", "int8", "int4_block_keys", "int3"]
+
+
+def _median_ns(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    times.sort()
+    return float(times[len(times) // 2])
+
+
+def _arena(fmt: str, nb: int, bs: int, h: int, d: int, gen):
+    k = torch.randn(nb * bs, h, d, generator=gen)
+    v = torch.randn(nb * bs, h, d, generator=gen)
+    if fmt == "float32":
+        kv = torch.empty(nb, 2, bs, h, d)
+        kv[:, 0] = k.view(nb, bs, h, d)
+        kv[:, 1] = v.view(nb, bs, h, d)
+        return dict(kv_layer=kv)
+    name = "int4" if fmt.startswith("int4") else fmt
+    row = dtypes.info(name)
+    groups = 1
+    if name == "int4":
+        groups = d // 32
+    elif name == "int3":
+        groups = d // 32
+    shape = (nb, 2, bs, h, row.stored_dim(d))
+    sshape = shape[:-1] + ((groups,) if row.grouped else ())
+    kv = torch.zeros(shape, dtype=row.torch_dtype)
+    scale = torch.zeros(sshape, dtype=row.param_dtype)
+    zero = torch.zeros(sshape, dtype=row.param_dtype) if row.zero_point else None
+    ref.write_kv(kv, torch.arange(nb * bs), k, v, kv_scale=scale, kv_zero=zero)
+    out = dict(kv_layer=kv, kv_scale=scale, kv_zero=zero)
+    if fmt == "int4_block_keys":
+        ks = torch.zeros(nb, h, d, dtype=torch.bfloat16)
+        kz = torch.zeros(nb, h, d, dtype=torch.bfloat16)
+        ref.seal_key_blocks(kv, torch.arange(nb), k.view(nb, bs, h, d), ks, kz)
+        out.update(key_scale=ks, key_zero=kz)
+    return out
+
+
+def _bytes_read(arena: dict, total_tokens: int, nb: int) -> int:
+    per_block = sum(t.numel() * t.element_size() for k, t in arena.items() if t is not None) / nb
+    bs = arena["kv_layer"].shape[2]
+    return int(per_block * total_tokens / bs)
+
+
+def run(batch: int, context: int, bs: int, reps: int):
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for hq, hkv, d in SHAPES:
+        per_seq = -(-context // bs)
+        nb = batch * per_seq
+        indptr = torch.arange(0, nb + 1, per_seq, dtype=torch.int32)
+        indices = torch.randperm(nb, generator=gen).to(torch.int32)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32)
+        q_indptr = torch.arange(batch + 1, dtype=torch.int32)
+        q = torch.randn(batch, hq, d, generator=gen)
+        src = None
+        for fmt in FORMATS:
+            arena = _arena(fmt, nb, bs, hkv, d, gen)
+            opts = {k: v for k, v in arena.items() if k != "kv_layer"}
+            kv = arena["kv_layer"]
+            out_dtype = None if fmt == "float32" else torch.float32
+
+            def paged():
+                paged_attention(q, kv, indptr, indices, seq_lens, q_indptr, **opts)
+
+            def gathered():
+                k, v = gather_kv(kv, indptr, indices, seq_lens, out_dtype=out_dtype, **opts)
+                kk = k.view(batch, context, hkv, d).transpose(1, 2)
+                vv = v.view(batch, context, hkv, d).transpose(1, 2)
+                F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)
+
+            nbytes = _bytes_read(arena, batch * context, nb)
+            src = torch.empty(nbytes, dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            t_paged = _median_ns(paged, reps)
+            t_gather = _median_ns(gathered, reps)
+            t_copy = _median_ns(lambda: dst.copy_(src), reps)
+            results.append(dict(shape=f"{hq}q/{hkv}kv/{d}", format=fmt, batch=batch, context=context,
+                                paged_ns=t_paged, gather_sdpa_ns=t_gather, paged_over_gather=t_paged / t_gather,
+                                bytes=nbytes, paged_GBps=nbytes / t_paged, memcpy_GBps=nbytes / t_copy,
+                                paged_over_memcpy_bw=(nbytes / t_paged) / (nbytes / t_copy)))
+        fp32 = next(r for r in results if r["shape"] == f"{hq}q/{hkv}kv/{d}" and r["format"] == "float32")
+        for r in results:
+            if r["shape"] == fp32["shape"]:
+                r["paged_over_paged_fp32"] = r["paged_ns"] / fp32["paged_ns"]
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=9)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.batch, a.context, a.reps = 2, 100, 2
+    res = run(a.batch, a.context, a.block_size, a.reps)
+    json.dump(dict(benchmark="attention", threads=torch.get_num_threads(), results=res), sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

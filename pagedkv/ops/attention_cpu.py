@@ -1,0 +1,71 @@
+"""The CPU backend of :func:`pagedkv.ops.paged_attention`: a checked call to the C loops.
+
+The loops (:mod:`pagedkv.ops._cpu_attention`) take contiguous arenas; a strided arena
+(or parameter view) goes to the float64 reference after the same checks. ``q`` is
+widened to float32 once (and rotated once for a rotated arena); the float32 output is
+unrotated once and narrowed to ``q.dtype`` once.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedkv.ops import _cpu_attention as _ca
+from pagedkv.ops import _cpu_quant as _q
+from pagedkv.ops.attention_reference import AttentionPlan, attend_reference
+from pagedkv.rotation import rotate, unrotate
+
+__all__ = ["attend"]
+
+_MODEL_CODES = {torch.float32: _q.MODEL_CODES["float32"], torch.float16: _q.MODEL_CODES["float16"],
+                torch.bfloat16: _q.MODEL_CODES["bfloat16"]}
+
+
+def _contig(*ts) -> bool:
+    return all(t is None or t.is_contiguous() for t in ts)
+
+
+def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out):
+    """Run a checked call (``plan`` from :func:`~pagedkv.ops.attention_reference.check_attention`)."""
+    from pagedkv.ops.paged_attention import SPLIT_TOKENS
+
+    geo = plan.geo
+    exact = plan.exact
+    if not _contig(kv_layer, kv_scale, kv_zero) or (exact is not None and not _contig(exact.data, exact.valid)):
+        return attend_reference(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero,
+                                rotation_signs, out)
+    qf = q.detach().to(torch.float32).contiguous()
+    qrot = None
+    signs = None
+    if rotation_signs is not None:
+        signs = rotation_signs.contiguous()
+        qrot = rotate(qf, signs).contiguous()
+    res = torch.empty(q.shape, dtype=torch.float32)
+    if geo.quantized:
+        kv_type = _q.QUANT_CODES[geo.kv_dtype]
+        groups = kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
+    else:
+        kv_type = _MODEL_CODES[kv_layer.dtype]
+        groups = 1
+    ex_args = {}
+    if exact is not None:
+        valid = exact.valid if exact.valid.dtype == torch.bool else exact.valid.bool()
+        ex_args = dict(exact_data_ptr=exact.data.data_ptr(), exact_type=_MODEL_CODES[exact.data.dtype],
+                       exact_slot_ptr=exact.slot_of.data_ptr(), exact_valid_ptr=valid.data_ptr(),
+                       exact_recent=exact.recent, exact_sink=exact.sink,
+                       signs_ptr=0 if signs is None else signs.data_ptr())
+    _ca.attend(
+        qf.data_ptr(), 0 if qrot is None else qrot.data_ptr(), res.data_ptr(), q.shape[0], q.shape[1],
+        kv_layer.data_ptr(), 0 if kv_scale is None else kv_scale.data_ptr(),
+        0 if kv_zero is None else kv_zero.data_ptr(), 0 if key_scale is None else key_scale.data_ptr(),
+        0 if key_zero is None else key_zero.data_ptr(), geo.quantized, kv_type, kv_layer.element_size(),
+        plan.indptr.data_ptr(), plan.indices.data_ptr(), plan.seq_lens.data_ptr(), plan.q_indptr.data_ptr(),
+        plan.batch, geo.block_size, geo.num_heads, geo.head_dim, groups, layout == "HND",
+        plan.sm_scale, 0.0 if plan.soft_cap is None else plan.soft_cap, plan.window or 0, plan.sink_tokens,
+        plan.num_splits or 0, SPLIT_TOKENS, **ex_args,
+    )
+    if signs is not None:
+        res = unrotate(res, signs)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res if q.dtype == torch.float32 else res.to(q.dtype)

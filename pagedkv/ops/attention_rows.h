@@ -1,0 +1,233 @@
+/* attention_rows.h - paged attention on the CPU, reading the arena in place.
+ *
+ * One work item is (sequence b, KV head h, key range [t0, t1)): every query row of b
+ * served by h (its query tokens times the GQA group) against those keys. Keys are taken
+ * a tile of PKV_ATTN_TILE tokens at a time: each K and V row is read from its page in
+ * its own format and widened to float32 into the tile (quant_rows.h's row functions,
+ * key_rows.h's for sealed block keys), then every row scores the tile, and a float32
+ * online softmax (running max m, sum l, accumulator acc) takes it in, rescaling once per
+ * tile. The item leaves (m, l, acc) unnormalized; the caller merges the items of one
+ * sequence exactly (log-sum-exp) and divides once.
+ *
+ * Scores are exact float32 dot products in 8 lanes (GCC vector extensions: one AVX
+ * instruction per operation in the AVX2 build, two SSE2 ones in the baseline build).
+ */
+#ifndef PAGEDKV_ATTENTION_ROWS_H
+#define PAGEDKV_ATTENTION_ROWS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "key_rows.h"
+#include "quant_rows.h"
+
+#define PKV_ATTN_TILE 32
+
+typedef struct {
+    const float* q;          /* [num_q, Hq, D] float32, unrotated */
+    const float* qrot;       /* the same rotated (rotated arena), or NULL */
+    const uint8_t* layer;    /* the arena's layer view (contiguous) */
+    const char* scale;       /* quantized: scale/zero views (contiguous) */
+    const char* zero;
+    const uint16_t* key_scale; /* int4 block keys, or NULL */
+    const uint16_t* key_zero;
+    int quantized;
+    int kv_type;             /* quantized: PKV_E4M3.. ; else PKV_F32/F16/BF16 */
+    const int32_t* indptr;
+    const int32_t* indices;
+    const int32_t* seq_lens;
+    const int32_t* q_indptr;
+    int64_t block_size, num_heads, head_dim, groups, group, num_q_heads;
+    int hnd;
+    float sm_scale, soft_cap; /* soft_cap 0: none */
+    int64_t window;          /* 0: none */
+    int64_t sink_tokens;
+    const char* exact_data;  /* [cap, 2, bs, H, D] model dtype, or NULL */
+    int exact_type;
+    const int64_t* exact_slot;
+    const uint8_t* exact_valid;
+    int64_t exact_recent, exact_sink;
+    const float* signs;      /* rotation signs (rotating exact V rows), NULL without rotation */
+    pkv_dequantize_row_fn deq;
+    pkv_key_row_fn key_row;
+    int64_t row_bytes, param_row, elem_bytes;
+} pkv_attn_args;
+
+static inline int64_t pkv_attn_row(const pkv_attn_args* a, int64_t blk, int kv, int64_t off, int64_t h) {
+    if (a->hnd) return ((blk * 2 + kv) * a->num_heads + h) * a->block_size + off;
+    return ((blk * 2 + kv) * a->block_size + off) * a->num_heads + h;
+}
+
+/* a model-dtype row widened to float32 */
+static inline __attribute__((always_inline)) void pkv_attn_widen(const char* x, int type, int64_t n, float* y) {
+    pkv_widen_row(x, type, n, y);
+}
+
+typedef float pkv_attn_v8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) float pkv_attn_dot(const float* x, const float* y, int64_t n) {
+    pkv_attn_v8 s0 = {0}, s1 = {0};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+        pkv_attn_v8 a0, b0, a1, b1;
+        memcpy(&a0, x + d, 32); memcpy(&b0, y + d, 32);
+        memcpy(&a1, x + d + 8, 32); memcpy(&b1, y + d + 8, 32);
+        s0 += a0 * b0;
+        s1 += a1 * b1;
+    }
+    for (; d + 8 <= n; d += 8) {
+        pkv_attn_v8 a0, b0;
+        memcpy(&a0, x + d, 32); memcpy(&b0, y + d, 32);
+        s0 += a0 * b0;
+    }
+    s0 += s1;
+    float s = ((s0[0] + s0[4]) + (s0[1] + s0[5])) + ((s0[2] + s0[6]) + (s0[3] + s0[7]));
+    for (; d < n; ++d) s += x[d] * y[d];
+    return s;
+}
+
+/* acc = acc * c + sum_t p[t] * v[t] over a tile */
+static inline __attribute__((always_inline)) void pkv_attn_axpy(float* acc, float p, const float* v, int64_t n) {
+    int64_t d = 0;
+    const pkv_attn_v8 pv = {p, p, p, p, p, p, p, p};
+    for (; d + 8 <= n; d += 8) {
+        pkv_attn_v8 a, b;
+        memcpy(&a, acc + d, 32); memcpy(&b, v + d, 32);
+        a += pv * b;
+        memcpy(acc + d, &a, 32);
+    }
+    for (; d < n; ++d) acc[d] += p * v[d];
+}
+
+/* Read K/V of token ``pos`` of sequence b into k/v (float32); returns whether the K row
+ * is in the unrotated domain (a sealed block key or an exact row) */
+static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_args* a, int64_t first, int64_t n,
+                                                               int64_t pos, int64_t h, float* k, float* v,
+                                                               float* tmp) {
+    const int64_t D = a->head_dim;
+    const int64_t blk = a->indices[first + pos / a->block_size], off = pos % a->block_size;
+    if (a->exact_data) {
+        const int64_t lo = n - a->exact_recent > 0 ? n - a->exact_recent : 0;
+        const int64_t head = a->exact_sink < lo ? a->exact_sink : lo;
+        if (pos < head || pos >= lo) {
+            const int64_t s = a->exact_slot[blk];
+            if (s >= 0 && a->exact_valid[s * a->block_size + off]) {
+                const int64_t es = a->exact_type == PKV_F32 ? 4 : 2;
+                const char* base = a->exact_data + ((s * 2 * a->block_size + off) * a->num_heads + h) * D * es;
+                pkv_attn_widen(base, a->exact_type, D, k);
+                pkv_attn_widen(base + a->block_size * a->num_heads * D * es, a->exact_type, D, v);
+                if (a->signs) pkv_rotate_row(v, D, a->signs);  /* the accumulator is in the rotated domain */
+                return 1;
+            }
+        }
+    }
+    const int64_t rk = pkv_attn_row(a, blk, 0, off, h), rv = pkv_attn_row(a, blk, 1, off, h);
+    if (!a->quantized) {
+        pkv_attn_widen((const char*)a->layer + rk * D * a->elem_bytes, a->kv_type, D, k);
+        pkv_attn_widen((const char*)a->layer + rv * D * a->elem_bytes, a->kv_type, D, v);
+        return 0;
+    }
+    int plain = 0;
+    const int64_t kp = (blk * a->num_heads + h) * D;
+    if (a->key_scale && pkv_key_sealed(a->key_scale + kp)) {
+        a->key_row(a->layer + rk * a->row_bytes, D, a->key_scale + kp, a->key_zero + kp, PKV_F32, (char*)k, tmp);
+        plain = 1;
+    } else {
+        a->deq(a->layer + rk * a->row_bytes, a->kv_type, D, a->groups, (const float*)(a->scale + rk * a->param_row),
+               a->zero ? (const float*)(a->zero + rk * a->param_row) : NULL, PKV_F32, (char*)k, tmp, NULL);
+    }
+    a->deq(a->layer + rv * a->row_bytes, a->kv_type, D, a->groups, (const float*)(a->scale + rv * a->param_row),
+           a->zero ? (const float*)(a->zero + rv * a->param_row) : NULL, PKV_F32, (char*)v, tmp, NULL);
+    return plain;
+}
+
+/* The item (b, h, [t0, t1)): m, l ``[rows]`` and acc ``[rows, D]`` (rows = nq * group, row
+ * i * group + g is query token q_indptr[b] + i, head h * group + g), unnormalized.
+ * scratch: (2 * TILE + 1) * D + rows * TILE floats. */
+static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
+                                                                     int64_t h, int64_t t0, int64_t t1, float* m,
+                                                                     float* l, float* acc, float* scratch) {
+    const int64_t D = a->head_dim, G = a->group;
+    const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0, rows = nq * G;
+    const int64_t first = a->indptr[b];
+    float* kt = scratch;
+    float* vt = kt + PKV_ATTN_TILE * D;
+    float* tmp = vt + PKV_ATTN_TILE * D;
+    float* sc = tmp + D;
+    int plain[PKV_ATTN_TILE];
+    for (int64_t r = 0; r < rows; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(rows * D) * sizeof(float));
+    const int64_t p_min = n - nq;  /* the first query's position */
+    for (int64_t c0 = t0; c0 < t1; c0 += PKV_ATTN_TILE) {
+        const int64_t c1 = c0 + PKV_ATTN_TILE < t1 ? c0 + PKV_ATTN_TILE : t1, nt = c1 - c0;
+        if (c0 > n - 1) break;
+        if (a->window && c1 - 1 <= p_min - a->window && c0 >= a->sink_tokens) continue;  /* seen by no query */
+        for (int64_t t = 0; t < nt; ++t)
+            plain[t] = pkv_attn_load(a, first, n, c0 + t, h, kt + t * D, vt + t * D, tmp);
+        for (int64_t i = 0; i < nq; ++i) {
+            const int64_t p = p_min + i;
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t r = i * G + g, off = ((q0 + i) * a->num_q_heads + h * G + g) * D;
+                float* s = sc + r * PKV_ATTN_TILE;
+                float mx = m[r];
+                for (int64_t t = 0; t < nt; ++t) {
+                    const int64_t j = c0 + t;
+                    if (j > p || (a->window && j <= p - a->window && j >= a->sink_tokens)) {
+                        s[t] = -INFINITY;
+                        continue;
+                    }
+                    const float* qv = (a->qrot && !plain[t]) ? a->qrot + off : a->q + off;
+                    float x = pkv_attn_dot(qv, kt + t * D, D) * a->sm_scale;
+                    if (a->soft_cap > 0.0f) x = a->soft_cap * tanhf(x / a->soft_cap);
+                    s[t] = x;
+                    mx = x > mx ? x : mx;
+                }
+                if (mx == -INFINITY) continue;  /* nothing seen yet */
+                float* ar = acc + r * D;
+                if (mx > m[r]) {
+                    const float c = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+                    l[r] *= c;
+                    for (int64_t d = 0; d < D; ++d) ar[d] *= c;
+                    m[r] = mx;
+                }
+                float sum = 0.0f;
+                for (int64_t t = 0; t < nt; ++t) {
+                    if (s[t] == -INFINITY) continue;
+                    const float pt = expf(s[t] - mx);
+                    sum += pt;
+                    pkv_attn_axpy(ar, pt, vt + t * D, D);
+                }
+                l[r] += sum;
+            }
+        }
+    }
+}
+
+static void pkv_attn_item_base(const pkv_attn_args* a, int64_t b, int64_t h, int64_t t0, int64_t t1, float* m,
+                               float* l, float* acc, float* scratch) {
+    pkv_attn_item_body(a, b, h, t0, t1, m, l, acc, scratch);
+}
+
+#if PKV_HAVE_AVX2
+__attribute__((target("avx2,f16c"))) static void pkv_attn_item_avx2(const pkv_attn_args* a, int64_t b, int64_t h,
+                                                                    int64_t t0, int64_t t1, float* m, float* l,
+                                                                    float* acc, float* scratch) {
+    pkv_attn_item_body(a, b, h, t0, t1, m, l, acc, scratch);
+}
+#endif
+
+typedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, float*, float*, float*,
+                                 float*);
+
+static pkv_attn_item_fn pkv_pick_attn_item(void) {
+#if PKV_HAVE_AVX2
+    if (pkv_use_avx2()) return pkv_attn_item_avx2;
+#endif
+    return pkv_attn_item_base;
+}
+
+#endif

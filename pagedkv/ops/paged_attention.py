@@ -1,0 +1,125 @@
+"""Attention straight from the paged arena: :func:`paged_attention`.
+
+Reads each sequence's K/V through its CSR page table, in place, in any storage format
+(the model dtypes, fp8 e4m3/e5m2, int8, int4 groups, int3, int4 block keys), with no
+intermediate K/V tensor. The semantics, the shapes and the exact-rows overlay are
+defined by :mod:`pagedkv.ops.attention_reference` (float64); the backends:
+
+- ``"cpu"``: C loops (``attention_rows.h`` through :mod:`pagedkv.ops._cpu_attention`):
+  rows dequantized into float32 tiles, float32 scores and an online softmax; every
+  sequence's keys are cut into splits of at most :data:`SPLIT_TOKENS` tokens
+  (flash-decoding) whose partial results are merged exactly (log-sum-exp), and the
+  (sequence, KV head, split) items run in one OpenMP loop (serially below a size
+  threshold). The split points do not depend on the thread count, so the result is
+  the same on one thread as on many;
+- ``"reference"``: the float64 definition;
+- ``"cuda"``: the ``paged_attention`` function of the CUDA backend module
+  (:data:`pagedkv.ops.backends.MODULES`), with this function's signature less
+  ``backend``; :class:`~pagedkv.errors.KernelUnavailableError` while it has none;
+- ``"auto"``: ``"cuda"`` for CUDA tensors, ``"cpu"`` for CPU tensors when the loops are
+  built, the reference otherwise.
+
+A rotated arena (``rotation_signs``): the CPU backend rotates ``q`` once, scores the
+rotated rows as stored, and unrotates each output row once; never a cached row (the
+block keys, stored unrotated, are scored against the unrotated ``q``; the few
+model-precision ``exact_rows`` values are rotated as they are read).
+
+Every check runs before any work, with the same errors whatever the backend
+(:func:`pagedkv.ops.attention_reference.check_attention`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedkv.errors import DeviceError, KernelUnavailableError, expected
+from pagedkv.ops import backends
+from pagedkv.ops.attention_reference import ExactRows, attend_reference, check_attention
+
+try:
+    from pagedkv.ops import _cpu_attention as _ca
+except ImportError:  # not built
+    _ca = None
+
+__all__ = ["paged_attention", "ExactRows", "SPLIT_TOKENS", "CPU_AVAILABLE"]
+
+#: True when the C loops of the CPU backend are built.
+CPU_AVAILABLE = _ca is not None
+#: auto split length (tokens) of the CPU backend's flash-decoding
+SPLIT_TOKENS = 1024
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    indptr,
+    indices,
+    seq_lens,
+    q_indptr,
+    *,
+    layout: str = "NHD",
+    kv_scale: Optional[torch.Tensor] = None,
+    kv_zero: Optional[torch.Tensor] = None,
+    key_scale: Optional[torch.Tensor] = None,
+    key_zero: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+    soft_cap: Optional[float] = None,
+    window: Optional[int] = None,
+    sink_tokens: int = 0,
+    num_splits: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    exact_rows: Optional[ExactRows] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` over paged K/V.
+
+    Args:
+        q: the queries, in the model dtype (the arena's dtype when it is not quantized).
+        kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero, rotation_signs: one
+            layer's arena and its parameters, exactly as :func:`pagedkv.ops.gather_kv` takes them.
+        indptr, indices, seq_lens: the CSR page table (int32 tensors on the arena's
+            device, or NumPy integer arrays).
+        q_indptr: ``[batch + 1]``: sequence ``b``'s queries are
+            ``q[q_indptr[b]:q_indptr[b+1]]``, its last tokens (causal within the chunk).
+        sm_scale: logit scale (default ``1 / sqrt(head_dim)``).
+        soft_cap: optional logit soft-cap ``cap * tanh(logits / cap)``.
+        window, sink_tokens: a query at position ``p`` sees keys ``> p - window`` and the
+            first ``sink_tokens`` positions (``window=None``: all earlier keys).
+        num_splits: CPU: splits per sequence (default: one per :data:`SPLIT_TOKENS` keys).
+        out: optional contiguous output shaped and typed as ``q``.
+        exact_rows: model-precision rows read instead of the arena's
+            (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window).
+        backend: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"reference"``.
+
+    Returns:
+        ``[num_q_tokens, num_q_heads, head_dim]`` in ``q.dtype`` (``out`` when given).
+    """
+    kwargs = dict(layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
+                  rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
+                  sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows)
+    device = kv_layer.device if isinstance(kv_layer, torch.Tensor) else torch.device("meta")
+    if backend == "auto" and device.type == "cpu" and _ca is None:
+        name = "reference"
+    else:
+        name = backends.resolve_backend(backend, device)
+    if name == "cuda":
+        fn = getattr(backends.load("cuda"), "paged_attention", None)
+        if fn is None:
+            raise KernelUnavailableError("the CUDA backend (pagedkv.kernels.ops) has no paged_attention yet; "
+                                         "use backend='reference' or CPU tensors")
+        return fn(q, kv_layer, indptr, indices, seq_lens, q_indptr, **kwargs)
+    plan = check_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, **kwargs)
+    if name == "reference":
+        return attend_reference(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero,
+                                rotation_signs, out)
+    if device.type != "cpu":
+        raise DeviceError(expected("kv_layer", "a CPU tensor for the 'cpu' backend", device))
+    if _ca is None:
+        raise KernelUnavailableError("the CPU attention loops (pagedkv.ops._cpu_attention) are not built; "
+                                     "build the package or use backend='reference'")
+    from pagedkv.ops import attention_cpu
+
+    return attention_cpu.attend(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero,
+                                rotation_signs, out)

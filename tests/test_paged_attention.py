@@ -1,0 +1,218 @@
+"""pagedkv.ops.paged_attention: every backend against the float64 reference.
+
+Tolerances. The reference reads the float32 rows the exact gather produces and computes
+in float64; the CPU backend computes in float32 from the same rows (rotated arenas: in
+the rotated domain, which differs from the gathered rows by the float32 rounding of two
+Hadamard transforms). A float32 dot product over D terms errs by at most ~D * 2^-24
+relative to sum |q_i k_i|, the online softmax adds a few ulps per tile rescale, and the
+output is a convex combination of V rows: so |out - ref| <= 1e-4 * max|V| covers
+float32 with a margin of ~100x over what we measure (~1e-6). A float16/bfloat16 ``q``
+gets its output rounded to its dtype once: one ulp of max|V| more (2^-10, 2^-7).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedkv import dtypes
+from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
+from pagedkv.ops import ExactRows, paged_attention
+from pagedkv.ops import reference as ref
+from pagedkv.ops.paged_attention import CPU_AVAILABLE
+from pagedkv.rotation import rotation_signs
+
+MODEL_FMTS = ("float32", "float16", "bfloat16")
+QUANT_FMTS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int3")
+BACKENDS = [pytest.param("cpu", marks=pytest.mark.skipif(not CPU_AVAILABLE, reason="CPU loops not built"))]
+ULP = {torch.float32: 0.0, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def _groups(fmt: str, d: int) -> int:
+    if fmt == "int4":
+        return 2 if d % 4 == 0 else 1
+    if fmt == "int3":
+        return 2 if d % 16 == 0 else 1
+    return 1
+
+
+def build(fmt, layout, d, bs, h, hq, lens, nqs, gen, *, rot=False, block_keys=False, q_dtype=None):
+    """A random arena of ``fmt`` holding every sequence, a shuffled CSR table, queries."""
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 3
+    shape = (nb, 2, bs, h, d) if layout == "NHD" else (nb, 2, h, bs, d)
+    kw = {}
+    k = torch.randn(nb * bs, h, d, generator=gen) * 2
+    v = torch.randn(nb * bs, h, d, generator=gen)
+    if fmt in MODEL_FMTS:
+        dt = getattr(torch, fmt)
+        kv = torch.empty(shape, dtype=dt)
+        ref.write_kv(kv, torch.arange(nb * bs), k.to(dt), v.to(dt), layout=layout)
+    else:
+        row = dtypes.info(fmt)
+        dt = q_dtype or torch.float32
+        g = _groups(fmt, d)
+        sshape = shape[:-1] + ((g,) if row.grouped else ())
+        kv = torch.zeros(shape[:-1] + (row.stored_dim(d),), dtype=row.torch_dtype)
+        kw["kv_scale"] = torch.zeros(sshape, dtype=row.param_dtype)
+        kw["kv_zero"] = torch.zeros(sshape, dtype=row.param_dtype) if row.zero_point else None
+        if rot:
+            kw["rotation_signs"] = rotation_signs(d, 5)
+        ref.write_kv(kv, torch.arange(nb * bs), k, v, layout=layout, **kw)
+        if block_keys:
+            ks = torch.zeros(nb, h, d, dtype=torch.bfloat16)
+            kz = torch.zeros(nb, h, d, dtype=torch.bfloat16)
+            sealed = torch.arange(0, nb, 2)      # every other block sealed: both kinds of K rows
+            ref.seal_key_blocks(kv, sealed, k.view(nb, bs, h, d)[sealed], ks, kz, layout=layout)
+            kw.update(key_scale=ks, key_zero=kz)
+    perm = torch.randperm(nb, generator=gen)[:sum(need)].to(torch.int32)
+    indptr = torch.tensor([0] + np.cumsum(need).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(nqs), hq, d, generator=gen).to(dt)
+    qp = torch.tensor([0] + np.cumsum(nqs).tolist(), dtype=torch.int32)
+    return (q, kv, indptr, perm, torch.tensor(lens, dtype=torch.int32), qp), dict(layout=layout, **kw), v.abs().max()
+
+
+def check_close(got, want, vmax, dtype):
+    tol = 1e-4 * float(vmax) + ULP[dtype] * float(vmax)
+    err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+    assert err <= tol, (err, tol)
+
+
+@st.composite
+def cases(draw):
+    fmt = draw(st.sampled_from(MODEL_FMTS + QUANT_FMTS))
+    d = draw(st.sampled_from([64, 128, 8, 24, 40] + ([] if fmt in ("int4", "int3") else [5, 17])))
+    if fmt == "int4" and d % 2:
+        d += 1
+    bs = draw(st.sampled_from([1, 3, 16, 64]))
+    ratio = draw(st.sampled_from([1, 3, 8]))
+    h = draw(st.integers(1, 2))
+    batch = draw(st.integers(1, 3))
+    lens = [draw(st.one_of(st.integers(1, 70), st.integers(1000, 5000))) for _ in range(batch)]
+    nqs = [draw(st.sampled_from([1, 1, 2, min(n, 7)])) for n in lens]
+    window = draw(st.sampled_from([None, None, 1, 37]))
+    sink = draw(st.sampled_from([0, 4])) if window else 0
+    return dict(fmt=fmt, d=d, bs=bs, hq=h * ratio, h=h, lens=lens, nqs=nqs, window=window, sink=sink,
+                cap=draw(st.sampled_from([None, 3.0])), layout=draw(st.sampled_from(["NHD", "HND"])),
+                rot=fmt in QUANT_FMTS and draw(st.booleans()),
+                block_keys=fmt == "int4" and draw(st.booleans()),
+                splits=draw(st.sampled_from([None, None, 2])))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(c=cases(), seed=st.integers(0, 2**16))
+def test_matches_the_float64_reference(backend, c, seed):
+    gen = torch.Generator().manual_seed(seed)
+    args, kw, vmax = build(c["fmt"], c["layout"], c["d"], c["bs"], c["h"], c["hq"], c["lens"], c["nqs"], gen,
+                           rot=c["rot"], block_keys=c["block_keys"])
+    opts = dict(kw, window=c["window"], sink_tokens=c["sink"], soft_cap=c["cap"], num_splits=c["splits"])
+    want = paged_attention(*args, backend="reference", **opts)
+    got = paged_attention(*args, backend=backend, **opts)
+    assert got.dtype == args[0].dtype and got.shape == args[0].shape
+    check_close(got, want, vmax, args[0].dtype)
+
+
+def test_reference_equals_sdpa_on_gathered_rows():
+    """The definition itself: causal chunk, GQA, against torch's SDPA on gathered K/V."""
+    gen = torch.Generator().manual_seed(0)
+    args, kw, _ = build("float32", "NHD", 16, 4, 2, 6, [10, 14], [1, 3], gen)
+    q, kv, indptr, indices, lens, qp = args
+    got = paged_attention(*args, backend="reference")
+    k, v = ref.gather_kv(kv, indptr, indices, lens)
+    outs, base = [], 0
+    for b, (n, nq) in enumerate(zip(lens.tolist(), (qp[1:] - qp[:-1]).tolist())):
+        kk, vv = k[base:base + n].transpose(0, 1), v[base:base + n].transpose(0, 1)
+        qq = q[qp[b]:qp[b + 1]].transpose(0, 1)
+        mask = torch.arange(n)[None] <= torch.arange(n - nq, n)[:, None]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+                    .transpose(0, 1))
+        base += n
+    torch.testing.assert_close(got, torch.cat(outs), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exact_rows_are_read_instead_of_the_arena(backend):
+    """Positions in the sink and recent ranges whose slot row is valid come from ExactRows."""
+    gen = torch.Generator().manual_seed(3)
+    args, kw, vmax = build("int4", "NHD", 32, 4, 2, 4, [23, 9], [1, 2], gen, rot=True)
+    q, kv, indptr, indices, lens, qp = args
+    nb = kv.shape[0]
+    data = torch.randn(6, 2, 4, 2, 32, generator=gen) * 3      # far from the arena's values
+    slot_of = torch.full((nb,), -1, dtype=torch.int64)
+    blocks0 = indices[:6].long()
+    slot_of[blocks0[0]], slot_of[blocks0[4]], slot_of[blocks0[5]] = 0, 1, 2
+    valid = torch.ones(6, 4, dtype=torch.bool)
+    valid[2, 2] = False       # one row of a held block not held: read from the arena
+    exact = ExactRows(data, slot_of, valid, recent=6, sink=2)
+    want = paged_attention(*args, backend="reference", exact_rows=exact, **kw)
+    plain = paged_attention(*args, backend="reference", **kw)
+    got = paged_attention(*args, backend=backend, exact_rows=exact, **kw)
+    assert float((want - plain).abs().max()) > 1e-2           # the overlay changes the answer
+    check_close(got, want, max(float(vmax), float(data.abs().max())), torch.float32)
+
+
+def test_numpy_tables_are_accepted():
+    gen = torch.Generator().manual_seed(1)
+    args, kw, _ = build("float32", "HND", 8, 4, 1, 2, [9], [2], gen)
+    np_args = args[:2] + tuple(a.numpy().astype(np.int64) for a in args[2:])
+    torch.testing.assert_close(paged_attention(*np_args, **kw), paged_attention(*args, **kw))
+
+
+# ---- errors -------------------------------------------------------------------------
+
+
+def _small(gen=None):
+    gen = gen or torch.Generator().manual_seed(0)
+    return build("float32", "NHD", 8, 4, 2, 4, [9, 3], [1, 2], gen)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("mutate, error, match", [
+    (lambda a, k: (a[0].double(),) + a[1:], DTypeError, "q: expected dtype float32, float16 or bfloat16"),
+    (lambda a, k: (a[0][:, :3],) + a[1:], ShapeError, "q: expected num_q_heads a positive multiple of 2"),
+    (lambda a, k: (a[0].to(torch.float16),) + a[1:], DTypeError, "q: expected dtype torch.float32 \\(the kv_layer"),
+    (lambda a, k: a[:5] + (torch.tensor([0, 1, 2], dtype=torch.int32),), InvalidArgumentError,
+     "q_indptr: expected offsets from 0 to 3"),
+    (lambda a, k: a[:4] + (torch.tensor([9, 2], dtype=torch.int32), torch.tensor([0, 0, 3], dtype=torch.int32)),
+     InvalidArgumentError, "q_indptr: expected 0 <= q_indptr\\[2\\] - q_indptr\\[1\\] <= seq_lens\\[1\\] = 2"),
+    (lambda a, k: a[:5] + (a[5].long(),), DTypeError, "q_indptr: expected dtype int32"),
+    (lambda a, k: a[:3] + (torch.tensor([0, 1, 99, 3], dtype=torch.int32),) + a[4:], InvalidBlockError,
+     "indices: expected block ids in \\[0, "),
+    (lambda a, k: a[:4] + (torch.tensor([9, 30], dtype=torch.int32),) + a[5:], InvalidArgumentError,
+     "seq_lens: expected 0 <= seq_lens\\[1\\]"),
+])
+def test_bad_arguments_raise_typed_errors(backend, mutate, error, match):
+    args, kw, _ = _small()
+    with pytest.raises(error, match=match):
+        paged_attention(*mutate(args, kw), backend=backend, **kw)
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("window", 0, "window: expected None or an int >= 1, got 0"),
+    ("sink_tokens", -1, "sink_tokens: expected an int >= 0, got -1"),
+    ("soft_cap", 0.0, "soft_cap: expected None or a float > 0, got 0.0"),
+    ("sm_scale", float("nan"), "sm_scale: expected None or a finite float, got nan"),
+    ("num_splits", 0, "num_splits: expected None or an int >= 1, got 0"),
+])
+def test_bad_options_raise_typed_errors(option, value, match):
+    args, kw, _ = _small()
+    with pytest.raises(InvalidArgumentError, match=match):
+        paged_attention(*args, **{option: value}, **kw)
+
+
+def test_bad_out_leaves_it_unchanged():
+    args, kw, _ = _small()
+    out = torch.full((3, 4, 7), 5.0)
+    with pytest.raises(ShapeError, match="out: expected torch.float32 \\(3, 4, 8\\)"):
+        paged_attention(*args, out=out, **kw)
+    assert bool((out == 5.0).all())
+    good = torch.full((3, 4, 8), 5.0)
+    bad_args = args[:5] + (torch.tensor([0, 1, 9], dtype=torch.int32),)
+    with pytest.raises(InvalidArgumentError):
+        paged_attention(*bad_args, out=good, **kw)
+    assert bool((good == 5.0).all())
+    assert paged_attention(*args, out=good, **kw) is good
+
