@@ -314,13 +314,15 @@ class CacheConfig:
             raise InvalidArgumentError(expected("layer_windows", f"{self.num_layers} windows (one per layer)",
                                                 repr(windows)))
         plan = plan_groups(list(windows), self.attention_sinks)
-        if plan is not None and (self.host_num_blocks or self.has_prefix_tiers):
-            raise InvalidArgumentError(expected("layer_windows", "full attention in every layer with host or "
-                                                "prefix tiers", "sliding-window layers"))
-        if plan is not None and self.kv_full_precision_layers:
-            # a block's layer slots hold different layers per group: one precision for all
-            raise InvalidArgumentError(expected("kv_full_precision_layers", "() with sliding-window layer groups",
-                                                repr(self.kv_full_precision_layers)))
+        if plan is not None:
+            from pagedkv.support import GROUPS, require
+
+            if self.host_num_blocks:
+                require("host swap (host_num_blocks, swap_out / swap_in)", self, configuration=GROUPS)
+            if self.has_prefix_tiers:
+                require("prefix tiers (prefix_host_blocks, prefix_disk_dir)", self, configuration=GROUPS)
+            if self.kv_full_precision_layers:
+                require("kv_full_precision_layers", self, configuration=GROUPS)
         put("layer_windows", tuple(windows) if plan is not None else None)
         put("_groups", plan)
 

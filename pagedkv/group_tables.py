@@ -212,9 +212,32 @@ class GroupTables:
             raise InvalidArgumentError(expected("group", f"a layer group in [0, {len(self.tables)})", repr(group)))
         return self.tables[int(group)]
 
+    def set_priority(self, key: int, priority: int, start_token: int = 0, end_token: Optional[int] = None) -> None:
+        """Every group's blocks of the sequence (or of a token range) get the class; the
+        rows and counts are the same in every group, so group 0's checks stand for all."""
+        for t in self.tables:
+            t.set_priority(key, priority, start_token, end_token)
+
     def held_blocks(self, key: int) -> List[int]:
         """Blocks each group holds for one sequence (released ones not counted)."""
         return [int((t.blocks(key) >= 0).sum()) for t in self.tables]
+
+    def group_figures(self) -> List[dict]:
+        """Per group: its window, the blocks its live sequences hold, the unused slots in
+        their partial last blocks, copy-on-write copies and prefix-hit tokens (stats)."""
+        out = []
+        for g, t in zip(self.plan.groups, self.tables):
+            held = waste = 0
+            for k in t.keys().tolist():
+                blocks = t.blocks(k)
+                n = int((blocks >= 0).sum())
+                held += n
+                if n and blocks[-1] >= 0:       # a released last block wastes nothing
+                    waste += len(blocks) * self.block_size - t.num_reserved(k)
+            out.append({"window": g.window, "layers": tuple(g.layers), "blocks_held": held,
+                        "waste_slots": waste, "cow_copies": t.num_cow, "query_tokens": t.num_query_tokens,
+                        "hit_tokens": t.num_hit_tokens})
+        return out
 
     def check_invariants(self) -> None:
         """Every group's tables against the pool: the references all groups hold add up

@@ -116,8 +116,14 @@ def test_block_moves_and_bad_groups_are_refused():
     kv = hybrid()
     kv.add_sequence("a")
     fill(kv, "a", list(range(5)))
-    with pytest.raises(InvalidArgumentError, match=r"compact: expected a cache whose layers are all full attention"):
+    from pagedkv.support import UnsupportedCombinationError
+
+    with pytest.raises(UnsupportedCombinationError, match=r"relocate / compact: expected a cache with full attention "
+                                                          r"in every layer \(block moves are planned over one block "
+                                                          r"table\), got sliding-window layer groups"):
         kv.compact()
+    with pytest.raises(UnsupportedCombinationError, match=r"relocate / compact: expected"):
+        kv.relocate("a", [[kv.block_table("a")[0], kv.pool.num_blocks - 1]])
     with pytest.raises(InvalidArgumentError, match=r"group: expected a layer group in \[0, 2\), got 2"):
         kv.block_table("a", group=2)
     with pytest.raises(InvalidArgumentError, match=r"layer: expected an int in \[0, 4\), got 4"):
@@ -338,8 +344,8 @@ def test_quantized_store_with_layer_groups(kv_dtype):
             err = (got - ref).norm(dim=(1, 2))
             assert (err <= 0.2 * ref.norm(dim=(1, 2)) + 1.0).all()
     kv.free("a")
-    with pytest.raises(InvalidArgumentError, match=r"kv_full_precision_layers: expected \(\) with sliding-window "
-                                                   r"layer groups, got \(1,\)"):
+    with pytest.raises(InvalidArgumentError, match=r"kv_full_precision_layers: expected a cache with full attention "
+                                                   r"in every layer \(a block's layer slots hold different layers"):
         hybrid(kv_dtype="int8", kv_full_precision_layers=(1,))
 
 
