@@ -300,13 +300,13 @@ class PagedKVCache:
         content intact), as after a copy-on-write. All or nothing: a bad move raises a
         typed error and changes nothing. Returns the int32 (old, new) pairs. Slots and
         tables taken before are stale afterwards. (A bookkeeping-only cache owes the
-        copies: :meth:`take_copies`.)
+        copies: :meth:`take_copies`.) With layer groups, a move names a block of any
+        group's table of the sequence; the block moves within its group.
         """
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            self._no_groups("relocate / compact")
-            pairs = self.tables.relocate(self._ids.key(seq_id), moves)
+            pairs = self._book.relocate(self._ids.key(seq_id), moves)
             if len(pairs):
                 self._copy_pairs(pairs)
             return pairs
@@ -325,7 +325,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            self._no_groups("relocate / compact")
+            tables = self._groups.tables if self._groups is not None else [self.tables]
             if seq_ids is None:
                 keys = self.tables.keys().tolist()
             else:
@@ -335,11 +335,11 @@ class PagedKVCache:
                     if k < 0 and not internal:      # negative keys name interned ids only
                         raise SequenceNotFoundError(k, "seq_ids")
                     self.tables.blocks(k)           # unknown ids raise before anything moves
-            plan = plan_compaction(self._pool, self.tables, keys)
+            plan = plan_compaction(self._pool, tables, keys)
             done = []
             try:
-                for k, moves in plan.items():
-                    done.append(self.tables.relocate(k, moves))
+                for (g, k), moves in plan.items():
+                    done.append(tables[g].relocate(k, moves))
             finally:                   # moves applied are copied whatever happens next
                 pairs = np.concatenate(done) if done else np.empty((0, 2), dtype=np.int32)
                 if len(pairs):

@@ -116,14 +116,6 @@ def test_block_moves_and_bad_groups_are_refused():
     kv = hybrid()
     kv.add_sequence("a")
     fill(kv, "a", list(range(5)))
-    from pagedkv.support import UnsupportedCombinationError
-
-    with pytest.raises(UnsupportedCombinationError, match=r"relocate / compact: expected a cache with full attention "
-                                                          r"in every layer \(block moves are planned over one block "
-                                                          r"table\), got sliding-window layer groups"):
-        kv.compact()
-    with pytest.raises(UnsupportedCombinationError, match=r"relocate / compact: expected"):
-        kv.relocate("a", [[kv.block_table("a")[0], kv.pool.num_blocks - 1]])
     with pytest.raises(InvalidArgumentError, match=r"group: expected a layer group in \[0, 2\), got 2"):
         kv.block_table("a", group=2)
     with pytest.raises(InvalidArgumentError, match=r"layer: expected an int in \[0, 4\), got 4"):
