@@ -29,7 +29,6 @@ Bad input raises a typed :mod:`pagedkv.errors` error (checks in
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -301,13 +300,13 @@ class PagedKVCache:
         content intact), as after a copy-on-write. All or nothing: a bad move raises a
         typed error and changes nothing. Returns the int32 (old, new) pairs. Slots and
         tables taken before are stale afterwards. (A bookkeeping-only cache owes the
-        copies: :meth:`take_copies`.)
+        copies: :meth:`take_copies`.) With layer groups, a move names a block of any
+        group's table of the sequence; the block moves within its group.
         """
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            self._no_groups("relocate")
-            pairs = self.tables.relocate(self._ids.key(seq_id), moves)
+            pairs = self._book.relocate(self._ids.key(seq_id), moves)
             if len(pairs):
                 self._copy_pairs(pairs)
             return pairs
@@ -326,7 +325,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            self._no_groups("compact")
+            tables = self._groups.tables if self._groups is not None else [self.tables]
             if seq_ids is None:
                 keys = self.tables.keys().tolist()
             else:
@@ -336,11 +335,11 @@ class PagedKVCache:
                     if k < 0 and not internal:      # negative keys name interned ids only
                         raise SequenceNotFoundError(k, "seq_ids")
                     self.tables.blocks(k)           # unknown ids raise before anything moves
-            plan = plan_compaction(self._pool, self.tables, keys)
+            plan = plan_compaction(self._pool, tables, keys)
             done = []
             try:
-                for k, moves in plan.items():
-                    done.append(self.tables.relocate(k, moves))
+                for (g, k), moves in plan.items():
+                    done.append(tables[g].relocate(k, moves))
             finally:                   # moves applied are copied whatever happens next
                 pairs = np.concatenate(done) if done else np.empty((0, 2), dtype=np.int32)
                 if len(pairs):
@@ -348,9 +347,9 @@ class PagedKVCache:
             return pairs[np.argsort(-pairs[:, 0].astype(np.int64), kind="stable")]
 
     def _no_groups(self, what: str) -> None:
-        if self._groups is not None:
-            raise InvalidArgumentError(expected(what, "a cache whose layers are all full attention (block "
-                                                "moves are planned over one table)", "sliding-window layer groups"))
+        from pagedkv.support import require
+
+        require(what, self.config)
 
     def take_copies(self) -> np.ndarray:
         """Copy-on-write pairs ``[P, 2]`` (src, dst) a bookkeeping-only cache owes its
@@ -430,8 +429,14 @@ class PagedKVCache:
             self._book.slide(keys, internal=internal)
 
     def num_blocks(self, seq_id: SeqId) -> int:
-        """Blocks the sequence holds (``ceil(num_reserved / block_size)``)."""
-        return -(-self.num_reserved(seq_id) // self.config.block_size)
+        """Blocks the sequence holds: ``ceil(num_reserved / block_size)``, or with layer
+        groups the sum over groups of the blocks each holds (a sliding group releases
+        the blocks that left its window)."""
+        with self._lock:
+            key = self._ids.key(seq_id)
+            if self._groups is None:
+                return -(-self.tables.num_reserved(key) // self.config.block_size)
+            return sum(self._groups.held_blocks(key))
 
     def fork(self, src: SeqId, dst: SeqId) -> None:
         """``dst`` shares all of ``src``'s committed KV by reference (beam search, n > 1)."""
@@ -563,10 +568,22 @@ class PagedKVCache:
 
     def sequence_info(self, seq_id: SeqId) -> dict:
         """Counts, prefix-hit blocks, priority and namespace (``(cache_salt,
-        adapter_id)``) of one sequence."""
+        adapter_id)``) of one sequence. With layer groups, ``groups`` lists each group's
+        block counts and priority, and the block counts are their sums."""
         with self._lock:
             info = self._one(self.tables.info, seq_id)
             info["namespace"] = self._namespaces.name(info["namespace"])
+            if self._groups is not None:   # counts of blocks differ per group: each, and their sums
+                key = self._ids.key(seq_id)
+                per = []
+                for t in self._groups.tables:
+                    g = t.info(key)
+                    per.append({"num_blocks": int((t.blocks(key) >= 0).sum()),
+                                "num_dropped_blocks": g["num_dropped_blocks"],
+                                "num_prefix_hit_blocks": g["num_prefix_hit_blocks"], "priority": g["priority"]})
+                info["groups"] = per
+                for field in ("num_blocks", "num_dropped_blocks", "num_prefix_hit_blocks"):
+                    info[field] = sum(g[field] for g in per)
             return info
 
     def block_table(self, seq_id: SeqId, group: Optional[int] = None) -> np.ndarray:
@@ -776,7 +793,7 @@ class PagedKVCache:
         start_token = as_count(start_token, "start_token")
         end_token = optional_int(end_token, "end_token")
         with self._lock:
-            self.tables.set_priority(self._ids.key(seq_id), priority, start_token, end_token)
+            self._book.set_priority(self._ids.key(seq_id), priority, start_token, end_token)
 
     def drain_events(self) -> List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
         """KV events since the last drain (``enable_kv_events=True``), oldest first."""
@@ -1000,6 +1017,8 @@ class PagedKVCache:
     # ---- host tier ------------------------------------------------------------------
     def _require_host(self):
         if self._host is None:
+            if self._groups is not None:
+                self._no_groups("host swap (host_num_blocks, swap_out / swap_in)")
             raise InvalidArgumentError(expected("config.host_num_blocks", "> 0 for swapping", 0))
         return self._host
 
@@ -1031,10 +1050,7 @@ class PagedKVCache:
         with self._lock:
             if self._deferred:
                 self._run_deferred()
-            stats = CacheStats.collect(self._pool, self.tables, self.config, self._host, self._tiers)
-            if self._groups is not None:
-                stats = dataclasses.replace(stats, group_hit_limits=tuple(self._groups.limited_by))
-            return stats
+            return CacheStats.collect(self._pool, self.tables, self.config, self._host, self._tiers, self._groups)
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""
@@ -1047,12 +1063,18 @@ class PagedKVCache:
         lines = ["=== pagedkv cache ===", s.describe()]
         with self._lock:
             lines.append("Sequences:")
+            groups = self._groups.tables if self._groups is not None else [self.tables]
             for k in self.tables.keys().tolist()[:32]:
                 info = self.tables.info(k)
-                blocks = self.tables.blocks(k)
-                shown = " ".join(map(str, blocks[:8].tolist())) + (" ..." if len(blocks) > 8 else "")
+                shown = []
+                for g, t in enumerate(groups):
+                    blocks = t.blocks(k)
+                    held = blocks[blocks >= 0]
+                    text = " ".join(map(str, held[:8].tolist())) + (" ..." if len(held) > 8 else "")
+                    shown.append(f"{len(held)} blocks [{text}]" if len(groups) == 1 else
+                                 f"group {g}: {len(held)} blocks [{text}]")
                 lines.append(f"  {self._ids.name(k)!r}: {info['num_computed']}/{info['num_reserved']} tokens, "
-                             f"{info['num_blocks']} blocks [{shown}]")
+                             + "; ".join(shown))
             lines.append("Block map:")
             lines.append(render_block_map(self._pool, 64))
         return "\n".join(lines)

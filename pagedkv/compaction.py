@@ -13,26 +13,30 @@ a cached-free block, still findable), as after a copy-on-write.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Tuple
 
 import numpy as np
 
 __all__ = ["plan_compaction"]
 
 
-def plan_compaction(pool, tables, keys: Iterable[int]) -> Dict[int, np.ndarray]:
-    """``{key: int64 [P, 2] (old, new)}`` moves for the sequences ``keys`` of ``tables``
-    (device-resident), over ``pool``'s current state; empty when nothing can go lower."""
+def plan_compaction(pool, tables, keys: Iterable[int]) -> Dict[Tuple[int, int], np.ndarray]:
+    """``{(table, key): int64 [P, 2] (old, new)}`` moves for the sequences ``keys`` of
+    each of ``tables`` (a list: one ``BlockTables`` per layer group, all over ``pool``;
+    device-resident sequences), over ``pool``'s current state; empty when nothing can
+    go lower. A hole goes to one move only, whichever group's block it takes."""
     ref = np.asarray(pool.ref_cnt)
     holes = np.flatnonzero(pool.states() == 0)              # empty blocks, ascending
     if not len(holes):
         return {}
     owners, blocks = [], []
-    for k in keys:
-        b = tables.blocks(k)
-        b = b[ref[b] == 1]
-        owners.append(np.full(len(b), k, dtype=np.int64))
-        blocks.append(b.astype(np.int64))
+    for g, t in enumerate(tables):
+        for k in keys:
+            b = t.blocks(k)
+            b = b[b >= 0]                                    # a sliding group's released blocks
+            b = b[ref[b] == 1]
+            owners.append(np.full((len(b), 2), (g, k), dtype=np.int64))
+            blocks.append(b.astype(np.int64))
     if not blocks:
         return {}
     owner, block = np.concatenate(owners), np.concatenate(blocks)
@@ -41,8 +45,8 @@ def plan_compaction(pool, tables, keys: Iterable[int]) -> Dict[int, np.ndarray]:
     owner, block, holes = owner[order[:n]], block[order[:n]], holes[:n]
     lower = holes < block                                    # block descends, hole ascends: a prefix
     owner, block, holes = owner[lower], block[lower], holes[lower]
-    plan: Dict[int, np.ndarray] = {}
-    for k in np.unique(owner).tolist():
-        sel = owner == k
-        plan[k] = np.stack([block[sel], holes[sel]], axis=1)
-    return plan
+    plan: Dict[Tuple[int, int], np.ndarray] = {}
+    for g, k in {tuple(o) for o in owner.tolist()}:
+        sel = (owner[:, 0] == g) & (owner[:, 1] == k)
+        plan[(g, k)] = np.stack([block[sel], holes[sel]], axis=1)
+    return dict(sorted(plan.items()))

@@ -314,15 +314,19 @@ class CacheConfig:
             raise InvalidArgumentError(expected("layer_windows", f"{self.num_layers} windows (one per layer)",
                                                 repr(windows)))
         plan = plan_groups(list(windows), self.attention_sinks)
-        if plan is not None and (self.host_num_blocks or self.has_prefix_tiers):
-            raise InvalidArgumentError(expected("layer_windows", "full attention in every layer with host or "
-                                                "prefix tiers", "sliding-window layers"))
-        if plan is not None and self.kv_full_precision_layers:
-            # a block's layer slots hold different layers per group: one precision for all
-            raise InvalidArgumentError(expected("kv_full_precision_layers", "() with sliding-window layer groups",
-                                                repr(self.kv_full_precision_layers)))
+        if plan is not None:
+            from pagedkv.support import GROUPS, require
+
+            if self.host_num_blocks:
+                require("host swap (host_num_blocks, swap_out / swap_in)", self, configuration=GROUPS)
+            if self.has_prefix_tiers:
+                require("prefix tiers (prefix_host_blocks, prefix_disk_dir)", self, configuration=GROUPS)
         put("layer_windows", tuple(windows) if plan is not None else None)
         put("_groups", plan)
+        if plan is not None and self.quantized and not self.quantized_slots:
+            raise InvalidArgumentError(expected("kv_full_precision_layers", "at least one quantized layer slot "
+                                                "(with layer groups a slot holds one layer of each group; use "
+                                                "kv_dtype=None for none)", list(self.kv_full_precision_layers)))
 
     @property
     def layer_groups(self) -> Optional[GroupPlan]:
@@ -485,6 +489,26 @@ class CacheConfig:
         return tuple(i for i in range(self.num_layers) if i not in self.kv_full_precision_layers)
 
     @property
+    def full_precision_slots(self) -> Tuple[int, ...]:
+        """Arena layer slots stored in the model dtype: ``kv_full_precision_layers``, or
+        with layer groups the slots those layers occupy. A slot holds one layer of each
+        group, so with groups every layer sharing a full-precision layer's slot is stored
+        in model precision too (more exact, never less; counted in the sizes)."""
+        if not self.quantized:
+            return ()
+        if self._groups is None:
+            return self.kv_full_precision_layers
+        return tuple(sorted({self._groups.layer_slot[i] for i in self.kv_full_precision_layers}))
+
+    @property
+    def quantized_slots(self) -> Tuple[int, ...]:
+        """Arena layer slots stored in ``kv_dtype`` (the quantized layers without groups)."""
+        if not self.quantized:
+            return ()
+        full = self.full_precision_slots
+        return tuple(i for i in range(self.arena_layers) if i not in full)
+
+    @property
     def quant_head_bytes(self) -> int:
         """Bytes of one quantized (token, head, K or V) row: codes plus scale/zero."""
         row, d = dtypes.info(self.kv_dtype), self.head_dim
@@ -509,7 +533,7 @@ class CacheConfig:
         slots (bfloat16 scale and zero per head and channel), 0 without block keys."""
         if not self.block_keys:
             return 0
-        lq = len(self.quantized_layers) if self._groups is None else self.arena_layers
+        lq = len(self.quantized_slots)
         return lq * self.kv_heads_per_rank * self.head_dim * 4
 
     @property
@@ -543,7 +567,7 @@ class CacheConfig:
     def window_bytes(self) -> int:
         """Bytes of the window arena (model-precision K/V plus a validity byte per token)."""
         per_block = 2 * self.block_size * self.kv_heads_per_rank * self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
-        layers = len(self.quantized_layers) if self._groups is None else self.arena_layers
+        layers = len(self.quantized_slots)
         return layers * self.window_blocks * (per_block + self.block_size)
 
     @property
@@ -597,7 +621,7 @@ class CacheConfig:
         layers = self.arena_layers
         if not self.quantized:
             return 2 * layers * self.kv_heads_per_rank * full
-        lq = len(self.quantized_layers) if self._groups is None else layers
+        lq = len(self.quantized_slots)
         per_layers = lq * self.quant_head_bytes + (layers - lq) * full
         return 2 * self.kv_heads_per_rank * per_layers
 

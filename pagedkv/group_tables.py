@@ -26,7 +26,7 @@ import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv._core.tables import BlockTables
-from pagedkv.errors import InternalError, InvalidArgumentError, OutOfBlocksError, expected
+from pagedkv.errors import InternalError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected
 from pagedkv.layer_groups import GroupPlan
 
 __all__ = ["GroupTables", "GROUP_NS_BITS"]
@@ -194,6 +194,59 @@ class GroupTables:
         for t in self.tables:
             t.remove(keys, internal=internal)
 
+    def relocate(self, key: int, moves) -> np.ndarray:
+        """Moves of one sequence's blocks, each within the group whose table holds it.
+
+        Every move is checked against every group before any group moves (the old
+        block in exactly one group's table of the sequence and held by it alone, the new
+        block free, unpinned and used once), so the per-group moves that follow cannot
+        fail: all or nothing, as for one table. Returns the (old, new) pairs in order."""
+        if len(self.tables) == 1:
+            return self.tables[0].relocate(key, moves)
+        try:
+            pairs = np.array(moves, copy=True)
+        except (TypeError, ValueError, OverflowError):
+            pairs = None
+        if pairs is None or pairs.dtype.kind not in "iu" or pairs.ndim != 2 or pairs.shape[-1:] != (2,):
+            return self.tables[0].relocate(key, moves)      # group 0 names the malformed argument
+        if not len(pairs):
+            return self.tables[0].relocate(key, pairs)
+        if pairs.dtype.kind == "u" and pairs.max() > 2**62:
+            return self.tables[0].relocate(key, moves)
+        pairs = pairs.astype(np.int64)
+        where = {}
+        for g, t in enumerate(self.tables):
+            for b in t.blocks(key).tolist():
+                if b >= 0:
+                    where[b] = g
+        olds, news = pairs[:, 0].tolist(), pairs[:, 1].tolist()
+        name = self.tables[0].namer(key)
+        for i, b in enumerate(olds):
+            if b not in where:
+                raise InvalidBlockError(expected("moves", f"old blocks of sequence {name!r}'s tables",
+                                                 f"block {b} at row {i}"))
+        if len(set(olds)) != len(olds):
+            raise InvalidArgumentError(expected("moves", "each old block at most once", olds))
+        ref = self.pool.ref_cnt
+        for i, b in enumerate(olds):
+            if ref[b] != 1:
+                raise InvalidBlockError(expected("moves", "old blocks held by this sequence only",
+                                                 f"block {b} at row {i}, held by {ref[b]} sequences"))
+        for i, b in enumerate(news):
+            if not 0 <= b < self.pool.num_blocks:
+                raise InvalidBlockError(expected("moves", f"new block ids in [0, {self.pool.num_blocks})", news))
+            if not self.pool.is_free(b):
+                raise InvalidBlockError(expected("moves", "free unpinned new blocks", f"block {b} at index {i}"))
+        if len(set(news)) != len(news):
+            raise InvalidBlockError(expected("moves", "each new block at most once", news))
+        groups = np.array([where[b] for b in olds])
+        done = np.empty((len(pairs), 2), dtype=np.int32)
+        for g, t in enumerate(self.tables):
+            sel = np.flatnonzero(groups == g)
+            if len(sel):
+                done[sel] = t.relocate(key, pairs[sel])
+        return done
+
     def take_copies(self) -> np.ndarray:
         """Copy-on-write pairs of every group (a block copy moves all its layer slots)."""
         return np.concatenate([t.take_copies() for t in self.tables])
@@ -212,9 +265,32 @@ class GroupTables:
             raise InvalidArgumentError(expected("group", f"a layer group in [0, {len(self.tables)})", repr(group)))
         return self.tables[int(group)]
 
+    def set_priority(self, key: int, priority: int, start_token: int = 0, end_token: Optional[int] = None) -> None:
+        """Every group's blocks of the sequence (or of a token range) get the class; the
+        rows and counts are the same in every group, so group 0's checks stand for all."""
+        for t in self.tables:
+            t.set_priority(key, priority, start_token, end_token)
+
     def held_blocks(self, key: int) -> List[int]:
         """Blocks each group holds for one sequence (released ones not counted)."""
         return [int((t.blocks(key) >= 0).sum()) for t in self.tables]
+
+    def group_figures(self) -> List[dict]:
+        """Per group: its window, the blocks its live sequences hold, the unused slots in
+        their partial last blocks, copy-on-write copies and prefix-hit tokens (stats)."""
+        out = []
+        for g, t in zip(self.plan.groups, self.tables):
+            held = waste = 0
+            for k in t.keys().tolist():
+                blocks = t.blocks(k)
+                n = int((blocks >= 0).sum())
+                held += n
+                if n and blocks[-1] >= 0:       # a released last block wastes nothing
+                    waste += len(blocks) * self.block_size - t.num_reserved(k)
+            out.append({"window": g.window, "layers": tuple(g.layers), "blocks_held": held,
+                        "waste_slots": waste, "cow_copies": t.num_cow, "query_tokens": t.num_query_tokens,
+                        "hit_tokens": t.num_hit_tokens})
+        return out
 
     def check_invariants(self) -> None:
         """Every group's tables against the pool: the references all groups hold add up

@@ -8,7 +8,21 @@ import numpy as np
 
 from pagedkv.config import format_bytes
 
-__all__ = ["CacheStats", "render_block_map"]
+__all__ = ["CacheStats", "GroupStats", "render_block_map"]
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One layer group's share of a cache with sliding-window layer groups."""
+
+    group: int
+    window: int                    # tokens; 0 = full attention
+    layers: Tuple[int, ...]
+    blocks_held: int               # blocks its live sequences hold (released ones not counted)
+    waste_slots: int               # unused slots in those sequences' partial last blocks
+    cow_copies: int
+    query_tokens: int
+    hit_tokens: int
 
 
 @dataclass(frozen=True)
@@ -40,18 +54,29 @@ class CacheStats:
     disk_hit_tokens: int = 0       # hit tokens promoted from the disk prefix tier
     tiers: Tuple = ()              # TierStats per prefix tier below the device
     group_hit_limits: Tuple = ()   # layer groups: admissions whose prefix hit each group limited
+    groups: Tuple = ()             # layer groups: GroupStats per group (the totals above add them up)
 
     @property
     def is_full(self) -> bool:
         return self.free_blocks == 0
 
     @classmethod
-    def collect(cls, pool, tables, config, host=None, tiers=None) -> "CacheStats":
+    def collect(cls, pool, tables, config, host=None, tiers=None, groups=None) -> "CacheStats":
         """Read the figures from the core objects (``BlockPool``, ``BlockTables``), the
-        ``CacheConfig``, the host tier (``HostTier`` or None) and the prefix tiers
-        (:class:`~pagedkv.tiers.PrefixTiers` or None), under the caller's lock."""
+        ``CacheConfig``, the host tier (``HostTier`` or None), the prefix tiers
+        (:class:`~pagedkv.tiers.PrefixTiers` or None) and the layer groups
+        (:class:`~pagedkv.group_tables.GroupTables` or None, whose ``tables[0]`` is
+        ``tables``), under the caller's lock. With groups, waste and copy-on-write
+        copies add up every group's; tokens and prefix hits are per sequence (every
+        group holds the same tokens and admits the same hit)."""
         cfg = config
         tokens, waste = tables.total_tokens()
+        cow = tables.num_cow
+        per_group: Tuple = ()
+        if groups is not None:
+            per_group = tuple(GroupStats(group=g, **f) for g, f in enumerate(groups.group_figures()))
+            waste = sum(f.waste_slots for f in per_group)
+            cow = sum(f.cow_copies for f in per_group)
         used = pool.num_in_use_blocks
         bpb = cfg.bytes_per_block
         q, h = tables.num_query_tokens, tables.num_hit_tokens
@@ -76,7 +101,7 @@ class CacheStats:
             query_tokens=q,
             hit_tokens=h,
             hit_rate=(h / q) if q else 0.0,
-            cow_copies=tables.num_cow,
+            cow_copies=cow,
             bytes_per_block=bpb,
             bytes_in_use=used * bpb,
             bytes_free=(pool.num_blocks - used) * bpb,
@@ -86,6 +111,8 @@ class CacheStats:
             host_hit_tokens=by_medium.get("host", 0),
             disk_hit_tokens=by_medium.get("disk", 0),
             tiers=tiers,
+            group_hit_limits=tuple(groups.limited_by) if groups is not None else (),
+            groups=per_group,
         )
 
     def as_dict(self) -> dict:
@@ -107,7 +134,10 @@ class CacheStats:
             f"Counters: {self.allocation_count} blocks allocated, {self.deallocation_count} released",
         ] + ([f"Hits by medium: device {self.device_hit_tokens}, host {self.host_hit_tokens}, "
               f"disk {self.disk_hit_tokens} tokens"] if self.tiers else [])
-          + [t.describe() for t in self.tiers])
+          + [t.describe() for t in self.tiers]
+          + [f"Layer group {g.group} ({'window ' + str(g.window) if g.window else 'full attention'}, "
+             f"{len(g.layers)} layers): {g.blocks_held} blocks held, {g.cow_copies} copy-on-write copies, "
+             f"{g.hit_tokens}/{g.query_tokens} tokens hit" for g in self.groups])
 
 
 _STATE_CHARS = np.frombuffer(b".#c", dtype=np.uint8)

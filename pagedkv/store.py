@@ -81,11 +81,10 @@ class KVStore:
             _log.warning(msg)
             config = dataclasses.replace(config, kv_dtype="int8")
         self.config = config
-        full = set(config.kv_full_precision_layers)
-        quant = config.quantized_layers if config.quantized else tuple(range(config.num_layers))
-        if config.layer_groups is not None:   # the arena holds a layer group's slots (pagedkv.layer_groups)
-            quant = tuple(range(config.arena_layers))
-        # layer -> (quantized?, index in its arena)
+        # With layer groups the "layers" here are a block's layer slots (pagedkv.layer_groups).
+        full = config.full_precision_slots
+        quant = config.quantized_slots if config.quantized else tuple(range(config.arena_layers))
+        # layer slot -> (quantized?, index in its arena)
         self._where = {}
         for i, layer in enumerate(quant):
             self._where[layer] = (config.quantized, i)

@@ -116,8 +116,6 @@ def test_block_moves_and_bad_groups_are_refused():
     kv = hybrid()
     kv.add_sequence("a")
     fill(kv, "a", list(range(5)))
-    with pytest.raises(InvalidArgumentError, match=r"compact: expected a cache whose layers are all full attention"):
-        kv.compact()
     with pytest.raises(InvalidArgumentError, match=r"group: expected a layer group in \[0, 2\), got 2"):
         kv.block_table("a", group=2)
     with pytest.raises(InvalidArgumentError, match=r"layer: expected an int in \[0, 4\), got 4"):
@@ -338,9 +336,34 @@ def test_quantized_store_with_layer_groups(kv_dtype):
             err = (got - ref).norm(dim=(1, 2))
             assert (err <= 0.2 * ref.norm(dim=(1, 2)) + 1.0).all()
     kv.free("a")
-    with pytest.raises(InvalidArgumentError, match=r"kv_full_precision_layers: expected \(\) with sliding-window "
-                                                   r"layer groups, got \(1,\)"):
-        hybrid(kv_dtype="int8", kv_full_precision_layers=(1,))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_full_precision_layers_with_layer_groups(kv_dtype):
+    """Layer 1 (full group, slot 0) in model precision: its slot is exact in every
+    group, so layer 0 (the sliding group's slot 0) reads exactly too; layers 2 and 3
+    stay quantized. The sizes count one model-precision slot."""
+    kv = hybrid(window=6, kv_dtype=kv_dtype, kv_window=0, kv_full_precision_layers=(1,))
+    c = kv.config
+    assert c.full_precision_slots == (0,) and c.quantized_slots == (1,)
+    assert kv.store.layer(0).dtype == torch.float32 and kv.store.layer(1).dtype != torch.float32
+    assert not kv.store.is_quantized_layer(0) and kv.store.is_quantized_layer(1)
+    plain = hybrid(window=6, kv_dtype=kv_dtype, kv_window=0).config
+    assert c.bytes_per_block > plain.bytes_per_block
+    kv.add_sequence("a")
+    fill(kv, "a", list(range(10)))
+    for layer in range(4):
+        k, v, _, pos = kv.gather_window(["a"], layer)
+        want = kv_of(layer, pos.tolist())
+        if layer in (0, 1):
+            assert torch.equal(k, want) and torch.equal(v, -want)
+        else:
+            err = (k - want).norm(dim=(1, 2))
+            assert (err <= 0.2 * want.norm(dim=(1, 2)) + 1.0).all()
+    kv.free("a")
+    with pytest.raises(InvalidArgumentError, match=r"kv_full_precision_layers: expected at least one quantized layer "
+                                                   r"slot \(with layer groups"):
+        hybrid(kv_dtype="int8", kv_full_precision_layers=(1, 2))     # slots 0 and 1: nothing left quantized
 
 
 def test_assisted_generation_with_sliding_layers_matches_plain_greedy(monkeypatch):
