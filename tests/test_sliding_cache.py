@@ -474,8 +474,12 @@ def test_transfers_refuse_layer_groups():
 
     kv = hybrid()
     kv.add_sequence("a", [1, 2, 3])
-    with pytest.raises(InvalidArgumentError, match=r"cache: expected a PagedKVCache whose layers are all full attention"):
+    from pagedkv.support import UnsupportedCombinationError
+
+    refusal = (r"send_sequence / recv_sequence / send_prefix / recv_prefix: expected a cache with full attention in "
+               r"every layer \(a transfer moves one block table per sequence\), got sliding-window layer groups")
+    with pytest.raises(UnsupportedCombinationError, match=refusal):
         send_sequence(kv, "a", 1)
-    with pytest.raises(InvalidArgumentError, match=r"cache: expected a PagedKVCache whose layers are all full attention"):
+    with pytest.raises(UnsupportedCombinationError, match=refusal):
         send_prefix(kv, [1, 2, 3], 1)
     kv.free("a")

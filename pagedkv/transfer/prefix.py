@@ -14,6 +14,7 @@ import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.cache import as_token_ids, namespace_key
+from pagedkv.support import require
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
 from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_header, recv_kv,
@@ -47,9 +48,7 @@ def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None,
     ``token_ids``; returns the blocks it lacked and received."""
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
-    if cache.config.layer_groups is not None:
-        raise InvalidArgumentError(expected("cache", "a PagedKVCache whose layers are all full attention (a "
-                                            "transfer moves one block table)", "sliding-window layer groups"))
+    require("send_sequence / recv_sequence / send_prefix / recv_prefix", cache.config)
     link = Link(dst, group, timeout, cache.store.device)
     bs = cache.config.block_size
     tmp = scratch_id()
@@ -88,9 +87,7 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
     is registered and nothing leaks."""
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
-    if cache.config.layer_groups is not None:
-        raise InvalidArgumentError(expected("cache", "a PagedKVCache whose layers are all full attention (a "
-                                            "transfer moves one block table)", "sliding-window layer groups"))
+    require("send_sequence / recv_sequence / send_prefix / recv_prefix", cache.config)
     link = Link(src, group, timeout, cache.store.device)
     bs = cache.config.block_size
     link.recv_hello()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+from pagedkv.support import require
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
 from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_header, recv_kv,
                                        recv_tokens, refuse, scratch_id, send_tokens)
@@ -43,9 +44,7 @@ class ReceivedSequence(NamedTuple):
 def _require_store(cache):
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
-    if cache.config.layer_groups is not None:
-        raise InvalidArgumentError(expected("cache", "a PagedKVCache whose layers are all full attention (a "
-                                            "transfer moves one block table)", "sliding-window layer groups"))
+    require("send_sequence / recv_sequence / send_prefix / recv_prefix", cache.config)
 
 
 def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, timeout: float = 60.0) -> int:
