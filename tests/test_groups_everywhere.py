@@ -227,10 +227,28 @@ def r_compact(kv):
     assert same(everything(kv), before)
 
 
+def r_attention(kv):
+    """A decode query over a full layer (all 14 keys) and a sliding one (the keys its
+    group holds, window 6), each equal to softmax attention over the gathered keys."""
+    q = torch.randn(1, 2, 8)
+    for layer, group, window in ((1, 0, None), (0, 1, 6)):
+        indptr, indices, _ = kv.page_table_csr(["a"], group=group)
+        n = 14 - int(kv.released_tokens(["a"], group=group)[0])
+        lens = torch.tensor([n], dtype=torch.int32)
+        k, v = kv.gather_pages(layer, torch.from_numpy(indptr), torch.from_numpy(indices), lens)
+        out = kv.attention(layer, q, indptr, indices, lens, np.array([0, 1], dtype=np.int32), window=window)
+        keep = torch.arange(n) > (n - 1) - (window or n + 1)
+        logits = torch.einsum("hd,thd->ht", q[0].double(), k.double()) / 8 ** 0.5
+        p = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        want = torch.einsum("ht,thd->hd", p, v.double())
+        assert torch.allclose(out[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
 RECIPES = {
     "add_sequence": lambda kv: None,            # live() admits
     "reserve": r_write, "commit": r_write, "write": r_write,
     "advance": r_advance,
+    "attention": r_attention,
     "block_table": lambda kv: held(kv),
     "block_tables": lambda kv: kv.block_tables(["a"], group=1).shape == (1, 4),
     "blocks_to_admit": r_can_admit, "can_admit": r_can_admit,
