@@ -17,6 +17,11 @@ invariants. Every prefix hit is checked against a ground-truth record of which
 On a failure the script prints the seed, the operation number and a replayable
 snapshot (``BlockPool.__getstate__``) and exits 1.
 
+Progress: a JSON line every ``--progress-every`` operations (``progress_ops``, seconds,
+ops/s), and on SIGTERM or SIGINT a last line ``{"result": "interrupted", "ops": N, ...}``
+with the operations completed and checked, so a run cut short still reports its count
+(exit 128 + the signal number).
+
 Usage: ``python fuzz/core_fuzz.py --ops 10000000 [--seed N] [--policy lru|priority|adaptive|frequency|all]``
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -440,56 +446,94 @@ def main(argv=None):
     ap.add_argument("--check-every", type=int, default=200)
     ap.add_argument("--smoke", action="store_true", help="a short run (CI)")
     ap.add_argument("--restart-every", type=int, default=20_000, help="ops before a fresh cache and seed")
+    ap.add_argument("--progress-every", type=int, default=100_000, help="ops between progress lines")
     args = ap.parse_args(argv)
+    if args.ops < 0 or args.progress_every < 1 or args.restart_every < 1 or args.check_every < 1:
+        ap.error("--ops must be >= 0; --progress-every, --restart-every and --check-every >= 1")
     if args.smoke:
         args.ops = min(args.ops, 5_000)
         args.restart_every = min(args.restart_every, 2_500)   # a full-attention run and a sliding one
     policies = POLICIES if args.policy == "all" else [args.policy]
     sys.setswitchinterval(1e-5)   # let the rewriter thread interleave with the core's calls
     rewriter = Rewriter()
+    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return run_all(args, policies, rewriter)
     finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         rewriter.close()
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGINT: not an Exception, so the failure handler does not take it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
+def _line(**fields) -> None:
+    print(json.dumps(fields), flush=True)
 
 
 def run_all(args, policies, rewriter):
     t0 = time.perf_counter()
-    done = errors = 0
+    done = errors = 0           # ops completed and checked in finished runs, typed errors seen there
     run = 0
-    while done < args.ops:
-        seed = args.seed * 1_000_003 + run
-        policy = policies[run % len(policies)]
-        window = sinks = 0
-        if run % 2:       # every other run slides
-            wr = np.random.default_rng(seed)
-            window = int(wr.integers(1, 13))
-            sinks = int(wr.integers(0, window)) if wr.random() < 0.5 else 0
-        fz = Fuzzer(seed, policy, rewriter, window=window, sinks=sinks)
-        n = min(args.restart_every, args.ops - done)
-        i = 0
-        try:
-            for i in range(n):
-                fz.step()
-                fz.cheap_check()
-                if i % args.check_every == 0:
-                    fz.full_check()
-            fz.full_check()
-        except Exception as e:  # noqa: BLE001 - report any failure with a replay snapshot
-            print(json.dumps({"result": "FAIL", "seed": seed, "policy": policy, "window": window, "op": i,
-                              "error": f"{type(e).__name__}: {e}"}), flush=True)
-            snap = pickle.dumps(fz.pool.__getstate__())
-            with open(f"fuzz-failure-{seed}.pkl", "wb") as f:
-                f.write(snap)
-            print(f"snapshot written to fuzz-failure-{seed}.pkl (BlockPool.__setstate__ replays it)", file=sys.stderr)
-            return 1
-        done += n
-        errors += fz.errors
-        run += 1
-        if run % 25 == 0 or done >= args.ops:
-            print(json.dumps({"progress_ops": done, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    print(json.dumps({"result": "ok", "ops": done, "typed_errors_checked": errors, "runs": run,
-                      "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    i = 0
+    fz = None
+
+    def stats(ops):
+        sec = time.perf_counter() - t0
+        return dict(seconds=round(sec, 1), ops_per_s=round(ops / sec) if sec > 0 else None)
+
+    try:
+        while done < args.ops:
+            seed = args.seed * 1_000_003 + run
+            policy = policies[run % len(policies)]
+            window = sinks = 0
+            if run % 2:       # every other run slides
+                wr = np.random.default_rng(seed)
+                window = int(wr.integers(1, 13))
+                sinks = int(wr.integers(0, window)) if wr.random() < 0.5 else 0
+            fz = Fuzzer(seed, policy, rewriter, window=window, sinks=sinks)
+            n = min(args.restart_every, args.ops - done)
+            i = 0
+            try:
+                for i in range(n):
+                    fz.step()
+                    fz.cheap_check()
+                    if i % args.check_every == 0:
+                        fz.full_check()
+                    if (done + i + 1) % args.progress_every == 0:
+                        _line(progress_ops=done + i + 1, **stats(done + i + 1))
+                i = n
+                fz.full_check()
+            except Exception as e:  # noqa: BLE001 - report any failure with a replay snapshot
+                _line(result="FAIL", seed=seed, policy=policy, window=window, op=i,
+                      error=f"{type(e).__name__}: {e}", ops_before=done + i)
+                snap = pickle.dumps(fz.pool.__getstate__())
+                with open(f"fuzz-failure-{seed}.pkl", "wb") as f:
+                    f.write(snap)
+                print(f"snapshot written to fuzz-failure-{seed}.pkl (BlockPool.__setstate__ replays it)",
+                      file=sys.stderr)
+                return 1
+            done += n
+            errors += fz.errors
+            run += 1
+            fz = None
+    except Interrupted as stop:
+        # ops of the run in progress count up to the last one that finished its checks
+        ops = done + i
+        _line(result="interrupted", signal=signal.Signals(stop.signum).name, ops=ops,
+              typed_errors_checked=errors + (fz.errors if fz is not None else 0), runs=run, **stats(ops))
+        return 128 + stop.signum
+    _line(result="ok", ops=done, typed_errors_checked=errors, runs=run, **stats(done))
     return 0
 
 

@@ -17,7 +17,15 @@ The cache is float32, or quantized with ``--kv-dtype`` (int3 and int4 run with h
 bad inputs, and the scale, zero-point and window arenas are part of what must not change.
 ``--kv-key-quant block`` (int4) adds the block keys' parameter arenas, with sealed blocks.
 
-Usage: ``python fuzz/hostile_inputs.py [--json] [--kv-dtype NAME] [--kv-key-quant MODE]``;
+``--surfaces`` adds the surfaces of :mod:`hostile_surfaces` (fuzz/hostile_surfaces.py):
+the disk tier's directory, a transfer peer, configs and the CLI (``all``: every one).
+A case that gives no verdict within ``--case-timeout`` seconds is a hang (its child is
+killed and a new one resumes after it). The last line is a JSON summary: inputs,
+verdict counts (``typed``, ``accepted``, ``untyped``, ``crash``, ``hang``,
+``wrong-kv``, ...), failures, and the counts by surface.
+
+Usage: ``python fuzz/hostile_inputs.py [--json] [--kv-dtype NAME] [--kv-key-quant MODE]
+[--surfaces api,tier,transfer,config,cli|all] [--smoke] [--case-timeout S]``;
 exit status 1 on any failure.
 """
 from __future__ import annotations
@@ -25,12 +33,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import select
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
+
+#: what ``--surfaces`` may name: the cache's calls here, the rest in hostile_surfaces.py
+SURFACES = ("api", "tier", "transfer", "config", "cli")
 
 #: the cache's kv_dtype (None: float32) and head_dim, set by ``--kv-dtype``
 KV_DTYPE = None
@@ -224,46 +239,134 @@ def verdict(cache, fn) -> str:
     return "accepted"
 
 
-def child(start: int) -> None:
-    todo = cases()
+def all_cases(surfaces, smoke: bool) -> List[Tuple[str, str, Callable[[], str]]]:
+    """(surface, name, run) for every case; ``run()`` returns the case's verdict."""
+    out: List[Tuple[str, str, Callable[[], str]]] = []
+    if "api" in surfaces:
+        for name, fn in cases():
+            out.append(("api", name, lambda fn=fn: api_verdict(fn)))
+    others = [s for s in surfaces if s != "api"]
+    if others:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from hostile_surfaces import surface_cases
+        out.extend(surface_cases(others, smoke))
+    return out
+
+
+def api_verdict(fn) -> str:
+    cache = fixture()
+    v = verdict(cache, fn)
+    try:
+        cache.check_invariants()
+    except Exception as e:   # noqa: BLE001 - a broken invariant is this case's verdict
+        v = f"invariant-broken:{type(e).__name__}: {e}"
+    return v
+
+
+def child(start: int, surfaces, smoke: bool) -> None:
+    todo = all_cases(surfaces, smoke)
+    if any(s != "api" for s in surfaces):
+        from hostile_surfaces import prepare
+        prepare(surfaces)
+    print(json.dumps({"ready": len(todo)}), flush=True)
     for i in range(start, len(todo)):
-        name, fn = todo[i]
+        surface, name, fn = todo[i]
         print(json.dumps({"start": i}), flush=True)
-        cache = fixture()
-        v = verdict(cache, fn)
         try:
-            cache.check_invariants()
-        except Exception as e:   # noqa: BLE001 - a broken invariant is this case's verdict
-            v = f"invariant-broken:{type(e).__name__}: {e}"
-        print(json.dumps({"case": i, "name": name, "verdict": v}), flush=True)
+            v = fn()
+        except BaseException as e:   # noqa: BLE001 - the harness itself must not die on a case
+            v = f"untyped:{type(e).__name__} (in the case's own setup): {str(e)[:80]}"
+        print(json.dumps({"case": i, "surface": surface, "name": name, "verdict": v}), flush=True)
 
 
-def run() -> Dict[str, Any]:
-    n = len(cases())
+class _LineReader:
+    """The child's stdout, line by line, each wait bounded (select on the raw fd: a
+    buffered reader would hide lines already read from select)."""
+
+    def __init__(self, p):
+        self.fd, self.buf = p.stdout.fileno(), b""
+
+    def next(self, timeout: float):
+        """The next line, or None at end of output; raises TimeoutError."""
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+
+def run(surfaces=("api",), smoke: bool = False, case_timeout: float = 10.0) -> Dict[str, Any]:
+    todo = all_cases(surfaces, smoke)
+    names = [(s, n) for s, n, _ in todo]
+    n = len(todo)
     results: List[Dict[str, Any]] = []
     start = 0
-    while start < n:
-        kv = (["--kv-dtype", KV_DTYPE] if KV_DTYPE else []) + (["--kv-key-quant", KV_KEY_QUANT] if KV_KEY_QUANT
-                                                                 else [])
-        p = subprocess.run([sys.executable, __file__, "--child", str(start)] + kv, capture_output=True, text=True)
-        current = start
-        for line in p.stdout.splitlines():
-            rec = json.loads(line)
-            if "start" in rec:
-                current = rec["start"]
-            else:
-                results.append(rec)
-                current = rec["case"] + 1
-        if p.returncode != 0:
-            if current >= n:
-                break
-            name = cases()[current][0]
-            results.append({"case": current, "name": name,
-                            "verdict": f"crash (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:]}"})
-            current += 1
-        start = current
-    counts = Counter(r["verdict"].split(":")[0].split(" ")[0] for r in results)
-    return {"inputs": len(results), "counts": dict(counts), "results": results}
+    scratch = tempfile.mkdtemp(prefix="pagedkv-hostile-")
+    env = dict(os.environ, PAGEDKV_HOSTILE_TMP=scratch)
+    extra = (["--kv-dtype", KV_DTYPE] if KV_DTYPE else []) + (["--kv-key-quant", KV_KEY_QUANT] if KV_KEY_QUANT else [])
+    extra += ["--surfaces", ",".join(surfaces)] + (["--smoke"] if smoke else [])
+    try:
+        while start < n:
+            errfile = tempfile.TemporaryFile(dir=scratch)
+            p = subprocess.Popen([sys.executable, __file__, "--child", str(start)] + extra, stdout=subprocess.PIPE,
+                                 stderr=errfile, env=env)
+            reader = _LineReader(p)
+            current, timeout, hung = start, 120.0, False      # a first, longer wait: the child imports torch
+            try:
+                while True:
+                    line = reader.next(timeout)
+                    if line is None:
+                        break
+                    rec = json.loads(line)
+                    if "start" in rec:
+                        current, timeout = rec["start"], case_timeout
+                    elif "case" in rec:
+                        results.append(rec)
+                        current = rec["case"] + 1
+            except TimeoutError:
+                hung = True
+                p.kill()
+            p.communicate()
+            errfile.seek(0)
+            err = errfile.read().decode(errors="replace")
+            errfile.close()
+            if hung or p.returncode != 0:
+                if current >= n:
+                    break
+                surface, name = names[current]
+                why = (f"hang (no verdict in {case_timeout:g} s)" if hung
+                       else f"crash (exit {p.returncode}): {err.strip().splitlines()[-1:]}")
+                results.append({"case": current, "surface": surface, "name": name, "verdict": why})
+                current += 1
+            start = current
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    counts = Counter(verdict_class(r["verdict"]) for r in results)
+    by_surface: Dict[str, Counter] = {}
+    for r in results:
+        by_surface.setdefault(r.get("surface", "api"), Counter())[verdict_class(r["verdict"])] += 1
+    return {"inputs": len(results), "counts": dict(counts), "by_surface": {k: dict(v) for k, v in by_surface.items()},
+            "results": results}
+
+
+def verdict_class(v: str) -> str:
+    return v.split(":")[0].split(" ")[0]
+
+
+def failed(r: Dict[str, Any]) -> bool:
+    """Anything but a typed error, or an acceptance that is right: for the API catalog an
+    input listed in ACCEPTABLE; for the other surfaces a case that checked what it served."""
+    v = r["verdict"]
+    if v == "typed":
+        return False
+    if v == "accepted":
+        return r.get("surface", "api") == "api" and r["name"] not in ACCEPTABLE
+    return True
 
 
 # Inputs that are valid in the position they are tried in, so accepting them is right
@@ -296,20 +399,34 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print every case's verdict")
     ap.add_argument("--kv-dtype", default=None, help="quantize the cache (int8, fp8_e4m3, int4, int3...)")
     ap.add_argument("--kv-key-quant", default=None, help="int4 keys: token (default) or block")
+    ap.add_argument("--surfaces", default="api",
+                    help=f"comma-separated, of {','.join(SURFACES)} or 'all' (default: api, the cache's calls)")
+    ap.add_argument("--smoke", action="store_true", help="a few cases of each surface (the API catalog is whole)")
+    ap.add_argument("--case-timeout", type=float, default=10.0, help="seconds before a case is a hang")
     args = ap.parse_args(argv)
+    surfaces = list(SURFACES) if args.surfaces == "all" else [x for x in args.surfaces.split(",") if x]
+    unknown = [x for x in surfaces if x not in SURFACES]
+    if unknown or not surfaces:
+        ap.error(f"--surfaces: expected names from {','.join(SURFACES)} or 'all', got {args.surfaces!r}")
     set_kv_dtype(args.kv_dtype, args.kv_key_quant)
     if args.child is not None:
-        child(args.child)
+        if os.environ.get("PAGEDKV_HOSTILE_TMP"):
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import hostile_surfaces
+            hostile_surfaces.TMP = tempfile.mkdtemp(dir=os.environ["PAGEDKV_HOSTILE_TMP"])
+        child(args.child, surfaces, args.smoke)
         return 0
-    rep = run()
-    bad = [r for r in rep["results"]
-           if r["verdict"] != "typed" and not (r["verdict"] == "accepted" and r["name"] in ACCEPTABLE)]
+    rep = run(surfaces, args.smoke, args.case_timeout)
+    bad = [r for r in rep["results"] if failed(r)]
     if args.json:
         for r in rep["results"]:
             print(json.dumps(r))
     for r in bad:
-        print(f"FAIL {r['verdict']:28s} {r['name']}")
-    print(json.dumps({"inputs": rep["inputs"], "verdicts": rep["counts"], "failures": len(bad)}))
+        print(f"FAIL {r['verdict'][:60]:60s} {r['name']}")
+    summary = {"inputs": rep["inputs"], "verdicts": rep["counts"], "failures": len(bad)}
+    if surfaces != ["api"]:
+        summary["by_surface"] = rep["by_surface"]
+    print(json.dumps(summary))
     return 1 if bad else 0
 
 

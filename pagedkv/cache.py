@@ -13,8 +13,11 @@ An engine calls it at four points:
 - **completion**: :meth:`free`.
 
 Thread safety: one re-entrant lock in the manager serialises every call, queries
-included, because the core's batch loops release the GIL while they mutate. The core
-classes used directly are not thread-safe. Reads of the store that race with writes of
+included, because the core's batch loops release the GIL while they mutate. The data
+calls (:meth:`write`, the read of :meth:`gather`, :meth:`gather_pages`) run outside it,
+so that sequences' KV moves in parallel; the one store state they share between
+sequences, the window arena's slot map (``kv_window``, ``kv_sink_tokens``), has its own
+lock (:mod:`pagedkv.window`). The core classes used directly are not thread-safe. Reads of the store that race with writes of
 the same slots are the caller's business, as with any KV cache.
 
 Sequence ids may be any hashable (see :mod:`pagedkv.seq_ids` for the rule: a list, a

@@ -105,15 +105,15 @@ class KVStore:
         self.window = self.host_window = None
         if config.window_blocks:
             self.window = self._window(config.resolved_num_blocks, self.device)
-            if config.host_num_blocks:
-                self.host_window = self._window(config.host_num_blocks, torch.device("cpu"))
+            if config.host_num_blocks:      # one lock: offload and load read one window and claim in the other
+                self.host_window = self._window(config.host_num_blocks, torch.device("cpu"), self.window.lock)
         self._block_keys = BlockKeys(self) if config.block_keys else None
 
-    def _window(self, num_blocks: int, device: torch.device) -> RecentWindow:
+    def _window(self, num_blocks: int, device: torch.device, lock=None) -> RecentWindow:
         c = self.config
         return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.kv_heads_per_rank, c.head_dim,
                             c.kv_window, c.torch_dtype, device, sink=c.kv_sink_tokens,
-                            pin_capacity=c.pinned_blocks)
+                            pin_capacity=c.pinned_blocks, lock=lock)
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
         cfg = self.config
@@ -237,9 +237,10 @@ class KVStore:
                      rotation_signs=self.rotation_signs)
         if self.window is not None:
             slots = slot_mapping.cpu().numpy()
-            if self._block_keys is not None:    # before the window's claim can take a block's slot
-                self._block_keys.on_write(i, view, scale, zero, slots, key)
-            self.window.write(i, slot_mapping, key, value, slots)
+            with self.window.lock:      # a seal reads window rows: no other claim may move them between
+                if self._block_keys is not None:    # before the window's claim can take a block's slot
+                    self._block_keys.on_write(i, view, scale, zero, slots, key)
+                self.window.write(i, slot_mapping, key, value, slots)
 
     def pin_sinks(self, blocks: np.ndarray, held_only: bool = False) -> None:
         """Pin sequences' first blocks (their ``kv_sink_tokens``) in the window arena

@@ -21,16 +21,35 @@ last ``window`` tokens. A pin that outlives its sequence (the block freed and re
 elsewhere) only occupies a slot until it is the oldest: rows are valid only once
 written since the slot was claimed, so no read ever gets another block's rows.
 
+Threads: the slot map is shared by every sequence, so a write of one sequence's block
+can take the slot another sequence's block is read from, and two claims at once can
+give one slot to two blocks. Every method that reads or changes the slot map holds
+:attr:`RecentWindow.lock` from the slot lookup to the last row it moves (the store
+also holds it across a write's block-key seal, which reads window rows). The manager's
+lock does not cover this: data calls (``write``, ``gather_pages``) run outside it, so
+that sequences' KV moves in parallel.
+
 The slot map lives on the host (numpy): it is bookkeeping, touched once per call.
 """
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Optional
 
 import numpy as np
 import torch
 
 __all__ = ["RecentWindow", "blocks_of_csr", "blocks_of_padded"]
+
+
+def _locked(method):
+    """Run ``method`` holding the window's lock (see the module docstring: Threads)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class RecentWindow:
@@ -45,11 +64,14 @@ class RecentWindow:
         dtype, device: the model dtype and the arena device.
         sink: leading tokens per sequence read from the window (pinned blocks).
         pin_capacity: most slots pinned at once.
+        lock: the re-entrant lock guarding the slot map (default: a new one). Windows
+            that copy rows between them (a store's device and host windows) share one.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, capacity: int, block_size: int, num_heads: int,
                  head_dim: int, window: int, dtype: torch.dtype, device: torch.device, sink: int = 0,
-                 pin_capacity: int = 0):
+                 pin_capacity: int = 0, lock: Optional[threading.RLock] = None):
+        self.lock = threading.RLock() if lock is None else lock
         self.window = window
         self.sink = sink
         self.pin_capacity = min(pin_capacity, capacity)
@@ -108,6 +130,7 @@ class RecentWindow:
             self.pinned[slots] = False
             self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
 
+    @_locked
     def pin(self, blocks: np.ndarray, held_only: bool = False) -> None:
         """Keep ``blocks`` (a sequence's first blocks, distinct) in the arena: claim a slot
         for each and pin it; beyond ``pin_capacity`` the least recently used pins are
@@ -130,6 +153,7 @@ class RecentWindow:
             cand = np.nonzero(self.pinned & ~mine)[0]
             self.pinned[cand[np.argsort(self.stamp[cand], kind="stable")[:over]]] = False
 
+    @_locked
     def drop(self, blocks: np.ndarray) -> None:
         """Forget the window copies of ``blocks`` (their data was replaced by other means).
         A pinned block keeps its slot and pin, with no row held: it is still its
@@ -144,11 +168,16 @@ class RecentWindow:
             self.stamp[free] = 0
             self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
 
+    @_locked
     def copy(self, src: np.ndarray, dst: np.ndarray, source: Optional["RecentWindow"] = None) -> None:
         """Block copies: ``dst[i]`` gets the window copy of ``src[i]`` in ``source`` (default:
         this window; copy-on-write), or none when ``src[i]`` has none there. ``source`` may
         be another window (the host tier's) with the same geometry."""
         source = self if source is None else source
+        with source.lock:       # the same lock for a store's two windows
+            self._copy(src, dst, source)
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, source: "RecentWindow") -> None:
         self.drop(dst)
         has = source.slot_of[src] >= 0
         if not has.any():
@@ -168,6 +197,7 @@ class RecentWindow:
         self.data[:, d] = source.data[:, s].to(self.data.device)
         self.valid[:, d] = source.valid[:, s].to(self.valid.device)
 
+    @_locked
     def export_rows(self, blocks: np.ndarray):
         """The window copies of ``blocks``, for another process's window (a sequence
         handoff): ``(which, data, valid)`` with ``which`` the positions in ``blocks`` that
@@ -177,6 +207,7 @@ class RecentWindow:
         s = torch.from_numpy(slots[which]).to(self.data.device)
         return which, self.data[:, s], self.valid[:, s]
 
+    @_locked
     def import_rows(self, blocks: np.ndarray, data: torch.Tensor, valid: torch.Tensor) -> None:
         """Give ``blocks`` (distinct, oldest first) the window copies ``data``/``valid``
         that :meth:`export_rows` produced elsewhere; with fewer slots than blocks the
@@ -195,6 +226,7 @@ class RecentWindow:
 
     # -- data -------------------------------------------------------------------------
 
+    @_locked
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               slots: Optional[np.ndarray] = None) -> None:
         """Keep the model-precision K/V of the written tokens (slots < 0 skipped).
@@ -220,6 +252,7 @@ class RecentWindow:
         self.data[layer, ws, 1, off] = value[rows].to(self.data.dtype)
         self.valid[layer, ws, off] = True
 
+    @_locked
     def full_blocks(self, layer: int, blocks: np.ndarray) -> np.ndarray:
         """Those of ``blocks`` (distinct) whose every row is held for ``layer``."""
         ws = self.slot_of[blocks]
@@ -229,11 +262,13 @@ class RecentWindow:
         full = self.valid[layer, torch.from_numpy(ws[held]).to(self.valid.device)].all(dim=-1).cpu().numpy()
         return blocks[held][full]
 
+    @_locked
     def rows(self, layer: int, blocks: np.ndarray, kv: int = 0):
         """``(data, valid)`` of held ``blocks`` for ``layer``: ``[n, bs, H, D]`` and ``[n, bs]``."""
         ws = torch.from_numpy(self.slot_of[blocks]).to(self.data.device)
         return self.data[layer, ws, kv], self.valid[layer, ws]
 
+    @_locked
     def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
                 value: torch.Tensor, pending: Optional[np.ndarray] = None, transform=None) -> None:
         """Overwrite, in gathered ``key``/``value`` ``[sum(seq_lens), H, D]``, each
@@ -290,11 +325,13 @@ class RecentWindow:
         key[r] = wk.to(key.dtype)
         value[r] = wv.to(value.dtype)
 
+    @_locked
     def held(self, block: int) -> Optional[int]:
         """The window slot of ``block`` (None when it has none)."""
         s = int(self.slot_of[block])
         return None if s < 0 else s
 
+    @_locked
     def __len__(self) -> int:
         return int((self.block_of >= 0).sum())
 
