@@ -293,7 +293,13 @@ cdef class BlockTables:
         # Per-row limit and table capacity for reserving n tokens; changes nothing visible.
         if n > self.max_tokens - row.num_reserved:
             return self.raise_too_long(row, n)
-        return row_room_blocks(row, nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift))
+        cdef int64_t end = nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift)
+        if end - row.num_blocks > self.pool.num_blocks:
+            # More new blocks than the pool has: refused before the table grows, or a
+            # sliding table (whose length is not bounded by the pool) would reallocate
+            # gigabytes for a hostile count, and keep them for the row's next sequences.
+            return self.raise_too_long(row, n)
+        return row_room_blocks(row, end)
 
     cdef int raise_too_long(self, SeqRow* row, int64_t n) except -1:
         # n may exceed the pool; the count it would need is exact all the same.
