@@ -130,8 +130,8 @@ def test_layer_groups_change_the_fingerprint_and_never_meet_a_tier():
     keys = lambda x, y: sorted(k for k, _, _ in differences(x, y))  # noqa: E731
     assert keys(plain, sliding) == ["layer_groups", "layer_windows"]
     assert keys(sliding, sinks) == ["attention_sinks", "layer_groups"]
-    with pytest.raises(InvalidArgumentError, match="layer_windows: expected full attention in every layer "
-                                                   "with host or prefix tiers"):
+    with pytest.raises(InvalidArgumentError, match=r"prefix tiers \(prefix_host_blocks, prefix_disk_dir\): expected a "
+                                                   "cache with full attention in every layer"):
         config(num_layers=3, layer_windows=(0, 8, 8), prefix_host_blocks=4)
 
 

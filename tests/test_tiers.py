@@ -329,16 +329,20 @@ def _disk_with_a_prefix(path, **over):
     return opts
 
 
-def test_a_corrupt_block_file_is_refused(tmp_path):
+def test_a_corrupt_block_costs_a_miss_not_the_tier(tmp_path):
     opts = _disk_with_a_prefix(tmp_path)
     with open(tmp_path / "blocks.bin", "r+b") as f:
         f.seek(5)
         byte = f.read(1)
         f.seek(5)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(TierFileError, match=r"blocks\.bin: expected slot 0 intact, got its data does not match its CRC-32"):
-        make(**opts)
-    assert _unlocked(tmp_path)                                      # refused and released
+    with pytest.warns(RuntimeWarning, match=r"index\.bin: dropped 1 damaged record\(s\) and \d+ record\(s\) below"):
+        kv = make(**opts)
+    with kv:                              # slot 0 (the chain's first block) costs a miss, never the tier
+        tier = kv._tiers.disk
+        assert tier.num_corrupt_dropped == 1 and tier.num_corrupt == 1
+        assert int(tier.records["valid"].sum()) == 0                # its descendants went with it
+    assert _unlocked(tmp_path)                                      # closed and released
 
 
 def _unlocked(path) -> bool:
@@ -354,13 +358,15 @@ def _unlocked(path) -> bool:
         os.close(fd)
 
 
-def test_a_corrupt_index_record_is_refused(tmp_path):
+def test_a_corrupt_index_record_costs_a_miss_not_the_tier(tmp_path):
     opts = _disk_with_a_prefix(tmp_path)
     with open(tmp_path / "index.bin", "r+b") as f:
         f.seek(40)                                                   # a token of slot 0
         f.write(b"\x07")
-    with pytest.raises(TierFileError, match=r"index\.bin: expected slot 0 intact, got its record does not match"):
-        make(**opts)
+    with pytest.warns(RuntimeWarning, match=r"dropped 1 damaged record\(s\)"):
+        kv = make(**opts)
+    with kv:
+        assert kv._tiers.disk.num_corrupt_dropped == 1 and int(kv._tiers.disk.records["valid"].sum()) == 0
 
 
 def test_a_truncated_file_is_refused(tmp_path):

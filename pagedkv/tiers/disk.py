@@ -16,9 +16,10 @@ Files (``dir/``):
 Nothing here depends on a per-process secret: hits are verified by tokens and chain
 links, and the tier hash uses a fixed seed. Opening verifies the header against this
 cache, every slot record (its CRC, its parent link, its hash recomputed from its
-tokens) and, unless ``verify_blocks=False``, every block's CRC; anything wrong raises
-:class:`~pagedkv.errors.TierFileError` naming the file and the slot, and the directory
-is not used. Reads verify the block's CRC again before its data reaches the device; a
+tokens) and, unless ``verify_blocks=False``, every block's CRC. A header or file
+size that does not match raises :class:`~pagedkv.errors.TierFileError` and the directory
+is not used; a record that fails its checks is dropped with its descendants, a miss
+each (corruption, or a write torn by a power loss), and the rest is served. Reads verify the block's CRC again before its data reaches the device; a
 block that fails is dropped (with its descendants) and costs a miss.
 
 A slot becomes valid on disk only after its data is written and sealed (CRC, then the
@@ -118,14 +119,10 @@ class DiskPrefixTier(Tier):
             self._open_maps()
             if not fresh:
                 self._load_namespaces()
-                self._check_records()
+                self._check_records(verify_blocks)
             self._loaded = True
             self.index = ChainIndex(self.records, block_size, eviction=eviction, weak_hash=weak_hash,
                                     on_evict=on_evict, on_removed=self._persist)
-            if not fresh and verify_blocks:
-                for s in np.flatnonzero(self.records["valid"] == 1).tolist():
-                    if not self.verify(s):
-                        raise self._corrupt("blocks.bin", s, "its data does not match its CRC-32")
             self.index.pins[:] = 0
         except BaseException:
             self.dir.rollback()       # before close(): it removes what this open created through the directory
@@ -256,30 +253,34 @@ class DiskPrefixTier(Tier):
                 raise
         return super().namespace(key, create)
 
-    def _corrupt(self, name: str, slot: int, why: str) -> TierFileError:
-        return TierFileError(expected(self._file(name), f"slot {slot} intact", why))
-
-    def _check_records(self) -> None:
-        """Refuse evidence of corruption (a bad flag, a CRC or a hash that disagrees with
-        its record); drop, as a miss, what an interrupted writer can leave (a record whose
-        parent slot was emptied or whose namespace never reached namespaces.json)."""
+    def _check_records(self, verify_blocks: bool = True) -> None:
+        """Drop, as a miss, every record that cannot be trusted, and keep the rest: a bad
+        valid flag, a record or (``verify_blocks``) block whose CRC-32 disagrees, a hash
+        that disagrees with its tokens or repeats another's (corruption, or a write torn
+        by a crash), and what an interrupted writer can leave (a record whose parent slot
+        was emptied or whose namespace never reached namespaces.json). A dropped
+        record's descendants go with it (their chain is broken). Counted in
+        ``num_corrupt_dropped`` and ``num_orphans_dropped``, and warned about: a damaged
+        record costs that record, never the tier, and is never served."""
         r = self.records
-        valid = np.array(r["valid"])
-        if not np.isin(valid, (0, 1)).all():
-            raise self._corrupt("index.bin", int(np.flatnonzero(~np.isin(valid, (0, 1)))[0]), "a bad valid flag")
+        raw_valid = np.array(r["valid"])
+        bad = set(np.flatnonzero(~np.isin(raw_valid, (0, 1))).tolist())
+        valid = np.where(np.isin(raw_valid, (0, 1)), raw_valid, 0)
         n = self.meta["capacity"]
         parent, pgen, gen = np.array(r["parent"]), np.array(r["parent_gen"]), np.array(r["gen"])
         ns, stored, rec_crc = np.array(r["ns"]), np.array(r["hash"]), np.array(r["rec_crc"])
         held = np.flatnonzero(valid == 1).tolist()
         kids = {}
         for s in held:
-            if zlib.crc32(self._raw_records[s, :self._checked_bytes]) != int(rec_crc[s]):
-                raise self._corrupt("index.bin", s, "its record does not match its CRC-32")
+            if zlib.crc32(self._raw_records[s, :self._checked_bytes]) != int(rec_crc[s]) or (
+                    verify_blocks and not self.verify(s)):
+                bad.add(s)
+                continue
             p = int(parent[s])
             if (p == ROOT or (0 <= p < n and valid[p] == 1 and gen[p] == pgen[s])) and 0 <= ns[s] < len(self.ns_keys):
                 kids.setdefault(p, []).append(s)
         # Recompute every hash from the root down (parents first): a record that decodes
-        # but lies about its content is refused too.
+        # but lies about its content is dropped too, with its subtree.
         hashes, owner = {ROOT: ROOT_HASH}, {}
         frontier = kids.get(ROOT, [])
         while frontier:
@@ -287,19 +288,24 @@ class DiskPrefixTier(Tier):
             for s in frontier:
                 h = chain_hash(hashes[int(parent[s])], self.ns_hashes[int(ns[s])], np.asarray(r["tokens"][s]),
                                self.weak_hash)
-                if h != int(stored[s]):
-                    raise self._corrupt("index.bin", s, "its hash does not match its tokens")
-                if h in owner:
-                    raise self._corrupt("index.bin", s, f"it repeats the hash of slot {owner[h]}")
+                if h != int(stored[s]) or h in owner:
+                    bad.add(s)
+                    continue
                 hashes[s], owner[h] = h, s
                 nxt.extend(kids.get(s, ()))
             frontier = nxt
-        orphans = sorted(set(held) - set(owner.values()))
-        for s in orphans:
+        kept = set(owner.values())
+        dropped = sorted(bad | (set(held) - kept))
+        for s in dropped:
             r["valid"][s] = 0
             r["gen"][s] += 1
             self._persist(s)
-        self.num_orphans_dropped = len(orphans)
+        self.num_corrupt_dropped = len(bad)
+        self.num_orphans_dropped = len(dropped) - len(bad)
+        if bad:
+            warnings.warn(f"pagedkv: {self._file('index.bin')}: dropped {len(bad)} damaged record(s) and "
+                          f"{self.num_orphans_dropped} record(s) below them (a miss each, never served)",
+                          RuntimeWarning, stacklevel=3)
         # hits and stamp are outside the CRC and only order eviction: renumber the stamps
         # (any stored value, 2**64-1 included, becomes a rank) so the clock cannot overflow.
         live = np.flatnonzero(r["valid"] == 1)
