@@ -143,20 +143,24 @@ class PagedKVCache:
         self._namespaces = NamespaceRegistry()
         self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
         self._deferred: collections.deque = collections.deque()   # batches queued by free_deferred
-        self._host = None
-        if config.host_num_blocks:
-            from pagedkv.offload import HostTier
-
-            self._host = HostTier(self.tables, self.store, config.host_num_blocks, self._namespaces.hash_of)
         self._tiers = None
         if config.has_prefix_tiers:
             if self.store is None:
                 raise InvalidArgumentError(expected("allocate_store", "True with prefix tiers (they hold KV)", False))
             from pagedkv.tiers import PrefixTiers
 
-            self._tiers = PrefixTiers(self)
-            if self._host is not None:
-                self._host.sync = self._tiers.sync
+            names = self._namespaces
+            if self._groups is not None:
+                from pagedkv.group_tables import GroupNamespaces
+
+                names = GroupNamespaces(names)
+            self._tiers = PrefixTiers(config, self.index, self.store, self._pool, names, self._book)
+        self._host = None
+        if config.host_num_blocks:
+            from pagedkv.offload import HostTier
+
+            self._host = HostTier(self.tables, self.store, config.host_num_blocks, self._namespaces.hash_of,
+                                  sync=self._tiers.sync if self._tiers is not None else None)
 
     def _prefix_index(self, config: CacheConfig) -> PrefixIndex:
         """The prefix index (a hook: :func:`pagedkv.testing.weak_hash_cache` overrides it)."""
@@ -199,9 +203,9 @@ class PagedKVCache:
                     self._ids.forget(key)
                 self._namespaces.rollback(mark)
                 raise
-            if self._tiers is not None and tokens is not None and cap is None:
+            if self._tiers is not None and tokens is not None:
                 try:
-                    hit = self._tiers.promote(key, tokens, ns_id, hit)
+                    hit = self._tiers.promote(key, tokens, ns_id, hit, max_blocks=cap)
                 except BaseException:
                     self._book.remove(key, internal=True)
                     if fresh:
@@ -655,8 +659,9 @@ class PagedKVCache:
         on the device or in a prefix tier (whichever holds more full blocks). With
         layer groups: the longest prefix every group holds (:meth:`match_prefix_groups`)."""
         if self._groups is not None:
-            return self.match_prefix_groups(token_ids, cache_salt=cache_salt, adapter_id=adapter_id)["tokens"]
-        found = len(self._prefix_blocks(token_ids, cache_salt, adapter_id, required=False)) * self.config.block_size
+            found = self.match_prefix_groups(token_ids, cache_salt=cache_salt, adapter_id=adapter_id)["tokens"]
+        else:
+            found = len(self._prefix_blocks(token_ids, cache_salt, adapter_id, required=False)) * self.config.block_size
         if self._tiers is not None:
             with self._lock:
                 found = max(found, self._tiers.match(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id)))

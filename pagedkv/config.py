@@ -319,8 +319,6 @@ class CacheConfig:
 
             if self.host_num_blocks:
                 require("host swap (host_num_blocks, swap_out / swap_in)", self, configuration=GROUPS)
-            if self.has_prefix_tiers:
-                require("prefix tiers (prefix_host_blocks, prefix_disk_dir)", self, configuration=GROUPS)
         put("layer_windows", tuple(windows) if plan is not None else None)
         put("_groups", plan)
         if plan is not None and self.quantized and not self.quantized_slots:

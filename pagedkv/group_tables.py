@@ -29,9 +29,48 @@ from pagedkv._core.tables import BlockTables
 from pagedkv.errors import InternalError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected
 from pagedkv.layer_groups import GroupPlan
 
-__all__ = ["GroupTables", "GROUP_NS_BITS"]
+__all__ = ["GroupTables", "GroupNamespaces", "GROUP_NS_BITS", "group_key"]
 
 GROUP_NS_BITS = 24     # namespace ids below 2**24; the group index goes above them
+
+
+def group_key(nkey: bytes, group: int) -> bytes:
+    """The process-independent key of a cache namespace's layer-group namespace (what
+    a prefix tier files group ``group``'s blocks under; group 0 keeps the cache's key)."""
+    return nkey if group == 0 else nkey + b"\x00layer-group:" + str(group).encode()
+
+
+class GroupNamespaces:
+    """The namespace registry as the prefix tiers see it with layer groups: a device
+    namespace id carries its group above ``GROUP_NS_BITS``, and each group's blocks are
+    filed under :func:`group_key`, whose hash seed is the group's device seed, so tier
+    chains and device chains hash alike."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    @staticmethod
+    def split(ns_id: int) -> Tuple[int, int]:
+        return ns_id & ((1 << GROUP_NS_BITS) - 1), ns_id >> GROUP_NS_BITS
+
+    def key_of(self, ns_id: int) -> bytes:
+        base, g = self.split(ns_id)
+        return group_key(self.registry.key_of(base), g)
+
+    def name(self, ns_id: int):
+        return self.registry.name(self.split(ns_id)[0])
+
+    def _parse(self, nkey: bytes) -> Tuple[bytes, int]:
+        base, sep, g = nkey.rpartition(b"\x00layer-group:")
+        return (base, int(g)) if sep and g.isdigit() else (nkey, 0)
+
+    def hash_of_key(self, nkey: bytes) -> int:
+        base, g = self._parse(nkey)
+        h = self.registry.hash_of_key(base)
+        return h if g == 0 else hash_bytes(struct.pack("<QQ", h, g))
+
+    def name_of_key(self, nkey: bytes):
+        return self.registry.name_of_key(self._parse(nkey)[0])
 
 
 class GroupTables:

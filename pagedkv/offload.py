@@ -43,15 +43,16 @@ class HostTier:
     Errors name the caller's ids through ``tables.namer``.
     """
 
-    def __init__(self, tables, store, num_blocks: int, namespace_hash: Callable[[int], int]):
+    def __init__(self, tables, store, num_blocks: int, namespace_hash: Callable[[int], int],
+                 sync: Optional[Callable[[], None]] = None):
         self.tables = tables
         self.store = store
         self.pool = BlockPool(num_blocks)
         self._namespace_hash = namespace_hash
         self.swapped: Dict[int, _Swapped] = {}
-        # Set by a cache with prefix tiers: moves the prefix blocks an allocation evicted
-        # down to the tiers before anything overwrites their KV.
-        self.sync: Optional[Callable[[], None]] = None
+        # A cache with prefix tiers passes theirs: it moves the prefix blocks an
+        # allocation evicted down to the tiers before anything overwrites their KV.
+        self.sync = sync
 
     @property
     def num_swapped(self) -> int:

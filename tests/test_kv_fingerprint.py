@@ -123,16 +123,19 @@ def test_each_stored_setting_changes_the_fingerprint(setting, a, b, diffs):
     assert got == diffs
 
 
-def test_layer_groups_change_the_fingerprint_and_never_meet_a_tier():
+def test_layer_groups_change_the_fingerprint_and_a_tier_refuses_the_other_layout(tmp_path):
     plain = fingerprint(config(num_layers=3))
     sliding = fingerprint(config(num_layers=3, layer_windows=(0, 8, 8)))
     sinks = fingerprint(config(num_layers=3, layer_windows=(0, 8, 8), attention_sinks=4))
     keys = lambda x, y: sorted(k for k, _, _ in differences(x, y))  # noqa: E731
     assert keys(plain, sliding) == ["layer_groups", "layer_windows"]
     assert keys(sliding, sinks) == ["attention_sinks", "layer_groups"]
-    with pytest.raises(InvalidArgumentError, match=r"prefix tiers \(prefix_host_blocks, prefix_disk_dir\): expected a "
-                                                   "cache with full attention in every layer"):
-        config(num_layers=3, layer_windows=(0, 8, 8), prefix_host_blocks=4)
+    with PagedKVCache(config(num_layers=3, layer_windows=(0, 8, 8), **disk(tmp_path))) as grouped:
+        write_prefix(grouped, TOKENS)
+    before = snapshot(tmp_path / "tier")
+    with pytest.raises(TierFileError, match=r"layer_windows=None.*got .*layer_windows=\[0, 8, 8\]"):
+        PagedKVCache(config(num_layers=3, **disk(tmp_path)))
+    assert snapshot(tmp_path / "tier") == before
 
 
 def test_settings_that_do_not_change_the_bytes_leave_the_fingerprint_alone():

@@ -98,8 +98,6 @@ def test_bad_hf_layer_kinds_are_typed_errors(src, match):
     (dict(layer_windows=(8, 0, 8, 0), host_num_blocks=4),
      r"host swap \(host_num_blocks, swap_out / swap_in\): expected a cache with full attention in every layer "
      r"\(the host tier's swap tables hold one block table per sequence\), got sliding-window layer groups"),
-    (dict(layer_windows=(8, 0, 8, 0), prefix_host_blocks=4),
-     r"prefix tiers \(prefix_host_blocks, prefix_disk_dir\): expected a cache with full attention in every layer"),
 ])
 def test_bad_group_settings_are_typed_errors(kw, match):
     with pytest.raises(InvalidArgumentError, match=match):

@@ -40,6 +40,7 @@ from pagedkv.tiers.chain import ROOT
 from pagedkv.tiers.disk import DiskPrefixTier
 from pagedkv.tiers.host import HostPrefixTier
 from pagedkv.tiers.stats import TierStats
+from pagedkv.group_tables import GROUP_NS_BITS, group_key
 
 __all__ = ["PrefixTiers"]
 
@@ -59,11 +60,29 @@ class _Rec(NamedTuple):
 
 
 class PrefixTiers:
-    def __init__(self, cache):
-        cfg = cache.config
-        self.cache = cache
-        self.index = cache.index
-        self.store = cache.store
+    """The prefix tiers below one cache's device index.
+
+    Args:
+        config: the cache's :class:`~pagedkv.config.CacheConfig`.
+        index: the device :class:`~pagedkv._core.prefix.PrefixIndex`.
+        store: the :class:`~pagedkv.store.KVStore` (the tiers copy its arenas' blocks).
+        pool: the device :class:`~pagedkv._core.pool.BlockPool` (free blocks, pins).
+        namespaces: ``key_of``, ``name``, ``hash_of_key`` and ``name_of_key`` of device
+            namespace ids (the cache's registry, or a
+            :class:`~pagedkv.group_tables.GroupNamespaces` over it with layer groups).
+        tables: what admissions promote into: the ``BlockTables``, or the
+            :class:`~pagedkv.group_tables.GroupTables` (each group's blocks come from
+            its own chain in the tiers, filed under its group's namespace).
+    """
+
+    def __init__(self, config, index, store, pool, namespaces, tables):
+        cfg = config
+        self.index = index
+        self.store = store
+        self.pool = pool
+        self.namespaces = namespaces
+        self.tables = tables
+        self.groups = list(getattr(tables, "tables", [tables]))     # one BlockTables per layer group
         self.bs = cfg.block_size
         self.through = cfg.prefix_tier_write == "through"
         self.events = cfg.enable_kv_events
@@ -113,7 +132,7 @@ class PrefixTiers:
 
         def rec(i):
             parent = None if pblocks[i] < 0 else (pblocks[i], pgens[i])
-            return _Rec(tokens[i], self.cache._namespaces.key_of(ns[i]), parent, blocks[i], hashes[i])
+            return _Rec(tokens[i], self.namespaces.key_of(ns[i]), parent, blocks[i], hashes[i])
 
         removed = np.flatnonzero(kinds == 2).tolist()
         self._removed = {(blocks[i], gens[i]): rec(i) for i in removed}
@@ -138,8 +157,8 @@ class PrefixTiers:
                 return None                 # its KV is gone
             info = self.index.block_info(b)
             parent = None if info["parent_block"] < 0 else (info["parent_block"], info["parent_generation"])
-            return _Rec(np.asarray(info["tokens"], dtype=np.int32), self.cache._namespaces.key_of(info["namespace"]),
-                        parent, b, info["hash"], self.cache.pool.pin_count(b))
+            return _Rec(np.asarray(info["tokens"], dtype=np.int32), self.namespaces.key_of(info["namespace"]),
+                        parent, b, info["hash"], self.pool.pin_count(b))
         tier = self._tier(src)
         s, g = key
         r = tier.index.rec
@@ -251,74 +270,93 @@ class PrefixTiers:
         return self.host if medium == "host" else self.disk
 
     # ---- promotion ------------------------------------------------------------------------
-    def promote(self, key: int, tokens: np.ndarray, ns_id: int, hit: int) -> int:
+    def promote(self, key: int, tokens: np.ndarray, ns_id: int, hit: int, max_blocks: Optional[int] = None) -> int:
         """Extend a just-admitted sequence's device hit (``hit`` tokens) from the tiers;
-        returns the new hit. Verified like a device hit; limited by free device blocks."""
+        returns the new hit. Verified like a device hit; limited by free device blocks.
+        With layer groups every group is extended by the same blocks, each from its own
+        chain (a sliding group's too: its commit then releases what left the window, as
+        after a computed prefill), so the hit is the longest every group can reach.
+        ``max_blocks`` caps the hit (``add_sequence(max_cached_tokens=)``)."""
         bs = self.bs
-        max_blocks = (len(tokens) - 1) // bs
+        cap = (len(tokens) - 1) // bs
+        max_blocks = cap if max_blocks is None else min(cap, max_blocks)
         have = hit // bs
         if have >= max_blocks:
             return hit
-        ns_key = self.cache._namespaces.key_of(ns_id)
-        chains = []
-        for t in self.tiers:
-            ns = t.namespace(ns_key, create=False)
-            if ns is not None:
-                chains.append((t, t.index.lookup(tokens, ns, t.ns_hashes[ns], max_blocks)))
-        best = max([len(c) for _, c in chains], default=0)
-        n = min(best, have + self.cache.pool.num_free_blocks) - have
+        chains = []                       # per group: [(tier, chain of slots)]
+        for g in range(len(self.groups)):
+            ns_key = self.namespaces.key_of(ns_id | (g << GROUP_NS_BITS))
+            found = []
+            for t in self.tiers:
+                ns = t.namespace(ns_key, create=False)
+                if ns is not None:
+                    found.append((t, t.index.lookup(tokens, ns, t.ns_hashes[ns], max_blocks)))
+            chains.append(found)
+        best = min(max([len(c) for _, c in found], default=0) for found in chains)
+        n = min(best, have + self.pool.num_free_blocks // len(self.groups)) - have
         if n <= 0:
             return hit
-        sources = []                      # per promoted block: (tier, slot), upper tier first
-        for i in range(have, have + n):
-            sources.append(next((t, c[i]) for t, c in chains if len(c) > i))
-        leases = {t.medium: list(c[:have + n]) for t, c in chains}
-        for t, c in chains:
-            t.index.lease(leases[t.medium])
-        tables = self.cache.tables
+        # per group and promoted block: (tier, slot), upper tier first
+        sources = [[next((t, c[i]) for t, c in found if len(c) > i) for i in range(have, have + n)]
+                   for found in chains]
+        leases = [[t, list(c[:have + n])] for found in chains for t, c in found]
+        for t, held in leases:
+            t.index.lease(held)
+
+        def release(tier=None):
+            for lease in leases:
+                if lease[1] and (tier is None or lease[0] is tier):
+                    lease[0].index.release(lease[1])
+                    lease[1] = []
+
         reserved = False
         try:
-            for j, (t, s) in enumerate(sources):
-                if not t.verify(s):
-                    n = j
-                    t.index.release(leases.pop(t.medium))
-                    self._drop_corrupt(t, s)
-                    break
+            for src in sources:
+                for j, (t, s) in enumerate(src[:n]):
+                    if not t.verify(s):
+                        n = j
+                        release(t)        # a leased slot cannot leave its tier
+                        self._drop_corrupt(t, s)
+                        break
             if n == 0:
                 return hit
-            sources = sources[:n]
-            tables.reserve(key, n * bs, internal=True)
+            sources = [src[:n] for src in sources]
+            self.tables.reserve(key, n * bs, internal=True)
             reserved = True
             self.sync()                   # evicted blocks go down before we overwrite them
-            blocks = tables.blocks(key)[have:have + n].tolist()
-            by_tier = defaultdict(list)
-            for (t, s), b in zip(sources, blocks):
-                by_tier[t.medium].append((s, b))
-            for medium, pairs in by_tier.items():
-                self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
-                self.store.replaced([p[1] for p in pairs])
-            tables.commit(key, n * bs, internal=True)
+            blocks = [tb.blocks(key)[have:have + n].tolist() for tb in self.groups]
+            for src, dst in zip(sources, blocks):
+                by_tier = defaultdict(list)
+                for (t, s), b in zip(src, dst):
+                    by_tier[t.medium].append((s, b))
+                for medium, pairs in by_tier.items():
+                    self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
+                    self.store.replaced([p[1] for p in pairs])
+            self.tables.commit(key, n * bs, internal=True)
             reserved = False
         except BaseException:
             if reserved:
-                tables.unreserve(key, internal=True)
+                self.tables.unreserve(key, internal=True)
             raise
         finally:
-            for medium, held in leases.items():
-                self._tier(medium).index.release(held)
-        deepest = {}
-        for (t, s), b in zip(sources, blocks):
-            if self.index.is_cached(b):
-                self._link(t, DEVICE, (b, self.index.generation(b)), s)
-                for _ in range(int(t.index.pins[s])):   # pinned there: pinned here too
-                    self.cache._pool.pin([b])   # the tier manager is part of the cache
+            release()
+        promoted = {}
+        for src, dst in zip(sources, blocks):
+            deepest = {}
+            for (t, s), b in zip(src, dst):
+                if self.index.is_cached(b):
+                    self._link(t, DEVICE, (b, self.index.generation(b)), s)
+                    for _ in range(int(t.index.pins[s])):   # pinned there: pinned here too
+                        self.pool.pin([b])
+                deepest[t.medium] = s
+                promoted[b] = t.medium
+            for medium, s in deepest.items():
+                t = self._tier(medium)
+                for a in t.index.chain(s):
+                    t.index.touch(a, hit=True)
+        for (t, _) in sources[0]:         # a hit's tokens are counted once, not per group
             t.num_hit_tokens += bs
-            deepest[t.medium] = s
-        for medium, s in deepest.items():
-            t = self._tier(medium)
-            for a in t.index.chain(s):
-                t.index.touch(a, hit=True)
-        self.sync({b: t.medium for (t, _), b in zip(sources, blocks)})
+        self.sync(promoted)
         return (have + n) * bs
 
     def _drop_corrupt(self, tier: Tier, slot: int) -> None:
@@ -336,18 +374,24 @@ class PrefixTiers:
                 yield t, t.index.lookup(tokens, ns, t.ns_hashes[ns], len(tokens) // self.bs)
 
     def match(self, tokens: np.ndarray, ns_key: bytes) -> int:
-        """Tokens of ``tokens`` (full blocks) the tiers hold; no side effects."""
-        return max([len(c) for _, c in self._chains(tokens, ns_key)], default=0) * self.bs
+        """Tokens of ``tokens`` (full blocks) the tiers hold (with layer groups: that
+        every group holds); no side effects."""
+        return min(max([len(c) for _, c in self._chains(tokens, group_key(ns_key, g))], default=0)
+                   for g in range(len(self.groups))) * self.bs
 
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool) -> int:
-        """Pin (or unpin) the blocks of this prefix each tier holds: pinned slots never
-        leave. Returns the tokens of the longest chain (un)pinned."""
-        longest = 0
-        for t, chain in self._chains(tokens, ns_key):
-            for s in chain:
-                t.index.pin(s) if pin else t.index.unpin(s)
-            longest = max(longest, len(chain))
-        return longest * self.bs
+        """Pin (or unpin) the blocks of this prefix each tier holds (every layer group's):
+        pinned slots never leave. Returns the tokens of the longest chain (un)pinned
+        that every group holds."""
+        reach = []
+        for g in range(len(self.groups)):
+            longest = 0
+            for t, chain in self._chains(tokens, group_key(ns_key, g)):
+                for s in chain:
+                    t.index.pin(s) if pin else t.index.unpin(s)
+                longest = max(longest, len(chain))
+            reach.append(longest)
+        return min(reach) * self.bs
 
     def clear(self) -> None:
         """Forget every prefix in every tier (with ``reset_prefix_cache``)."""
@@ -363,8 +407,7 @@ class PrefixTiers:
 
     # ---- events ---------------------------------------------------------------------------------
     def _pull_device_events(self, promoted: Optional[Dict[int, str]] = None) -> None:
-        c = self.cache
-        events = events_from_records(self.index.drain_events(), c._namespaces.name, self.bs, self.index.root)
+        events = events_from_records(self.index.drain_events(), self.namespaces.name, self.bs, self.index.root)
         if promoted:
             events = [e for ev in events for e in _split_loaded(ev, promoted)]
         self._buffer.extend(events)
@@ -380,7 +423,7 @@ class PrefixTiers:
         if h is None:
             chain = tier.index.chain(slot)
             toks = np.concatenate([np.asarray(tier.index.rec["tokens"][s]) for s in chain])
-            ns_hash = self.cache._namespaces.hash_of_key(tier.ns_keys[int(tier.index.rec["ns"][slot])])
+            ns_hash = self.namespaces.hash_of_key(tier.ns_keys[int(tier.index.rec["ns"][slot])])
             for s, hs in zip(chain, self.index.hash_tokens(toks, ns_hash).tolist()):
                 self._dev_hash[(tier.medium, s)] = hs
             h = self._dev_hash[(tier.medium, slot)]
@@ -399,7 +442,7 @@ class PrefixTiers:
         r = tier.index.rec
         parent = int(r["parent"][slot])
         ph = None if parent == ROOT else self._device_hash(tier, parent)
-        ns = self.cache._namespaces.name_of_key(tier.ns_keys[int(r["ns"][slot])])
+        ns = self.namespaces.name_of_key(tier.ns_keys[int(r["ns"][slot])])
         last = self._buffer[-1] if self._buffer else None
         if (isinstance(last, BlockStored) and last.medium == tier.medium and last.block_hashes[-1] == ph
                 and last.namespace == ns):
