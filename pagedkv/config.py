@@ -152,15 +152,17 @@ def kv_dtype_name(value: Any, dtype: str, name: str = "kv_dtype") -> Optional[st
     return row.name
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    """An int (not a bool) in ``[minimum, 2**63)``: a wrong type is an ArgumentTypeError
-    (a TypeError, as the core says), a value out of range an InvalidArgumentError."""
+def _check_int(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> int:
+    """An int (not a bool) in ``[minimum, maximum]`` (default: below 2**63): a wrong
+    type is an ArgumentTypeError (a TypeError, as the core says), a value out of range
+    an InvalidArgumentError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(expected(name, f"an int >= {minimum}", show(value)))
     if int(value) < minimum:
         raise InvalidArgumentError(expected(name, f"an int >= {minimum}", show(value)))
-    if int(value) > INT64_MAX:
-        raise InvalidArgumentError(expected(name, f"an int in [{minimum}, 2**63)", show(value)))
+    if int(value) > maximum:
+        top = "2**63)" if maximum == INT64_MAX else f"{maximum}]"
+        raise InvalidArgumentError(expected(name, f"an int in [{minimum}, {top}", show(value)))
     return int(value)
 
 
@@ -416,9 +418,9 @@ class CacheConfig:
                 expected("low_watermark", f"<= high_watermark ({self.high_watermark})", self.low_watermark)
             )
         if self.hash_seed is not None:
-            seed = _check_int("hash_seed", self.hash_seed, 0)
+            seed = _check_int("hash_seed", self.hash_seed, 0, 2**64)
             if seed >= 2**64:
-                raise InvalidArgumentError(expected("hash_seed", "an int in [0, 2**64)", seed))
+                raise InvalidArgumentError(expected("hash_seed", "an int in [0, 2**64)", show(seed)))
             put("hash_seed", seed)
         put("host_num_blocks", _check_int("host_num_blocks", self.host_num_blocks, 0))
         if self.shuffle_free_blocks is not None:
@@ -813,12 +815,13 @@ def _layer_windows(windows: Any, num_layers: int) -> Tuple[Any, ...]:
     """``layer_windows`` as one entry per layer, in layer order: a list or tuple, or a
     mapping keyed by every layer index (``{0: 4, 1: 0}`` is ``(4, 0)``). Sets and other
     unordered or partial forms are refused: their order is not the layers' order."""
-    want = f"{num_layers} windows (one per layer: a tuple, or a dict keyed by layer 0..{num_layers - 1})"
+    want = f"{num_layers} windows (one per layer)"
     if isinstance(windows, Mapping):
         keys = list(windows)
         if any(isinstance(k, bool) or not isinstance(k, numbers.Integral) for k in keys) or \
                 sorted(int(k) for k in keys) != list(range(num_layers)):
-            raise InvalidArgumentError(expected("layer_windows", want, f"a dict keyed by {show(sorted(keys, key=str))}"))
+            raise InvalidArgumentError(expected("layer_windows", f"{want[:-1]}: a dict keyed by every layer "
+                                                f"0..{num_layers - 1})", f"a dict keyed by {show(sorted(keys, key=str))}"))
         return tuple(windows[k] for k in sorted(keys))
     if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence):
         raise ArgumentTypeError(expected("layer_windows", want, show(windows)))
