@@ -15,7 +15,7 @@ import torch
 
 from model_fixtures import tiny  # noqa: F401
 from pagedkv import CacheConfig, PagedKVCache, memory_check
-from pagedkv.calibration import layer_sensitivity
+from pagedkv.calibration import choose_full_precision_layers, layer_sensitivity
 from pagedkv.config import parse_bytes, show
 from pagedkv.errors import (ArgumentTypeError, DeviceError, InvalidArgumentError, OutOfMemoryError,
                             PagedKVError)
@@ -367,3 +367,9 @@ def test_calibration_count_of_the_wrong_type(tiny):
     model, _ = tiny
     with pytest.raises(ArgumentTypeError, match=whole("chunk: expected an int >= 1, got 2.0")):
         layer_sensitivity(model, _ids(model), kv_dtype="int8", chunk=2.0)
+
+
+@pytest.mark.parametrize("count", [True, 1.0, "1"])
+def test_choose_count_of_the_wrong_type(count):
+    with pytest.raises(ArgumentTypeError, match=whole(f"count: expected an int >= 0, got {count!r}")):
+        choose_full_precision_layers([0.1, 0.2], count)
