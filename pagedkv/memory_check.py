@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence, Tuple
 
 from pagedkv.errors import DeviceError, OutOfMemoryError, expected
 
-__all__ = ["INT64_MAX", "arena_bytes", "available_bytes", "check_fits"]
+__all__ = ["INT64_MAX", "arena_bytes", "available_bytes", "check_device", "check_fits"]
 
 INT64_MAX = 2**63 - 1
 
@@ -52,12 +52,12 @@ def _host_available() -> Optional[int]:
         return None
 
 
-def available_bytes(device: Any) -> Optional[int]:
-    """Free bytes on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device),
-    None where it cannot be told. A CUDA device torch cannot use is a DeviceError."""
+def check_device(device: Any) -> Optional[int]:
+    """A CUDA ``device`` torch cannot use is a DeviceError (torch itself would fail with
+    an AssertionError on a CPU-only build); returns its index, None for the host."""
     text = str(device)
     if text == "cpu":
-        return _host_available()
+        return None
     torch = sys.modules.get("torch")
     if torch is None:
         import torch
@@ -71,6 +71,18 @@ def available_bytes(device: Any) -> Optional[int]:
     index = torch.cuda.current_device() if dev.index is None else dev.index
     if index >= count:
         raise DeviceError(expected("device", f"a CUDA device in [0, {count})", repr(text)))
+    return index
+
+
+def available_bytes(device: Any) -> Optional[int]:
+    """Free bytes on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device),
+    None where it cannot be told. A CUDA device torch cannot use is a DeviceError."""
+    if str(device) == "cpu":
+        return _host_available()
+    index = check_device(device)
+    if index is None:
+        return None
+    import torch
     return int(torch.cuda.mem_get_info(index)[0])
 
 

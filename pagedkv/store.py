@@ -27,7 +27,7 @@ import numpy as np
 from pagedkv import dtypes, ops
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.memory_check import arena_bytes, check_fits
+from pagedkv.memory_check import arena_bytes, check_device, check_fits
 from pagedkv.ops import reference
 from pagedkv.rotation import rotate, rotation_signs
 from pagedkv.block_keys import BlockKeys
@@ -83,6 +83,7 @@ class KVStore:
             raise InvalidArgumentError(expected("config", "a CacheConfig", type(config).__name__))
         self.requested_config = config
         self.device = torch.device(config.device)
+        check_device(self.device)   # before anything asks CUDA (the fp8 check below does)
         if config.quantized and dtypes.info(config.kv_dtype).float8 and not fp8_check(self.device):
             msg = (
                 f"pagedkv: kv_dtype={config.kv_dtype} needs fp8 support (CUDA compute capability "

@@ -250,11 +250,12 @@ def test_layer_windows_in_unordered_or_partial_forms_are_refused(windows, err, m
         CacheConfig(**SHAPE, num_blocks=8, layer_windows=windows)
 
 
-def test_cuda_without_a_usable_gpu_is_a_device_error(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [None, "fp8", "int4"])
+def test_cuda_without_a_usable_gpu_is_a_device_error(monkeypatch, kv_dtype):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceError, match=whole("device: expected a CUDA device torch can use, got 'cuda' "
                                                 "(torch.cuda.is_available() is False: no GPU, or a CPU-only torch)")):
-        PagedKVCache(CacheConfig(**SHAPE, num_blocks=8, device="cuda"))
+        PagedKVCache(CacheConfig(**SHAPE, num_blocks=8, device="cuda", kv_dtype=kv_dtype))
 
 
 # ---- sizes before allocating ---------------------------------------------------------
