@@ -42,8 +42,8 @@ from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
 from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int, tensor_values
 from pagedkv.config import CacheConfig, format_bytes
-from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, PagedKVError, SequenceExistsError,
-                            SequenceNotFoundError, expected)
+from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, InvalidBlockError, PagedKVError,
+                            SequenceExistsError, SequenceNotFoundError, expected)
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.namespaces import NamespaceRegistry, namespace_key
 from pagedkv.pool_view import PoolView
@@ -1015,6 +1015,7 @@ class PagedKVCache:
             if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__len__"):
                 raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
                                                  type(pairs).__name__))
+            _check_pair_values(pairs, self.config.resolved_num_blocks)
             try:
                 pairs = torch.as_tensor(pairs, dtype=torch.int64)
             except (TypeError, ValueError, RuntimeError, OverflowError):
@@ -1143,3 +1144,18 @@ def _slots_tensor(slot_mapping, device):
             tensor_values(slot_mapping, "slot_mapping")      # raises the typed error
         slot_mapping = slot_mapping.to(device, non_blocking=True)
     return slot_mapping
+
+
+def _check_pair_values(pairs, num_blocks: int) -> None:
+    """copy_blocks' list input, value by value, before torch converts it: a float or
+    bool is a wrong type (torch would truncate 1.5 to 1), an int past int64 is an
+    out-of-range block id (torch would fail with an overflow)."""
+    want = "an int [P, 2] array of (src, dst) block ids"
+    for i, row in enumerate(pairs):
+        items = row if hasattr(row, "__len__") and not isinstance(row, (str, bytes)) else (row,)
+        for j, v in enumerate(items):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ArgumentTypeError(expected("pairs", want, f"{type(v).__name__} {v!r} at row {i}"))
+            if not -2**63 <= v < 2**63:
+                where = f"{('src', 'dst')[j]} row {i}" if j < 2 else f"row {i}"   # op_checks.block_id_error's words
+                raise InvalidBlockError(expected("pairs", f"block ids in [0, {num_blocks})", f"{int(v)} at {where}"))

@@ -23,7 +23,7 @@ import torch
 
 from pagedkv import dtypes
 from pagedkv.config import CacheConfig
-from pagedkv.errors import InvalidArgumentError, ShapeError, expected
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, ShapeError, expected
 
 __all__ = ["layer_sensitivity", "choose_full_precision_layers"]
 
@@ -38,9 +38,44 @@ def _check_ids(input_ids: Any) -> torch.Tensor:
 
 
 def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(expected(name, f"an int >= {minimum}", repr(value)))
+    if value < minimum:
         raise InvalidArgumentError(expected(name, f"an int >= {minimum}", repr(value)))
     return int(value)
+
+
+#: CacheConfig options the pass sets itself: a caller's value would collide with them
+_OWN_OPTIONS = ("num_blocks", "memory_budget", "dtype", "kv_window_sequences")
+
+
+def _check_model(model: Any) -> torch.dtype:
+    """The model's parameter dtype; a typed error for anything that is not a model."""
+    params = getattr(model, "parameters", None)
+    if not callable(params) or getattr(model, "config", None) is None:
+        raise ArgumentTypeError(expected("model", "a transformers causal LM (with .config and .parameters())",
+                                         type(model).__name__))
+    first = next(iter(params()), None)
+    if not isinstance(first, torch.Tensor):
+        raise InvalidArgumentError(expected("model", "a model with parameters", "one without"))
+    return first.dtype
+
+
+def _vocab_size(model: Any) -> Any:
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    n = getattr(emb, "num_embeddings", None)
+    return n if n is not None else getattr(model.config, "vocab_size", None)
+
+
+def _check_vocab(ids: torch.Tensor, vocab: Any) -> None:
+    # an id outside the embedding table would index past it: refused before any pass
+    if isinstance(vocab, bool) or not isinstance(vocab, numbers.Integral):
+        return
+    bad = ((ids < 0) | (ids >= vocab)).nonzero()
+    if bad.numel():
+        pos = int(bad[0, 1])
+        raise InvalidArgumentError(expected("input_ids", f"token ids in [0, {vocab}) (the model's vocabulary)",
+                                            f"{int(ids[0, pos])} at position {pos}"))
 
 
 @torch.no_grad()
@@ -75,16 +110,20 @@ def layer_sensitivity(model: Any, input_ids: torch.Tensor, *, chunk: int = 128, 
         model-precision cache's next-token distributions when only layer ``l`` is
         quantized, averaged over the ``n`` positions.
     """
+    dtype = _check_model(model)
     ids = _check_ids(input_ids)
+    _check_vocab(ids, _vocab_size(model))
     chunk = _check_count("chunk", chunk, 1)
     if "kv_full_precision_layers" in lowbit:
         raise InvalidArgumentError(expected("kv_full_precision_layers", "not given (the pass sets it per layer)",
                                             repr(lowbit["kv_full_precision_layers"])))
+    for name in _OWN_OPTIONS:
+        if name in lowbit:
+            raise InvalidArgumentError(expected(name, "not given (the calibration pass sets it)", repr(lowbit[name])))
     row = dtypes.lookup(lowbit.get("kv_dtype"))
     if row is None or not row.quantized:
         names = ", ".join(dtypes.quantized_names())
         raise InvalidArgumentError(expected("kv_dtype", f"a quantized kv dtype ({names})", repr(lowbit.get("kv_dtype"))))
-    dtype = next(model.parameters()).dtype
     num_blocks = -(-ids.shape[1] // _check_count("block_size", block_size, 1)) + 2
     base_cfg = CacheConfig.from_hf_config(model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
     base = _log_probs(model, ids, base_cfg, chunk)

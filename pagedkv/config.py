@@ -11,11 +11,11 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from pagedkv import dtypes
-from pagedkv.errors import DTypeError, InvalidArgumentError, expected
-from pagedkv.gguf_metadata import GGUF_MAGIC, hf_fields_from_gguf, read_gguf_metadata
+from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
+from pagedkv.gguf_metadata import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
 from pagedkv.layer_groups import GroupPlan, layer_windows_from_hf, plan_groups
 
 __all__ = [
@@ -61,32 +61,54 @@ _UNITS = {
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
 }
-_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_BYTES_RE = re.compile(r"^\s*([0-9]*)(?:\.([0-9]*))?\s*([a-zA-Z]*)\s*$")
+INT64_MAX = 2**63 - 1
+#: digits of a byte count's integer part read at most (2**63 has 19): longer is refused
+#: before conversion, so a 5,000-digit string costs nothing
+_MAX_DIGITS = 24
 
 
 def parse_bytes(value: Union[int, str], name: str = "memory_budget") -> int:
     """Parse a byte count: an int, or a string like ``"4GiB"``, ``"512MB"``, ``"1.5 G"``.
 
     ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` are powers of 1024; ``KB/MB/GB/TB``
-    are powers of 1000. Fractions round down to whole bytes.
+    are powers of 1000. Fractions round down to whole bytes (exactly: no float). A
+    count must be in ``[1, 2**63)``. A float or bool is an ArgumentTypeError.
     """
-    if isinstance(value, bool):
-        raise InvalidArgumentError(expected(name, "a byte count (int or a string like '4GiB')", repr(value)))
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+        raise ArgumentTypeError(expected(name, "a byte count (int or a string like '4GiB')", show(value)))
     if isinstance(value, numbers.Integral):
         n = int(value)
-    elif isinstance(value, str):
-        m = _BYTES_RE.match(value)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise InvalidArgumentError(
-                expected(name, "a byte count like '4GiB', '512MB' or '1073741824'", repr(value))
-            )
-        n = int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) else int(m.group(1)) * _UNITS[unit]
     else:
-        raise InvalidArgumentError(expected(name, "a byte count (int or a string like '4GiB')", repr(value)))
+        m = _BYTES_RE.match(value)
+        whole, frac, unit = (m.group(1), m.group(2) or "", m.group(3).lower()) if m else ("", "", "")
+        if m is None or unit not in _UNITS or not (whole or frac):
+            raise InvalidArgumentError(
+                expected(name, "a byte count like '4GiB', '512MB' or '1073741824'", show(value))
+            )
+        if len(whole.lstrip("0")) > _MAX_DIGITS:
+            raise InvalidArgumentError(expected(name, "a byte count below 2**63", show(value)))
+        frac = frac[:_MAX_DIGITS]
+        n = (int(whole or "0") * 10**len(frac) + int(frac or "0")) * _UNITS[unit] // 10**len(frac)
     if n <= 0:
-        raise InvalidArgumentError(expected(name, "a positive byte count", repr(value)))
+        raise InvalidArgumentError(expected(name, "a positive byte count", show(value)))
+    if n > INT64_MAX:
+        raise InvalidArgumentError(expected(name, "a byte count below 2**63", show(value)))
     return n
+
+
+def show(value: Any) -> str:
+    """``repr`` for messages, bounded: huge ints (whose repr may even fail) and long
+    strings are summarised, never printed whole."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)).bit_length() > 64:
+        return f"an int of {abs(int(value)).bit_length()} bits"
+    if isinstance(value, (str, bytes)) and len(value) > 64:
+        return f"{value[:32]!r}... ({len(value)} characters)"
+    try:
+        text = repr(value)
+    except Exception:  # a hostile __repr__ must not replace the error being reported
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def format_bytes(n: int) -> str:
@@ -130,15 +152,23 @@ def kv_dtype_name(value: Any, dtype: str, name: str = "kv_dtype") -> Optional[st
     return row.name
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        raise InvalidArgumentError(expected(name, f"an int >= {minimum}", repr(value)))
+def _check_int(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> int:
+    """An int (not a bool) in ``[minimum, maximum]`` (default: below 2**63): a wrong
+    type is an ArgumentTypeError (a TypeError, as the core says), a value out of range
+    an InvalidArgumentError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(expected(name, f"an int >= {minimum}", show(value)))
+    if int(value) < minimum:
+        raise InvalidArgumentError(expected(name, f"an int >= {minimum}", show(value)))
+    if int(value) > maximum:
+        top = "2**63)" if maximum == INT64_MAX else f"{maximum}]"
+        raise InvalidArgumentError(expected(name, f"an int in [{minimum}, {top}", show(value)))
     return int(value)
 
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidArgumentError(expected(name, "True or False", repr(value)))
+        raise ArgumentTypeError(expected(name, "True or False", show(value)))
     return value
 
 
@@ -304,15 +334,12 @@ class CacheConfig:
             put("_resolved_blocks", blocks)
 
     def _validate_groups(self, put) -> None:
+        sinks = _check_int("attention_sinks", self.attention_sinks, 0)
         if self.layer_windows is None:
-            if self.attention_sinks != 0:
-                raise InvalidArgumentError(expected("attention_sinks", "0 without sliding-window layers",
-                                                    repr(self.attention_sinks)))
+            if sinks != 0:
+                raise InvalidArgumentError(expected("attention_sinks", "0 without sliding-window layers", sinks))
             return
-        windows = self.layer_windows
-        if isinstance(windows, (str, bytes)) or not hasattr(windows, "__len__") or len(windows) != self.num_layers:
-            raise InvalidArgumentError(expected("layer_windows", f"{self.num_layers} windows (one per layer)",
-                                                repr(windows)))
+        windows = _layer_windows(self.layer_windows, self.num_layers)
         plan = plan_groups(list(windows), self.attention_sinks)
         if plan is not None:
             from pagedkv.support import GROUPS, require
@@ -353,9 +380,13 @@ class CacheConfig:
         put("prefix_disk_blocks", _check_int("prefix_disk_blocks", self.prefix_disk_blocks, 0))
         if self.prefix_disk_dir is not None:
             if not isinstance(self.prefix_disk_dir, (str, os.PathLike)):
-                raise InvalidArgumentError(expected("prefix_disk_dir", "None or a directory path",
-                                                    type(self.prefix_disk_dir).__name__))
-            put("prefix_disk_dir", os.fspath(self.prefix_disk_dir))
+                raise ArgumentTypeError(expected("prefix_disk_dir", "None or a directory path",
+                                                 type(self.prefix_disk_dir).__name__))
+            path = os.fspath(self.prefix_disk_dir)
+            if not isinstance(path, str) or "\0" in path:
+                raise InvalidArgumentError(expected("prefix_disk_dir", "a directory path (a str without NUL bytes)",
+                                                    show(path)))
+            put("prefix_disk_dir", path)
         if (self.prefix_disk_dir is None) != (self.prefix_disk_blocks == 0):
             raise InvalidArgumentError(expected(
                 "prefix_disk_dir", "a directory together with prefix_disk_blocks > 0 (or neither)",
@@ -379,17 +410,19 @@ class CacheConfig:
         put("priority_classes", _check_int("priority_classes", self.priority_classes, 1))
         for name in ("low_watermark", "high_watermark"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= float(v) <= 1.0:
-                raise InvalidArgumentError(expected(name, "a fraction in [0, 1]", repr(v)))
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ArgumentTypeError(expected(name, "a fraction in [0, 1]", show(v)))
+            if not 0.0 <= float(v) <= 1.0:
+                raise InvalidArgumentError(expected(name, "a fraction in [0, 1]", show(v)))
             put(name, float(v))
         if self.low_watermark > self.high_watermark:
             raise InvalidArgumentError(
                 expected("low_watermark", f"<= high_watermark ({self.high_watermark})", self.low_watermark)
             )
         if self.hash_seed is not None:
-            seed = _check_int("hash_seed", self.hash_seed, 0)
+            seed = _check_int("hash_seed", self.hash_seed, 0, 2**64)
             if seed >= 2**64:
-                raise InvalidArgumentError(expected("hash_seed", "an int in [0, 2**64)", seed))
+                raise InvalidArgumentError(expected("hash_seed", "an int in [0, 2**64)", show(seed)))
             put("hash_seed", seed)
         put("host_num_blocks", _check_int("host_num_blocks", self.host_num_blocks, 0))
         if self.shuffle_free_blocks is not None:
@@ -403,7 +436,14 @@ class CacheConfig:
 
     def _validate_lowbit(self, put) -> None:
         q = self.kv_dtype
+        put("kv_window_sequences", _check_int("kv_window_sequences", self.kv_window_sequences, 1))
+        for name, low in (("kv_group_size", 1), ("kv_window", 0), ("kv_sink_tokens", 0)):
+            if getattr(self, name) is not None:   # a wrong type first, whatever kv_dtype
+                _check_int(name, getattr(self, name), low)
         if q is None:
+            if not isinstance(self.kv_rotation, (bool, type(None))):
+                _check_bool("kv_rotation", self.kv_rotation)
+            _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
             for name, ok in (("kv_group_size", self.kv_group_size is None), ("kv_rotation", not self.kv_rotation),
                              ("kv_key_quant", self.kv_key_quant in (None, "token")),
                              ("kv_window", not self.kv_window), ("kv_sink_tokens", not self.kv_sink_tokens),
@@ -447,15 +487,17 @@ class CacheConfig:
         put("kv_rotation_seed", seed)
         w = DEFAULT_KV_WINDOW.get(q, 0) if self.kv_window is None else self.kv_window
         put("kv_window", _check_int("kv_window", w, 0))
-        put("kv_window_sequences", _check_int("kv_window_sequences", self.kv_window_sequences, 1))
         sink = DEFAULT_KV_SINK.get(q, 0) if self.kv_sink_tokens is None else self.kv_sink_tokens
         put("kv_sink_tokens", _check_int("kv_sink_tokens", sink, 0))
         layers = self.kv_full_precision_layers
         if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, set, frozenset)):
-            raise InvalidArgumentError(expected("kv_full_precision_layers", "a tuple of layer indices", repr(layers)))
+            raise ArgumentTypeError(expected("kv_full_precision_layers", "a tuple of layer indices", show(layers)))
         norm = set()
         for i in layers:
-            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -self.num_layers <= i < self.num_layers:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                raise ArgumentTypeError(expected("kv_full_precision_layers",
+                                                 f"layer indices in [-{self.num_layers}, {self.num_layers})", show(i)))
+            if not -self.num_layers <= i < self.num_layers:
                 raise InvalidArgumentError(expected("kv_full_precision_layers",
                                                     f"layer indices in [-{self.num_layers}, {self.num_layers})", repr(i)))
             norm.add(int(i) % self.num_layers)
@@ -723,20 +765,24 @@ class CacheConfig:
         for label, val in (("num_hidden_layers", layers), ("num_attention_heads", heads)):
             if val is None:
                 raise InvalidArgumentError(expected("config", f"a '{label}' field", _keys(src)))
+        # every field is checked as read: a model's config is input like any other
+        layers = _check_int("num_hidden_layers", layers, 1)
+        heads = _check_int("num_attention_heads", heads, 1)
         kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv")
-        if kv_heads is None:
-            kv_heads = heads
+        kv_heads = heads if kv_heads is None else _check_int("num_key_value_heads", kv_heads, 1)
         head_dim = get("head_dim")
         if head_dim is None:
             hidden = get("hidden_size", "n_embd", "d_model")
             if hidden is None:
                 raise InvalidArgumentError(expected("config", "a 'head_dim' or 'hidden_size' field", _keys(src)))
-            head_dim = int(hidden) // int(heads)
+            head_dim = _check_int("hidden_size", hidden, 1) // heads
+        model_type = src.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise ArgumentTypeError(expected("model_type", "a str", show(model_type)))
         values = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads)
-        if isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1:
-            windows = layer_windows_from_hf(src, layers)
-            if windows is not None:
-                values["layer_windows"] = windows
+        windows = layer_windows_from_hf(src, layers)
+        if windows is not None:
+            values["layer_windows"] = windows
         names = {f.name for f in fields(cls) if f.init}
         for key in overrides:
             if key not in names:
@@ -745,22 +791,28 @@ class CacheConfig:
         return cls(**values)
 
 
+#: largest config.json read (real ones are a few KiB); a GGUF file is mapped, not read
+MAX_CONFIG_BYTES = 16 * 1024**2
+
+
 def _as_mapping(config: Any) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
         return config
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
+        if not isinstance(path, str) or "\0" in path:
+            raise InvalidArgumentError(expected("config", "a path (a str without NUL bytes)", show(path)))
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(len(GGUF_MAGIC))
-                if raw != GGUF_MAGIC:
-                    raw += f.read()
-        except OSError as e:
-            raise InvalidArgumentError(expected("config", "a readable config.json", f"{path!r} ({e.strerror})")) from None
+        with open_regular(path, "config", "a readable config.json") as f:   # a FIFO or device is refused, never read
+            raw = f.read(len(GGUF_MAGIC))
+            if raw != GGUF_MAGIC:
+                raw += f.read(MAX_CONFIG_BYTES + 1 - len(raw))
         if raw == GGUF_MAGIC:   # a llama.cpp model file: its metadata holds the shape
             return hf_fields_from_gguf(read_gguf_metadata(path), path)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise InvalidArgumentError(expected("config", f"a config.json of at most {MAX_CONFIG_BYTES} bytes",
+                                                f"{path!r} (larger)"))
         try:
             data = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -768,6 +820,9 @@ def _as_mapping(config: Any) -> Mapping[str, Any]:
                                                 f"{path!r} (not UTF-8 text: {e.reason} at byte {e.start})")) from None
         except json.JSONDecodeError as e:
             raise InvalidArgumentError(expected("config", "a JSON object", f"{path!r} ({e})")) from None
+        except RecursionError:   # the decoder's own depth guard: nesting no config has
+            raise InvalidArgumentError(expected("config", "a JSON object nested as a model config is",
+                                                f"{path!r} (nested too deep to decode)")) from None
         if not isinstance(data, dict):
             raise InvalidArgumentError(expected("config", "a JSON object", f"{type(data).__name__} in {path!r}"))
         return data
@@ -776,6 +831,25 @@ def _as_mapping(config: Any) -> Mapping[str, Any]:
     raise InvalidArgumentError(
         expected("config", "a transformers config, a dict or a path to config.json", type(config).__name__)
     )
+
+
+def _layer_windows(windows: Any, num_layers: int) -> Tuple[Any, ...]:
+    """``layer_windows`` as one entry per layer, in layer order: a list or tuple, or a
+    mapping keyed by every layer index (``{0: 4, 1: 0}`` is ``(4, 0)``). Sets and other
+    unordered or partial forms are refused: their order is not the layers' order."""
+    want = f"{num_layers} windows (one per layer)"
+    if isinstance(windows, Mapping):
+        keys = list(windows)
+        if any(isinstance(k, bool) or not isinstance(k, numbers.Integral) for k in keys) or \
+                sorted(int(k) for k in keys) != list(range(num_layers)):
+            raise InvalidArgumentError(expected("layer_windows", f"{want[:-1]}: a dict keyed by every layer "
+                                                f"0..{num_layers - 1})", f"a dict keyed by {show(sorted(keys, key=str))}"))
+        return tuple(windows[k] for k in sorted(keys))
+    if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence):
+        raise ArgumentTypeError(expected("layer_windows", want, show(windows)))
+    if len(windows) != num_layers:
+        raise InvalidArgumentError(expected("layer_windows", want, show(windows)))
+    return tuple(windows)
 
 
 class _ObjectView(Mapping):
@@ -804,10 +878,13 @@ _TEXT_KEYS = ("text_config", "llm_config", "language_config")
 
 def _text_config(src: Mapping[str, Any]) -> Mapping[str, Any]:
     # A multimodal config nests its language model; the KV cache belongs to that model.
+    # Only a nested config is taken: a string there is data, never a path to open.
     for key in _TEXT_KEYS:
         sub = src.get(key)
         if sub is not None:
-            return _as_mapping(sub) if not isinstance(sub, Mapping) else sub
+            if not isinstance(sub, Mapping):
+                raise ArgumentTypeError(expected(key, "a nested config (a JSON object)", show(sub)))
+            return sub
     return src
 
 

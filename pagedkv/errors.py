@@ -12,6 +12,7 @@ __all__ = [
     "PagedKVError",
     "OutOfBlocksError",
     "HostMemoryError",
+    "OutOfMemoryError",
     "SequenceNotFoundError",
     "SequenceExistsError",
     "InvalidArgumentError",
@@ -57,6 +58,23 @@ class OutOfBlocksError(PagedKVError, MemoryError):
 
 class HostMemoryError(PagedKVError, MemoryError):
     """Host memory for pagedkv's own bookkeeping (tables, indexes, buffers) ran out."""
+
+
+class OutOfMemoryError(PagedKVError, MemoryError):
+    """An arena (device KV, window, host or prefix tier, pool bookkeeping) would not fit
+    the memory its device has free, or its size overflows 64 bits. Raised by the size
+    check before anything is allocated. Carries the option to blame, the bytes needed
+    and the bytes available (None when the size overflows before any device is asked)."""
+
+    def __init__(self, option: str, value: object, needed_bytes: int, available_bytes, device: str,
+                 what: str = "arenas that fit"):
+        self.option = option
+        self.needed_bytes = int(needed_bytes)
+        self.available_bytes = None if available_bytes is None else int(available_bytes)
+        self.device = device
+        room = (f"the {self.available_bytes} bytes available on {device}" if self.available_bytes is not None
+                else "fewer than 2**63 bytes")
+        super().__init__(expected(option, f"{what} {room}", f"{value!r} ({self.needed_bytes} bytes needed)"))
 
 
 class SequenceNotFoundError(PagedKVError, KeyError):

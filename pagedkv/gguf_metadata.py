@@ -14,14 +14,16 @@ files written on big-endian machines (told apart by the version field).
 """
 from __future__ import annotations
 
+import io
 import mmap
 import os
+import stat
 import struct
 from typing import Any, Dict, Tuple
 
-from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 
-__all__ = ["GGUF_MAGIC", "read_gguf_metadata", "hf_fields_from_gguf"]
+__all__ = ["GGUF_MAGIC", "read_gguf_metadata", "hf_fields_from_gguf", "open_regular"]
 
 GGUF_MAGIC = b"GGUF"
 
@@ -83,10 +85,33 @@ class _Reader:
         raise self.fail(f"unknown value type {vtype}")
 
 
+def open_regular(path: str, argument: str = "config", what: str = "a readable GGUF file") -> io.BufferedReader:
+    """Open ``path`` for reading if it is a regular file. It is opened non-blocking and
+    checked on the descriptor (no window between the check and the open), so a FIFO,
+    socket or device named as a model file is refused instead of blocking or streaming."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise InvalidArgumentError(expected(argument, what, f"{path!r} ({e.strerror})")) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            raise InvalidArgumentError(expected(argument, "a regular file (config.json or GGUF)",
+                                                f"{path!r} ({kind})"))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_gguf_metadata(path: str) -> Dict[str, Any]:
     """The key/value metadata of a GGUF file (arrays longer than 64 elements: None)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
                 raise InvalidArgumentError(expected("config", "a GGUF file with a readable metadata header",
@@ -130,8 +155,12 @@ def hf_fields_from_gguf(meta: Dict[str, Any], path: str) -> Dict[str, Any]:
         if isinstance(value, list):   # per-layer values: one shape for the cache needs them equal
             if not value or any(v != value[0] for v in value):
                 raise InvalidArgumentError(expected("config", f"one value of {arch}.{name} for every layer",
-                                                    f"{value!r} in {path!r}"))
+                                                    f"{_short(value)} in {path!r}"))
             value = value[0]
+        # sizes are integer types in GGUF: a float (NaN, inf), bool, string or nested array
+        # in their place is refused here, by its GGUF key
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ArgumentTypeError(expected(f"{arch}.{name}", "an integer", f"{_short(value)} in {path!r}"))
         return value
 
     fields: Tuple[Tuple[str, str], ...] = (
@@ -143,3 +172,8 @@ def hf_fields_from_gguf(meta: Dict[str, Any], path: str) -> Dict[str, Any]:
         ("max_position_embeddings", "context_length"),
     )
     return {hf: get(name) for hf, name in fields if get(name) is not None}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."

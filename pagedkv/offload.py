@@ -12,10 +12,13 @@ from typing import Callable, Dict, Optional
 
 import numpy as np
 
-from pagedkv._core.pool import BlockPool
-from pagedkv.errors import InternalError, OutOfBlocksError, SequenceNotFoundError
+from pagedkv._core.pool import BYTES_PER_BLOCK, BlockPool
+from pagedkv.errors import InternalError, InvalidArgumentError, OutOfBlocksError, SequenceNotFoundError, expected
+from pagedkv.memory_check import check_fits
 
 __all__ = ["HostTier"]
+
+_MAX_BLOCKS = 2**31 - 1   # block ids are int32 in the core
 
 
 @dataclass
@@ -47,6 +50,12 @@ class HostTier:
                  sync: Optional[Callable[[], None]] = None):
         self.tables = tables
         self.store = store
+        # the host pool's bookkeeping, sized under the option's own name (the store's
+        # host arenas, when there is a store, were checked with it)
+        check_fits("cpu", [("host_num_blocks", num_blocks, num_blocks * BYTES_PER_BLOCK)],
+                   "a host pool whose bookkeeping fits")
+        if num_blocks > _MAX_BLOCKS:
+            raise InvalidArgumentError(expected("host_num_blocks", f"an int in [0, {_MAX_BLOCKS}]", num_blocks))
         self.pool = BlockPool(num_blocks)
         self._namespace_hash = namespace_hash
         self.swapped: Dict[int, _Swapped] = {}

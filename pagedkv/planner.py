@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
-from pagedkv.config import CacheConfig, format_bytes
+from pagedkv.config import CacheConfig, format_bytes, show
 from pagedkv.errors import InvalidArgumentError, expected
 
 __all__ = ["PlanResult", "plan", "plan_config"]
@@ -90,9 +90,10 @@ class PlanResult:
 def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanResult:
     """Plan for an existing config; its budget is ``memory_budget`` or ``num_blocks`` worth."""
     if max_seq_len is not None and (
-        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1
+        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len < 2**63
     ):
-        raise InvalidArgumentError(expected("max_seq_len", "an int >= 1", repr(max_seq_len)))
+        want = "an int >= 1" if not isinstance(max_seq_len, int) or max_seq_len < 1 else "an int in [1, 2**63)"
+        raise InvalidArgumentError(expected("max_seq_len", want, show(max_seq_len)))
     budget = config.memory_budget if config.memory_budget is not None else config.total_bytes
     nb = config.resolved_num_blocks
     per_seq = blocks = exact = fits = None

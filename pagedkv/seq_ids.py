@@ -26,7 +26,7 @@ from typing import Any, Dict, Hashable, List, Tuple, Union
 import numpy as np
 
 from pagedkv.arguments import tensor_values
-from pagedkv.errors import InvalidArgumentError, SequenceNotFoundError, expected
+from pagedkv.errors import InvalidArgumentError, SequenceNotFoundError, ShapeError, expected
 
 __all__ = ["SequenceIds", "strict_key", "BATCH_TYPES"]
 
@@ -153,7 +153,7 @@ class SequenceIds:
 
     def _array(self, arr: np.ndarray) -> np.ndarray:
         if arr.ndim != 1:
-            raise InvalidArgumentError(expected("seq_ids", "a 1-D batch of ids", f"an array of shape {arr.shape}"))
+            raise ShapeError(expected("seq_ids", "a 1-D batch of ids", f"an array of shape {arr.shape}"))
         if arr.dtype.kind == "i":
             return arr.astype(np.int64)            # negatives stay negative: the core refuses them
         if arr.dtype.kind == "u":

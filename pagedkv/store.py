@@ -27,6 +27,7 @@ import numpy as np
 from pagedkv import dtypes, ops
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.memory_check import arena_bytes, check_device, check_fits
 from pagedkv.ops import reference
 from pagedkv.rotation import rotate, rotation_signs
 from pagedkv.block_keys import BlockKeys
@@ -45,6 +46,17 @@ def fp8_supported(device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     return tuple(torch.cuda.get_device_capability(device)) >= FP8_MIN_CAPABILITY
+
+
+def _window_option(cfg: CacheConfig):
+    """The option to name when the window arena does not fit: whichever of the
+    sequences it holds, the window or the sink tokens asks for the most."""
+    per_seq = -(-cfg.kv_window // cfg.block_size) + 1 + cfg.sink_blocks
+    if cfg.kv_window_sequences > per_seq:
+        return "kv_window_sequences", cfg.kv_window_sequences
+    if cfg.kv_window >= cfg.kv_sink_tokens:
+        return "kv_window", cfg.kv_window
+    return "kv_sink_tokens", cfg.kv_sink_tokens
 
 
 class KVStore:
@@ -71,6 +83,7 @@ class KVStore:
             raise InvalidArgumentError(expected("config", "a CacheConfig", type(config).__name__))
         self.requested_config = config
         self.device = torch.device(config.device)
+        check_device(self.device)   # before anything asks CUDA (the fp8 check below does)
         if config.quantized and dtypes.info(config.kv_dtype).float8 and not fp8_check(self.device):
             msg = (
                 f"pagedkv: kv_dtype={config.kv_dtype} needs fp8 support (CUDA compute capability "
@@ -91,6 +104,7 @@ class KVStore:
         for i, layer in enumerate(sorted(full)):
             self._where[layer] = (False, i)
         self._num_main, self._num_full = len(quant), len(full)
+        self._check_sizes()
         (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full) = self._allocate(
             config.resolved_num_blocks, self.device, pin=False)
         self.host_kv = self.host_kv_scale = self.host_kv_zero = self.host_kv_full = None
@@ -115,26 +129,56 @@ class KVStore:
                             c.kv_window, c.torch_dtype, device, sink=c.kv_sink_tokens,
                             pin_capacity=c.pinned_blocks, lock=lock)
 
-    def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
+    def _arena_specs(self, num_blocks: int):
+        """``(field, shape, torch dtype)`` of every arena :meth:`_allocate` makes, in its
+        order (None where the arena does not exist)."""
         cfg = self.config
-        kw = dict(device=device, pin_memory=pin) if pin else dict(device=device)
         shape = (self._num_main,) + cfg.layer_shape(num_blocks)
-        kv = torch.zeros(shape, dtype=cfg.torch_cache_dtype, **kw)
         scale = zero = kscale = kzero = full = None
         if cfg.quantized:
             groups = (cfg.head_dim // cfg.kv_group_size,) if dtypes.info(cfg.kv_dtype).grouped else ()
-            scale = torch.zeros(shape[:-1] + groups, dtype=cfg.torch_scale_dtype, **kw)
+            scale = (shape[:-1] + groups, cfg.torch_scale_dtype)
             if dtypes.info(cfg.kv_dtype).zero_point:
-                zero = torch.zeros(shape[:-1] + groups, dtype=cfg.torch_scale_dtype, **kw)
+                zero = scale
         if cfg.block_keys:   # a zero scale marks a block whose keys are still per token
-            kshape = (self._num_main, num_blocks, cfg.kv_heads_per_rank, cfg.head_dim)
-            kscale = torch.zeros(kshape, dtype=torch.bfloat16, **kw)
-            kzero = torch.zeros(kshape, dtype=torch.bfloat16, **kw)
+            kscale = kzero = ((self._num_main, num_blocks, cfg.kv_heads_per_rank, cfg.head_dim), torch.bfloat16)
         if self._num_full:
-            d = cfg.head_dim
-            fshape = (self._num_full,) + cfg.layer_shape(num_blocks)[:-1] + (d,)
-            full = torch.zeros(fshape, dtype=cfg.torch_dtype, **kw)
-        return kv, scale, zero, kscale, kzero, full
+            full = ((self._num_full,) + cfg.layer_shape(num_blocks)[:-1] + (cfg.head_dim,), cfg.torch_dtype)
+        return [(shape, cfg.torch_cache_dtype), scale, zero, kscale, kzero, full]
+
+    def _arena_needs(self, option: str, value, num_blocks: int):
+        """Size-check entries (see :mod:`pagedkv.memory_check`) of the arenas for ``num_blocks``."""
+        return [(option, value, arena_bytes(option, value, spec[0], spec[1].itemsize))
+                for spec in self._arena_specs(num_blocks) if spec is not None]
+
+    def _check_sizes(self) -> None:
+        """Every arena this store allocates, sized and compared with its device's free
+        memory before the first allocation (host arenas count on the host)."""
+        cfg = self.config
+        option, value = (("memory_budget", cfg.memory_budget) if cfg.memory_budget is not None
+                         else ("num_blocks", cfg.resolved_num_blocks))
+        device = self._arena_needs(option, value, cfg.resolved_num_blocks)
+        host = []
+        if cfg.host_num_blocks:
+            host = self._arena_needs("host_num_blocks", cfg.host_num_blocks, cfg.host_num_blocks)
+        if cfg.window_blocks:
+            wopt, wval = _window_option(cfg)
+            device += RecentWindow.needs(wopt, wval, self._num_main, cfg.resolved_num_blocks, cfg.window_blocks,
+                                         cfg.block_size, cfg.kv_heads_per_rank, cfg.head_dim, cfg.torch_dtype)
+            if cfg.host_num_blocks:
+                host += RecentWindow.needs("host_num_blocks", cfg.host_num_blocks, self._num_main,
+                                           cfg.host_num_blocks, cfg.window_blocks, cfg.block_size,
+                                           cfg.kv_heads_per_rank, cfg.head_dim, cfg.torch_dtype)
+        if self.device.type == "cpu":
+            check_fits(self.device, device + host)
+        else:
+            check_fits(self.device, device)
+            check_fits("cpu", host)
+
+    def _allocate(self, num_blocks: int, device: torch.device, pin: bool):
+        kw = dict(device=device, pin_memory=pin) if pin else dict(device=device)
+        return tuple(None if spec is None else torch.zeros(spec[0], dtype=spec[1], **kw)
+                     for spec in self._arena_specs(num_blocks))
 
     # -- views --------------------------------------------------------------------
 

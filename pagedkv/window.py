@@ -40,6 +40,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedkv.memory_check import arena_bytes, check_fits
+
 __all__ = ["RecentWindow", "blocks_of_csr", "blocks_of_padded"]
 
 
@@ -71,6 +73,8 @@ class RecentWindow:
     def __init__(self, num_layers: int, num_blocks: int, capacity: int, block_size: int, num_heads: int,
                  head_dim: int, window: int, dtype: torch.dtype, device: torch.device, sink: int = 0,
                  pin_capacity: int = 0, lock: Optional[threading.RLock] = None):
+        check_fits(device, RecentWindow.needs("kv_window", window, num_layers, num_blocks, capacity, block_size,
+                                              num_heads, head_dim, dtype))
         self.lock = threading.RLock() if lock is None else lock
         self.window = window
         self.sink = sink
@@ -86,6 +90,17 @@ class RecentWindow:
         self.block_of = np.full(capacity, -1, dtype=np.int64)
         self.stamp = np.zeros(capacity, dtype=np.int64)
         self.clock = 0
+
+    @staticmethod
+    def needs(option: str, value, num_layers: int, num_blocks: int, capacity: int, block_size: int,
+              num_heads: int, head_dim: int, dtype: torch.dtype):
+        """Size-check entries (:mod:`pagedkv.memory_check`) of the arenas ``__init__``
+        allocates: the data and validity arenas, and the slot maps (host arrays, counted
+        with the device arenas: they are a small fraction of them)."""
+        data = arena_bytes(option, value, (num_layers, capacity, 2, block_size, num_heads, head_dim), dtype.itemsize)
+        valid = arena_bytes(option, value, (num_layers, capacity, block_size), 1)
+        maps = arena_bytes(option, value, (num_blocks + 2 * capacity,), 8) + capacity
+        return [(option, value, data + valid + maps)]
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from pagedkv.config import CacheConfig, format_bytes, parse_bytes
-from pagedkv.errors import DTypeError, InvalidArgumentError
+from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError
 
 SHAPE = dict(num_layers=4, num_kv_heads=2, head_dim=64)
 
@@ -79,9 +79,15 @@ def test_parse_bytes(text, n):
     assert parse_bytes(text) == n
 
 
-@pytest.mark.parametrize("bad", ["4 parsecs", "", "-1GiB", "0", 0, -5, True, 1.5, "GiB"])
+@pytest.mark.parametrize("bad", ["4 parsecs", "", "-1GiB", "0", 0, -5, "GiB"])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(InvalidArgumentError, match=r"^memory_budget: expected"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, None])
+def test_parse_bytes_rejects_wrong_types(bad):
+    with pytest.raises(ArgumentTypeError, match=r"^memory_budget: expected a byte count \(int or a string"):
         parse_bytes(bad)
 
 
@@ -101,8 +107,8 @@ def test_blocks_for_tokens():
     "kw,err,pattern",
     [
         (dict(num_layers=0), InvalidArgumentError, r"num_layers: expected an int >= 1, got 0"),
-        (dict(head_dim=True), InvalidArgumentError, r"head_dim: expected an int >= 1, got True"),
-        (dict(num_kv_heads="8"), InvalidArgumentError, r"num_kv_heads: expected an int >= 1, got '8'"),
+        (dict(head_dim=True), ArgumentTypeError, r"head_dim: expected an int >= 1, got True"),
+        (dict(num_kv_heads="8"), ArgumentTypeError, r"num_kv_heads: expected an int >= 1, got '8'"),
         (dict(block_size=0), InvalidArgumentError, r"block_size: expected an int >= 1, got 0"),
         (dict(num_attention_heads=3), InvalidArgumentError,
          r"num_attention_heads: expected a multiple of num_kv_heads \(2\), got 3"),
@@ -119,9 +125,9 @@ def test_blocks_for_tokens():
         (dict(hash_seed=-1), InvalidArgumentError, r"hash_seed: expected an int >= 0"),
         (dict(hash_seed=2**64), InvalidArgumentError, r"hash_seed: expected an int in \[0, 2\*\*64\)"),
         (dict(host_num_blocks=-2), InvalidArgumentError, r"host_num_blocks: expected an int >= 0"),
-        (dict(shuffle_free_blocks="x"), InvalidArgumentError, r"shuffle_free_blocks: expected an int >= 0"),
-        (dict(enable_prefix_caching=1), InvalidArgumentError, r"enable_prefix_caching: expected True or False"),
-        (dict(enable_kv_events=None), InvalidArgumentError, r"enable_kv_events: expected True or False"),
+        (dict(shuffle_free_blocks="x"), ArgumentTypeError, r"shuffle_free_blocks: expected an int >= 0"),
+        (dict(enable_prefix_caching=1), ArgumentTypeError, r"enable_prefix_caching: expected True or False"),
+        (dict(enable_kv_events=None), ArgumentTypeError, r"enable_kv_events: expected True or False"),
         (dict(num_blocks=0), InvalidArgumentError, r"num_blocks: expected an int >= 1, got 0"),
         (dict(memory_budget="1GiB"), InvalidArgumentError,
          r"num_blocks: expected exactly one of num_blocks or memory_budget, got both"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
 from pagedkv.quant import dequantize_key_channels, quantize_key_block
 from pagedkv.store import KVStore
 
@@ -78,7 +78,7 @@ def test_defaults_sizes_and_typed_errors():
     assert config(kv_dtype="int4", kv_window=0, kv_sink_tokens=0).window_blocks == 0
     with pytest.raises(InvalidArgumentError, match=r"^kv_sink_tokens: expected"):
         config(kv_dtype="int4", kv_sink_tokens=-1)
-    with pytest.raises(InvalidArgumentError, match=r"^kv_sink_tokens: expected"):
+    with pytest.raises(ArgumentTypeError, match=r"^kv_sink_tokens: expected an int >= 0, got 2.5$"):
         config(kv_dtype="int4", kv_sink_tokens=2.5)
     with pytest.raises(InvalidArgumentError, match=r"^kv_sink_tokens: expected its default for an unquantized"):
         config(kv_sink_tokens=4)

@@ -7,6 +7,9 @@ from pagedkv._core.prefix import PrefixIndex
 
 IdArray = Union[npt.NDArray[np.int32], Sequence[int]]
 
+#: bookkeeping bytes per block, for callers that size a pool before making one
+BYTES_PER_BLOCK: int
+
 class BlockPool:
     num_blocks: int
     index: Optional[PrefixIndex]

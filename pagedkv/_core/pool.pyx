@@ -28,7 +28,6 @@ changes anything, so a failed call leaves the pool exactly as it was. Thread saf
 not thread-safe on its own (callers serialise; :class:`pagedkv.PagedKVCache` holds a
 lock). Batch loops may run without the GIL, on the call's private snapshot.
 """
-import os
 
 cimport numpy as cnp
 from libc.stdlib cimport calloc, free as c_free
@@ -43,8 +42,9 @@ from pagedkv._core.prefix cimport PROBE_ABSENT, PROBE_MATCH, PROBE_CONFLICT, Pro
 
 import numpy as np
 from pagedkv._core.evict import POLICY_NAMES
-from pagedkv.errors import (CacheBusyError, HostMemoryError, InternalError, InvalidArgumentError,
-                            InvalidBlockError, OutOfBlocksError, expected)
+from pagedkv.errors import (ArgumentTypeError, CacheBusyError, HostMemoryError, InternalError,
+                            InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected)
+from pagedkv.memory_check import check_fits
 
 cnp.import_array()
 
@@ -60,11 +60,8 @@ cdef extern from "Python.h":
     void Py_XDECREF(PyObject* o)
 
 
-def _available_memory():
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return None
+#: bookkeeping bytes per block, for callers that size a pool before making one
+BYTES_PER_BLOCK = POOL_BYTES_PER_BLOCK
 
 
 cdef class BlockPool:
@@ -81,10 +78,7 @@ cdef class BlockPool:
             if index.owner is not None:
                 raise InvalidArgumentError(expected("index", "a PrefixIndex not attached to another pool",
                                                     "one that already is"))
-        avail = _available_memory()
-        if avail is not None and nb * POOL_BYTES_PER_BLOCK > avail:
-            raise HostMemoryError(expected("num_blocks", f"a pool whose bookkeeping fits the {avail} bytes "
-                                           "of free memory", f"{nb} blocks ({nb * POOL_BYTES_PER_BLOCK} bytes)"))
+        check_fits("cpu", [("num_blocks", nb, nb * POOL_BYTES_PER_BLOCK)], "a pool whose bookkeeping fits")
         self.num_blocks = <int32_t>nb
         self.ref_cnt = <int32_t*>calloc(nb, sizeof(int32_t))
         self.cached = <uint8_t*>calloc(nb, sizeof(uint8_t))
@@ -673,7 +667,17 @@ cdef class BlockPool:
         return self.policy.nbuckets
 
     cdef block_id_t _block(self, object block_id) except? -1:
-        return <block_id_t>check_int(block_id, "block_id", 0, self.num_blocks - 1)
+        # an id out of range is a bad block id (InvalidBlockError, as free() and unpin()
+        # say), a non-int a wrong type (ArgumentTypeError)
+        if type(block_id) is int and 0 <= block_id < self.num_blocks:
+            return <block_id_t>block_id
+        if type(block_id) is not int:
+            if isinstance(block_id, bool) or not hasattr(type(block_id), "__index__"):
+                raise ArgumentTypeError(expected("block_id", f"an int in [0, {self.num_blocks})", repr(block_id)))
+            block_id = block_id.__index__()
+        if not 0 <= block_id < self.num_blocks:
+            raise InvalidBlockError(expected("block_id", f"a block id in [0, {self.num_blocks})", repr(block_id)))
+        return <block_id_t>block_id
 
     def is_cached(self, block_id):
         return bool(self.cached[self._block(block_id)])

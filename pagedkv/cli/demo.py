@@ -181,6 +181,8 @@ def serve(model, tokenizer, requests: List[Request], kv, *, max_batch: int = 8,
     try:
         with torch.no_grad():
             while pending or waiting or running:
+                if not waiting and not running and pending[0].arrival_step > step:
+                    step = pending[0].arrival_step   # an idle engine skips to the next arrival
                 while pending and pending[0].arrival_step <= step:
                     req = pending.popleft()
                     req.arrived_at = time.perf_counter()

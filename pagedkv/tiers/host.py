@@ -6,6 +6,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
+from pagedkv.memory_check import arena_bytes, check_fits
 from pagedkv.tiers.base import Tier, mirror_arenas
 from pagedkv.tiers.chain import ChainIndex, slot_dtype
 
@@ -19,6 +20,11 @@ class HostPrefixTier(Tier):
                  eviction: str, weak_hash: bool, pin: bool,
                  on_evict: Optional[Callable[[int], None]] = None):
         super().__init__()
+        # sized before anything is allocated: a huge prefix_host_blocks is a typed error
+        check_fits("cpu", [("prefix_host_blocks", capacity,
+                            sum(arena_bytes("prefix_host_blocks", capacity, (a.shape[0], capacity) + tuple(a.shape[2:]),
+                                            a.element_size()) for a in store_arenas)
+                            + arena_bytes("prefix_host_blocks", capacity, (capacity,), slot_dtype(block_size).itemsize))])
         self.arenas = mirror_arenas(store_arenas, capacity, pin=pin)
         records = np.zeros(capacity, dtype=slot_dtype(block_size))
         self.index = ChainIndex(records, block_size, eviction=eviction, weak_hash=weak_hash, on_evict=on_evict)
