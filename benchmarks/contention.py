@@ -66,7 +66,7 @@ def cases(smoke: bool):
     out["write_kv_int4"] = (lambda i: ops.write_kv(q, qsteps[i % 8], qkey, qkey, **qkw), 2 * qkey.numel() * 4)
     qk = torch.empty(seq_tokens, h, d)
     qv = torch.empty_like(qk)
-    out["gather_kv_int4_f32"] = (lambda i: ops.gather_kv(q, indptr, tables[i % 4], lens, out_key=qk, out_value=qv,
+    out["gather_kv_int4_f32"] = (lambda i: ops.gather_kv(q, indptr, tables[i % 4], lens, out_key=qk, out_value=qv, out_dtype=torch.float32,
                                                          **qkw), 2 * qk.numel() * 4)
 
     seal_n = 16 if smoke else 64

@@ -77,15 +77,18 @@ PARALLEL_BYTES = _PARALLEL_BYTES
 
 
 
-# Thread policy (docs/threads.md). A call runs on
-#   min(the thread count, work // the serial threshold)
-# threads, so each thread gets at least a threshold's worth of work (waking a thread for
-# less costs more than it saves), and the thread count is pagedkv's own setting
-# (pagedkv.set_num_threads / PAGEDKV_NUM_THREADS) or, when that is 0, OpenMP's max, which
-# torch.set_num_threads and OMP_NUM_THREADS set. Loops are scheduled dynamically in about
-# 8 chunks per thread: on a loaded machine a thread the OS has descheduled holds back at
-# most one chunk, and the others finish its share, so the barrier at the end never waits
-# for a whole static half (what made 2 threads slower than 1 under contention).
+# Thread policy (docs/threads.md, omp_policy.h). A call splits its work into pieces of
+# the serial threshold and takes at most one thread per piece (waking a thread for less
+# costs more than it saves). The thread count is pagedkv's own setting
+# (pagedkv.set_num_threads / PAGEDKV_NUM_THREADS) when > 0; at 0 (the default) it is
+# OpenMP's max, which torch.set_num_threads and OMP_NUM_THREADS set, capped by the cores
+# idle right now, so a loaded machine runs the loop serially instead of waiting at the
+# closing barrier for a descheduled worker. Loops are scheduled dynamically, about 8
+# chunks per thread: a worker preempted mid-loop holds back one chunk, not its half.
+cdef extern from "omp_policy.h":
+    int pkv_threads(long long parts, int setting, int omp_max) noexcept nogil
+    long pkv_runnable_override
+
 cdef int _num_threads = 0
 
 
@@ -106,11 +109,18 @@ cdef inline Py_ssize_t chunk_for(Py_ssize_t n, int nth) noexcept nogil:
 
 
 cdef inline int threads_for(Py_ssize_t nbytes) noexcept nogil:
-    cdef Py_ssize_t parts = nbytes // _PARALLEL_BYTES
-    cdef int n = _num_threads if _num_threads > 0 else openmp.omp_get_max_threads()
-    if parts < 2 or n < 2:
-        return 1
-    return n if n < parts else <int> parts
+    return pkv_threads(nbytes // _PARALLEL_BYTES, _num_threads, openmp.omp_get_max_threads())
+
+
+def planned_threads(Py_ssize_t nbytes):
+    """Threads a call moving ``nbytes`` would take now (the policy above)."""
+    return threads_for(nbytes)
+
+
+def _pretend_runnable(long n):
+    """Tests: pretend the kernel reports ``n`` runnable tasks (-1: read /proc/loadavg)."""
+    global pkv_runnable_override
+    pkv_runnable_override = n
 
 
 def max_threads():
