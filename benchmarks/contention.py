@@ -5,14 +5,17 @@ versions, int4 block-key sealing, block copy) is timed three ways in the same pr
 interleaved call by call:
 
 - ``serial``: pagedkv's loops on one thread (``pagedkv.set_num_threads(1)``);
-- ``t1`` / ``t2``: the default policy with ``torch.set_num_threads(1)`` / ``(2)``.
+- ``t1`` / ``t2``: the default (automatic) policy with ``torch.set_num_threads(1)`` / ``(2)``:
+  parallel only over idle cores (docs/threads.md);
+- ``p2``: two threads forced (``pagedkv.set_num_threads(2)``), whatever the load: what a
+  plain OpenMP loop does.
 
 and under two loads: ``quiet`` (whatever else the machine runs: see ``loadavg``) and
 ``hogs`` (two busy-looping Python processes started by this script, killed after). One
 JSON line per op and load: median ns per call of each mode, each mode's ratio to
 ``serial`` (``> 1`` is slower than serial), and ``os.getloadavg()`` before and after.
 
-Usage: ``python benchmarks/contention.py [--smoke] [--repeats N] [--hogs N]``
+Usage: ``python benchmarks/contention.py [--smoke] [--repeats N] [--iters N] [--hogs N]``
 """
 from __future__ import annotations
 
@@ -88,6 +91,9 @@ def cases(smoke: bool):
 def set_mode(mode: str) -> None:
     if mode == "serial":
         pagedkv.set_num_threads(1)
+        torch.set_num_threads(1)
+    elif mode == "p2":
+        pagedkv.set_num_threads(2)
         torch.set_num_threads(2)
     else:
         pagedkv.set_num_threads(0)           # follow torch
@@ -97,8 +103,9 @@ def set_mode(mode: str) -> None:
 def measure(fns, modes, iters: int, repeats: int):
     samples = {(name, m): [] for name in fns for m in modes}
     for r in range(repeats):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]   # no mode always follows another
         for name, (fn, _) in fns.items():
-            for m in modes:
+            for m in order:
                 set_mode(m)
                 fn(0)
                 t0 = time.perf_counter_ns()
@@ -128,9 +135,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     fns = cases(args.smoke)
-    repeats = args.repeats or (2 if args.smoke else 7)
-    iters = args.iters or (3 if args.smoke else 20)
-    modes = ("serial", "t1", "t2")
+    repeats = args.repeats or (2 if args.smoke else 5)
+    iters = args.iters or (3 if args.smoke else 10)
+    modes = ("serial", "t1", "t2", "p2")
     old_torch, old_pkv = torch.get_num_threads(), pagedkv.get_num_threads()
     try:
         for load in ("quiet", "hogs"):
