@@ -38,7 +38,7 @@ assert sum(n.endswith(".so") for n in names) >= 7, "wheel lacks compiled modules
 PY
 
 echo "+ auditwheel repair (libgomp stays torch's: one OpenMP runtime per process)"
-"$work/tools/bin/auditwheel" repair --exclude libgomp.so.1 -w "$work/repaired" "$wheel" > "$work/repair.log" 2>&1 \
+PATH="$work/tools/bin:$PATH" "$work/tools/bin/auditwheel" repair --exclude libgomp.so.1 -w "$work/repaired" "$wheel" > "$work/repair.log" 2>&1 \
   || { cat "$work/repair.log"; exit 1; }
 repaired=$(ls "$work"/repaired/pagedkv-*.whl)
 case "$repaired" in *manylinux*) echo "  $(basename "$repaired")";; *) echo "not a manylinux wheel: $repaired" >&2; exit 1;; esac
