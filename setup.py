@@ -3,6 +3,9 @@
 The CUDA sources in the top-level cuda/ folder ship inside the wheel as the package
 ``pagedkv._cuda_src`` so that ``importlib.resources`` finds them after a non-editable
 install.
+
+The sdist ships the .pyx/.pxd/.h sources, never the generated .c files (MANIFEST.in), so
+an install from it cythonizes here; a wheel carries the compiled modules and no .c files.
 """
 from pathlib import Path
 
@@ -60,6 +63,8 @@ setup(
         "pagedkv.ops": ["*.pyi", "*.h"],
         "pagedkv._cuda_src": ["*.cu", "*.cuh", "*.h"],
     },
+    # cythonize writes its .c files beside the .pyx: they are build products, not package data
+    exclude_package_data={"": ["*.c", "*.cpp"]},
     ext_modules=extensions(),
     zip_safe=False,
 )

@@ -27,8 +27,13 @@ from pagedkv.cache import PagedKVCache  # noqa: E402
 from pagedkv.config import CacheConfig  # noqa: E402
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pagedkv.stats import CacheStats  # noqa: E402
+from pagedkv.threads import _from_env as _threads_from_env  # noqa: E402
+from pagedkv.threads import get_num_threads, set_num_threads  # noqa: E402
+
+_threads_from_env()
 
 __all__ = [
     "BlockPool", "PrefixIndex", "BlockTables", "PagedKVCache", "CacheConfig", "CacheStats",
-    "BlockStored", "BlockRemoved", "AllBlocksCleared", "__version__",
+    "BlockStored", "BlockRemoved", "AllBlocksCleared",
+    "set_num_threads", "get_num_threads", "__version__",
 ]

@@ -571,6 +571,8 @@ class PagedKVCache:
         return self._one(self.tables.num_reserved, seq_id)
 
     def token_ids(self, seq_id: SeqId) -> np.ndarray:
+        """The token ids the cache knows for ``seq_id`` (int32 copy): its prompt and every
+        token added since (by :meth:`advance`), in order."""
         return self._one(self.tables.tokens, seq_id)
 
     def sequence_info(self, seq_id: SeqId) -> dict:
@@ -753,6 +755,10 @@ class PagedKVCache:
 
     def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
                      adapter_id: Any = None) -> int:
+        """Release the pins :meth:`pin_prefix` set on the cached full blocks of
+        ``token_ids`` (same namespace: ``cache_salt``, ``adapter_id``), on the device and
+        in the prefix tiers; returns the tokens unpinned. The blocks stay cached and
+        become evictable again once no sequence references them."""
         with self._lock:
             blocks = self._prefix_blocks(token_ids, cache_salt, adapter_id)
             self._pool.unpin(blocks)
@@ -902,8 +908,10 @@ class PagedKVCache:
 
     def gather_pages(self, layer: int, indptr, indices, seq_lens, *, pending=None, rotated=False):
         """K, V ``[sum(seq_lens), H, D]`` of ``layer`` read through a CSR page table
-        (``indptr``, ``indices``: int32 tensors on :attr:`device`, as from
-        :meth:`page_table_csr`; ``seq_lens``: int32 tokens per row).
+        (``indptr``, ``indices``: int32 tensors on :attr:`device`, or the NumPy arrays
+        :meth:`page_table_csr` returns; ``seq_lens``: int32 tokens per row, a tensor or
+        a NumPy integer array such as :meth:`seq_lens` returns). NumPy integer arrays are
+        moved to :attr:`device` as int32; values outside int32 are refused.
 
         For a caller that plans a step once and gathers every layer with the same table
         (no bookkeeping lookup per layer). The table must come from this cache and be
@@ -933,6 +941,8 @@ class PagedKVCache:
             from pagedkv.group_data import layer_slot
 
             layer = layer_slot(self.config.layer_groups, layer)[1]
+        indptr, indices, seq_lens = (self._table_tensor(a, n) for a, n in
+                                     ((indptr, "indptr"), (indices, "indices"), (seq_lens, "seq_lens")))
         if pending is not None:
             pending = self._pending(pending, seq_lens)
         return self._require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
@@ -959,10 +969,23 @@ class PagedKVCache:
         w, exact = store.window, None
         if main and w is not None and (w.window or w.sink):
             exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
+        if exact is None:
+            return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout,
+                                   kv_scale=scale, kv_zero=zero, key_scale=kscale, key_zero=kzero,
+                                   rotation_signs=store.rotation_signs if main else None, **options)
+        with w.lock:     # the window's slot map is shared by every sequence (see pagedkv.window)
+            return self._attention_exact(w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale,
+                                         kzero, exact, options)
+
+    def _attention_exact(self, w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale, kzero,
+                         exact, options):
+        from pagedkv.ops import paged_attention
+
+        store = self.store
         out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
-                              kv_zero=zero, key_scale=kscale, key_zero=kzero,
-                              rotation_signs=store.rotation_signs if main else None, exact_rows=exact, **options)
-        if exact is not None and i == 0 and w.sink:     # the sinks' pins stay most recently used, as a gather's
+                              kv_zero=zero, key_scale=kscale, key_zero=kzero, rotation_signs=store.rotation_signs,
+                              exact_rows=exact, **options)
+        if i == 0 and w.sink:     # the sinks' pins stay most recently used, as a gather's
             ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
                 indices.cpu() if hasattr(indices, "cpu") else indices)
             lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
@@ -974,6 +997,17 @@ class PagedKVCache:
                 w.clock += 1
                 w.stamp[ws[w.pinned[ws]]] = w.clock
         return out
+
+    def _table_tensor(self, a, name: str):
+        """A NumPy integer page-table array as an int32 tensor on the cache's device;
+        anything else unchanged (the store checks and refuses it)."""
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu":
+            return a
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise InvalidArgumentError(expected(name, "values within int32", f"{a.min()}..{a.max()}"))
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(self._require_store().device)
 
     @property
     def rotation_signs(self):
@@ -1046,6 +1080,9 @@ class PagedKVCache:
             return self._one(host.swap_in, seq_id)
 
     def is_swapped(self, seq_id: SeqId) -> bool:
+        """True when ``seq_id`` is swapped out to the host tier (:meth:`swap_out`): its KV
+        lives in host memory until :meth:`swap_in`. False for a live sequence, an unknown
+        id, or a cache without a host tier."""
         if self._host is None:
             return False
         with self._lock:
@@ -1056,6 +1093,9 @@ class PagedKVCache:
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> CacheStats:
+        """A snapshot of the cache's counters (:class:`pagedkv.CacheStats`): blocks free /
+        in use / cached, live and swapped sequences, prefix hits per medium, evictions.
+        ``stats().describe()`` renders it as text."""
         with self._lock:
             if self._deferred:
                 self._run_deferred()
@@ -1068,6 +1108,9 @@ class PagedKVCache:
             return render_block_map(self._pool, width)
 
     def dump_stats(self) -> str:
+        """A human-readable report for debugging: :meth:`stats` described, the first 32
+        sequences with their computed/reserved tokens and first blocks, and a map of the
+        block pool's states."""
         s = self.stats()
         lines = ["=== pagedkv cache ===", s.describe()]
         with self._lock:

@@ -138,9 +138,13 @@ def _both(kv_dtype, layout, nb, bs, h, d, seed):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_large_calls_parallel_path_equals_reference(threads, layout):
-    # above the 64 KiB threshold the loops split work over OpenMP threads
-    old = torch.get_num_threads()
+    # above the 64 KiB threshold the loops split work over OpenMP threads; the explicit
+    # pagedkv setting forces them even on a busy machine (the automatic one goes serial)
+    import pagedkv
+
+    old, old_pkv = torch.get_num_threads(), pagedkv.get_num_threads()
     torch.set_num_threads(threads)
+    pagedkv.set_num_threads(threads)
     try:
         a, b = _both(torch.float16, layout, 300, 16, 8, 64, seed=threads)
         slots = torch.randperm(300 * 16)[:1500]
@@ -163,6 +167,7 @@ def test_large_calls_parallel_path_equals_reference(threads, layout):
         assert same(arenas_a[0], arenas_b[0])
     finally:
         torch.set_num_threads(old)
+        pagedkv.set_num_threads(old_pkv)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -16,9 +16,10 @@ Every copy is a memcpy of a contiguous run:
 - HND gather: a ``[D]`` row per (token, head);
 - block copy/swap: a whole block (``[2, bs, H, D]``, or a scale block) per layer.
 
-Work of at least ``PARALLEL_BYTES`` is split over OpenMP threads (the runtime torch
-itself loads, so ``torch.set_num_threads`` applies). Smaller calls stay serial: waking
-threads costs more than it saves.
+Work of at least ``2 * PARALLEL_BYTES`` is split over OpenMP threads (the runtime torch
+itself loads, so ``torch.set_num_threads`` applies, unless ``pagedkv.set_num_threads``
+overrides it), each thread getting at least ``PARALLEL_BYTES``. Smaller calls stay serial:
+waking threads costs more than it saves. See docs/threads.md.
 """
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
@@ -75,15 +76,56 @@ cdef Py_ssize_t _PARALLEL_BYTES = 65536
 PARALLEL_BYTES = _PARALLEL_BYTES
 
 
+
+# Thread policy (docs/threads.md, omp_policy.h). A call splits its work into pieces of
+# the serial threshold and takes at most one thread per piece (waking a thread for less
+# costs more than it saves). The thread count is pagedkv's own setting
+# (pagedkv.set_num_threads / PAGEDKV_NUM_THREADS) when > 0; at 0 (the default) it is
+# OpenMP's max, which torch.set_num_threads and OMP_NUM_THREADS set, capped by the cores
+# idle right now, so a loaded machine runs the loop serially instead of waiting at the
+# closing barrier for a descheduled worker. Loops are scheduled dynamically, about 8
+# chunks per thread: a worker preempted mid-loop holds back one chunk, not its half.
+cdef extern from "omp_policy.h":
+    int pkv_threads(long long parts, int setting, int omp_max) noexcept nogil
+    long pkv_runnable_override
+
+cdef int _num_threads = 0
+
+
+def set_num_threads(int n):
+    """pagedkv's thread count for these loops (0: follow OpenMP's max, i.e. torch's)."""
+    global _num_threads
+    _num_threads = n if n > 0 else 0
+
+
+def get_num_threads():
+    """pagedkv's own setting (0: following OpenMP's max)."""
+    return _num_threads
+
+
+cdef inline Py_ssize_t chunk_for(Py_ssize_t n, int nth) noexcept nogil:
+    cdef Py_ssize_t c = n // (8 * nth)
+    return c if c > 1 else 1
+
+
 cdef inline int threads_for(Py_ssize_t nbytes) noexcept nogil:
-    if nbytes < _PARALLEL_BYTES:
-        return 1
-    return openmp.omp_get_max_threads()
+    return pkv_threads(nbytes // _PARALLEL_BYTES, _num_threads, openmp.omp_get_max_threads())
+
+
+def planned_threads(Py_ssize_t nbytes):
+    """Threads a call moving ``nbytes`` would take now (the policy above)."""
+    return threads_for(nbytes)
+
+
+def _pretend_runnable(long n):
+    """Tests: pretend the kernel reports ``n`` runnable tasks (-1: read /proc/loadavg)."""
+    global pkv_runnable_override
+    pkv_runnable_override = n
 
 
 def max_threads():
-    """Threads a large call uses (OpenMP's max, which torch.set_num_threads sets)."""
-    return openmp.omp_get_max_threads()
+    """Threads a large call uses (pagedkv's setting, else OpenMP's max, which torch.set_num_threads sets)."""
+    return _num_threads if _num_threads > 0 else openmp.omp_get_max_threads()
 
 
 # ------------------------------------------------------------------------------------
@@ -162,7 +204,7 @@ def write_rows(
                 break
         if bad < 0:
             with parallel(num_threads=nth):
-                for t in prange(num_tokens, schedule="static"):
+                for t in prange(num_tokens, schedule="dynamic", chunksize=chunk_for(num_tokens, nth)):
                     if slots[t] >= 0:
                         write_token(layer, key + t * key_tok_stride, key_head_stride, slots[t], 0,
                                     block_size, num_heads, row_bytes, hnd)
@@ -338,7 +380,7 @@ cdef void gather_tables(
             token_start[b + 1] = token_start[b] + seq_lens[b]
         units = unit_start[batch]
     if nth > 1:
-        for u in prange(units, num_threads=nth, schedule="static"):
+        for u in prange(units, num_threads=nth, schedule="dynamic", chunksize=chunk_for(units, nth)):
             b = find_sequence(unit_start, batch, u)
             j = u - unit_start[b]
             m = seq_lens[b] - j * block_size
@@ -449,7 +491,8 @@ def copy_block_pairs(
     cdef Py_ssize_t u, layer, p, s, d
     cdef int nth = threads_for(num_layers * num_pairs * block_bytes)
     with nogil:
-        for u in prange(num_layers * num_pairs, num_threads=nth, schedule="static"):
+        for u in prange(num_layers * num_pairs, num_threads=nth, schedule="dynamic",
+                        chunksize=chunk_for(num_layers * num_pairs, nth)):
             layer = u // num_pairs
             p = u - layer * num_pairs
             if pairs_int32:

@@ -73,8 +73,51 @@ ROW_ISA = "avx2" if pkv_use_avx2() else "baseline"
 cdef int64_t _PARALLEL_ELEMENTS = 16384
 
 
+
+# Thread policy (docs/threads.md, omp_policy.h). A call splits its work into pieces of
+# the serial threshold and takes at most one thread per piece (waking a thread for less
+# costs more than it saves). The thread count is pagedkv's own setting
+# (pagedkv.set_num_threads / PAGEDKV_NUM_THREADS) when > 0; at 0 (the default) it is
+# OpenMP's max, which torch.set_num_threads and OMP_NUM_THREADS set, capped by the cores
+# idle right now, so a loaded machine runs the loop serially instead of waiting at the
+# closing barrier for a descheduled worker. Loops are scheduled dynamically, about 8
+# chunks per thread: a worker preempted mid-loop holds back one chunk, not its half.
+cdef extern from "omp_policy.h":
+    int pkv_threads(long long parts, int setting, int omp_max) noexcept nogil
+    long pkv_runnable_override
+
+cdef int _num_threads = 0
+
+
+def set_num_threads(int n):
+    """pagedkv's thread count for these loops (0: follow OpenMP's max, i.e. torch's)."""
+    global _num_threads
+    _num_threads = n if n > 0 else 0
+
+
+def get_num_threads():
+    """pagedkv's own setting (0: following OpenMP's max)."""
+    return _num_threads
+
+
+cdef inline int64_t chunk_for(int64_t n, int nth) noexcept nogil:
+    cdef int64_t c = n // (8 * nth)
+    return c if c > 1 else 1
+
+
 cdef inline int threads_for(int64_t elements) noexcept nogil:
-    return 1 if elements < _PARALLEL_ELEMENTS else openmp.omp_get_max_threads()
+    return pkv_threads(elements // _PARALLEL_ELEMENTS, _num_threads, openmp.omp_get_max_threads())
+
+
+def planned_threads(int64_t elements):
+    """Threads a call moving ``elements`` would take now (the policy above)."""
+    return threads_for(elements)
+
+
+def _pretend_runnable(long n):
+    """Tests: pretend the kernel reports ``n`` runnable tasks (-1: read /proc/loadavg)."""
+    global pkv_runnable_override
+    pkv_runnable_override = n
 
 
 cdef inline int64_t row_of(int64_t blk, int kv, int64_t off, int64_t h, int64_t block_size,
@@ -185,7 +228,7 @@ def write_quant(
                 bad = t
                 break
         if bad < 0:
-            for t in prange(num_tokens, num_threads=nth, schedule="static"):
+            for t in prange(num_tokens, num_threads=nth, schedule="dynamic", chunksize=chunk_for(num_tokens, nth)):
                 if slots[t] < 0:
                     continue
                 tid = openmp.omp_get_thread_num()
@@ -293,7 +336,7 @@ def gather_quant(
                 token_row[2 * u] = blocks[first + j // block_size]
                 token_row[2 * u + 1] = j % block_size
                 u += 1
-        for t in prange(total, num_threads=nth, schedule="static"):
+        for t in prange(total, num_threads=nth, schedule="dynamic", chunksize=chunk_for(total, nth)):
             for kv in range(2):
                 for h in range(num_heads):
                     row = row_of(token_row[2 * t], kv, token_row[2 * t + 1], h, block_size, num_heads, hnd)
@@ -381,7 +424,7 @@ def seal_key_blocks(
                         ids[i] = -1
                     else:
                         seen[ids[i]] = 1
-            for i in prange(num_seal, num_threads=nth, schedule="static"):
+            for i in prange(num_seal, num_threads=nth, schedule="dynamic", chunksize=chunk_for(num_seal, nth)):
                 blk = ids[i]
                 if blk < 0:
                     continue
