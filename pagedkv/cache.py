@@ -159,7 +159,7 @@ class PagedKVCache:
         if config.host_num_blocks:
             from pagedkv.offload import HostTier
 
-            self._host = HostTier(self.tables, self.store, config.host_num_blocks, self._namespaces.hash_of,
+            self._host = HostTier(self._book, self.store, config.host_num_blocks, self._namespaces.hash_of,
                                   sync=self._tiers.sync if self._tiers is not None else None)
 
     def _prefix_index(self, config: CacheConfig) -> PrefixIndex:
@@ -1060,8 +1060,6 @@ class PagedKVCache:
     # ---- host tier ------------------------------------------------------------------
     def _require_host(self):
         if self._host is None:
-            if self._groups is not None:
-                self._no_groups("host swap (host_num_blocks, swap_out / swap_in)")
             raise InvalidArgumentError(expected("config.host_num_blocks", "> 0 for swapping", 0))
         return self._host
 

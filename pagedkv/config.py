@@ -341,11 +341,6 @@ class CacheConfig:
             return
         windows = _layer_windows(self.layer_windows, self.num_layers)
         plan = plan_groups(list(windows), self.attention_sinks)
-        if plan is not None:
-            from pagedkv.support import GROUPS, require
-
-            if self.host_num_blocks:
-                require("host swap (host_num_blocks, swap_out / swap_in)", self, configuration=GROUPS)
         put("layer_windows", tuple(windows) if plan is not None else None)
         put("_groups", plan)
         if plan is not None and self.quantized and not self.quantized_slots:

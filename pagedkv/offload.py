@@ -8,7 +8,7 @@ full blocks for prefix reuse. Both are all or nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -23,7 +23,8 @@ _MAX_BLOCKS = 2**31 - 1   # block ids are int32 in the core
 
 @dataclass
 class _Swapped:
-    host_blocks: np.ndarray   # int32 host block ids, in token order
+    host_blocks: np.ndarray   # int32 host block ids, every group's, in the order parts lists them
+    parts: List[np.ndarray]   # per layer group: the table positions whose blocks were saved
     tokens: np.ndarray        # known token ids
     num_computed: int
     ns_id: int
@@ -35,13 +36,21 @@ class HostTier:
     """Host blocks of swapped-out sequences, keyed by core sequence key.
 
     Args:
-        tables: the device :class:`~pagedkv._core.tables.BlockTables` (and through it
-            the device pool).
+        tables: the device :class:`~pagedkv._core.tables.BlockTables`, or the
+            :class:`~pagedkv.group_tables.GroupTables` of a cache with sliding-window
+            layer groups (and through it the device pool).
         store: the :class:`~pagedkv.store.KVStore` holding both arenas, or None for
             bookkeeping only (no bytes move).
         num_blocks: host blocks.
         namespace_hash: ``ns_id -> ns_hash`` of the manager's namespace registry, to
             re-register a swapped-in sequence's blocks under its namespace.
+
+    With layer groups every group's held blocks are saved (a sliding group holds only
+    its window and sinks). Swapping in reserves every position in every group, loads
+    the saved blocks and commits; a sliding group then releases what lies outside its
+    window at once. It comes back without its token ids, so those blank blocks are
+    never registered as prefixes (its new blocks are not either; full-attention
+    groups register as before).
 
     Errors name the caller's ids through ``tables.namer``.
     """
@@ -49,6 +58,7 @@ class HostTier:
     def __init__(self, tables, store, num_blocks: int, namespace_hash: Callable[[int], int],
                  sync: Optional[Callable[[], None]] = None):
         self.tables = tables
+        self.groups = list(getattr(tables, "tables", [tables]))   # one BlockTables per layer group
         self.store = store
         # the host pool's bookkeeping, sized under the option's own name (the store's
         # host arenas, when there is a store, were checked with it)
@@ -75,55 +85,75 @@ class HostTier:
     def holds(self, key: int) -> bool:
         return key in self.swapped
 
+    def _namespace(self, g: int, ns_id: int, ns_hash: int):
+        return (ns_id, ns_hash) if len(self.groups) == 1 else self.tables.namespace(g, ns_id, ns_hash)
+
     def swap_out(self, key: int) -> int:
-        tables = self.tables
-        if key not in tables:
-            raise SequenceNotFoundError(self.tables.namer(key))
-        info = tables.info(key)
+        first = self.groups[0]
+        if key not in first:
+            raise SequenceNotFoundError(first.namer(key))
+        info = first.info(key)
         computed = info["num_computed"]
-        n = -(-computed // tables.block_size)
-        device_blocks = tables.blocks(key)[:n]
-        if n > self.pool.num_free_blocks:
-            raise OutOfBlocksError(n, self.pool.num_free_blocks, "swap_out to the host tier")
-        host_blocks = self.pool.allocate(n)
-        if self.store is not None and n:
+        n = -(-computed // first.block_size)
+        parts, device = [], []
+        released = 0
+        for t in self.groups:
+            table = t.blocks(key)
+            released += int((table >= 0).sum())
+            pos = np.flatnonzero(table[:n] >= 0)
+            parts.append(pos)
+            device.append(table[pos])
+        device_blocks = np.concatenate(device)
+        total = len(device_blocks)
+        if total > self.pool.num_free_blocks:
+            raise OutOfBlocksError(total, self.pool.num_free_blocks, "swap_out to the host tier")
+        host_blocks = self.pool.allocate(total)
+        if self.store is not None and total:
             import torch
 
             pairs = np.stack([device_blocks, host_blocks], axis=1).astype(np.int64)
             self.store.offload(torch.from_numpy(pairs))
-        tokens = tables.tokens(key)
-        self.swapped[key] = _Swapped(host_blocks, tokens, computed, info["namespace"],
+        tokens = first.tokens(key)
+        self.swapped[key] = _Swapped(host_blocks, parts, tokens, computed, info["namespace"],
                                      self._namespace_hash(info["namespace"]), info["priority"])
-        released = info["num_blocks"]
-        tables.remove(np.array([key], dtype=np.int64), internal=True)
+        self.tables.remove(np.array([key], dtype=np.int64), internal=True)
         return released
 
     def swap_in(self, key: int) -> int:
-        tables = self.tables
         rec = self.swapped.get(key)
         if rec is None:
-            raise SequenceNotFoundError(self.tables.namer(key))
-        n = len(rec.host_blocks)
-        free = tables.pool.num_free_blocks
-        if n > free:
-            raise OutOfBlocksError(n, free, "swap_in from the host tier")
+            raise SequenceNotFoundError(self.groups[0].namer(key))
+        bs = self.groups[0].block_size
+        need = len(self.groups) * -(-rec.num_computed // bs)     # every position, until the commit
+        free = self.groups[0].pool.num_free_blocks
+        if need > free:
+            raise OutOfBlocksError(need, free, "swap_in from the host tier")
         keys = np.array([key], dtype=np.int64)
-        tables.add(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority, False)
-        tables.reserve(keys, rec.num_computed, internal=True)
+        added = []
+        try:
+            for g, t in enumerate(self.groups):
+                tokens = rec.tokens if not t.window else None
+                t.add(key, tokens, *self._namespace(g, rec.ns_id, rec.ns_hash), rec.priority, False)
+                added.append(t)
+            self.tables.reserve(keys, rec.num_computed, internal=True)
+        except BaseException:
+            for t in added:
+                t.remove(keys, internal=True)
+            raise
         if self.sync is not None:
             self.sync()     # prefix blocks it evicted go down before the load overwrites them
-        device_blocks = tables.blocks(key)
-        if self.store is not None and n:
+        if self.store is not None and len(rec.host_blocks):
             import torch
 
-            pairs = np.stack([rec.host_blocks, device_blocks], axis=1).astype(np.int64)
+            device = np.concatenate([t.blocks(key)[pos] for t, pos in zip(self.groups, rec.parts)])
+            pairs = np.stack([rec.host_blocks, device], axis=1).astype(np.int64)
             self.store.load(torch.from_numpy(pairs))
-        tables.commit(keys, rec.num_computed, internal=True)
+        self.tables.commit(keys, rec.num_computed, internal=True)
         if self.sync is not None:
             self.sync()
         self.pool.free(rec.host_blocks)
         del self.swapped[key]
-        return n
+        return len(rec.host_blocks)
 
     def discard(self, key: int) -> None:
         """Drop a swapped-out sequence's host copy (it was freed)."""

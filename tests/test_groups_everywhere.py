@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.support import CAPABILITIES, UnsupportedCombinationError, markdown_table, require
 
 BS = 4
@@ -175,11 +176,24 @@ def r_can_admit(kv):
 
 
 def r_swap(kv):
-    with pytest.raises(UnsupportedCombinationError, match=r"^host swap \(host_num_blocks, swap_out / swap_in\)"):
-        kv.swap_out("a")
-    with pytest.raises(UnsupportedCombinationError, match=r"^host swap"):
-        kv.swap_in("a")
+    """A grouped cache with a host tier: swap out, in, and the KV reads back exactly."""
     assert kv.is_swapped("a") is False
+    with pytest.raises(InvalidArgumentError, match=r"config\.host_num_blocks: expected > 0 for swapping, got 0"):
+        kv.swap_out("a")
+    host = live(hybrid(host_num_blocks=16))
+    before = everything(host)
+    held_before = held(host)
+    assert host.swap_out("a") == sum(held_before)
+    assert host.is_swapped("a") and host.stats().allocated_blocks == 0
+    host.swap_in("a")
+    assert not host.is_swapped("a") and held(host) == held_before
+    assert same(everything(host), before)
+    fill(host, "a", [7, 8, 9], start=14)                # decoding goes on after the swap
+    k, _, _, pos = host.gather_window(["a"], 0)
+    assert torch.equal(k, kv_of(0, pos.tolist())) and pos.tolist()[-1] == 16
+    host.check_invariants()
+    host.free("a")
+    host.close()
 
 
 def everything(kv, key="a"):

@@ -95,9 +95,6 @@ def test_bad_hf_layer_kinds_are_typed_errors(src, match):
     (dict(layer_windows=(8, 0, -1, 0)), r"layer_windows: expected ints >= 0 \(0 = full attention\), got -1 at layer 2"),
     (dict(layer_windows=(8, 0)), r"layer_windows: expected 4 windows \(one per layer\), got \(8, 0\)"),
     (dict(attention_sinks=4), r"attention_sinks: expected 0 without sliding-window layers, got 4"),
-    (dict(layer_windows=(8, 0, 8, 0), host_num_blocks=4),
-     r"host swap \(host_num_blocks, swap_out / swap_in\): expected a cache with full attention in every layer "
-     r"\(the host tier's swap tables hold one block table per sequence\), got sliding-window layer groups"),
 ])
 def test_bad_group_settings_are_typed_errors(kw, match):
     with pytest.raises(InvalidArgumentError, match=match):
