@@ -215,6 +215,26 @@ class PagedKVCache:
                 self.store.pin_sinks(self._first_blocks(np.array([key], np.int64), True), held_only=True)
             return hit
 
+    def _admit_restored(self, seq_id: SeqId, tokens: np.ndarray, cache_salt, adapter_id, priority) -> None:
+        """Admit a sequence of a layer-grouped cache whose KV is about to arrive whole
+        from elsewhere (a transfer): no prefix lookup, sliding groups untracked (see
+        :meth:`~pagedkv.group_tables.GroupTables.add_restored`)."""
+        with self._lock:
+            if self._deferred:
+                self._run_deferred()
+            key, fresh = self._ids.intern(seq_id)
+            mark = len(self._namespaces)
+            try:
+                if key in self.tables or (self._host is not None and self._host.holds(key)):
+                    raise SequenceExistsError(seq_id)
+                ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
+                self._groups.add_restored(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+            except BaseException:
+                if fresh:
+                    self._ids.forget(key)
+                self._namespaces.rollback(mark)
+                raise
+
     def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
         """Slots (int64, concatenated in batch order) for the next tokens of each sequence.
 

@@ -161,6 +161,23 @@ class GroupTables:
             raise
         return got[0]
 
+    def add_restored(self, key: int, tokens: Optional[np.ndarray], ns_id: int, ns_hash: int,
+                     priority: int = -1) -> None:
+        """Admit a sequence whose KV arrives from elsewhere (the host tier, another
+        process), with no prefix lookup. Full-attention groups track its tokens as usual;
+        sliding groups do not, because the KV of the positions that left their window is
+        not coming: those blocks are reserved, left blank and released at the commit, and
+        an untracked table never registers a block as a prefix. All or nothing."""
+        done = []
+        try:
+            for g, t in enumerate(self.tables):
+                t.add(key, tokens if not t.window else None, *self.namespace(g, ns_id, ns_hash), priority, False)
+                done.append(t)
+        except BaseException:
+            for t in done:
+                t.remove(key, internal=True)
+            raise
+
     def _check_room(self, keys, counts, internal: bool, what: str) -> None:
         # Each row takes at most ceil(count / bs) new blocks plus one copy-on-write per
         # group; when that many are free, the exact count (a pass per group) is skipped.

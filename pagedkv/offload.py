@@ -85,9 +85,6 @@ class HostTier:
     def holds(self, key: int) -> bool:
         return key in self.swapped
 
-    def _namespace(self, g: int, ns_id: int, ns_hash: int):
-        return (ns_id, ns_hash) if len(self.groups) == 1 else self.tables.namespace(g, ns_id, ns_hash)
-
     def swap_out(self, key: int) -> int:
         first = self.groups[0]
         if key not in first:
@@ -129,16 +126,14 @@ class HostTier:
         if need > free:
             raise OutOfBlocksError(need, free, "swap_in from the host tier")
         keys = np.array([key], dtype=np.int64)
-        added = []
+        if len(self.groups) == 1:
+            self.tables.add(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority, False)
+        else:
+            self.tables.add_restored(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority)
         try:
-            for g, t in enumerate(self.groups):
-                tokens = rec.tokens if not t.window else None
-                t.add(key, tokens, *self._namespace(g, rec.ns_id, rec.ns_hash), rec.priority, False)
-                added.append(t)
             self.tables.reserve(keys, rec.num_computed, internal=True)
         except BaseException:
-            for t in added:
-                t.remove(keys, internal=True)
+            self.tables.remove(keys, internal=True)
             raise
         if self.sync is not None:
             self.sync()     # prefix blocks it evicted go down before the load overwrites them

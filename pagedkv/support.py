@@ -49,8 +49,9 @@ CAPABILITIES: Tuple[Capability, ...] = (
     Capability("prefix tiers (prefix_host_blocks, prefix_disk_dir, warm restart)", True),
     Capability("kv_full_precision_layers (the layers sharing such a layer's arena slot are exact too)", True),
     Capability("relocate / compact (each block moves within its group)", True),
-    Capability("send_sequence / recv_sequence / send_prefix / recv_prefix", False,
-               "a transfer moves one block table per sequence"),
+    Capability("send_sequence / recv_sequence (every block is sent; the receiver reuses no prefix)", True),
+    Capability("send_prefix / recv_prefix", False,
+               "a sliding group no longer holds the start of a prefix's chain, which a prefix copy needs"),
 )
 _BY_NAME = {c.name: c for c in CAPABILITIES}
 

@@ -553,7 +553,94 @@ def hostile(rank, out):
     assert_clean(cache)
 
 
-SCENARIOS = {"formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
+# ---- hybrid models: sliding-window layer groups handed off ---------------------------------------
+HYBRID = [dict(layer_windows=(6, 0, 6, 0)), dict(layer_windows=(6, 6, 6, 6, 6, 0), num_layers=6),
+          dict(layer_windows=(6, 0, 6, 0), kv_dtype="int4", head_dim=8, kv_window=4)]
+
+
+def _hybrid_cache(opts):
+    o = dict(num_layers=4, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", num_blocks=96)
+    o.update(opts)
+    return PagedKVCache(CacheConfig(**o))
+
+
+def _window_kv(cache, seq):
+    return [[t.tolist() for t in cache.gather_window([seq], layer)[:2]] +
+            [cache.gather_window([seq], layer)[3].tolist()] for layer in range(cache.config.num_layers)]
+
+
+def hybrid(rank, out):
+    """A sequence of a sliding-window model (each layout above) handed off: the receiver
+    reads every layer exactly as the sender does, keeps decoding, and never serves the
+    blank positions of a sliding group as a prefix. Then a tiny Gemma 2 and Mistral:
+    prefill here, decode there, greedy tokens as in one process."""
+    from pagedkv.integrations.transformers import PagedCache
+    from pagedkv.testing.sliding_models import tiny_gemma2, tiny_mistral
+
+    req = tokens(100, 23)
+    for i, opts in enumerate(HYBRID):
+        cache = _hybrid_cache(opts)
+        if rank == 0:
+            fill(cache, "req", req)
+            out[f"sent_{i}"] = pd.send_sequence(cache, "req", 1, timeout=TIMEOUT)
+            out[f"kv_{i}"] = _window_kv(cache, "req")
+            cache.free("req")
+        else:
+            got = pd.recv_sequence(cache, 0, timeout=TIMEOUT)
+            out[f"kv_{i}"] = _window_kv(cache, "req")
+            out[f"cached_{i}"] = got.cached_tokens
+            cache.check_invariants()
+            more = tokens(100, 27)
+            slots = cache.reserve("req", 4)                  # decoding goes on
+            for layer in range(cache.config.num_layers):
+                k, v = expected_kv(more, layer, 2, cache.config.head_dim)
+                cache.write(layer, slots, k[23:], v[23:])
+            cache.commit("req", 4, more[23:])
+            cache.free("req")
+            hit = cache.add_sequence("again", req)          # what is registered here is real KV
+            out[f"rehit_{i}"] = hit
+            if hit:
+                k, v = cache.gather("again", 1)              # a full-attention layer
+                ek, _ = expected_kv(req, 1, 2, cache.config.head_dim)
+                out[f"rehit_exact_{i}"] = bool(torch.equal(k[:hit], ek[:hit]) or cache.config.kv_dtype)
+            cache.free("again")
+        assert_clean(cache)
+
+    for name, build in (("gemma2", tiny_gemma2), ("mistral", tiny_mistral)):
+        model, _ = build(window=8)
+        ids = torch.randint(3, 250, (1, 27), generator=torch.Generator().manual_seed(7))
+        kv = PagedKVCache(CacheConfig.from_hf_config(model.config, num_blocks=128, block_size=4, dtype="float32"))
+
+        @torch.no_grad()
+        def decode(first, n):
+            toks = [first]
+            pc = PagedCache(kv)
+            for _ in range(n):
+                mask, pos = pc.select(["req"], 1)
+                nxt = torch.tensor([[toks[-1]]])
+                pc.set_input_ids(nxt)
+                logits = model(nxt, attention_mask=mask, position_ids=pos, past_key_values=pc, use_cache=True).logits
+                toks.append(int(logits[0, -1].argmax()))
+            return toks
+
+        if rank == 0:
+            kv.add_sequence("req", ids[0])
+            with torch.no_grad():
+                pc = PagedCache(kv)
+                mask, pos = pc.select(["req"], ids.shape[1])
+                pc.set_input_ids(ids)
+                logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=pc, use_cache=True).logits
+                first = int(logits[0, -1].argmax())
+            pd.send_sequence(kv, "req", 1, metadata={"first_token": first}, timeout=TIMEOUT)
+            out[f"{name}_local"] = decode(first, 12)
+        else:
+            got = pd.recv_sequence(kv, 0, timeout=TIMEOUT)
+            out[f"{name}_remote"] = decode(got.metadata["first_token"], 12)
+        kv.free("req")
+        assert_clean(kv)
+
+
+SCENARIOS = {"hybrid": hybrid, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
 
 
 def main():

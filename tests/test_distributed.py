@@ -126,3 +126,21 @@ def test_prefill_decode_handoff_on_smollm2_gives_the_same_greedy_tokens(tmp_path
     assert r0["blocks_sent"] > 0
     assert r1["remote"] == r0["local"]
     assert len(set(r1["remote"])) > 1                     # a real continuation, not a stuck token
+
+
+def test_hybrid_sequences_hand_off_exactly_and_sliding_models_decode_the_same(tmp_path):
+    """Sliding-window layer groups (alternating, 5 sliding : 1 full, int4 with a window):
+    every layer reads the same on both sides, decoding continues, and a later prefix hit
+    on the receiver serves real KV; tiny Gemma 2 and Mistral give the same greedy tokens
+    after a prefill -> decode hand-off as in one process."""
+    (r0, r1), _ = run_ranks("hybrid", tmp_path, timeout=300)
+    assert_ok(r0)
+    assert_ok(r1)
+    for i in range(3):
+        assert r0[f"sent_{i}"] > 0
+        assert r1[f"kv_{i}"] == r0[f"kv_{i}"], f"layout {i}: the receiver reads other KV"
+        assert r1[f"cached_{i}"] == 0
+        assert r1.get(f"rehit_exact_{i}", True)
+    for name in ("gemma2", "mistral"):
+        assert r1[f"{name}_remote"] == r0[f"{name}_local"]
+        assert len(set(r0[f"{name}_local"])) > 1

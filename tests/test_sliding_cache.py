@@ -468,18 +468,14 @@ def test_pin_prefix_pins_every_group_and_events_name_the_namespace():
     assert all(e.namespace == ("s", None) for e in stored)
 
 
-def test_transfers_refuse_layer_groups():
+def test_prefix_transfers_refuse_layer_groups():
+    from pagedkv.support import UnsupportedCombinationError
     from pagedkv.transfer.prefix import send_prefix
-    from pagedkv.transfer.sequence import send_sequence
 
     kv = hybrid()
     kv.add_sequence("a", [1, 2, 3])
-    from pagedkv.support import UnsupportedCombinationError
-
-    refusal = (r"send_sequence / recv_sequence / send_prefix / recv_prefix: expected a cache with full attention in "
-               r"every layer \(a transfer moves one block table per sequence\), got sliding-window layer groups")
-    with pytest.raises(UnsupportedCombinationError, match=refusal):
-        send_sequence(kv, "a", 1)
-    with pytest.raises(UnsupportedCombinationError, match=refusal):
+    with pytest.raises(UnsupportedCombinationError, match=r"send_prefix / recv_prefix: expected a cache with full "
+                                                          r"attention in every layer \(a sliding group no longer "
+                                                          r"holds the start of a prefix's chain"):
         send_prefix(kv, [1, 2, 3], 1)
     kv.free("a")

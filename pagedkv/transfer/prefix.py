@@ -48,7 +48,7 @@ def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None,
     ``token_ids``; returns the blocks it lacked and received."""
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
-    require("send_sequence / recv_sequence / send_prefix / recv_prefix", cache.config)
+    require("send_prefix / recv_prefix", cache.config)
     link = Link(dst, group, timeout, cache.store.device)
     bs = cache.config.block_size
     tmp = scratch_id()
@@ -87,7 +87,7 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
     is registered and nothing leaks."""
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
-    require("send_sequence / recv_sequence / send_prefix / recv_prefix", cache.config)
+    require("send_prefix / recv_prefix", cache.config)
     link = Link(src, group, timeout, cache.store.device)
     bs = cache.config.block_size
     link.recv_hello()

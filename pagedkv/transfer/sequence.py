@@ -1,9 +1,10 @@
 """Move one sequence (its tokens, metadata and committed KV) to another process."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
-from pagedkv.support import require
+import numpy as np
+
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
 from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_header, recv_kv,
                                        recv_tokens, refuse, scratch_id, send_tokens)
@@ -32,6 +33,33 @@ def _sendable_id(v):
 HEADER = {"seq_id": _seq_id, "cache_salt": optional(text()), "adapter_id": scalar, "metadata": anything,
           "priority": optional(integer(0, 127)), "num_tokens": integer(0, MAX_TOKENS),
           "num_computed": integer(0, MAX_TOKENS)}
+# and "groups" (checked by _held_positions): absent or null without layer groups
+
+
+def _held_positions(cache, h) -> Optional[List[np.ndarray]]:
+    """With layer groups: per group, the table positions whose KV the sender sends (a
+    sliding group sends only what its window and sinks hold), checked against this
+    cache; None without groups. Raises ``Invalid`` naming what is wrong."""
+    plan = cache.config.layer_groups
+    groups = h.get("groups")
+    if plan is None:
+        if groups is not None:
+            raise Invalid("no layer groups (null)")
+        return None
+    nb = -(-h["num_computed"] // cache.config.block_size)
+    if type(groups) is not list or len(groups) != len(plan.groups):
+        raise Invalid(f"a list of {len(plan.groups)} position lists (one per layer group)")
+    out = []
+    for g, (pos, lg) in enumerate(zip(groups, plan.groups)):
+        if type(pos) is not list or not all(type(p) is int for p in pos):
+            raise Invalid(f"group {g}: a list of ints")
+        arr = np.asarray(pos, dtype=np.int64)
+        if len(arr) and (arr.min() < 0 or arr.max() >= nb or (np.diff(arr) <= 0).any()):
+            raise Invalid(f"group {g}: increasing positions in [0, {nb})")
+        if not lg.window and len(arr) != nb:     # a full-attention group holds every block
+            raise Invalid(f"group {g} (full attention): all {nb} positions")
+        out.append(arr)
+    return out
 
 
 class ReceivedSequence(NamedTuple):
@@ -44,7 +72,6 @@ class ReceivedSequence(NamedTuple):
 def _require_store(cache):
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
-    require("send_sequence / recv_sequence / send_prefix / recv_prefix", cache.config)
 
 
 def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, timeout: float = 60.0) -> int:
@@ -75,15 +102,24 @@ def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, 
         tokens = cache.token_ids(seq_id)
         computed = cache.num_tokens(tmp)
         bs = cache.config.block_size
+        nb = -(-computed // bs)
+        groups = None
+        if cache.config.layer_groups is not None:    # each group's held blocks (a sliding group: its window)
+            tables = [cache.block_table(tmp, group=g)[:nb] for g in range(len(cache.config.layer_groups.groups))]
+            groups = [np.flatnonzero(t >= 0).tolist() for t in tables]
         link.send_hello()
         link.send_json(header(KIND, cache, seq_id=_sendable_id(seq_id),
                               cache_salt=salt, adapter_id=adapter, metadata=metadata,
                               priority=info["priority"] if info["priority"] >= 0 else None,
-                              num_tokens=len(tokens), num_computed=computed), "sending the header")
+                              num_tokens=len(tokens), num_computed=computed, groups=groups), "sending the header")
         send_tokens(link, tokens)
         start = expect_ok(link, "waiting for the receiver's allocation",
                           {"start_block": integer(0, -(-len(tokens) // bs))})["start_block"]
-        blocks = cache.block_table(tmp)[start:-(-computed // bs)].tolist() if start * bs < computed else []
+        if groups is not None:       # the receiver reuses no prefix of a grouped sequence: start is 0
+            blocks = np.concatenate([t[np.asarray(p, dtype=np.int64)] for t, p in zip(tables, groups)]).tolist() \
+                if start == 0 else []
+        else:
+            blocks = cache.block_table(tmp)[start:nb].tolist() if start * bs < computed else []
         link.send_blocks(cache.store.arenas, blocks)
         link.send_window(cache.store.window, blocks)
         expect_ok(link, "waiting for the receiver's commit", last=True)
@@ -120,12 +156,21 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
     sid = seq_id if seq_id is not None else (h["seq_id"] if reason is None else None)
     if reason is None and sid is None:
         reason = "the sender's sequence id cannot be sent: pass seq_id= to recv_sequence"
+    positions = None
+    if reason is None:
+        try:
+            positions = _held_positions(cache, h)
+        except Invalid as e:
+            reason = f"header: field 'groups': expected {e}"
     added = False
     hit = need = 0
     if reason is None:
         try:
-            hit = cache.add_sequence(sid, tokens, cache_salt=h["cache_salt"], adapter_id=h["adapter_id"],
-                                     priority=h["priority"])
+            if positions is None:
+                hit = cache.add_sequence(sid, tokens, cache_salt=h["cache_salt"], adapter_id=h["adapter_id"],
+                                         priority=h["priority"])
+            else:   # every block comes (no prefix reuse), sliding groups untracked: no blank block registers
+                cache._admit_restored(sid, tokens, h["cache_salt"], h["adapter_id"], h["priority"])
             added = True
             need = max(0, h["num_computed"] - hit)
             if need:
@@ -140,7 +185,11 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
         bs = cache.config.block_size
         start = hit // bs
         link.send_json({"ok": True, "start_block": start}, "sending the allocation")
-        blocks = cache.block_table(sid)[start:].tolist() if need else []
+        if positions is not None:
+            blocks = np.concatenate([cache.block_table(sid, group=g)[p] for g, p in enumerate(positions)]).tolist() \
+                if need else []
+        else:
+            blocks = cache.block_table(sid)[start:].tolist() if need else []
         recv_kv(link, cache, blocks, window=True)        # verified before anything is committed
         if need:
             cache.commit(sid, need)
