@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -119,6 +120,8 @@ class PagedKVCache:
             config = self.store.config  # may differ: fp8 -> int8 fallback
         self.config = config
         # sink tokens matter only where a store keeps model-precision copies of them
+        if config.window_note is not None and allocate_store:
+            warnings.warn(f"pagedkv: {config.window_note}", RuntimeWarning, stacklevel=2)
         self._sink_tokens = config.kv_sink_tokens if self.store is not None and self.store.window is not None else 0
         nb = config.resolved_num_blocks
         self.index: Optional[PrefixIndex] = self._prefix_index(config) if config.enable_prefix_caching else None

@@ -676,6 +676,27 @@ class CacheConfig:
         return self.resolved_num_blocks * self.bytes_per_block + self.window_bytes
 
     @property
+    def quantization_saving_bytes(self) -> int:
+        """Bytes the quantized block arenas save against the same blocks in the model
+        dtype (0 when not quantized); the window arena is not counted here."""
+        if not self.quantized:
+            return 0
+        plain = 2 * self.arena_layers * self.kv_heads_per_rank * self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
+        return max(0, self.resolved_num_blocks * (plain * self.block_size - self.bytes_per_block))
+
+    @property
+    def window_note(self) -> Optional[str]:
+        """A warning when the window arena (``kv_window``, ``kv_sink_tokens``, block
+        keys' staging) costs more than quantizing the blocks saves; None otherwise."""
+        saved, window = self.quantization_saving_bytes, self.window_bytes
+        if not window or window <= saved:
+            return None
+        return (f"the window arena ({format_bytes(window)} for kv_window={self.kv_window}, "
+                f"kv_sink_tokens={self.kv_sink_tokens}, kv_window_sequences={self.kv_window_sequences}) costs more "
+                f"than {self.kv_dtype} saves on {self.resolved_num_blocks} blocks ({format_bytes(saved)}): lower "
+                "kv_window_sequences or kv_window, or use a smaller kv_dtype saving")
+
+    @property
     def num_slots(self) -> int:
         """Token slots in the cache: ``resolved_num_blocks * block_size``."""
         return self.resolved_num_blocks * self.block_size

@@ -49,6 +49,9 @@ class PlanResult:
     layer_groups: tuple = ()  # per group: "full x N layers" / "sliding(window=W) x N layers"
     context_bytes_per_token: int = 0  # bytes a sequence adds per token of context (full-attention groups)
     constant_bytes_per_sequence: int = 0  # most bytes a sequence's sliding groups hold, at any length
+    window_bytes: int = 0  # the window arena (model-precision rows of kv_window / sinks), in arena_bytes
+    quantization_saving_bytes: int = 0  # what the quantized blocks save against the model dtype
+    note: Optional[str] = None  # set when the window arena costs more than quantization saves
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_groups", tuple(self.layer_groups))   # to_dict() gives a list
@@ -78,6 +81,11 @@ class PlanResult:
                       f"({format_bytes(self.context_bytes_per_token)}) + at most "
                       f"{self.constant_bytes_per_sequence:,} B ({format_bytes(self.constant_bytes_per_sequence)}) "
                       "in sliding windows"]
+        if self.window_bytes:
+            lines.append(f"window arena    {self.window_bytes:,} B ({format_bytes(self.window_bytes)}), in the "
+                         f"blocks' bytes above; quantization saves {format_bytes(self.quantization_saving_bytes)}")
+        if self.note:
+            lines.append(f"warning         {self.note}")
         if self.max_seq_len is not None:
             lines += [
                 f"one sequence    {self.max_seq_len:,} tokens = {self.blocks_per_sequence:,} blocks = "
@@ -134,6 +142,9 @@ def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanR
         num_blocks=nb,
         num_tokens=nb * config.block_size,
         arena_bytes=config.total_bytes,
+        window_bytes=config.window_bytes,
+        quantization_saving_bytes=config.quantization_saving_bytes,
+        note=config.window_note,
         max_seq_len=max_seq_len,
         blocks_per_sequence=blocks,
         bytes_per_sequence=per_seq,

@@ -55,6 +55,7 @@ class CacheStats:
     tiers: Tuple = ()              # TierStats per prefix tier below the device
     group_hit_limits: Tuple = ()   # layer groups: admissions whose prefix hit each group limited
     groups: Tuple = ()             # layer groups: GroupStats per group (the totals above add them up)
+    window_bytes: int = 0          # the window arena (model-precision rows), allocated up front
 
     @property
     def is_full(self) -> bool:
@@ -111,6 +112,7 @@ class CacheStats:
             host_hit_tokens=by_medium.get("host", 0),
             disk_hit_tokens=by_medium.get("disk", 0),
             tiers=tiers,
+            window_bytes=cfg.window_bytes,
             group_hit_limits=tuple(groups.limited_by) if groups is not None else (),
             groups=per_group,
         )
@@ -126,7 +128,8 @@ class CacheStats:
             f"{self.free_blocks} allocatable ({self.empty_blocks} empty, {self.cached_free_blocks} cached-free, "
             f"{self.pinned_blocks} pinned)",
             f"Memory: {format_bytes(self.bytes_in_use)} in use, {format_bytes(self.bytes_free)} free "
-            f"({format_bytes(self.bytes_per_block)} per block)",
+            f"({format_bytes(self.bytes_per_block)} per block)"
+            + (f", window arena {format_bytes(self.window_bytes)}" if self.window_bytes else ""),
             f"Sequences: {self.active_sequences} active, {self.total_tokens} tokens, "
             f"fragmentation {self.fragmentation:.3f}",
             f"Prefix cache: {self.hit_tokens}/{self.query_tokens} tokens hit ({100 * self.hit_rate:.1f}%), "
