@@ -26,7 +26,6 @@ cdef extern from "attention_rows.h" nogil:
     pkv_dequantize_row_fn pkv_pick_dequantize_row()
     pkv_key_row_fn pkv_pick_key_row()
     int pkv_use_avx2()
-    int64_t pkv_attn_scratch_floats(int64_t rows, int64_t head_dim, int64_t groups)
     ctypedef struct pkv_attn_args:
         const float* q
         const float* qrot
@@ -161,7 +160,7 @@ def attend(
     cdef int64_t* items = <int64_t*> malloc(<size_t> (4 * num_items + 1) * 8)
     cdef float* part = <float*> malloc(<size_t> (part_rows * (D + 2) + 1) * 4)
     cdef int nth = 1 if work < _PARALLEL_WORK else openmp.omp_get_max_threads()
-    cdef int64_t share = pkv_attn_scratch_floats(rows_max, D, groups if quantized else 1)
+    cdef int64_t share = (2 * PKV_ATTN_TILE + 1) * D + rows_max * PKV_ATTN_TILE
     cdef float* scratch = <float*> malloc(<size_t> (nth * share + 1) * 4)
     if items == NULL or part == NULL or scratch == NULL:
         free(seq_info); free(items); free(part); free(scratch)
