@@ -7,7 +7,9 @@ For each shape (query heads / KV heads / head_dim) and KV format (fp32, int8, in
 block keys, int3), one decode step (one query per sequence) is timed as
 ``pagedkv.ops.paged_attention`` and as ``gather_kv`` (to float32) followed by
 ``torch.nn.functional.scaled_dot_product_attention`` (GQA): the median ns per call.
-``bytes`` is what paged attention reads (the K/V rows and their parameters); ``GBps``
+``paged_cpu_ns`` is the same call's median thread CPU time (``time.thread_time_ns``: on
+one thread it stays meaningful when other processes load the machine, which ``load``,
+``os.getloadavg()`` before and after the run, records). ``bytes`` is what paged attention reads (the K/V rows and their parameters); ``GBps``
 that over its time, next to a same-size ``memcpy`` (``torch.Tensor.copy_``) in the same
 process. Threads: whatever ``OMP_NUM_THREADS`` / ``torch.get_num_threads()`` say (printed).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -76,6 +79,17 @@ def _bytes_read(arena: dict, total_tokens: int, nb: int) -> int:
     return int(per_block * total_tokens / bs)
 
 
+def _median_cpu_ns(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.thread_time_ns()
+        fn()
+        times.append(time.thread_time_ns() - t0)
+    times.sort()
+    return float(times[len(times) // 2])
+
+
 def run(batch: int, context: int, bs: int, reps: int):
     gen = torch.Generator().manual_seed(0)
     results = []
@@ -107,10 +121,11 @@ def run(batch: int, context: int, bs: int, reps: int):
             src = torch.empty(nbytes, dtype=torch.uint8)
             dst = torch.empty_like(src)
             t_paged = _median_ns(paged, reps)
+            c_paged = _median_cpu_ns(paged, reps)
             t_gather = _median_ns(gathered, reps)
             t_copy = _median_ns(lambda: dst.copy_(src), reps)
             results.append(dict(shape=f"{hq}q/{hkv}kv/{d}", format=fmt, batch=batch, context=context,
-                                paged_ns=t_paged, gather_sdpa_ns=t_gather, paged_over_gather=t_paged / t_gather,
+                                paged_ns=t_paged, paged_cpu_ns=c_paged, gather_sdpa_ns=t_gather, paged_over_gather=t_paged / t_gather,
                                 bytes=nbytes, paged_GBps=nbytes / t_paged, memcpy_GBps=nbytes / t_copy,
                                 paged_over_memcpy_bw=(nbytes / t_paged) / (nbytes / t_copy)))
         fp32 = next(r for r in results if r["shape"] == f"{hq}q/{hkv}kv/{d}" and r["format"] == "float32")
@@ -130,8 +145,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.smoke:
         a.batch, a.context, a.reps = 2, 100, 2
+    load_before = os.getloadavg()
     res = run(a.batch, a.context, a.block_size, a.reps)
-    json.dump(dict(benchmark="attention", threads=torch.get_num_threads(), results=res), sys.stdout, indent=1)
+    json.dump(dict(benchmark="attention", threads=torch.get_num_threads(), load=[load_before, os.getloadavg()],
+                   results=res), sys.stdout, indent=1)
     print()
     return 0
 
