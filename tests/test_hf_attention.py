@@ -103,3 +103,39 @@ def test_smollm2_greedy_matches_dynamic_cache(smollm2, kw):
         agree = (out == gathered).float().mean().item()
         assert agree > 0.9, agree
     assert len(kv) == 0
+
+
+SLIDING = {"mistral": "tiny_mistral", "gemma2": "tiny_gemma2", "gemma3": "tiny_gemma3", "qwen2": "tiny_qwen2"}
+
+
+@pytest.mark.parametrize("name", sorted(SLIDING))
+def test_sliding_models_read_their_groups_pages_with_no_gather(name):
+    """Sliding-window layer groups: each layer reads its group's pages (a sliding group
+    holds only its window, so prompts longer than the window release blocks), padded
+    batch, greedy ids equal to DynamicCache + SDPA."""
+    from pagedkv.testing import sliding_models
+
+    build = getattr(sliding_models, SLIDING[name], None)
+    if build is None:
+        pytest.fail(f"pagedkv.testing.sliding_models has no {SLIDING[name]}")
+    model, tok = build(window=8)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (23, 11, 30)]
+    ids, mask = left_pad(rows, tok.pad_token_id)
+    gen = dict(max_new_tokens=20, do_sample=False, attention_mask=mask, pad_token_id=tok.pad_token_id)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)
+    kv = PagedKVCache(CacheConfig.from_hf_config(model.config, num_blocks=256, block_size=4, dtype=torch.float32,
+                                                 shuffle_free_blocks=5))
+    assert kv.config.layer_groups is not None
+    with paged_impl(model), PagedCache(kv, paged_attention=True) as cache:
+        cache.admit(ids, mask)
+        calls = []
+        real = kv.gather_pages
+        kv.gather_pages = lambda *a, **k: calls.append(1) or real(*a, **k)
+        out = model.generate(ids, past_key_values=cache, **gen)
+        del kv.gather_pages
+        sliding = [i for i, grp in enumerate(kv.config.layer_groups.groups) if grp.window]
+        assert all(kv.released_tokens(cache.seq_ids, group=i).max() > 0 for i in sliding)
+    assert calls == []
+    assert out.tolist() == ref.tolist()
+    assert len(kv) == 0

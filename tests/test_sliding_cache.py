@@ -12,7 +12,7 @@ from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 from pagedkv.integrations.transformers import PagedCache
-from pagedkv.testing.sliding_models import tiny_gemma2, tiny_mistral
+from pagedkv.testing.sliding_models import tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_qwen2
 
 BS = 4
 
@@ -203,7 +203,8 @@ def paged(model, num_blocks=256, block_size=4) -> PagedKVCache:
     return PagedKVCache(cfg)
 
 
-MODELS = {"mistral": lambda: tiny_mistral(window=8), "gemma2": lambda: tiny_gemma2(window=8)}
+MODELS = {"mistral": lambda: tiny_mistral(window=8), "gemma2": lambda: tiny_gemma2(window=8),
+          "gemma3": lambda: tiny_gemma3(window=8), "qwen2": lambda: tiny_qwen2(window=8)}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.integrations.transformers import PagedCache
-from pagedkv.testing.sliding_models import tiny_gemma2, tiny_mistral
+from pagedkv.testing.sliding_models import tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_qwen2
 
 from tier_helpers import expected_kv
 
@@ -135,7 +135,8 @@ def test_pinned_hybrid_prefix_survives_in_every_group():
         cache.unpin_prefix(a)
 
 
-MODELS = {"mistral": lambda: tiny_mistral(window=8), "gemma2": lambda: tiny_gemma2(window=8)}
+MODELS = {"mistral": lambda: tiny_mistral(window=8), "gemma2": lambda: tiny_gemma2(window=8),
+          "gemma3": lambda: tiny_gemma3(window=8), "qwen2": lambda: tiny_qwen2(window=8)}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

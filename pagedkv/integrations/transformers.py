@@ -420,7 +420,7 @@ class PagedCache(Cache):
         # Read before writing: the new tokens' rows are overwritten below by their K/V
         # as computed, and a recent window still holds the tokens just before the pass.
         columns = plan.columns
-        if self.paged_attention and plan.groups is None:
+        if self.paged_attention:
             return self._write_only(key_states, value_states, layer_idx, plan)
         if plan.groups is not None:   # layer groups: this layer's group's tables and window
             step = plan.groups[self.kv.config.layer_groups.layer_group[layer_idx]]
@@ -474,22 +474,36 @@ class PagedCache(Cache):
         ``[B, q, Hq, D]`` (padding query columns get zeros)."""
         plan = ticket.plan
         B, Hq, q, D = query.shape
+        # With layer groups, the layer's group's table: a sliding group lists the tokens
+        # it still holds, from the first one its window needs, so positions are relative
+        # to that token and the window mask (keys after p - W) reads the same.
+        window = None
+        table = plan
+        if plan.groups is not None:
+            g = self.kv.config.layer_groups.layer_group[ticket.layer_idx]
+            table = plan.groups[g]
+            window = self.kv.config.layer_groups.groups[g].window or None
+        key = id(table)
         if plan.q_indptr is None:
-            nq = np.minimum(plan.lens.cpu().numpy().astype(np.int64), q)
+            plan.q_indptr, plan.q_rows = {}, {}
+        if key not in plan.q_indptr:
+            nq = np.minimum(table.lens.cpu().numpy().astype(np.int64), q)
             qp = np.zeros(B + 1, dtype=np.int32)
             np.cumsum(nq, out=qp[1:])
-            plan.q_indptr = torch.from_numpy(qp).to(query.device)
+            plan.q_indptr[key] = torch.from_numpy(qp).to(query.device)
+            plan.q_rows[key] = None
             if (nq != q).any():
                 rows = np.concatenate([b * q + np.arange(q - n, q) for b, n in enumerate(nq.tolist())])
-                plan.q_rows = torch.from_numpy(rows.astype(np.int64)).to(query.device)
+                plan.q_rows[key] = torch.from_numpy(rows.astype(np.int64)).to(query.device)
+        q_rows = plan.q_rows[key]
         flat = query.transpose(1, 2).reshape(B * q, Hq, D)
-        if plan.q_rows is not None:
-            flat = flat[plan.q_rows]
-        out = self.kv.attention(ticket.layer_idx, flat, plan.indptr, plan.indices, plan.lens, plan.q_indptr,
-                                sm_scale=scaling, soft_cap=soft_cap)
-        if plan.q_rows is None:
+        if q_rows is not None:
+            flat = flat[q_rows]
+        out = self.kv.attention(ticket.layer_idx, flat, table.indptr, table.indices, table.lens, plan.q_indptr[key],
+                                sm_scale=scaling, soft_cap=soft_cap, window=window)
+        if q_rows is None:
             return out.view(B, q, Hq, D)
-        return out.new_zeros(B * q, Hq, D).index_copy_(0, plan.q_rows, out).view(B, q, Hq, D)
+        return out.new_zeros(B * q, Hq, D).index_copy_(0, q_rows, out).view(B, q, Hq, D)
 
     def _plan_step(self, key_states) -> None:
         if self._plan is not None:   # undone by update()'s handler before this reaches the caller

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pagedkv.testing.models import ByteTokenizer
 
-__all__ = ["tiny_mistral", "tiny_gemma2"]
+__all__ = ["tiny_mistral", "tiny_gemma2", "tiny_gemma3", "tiny_qwen2"]
 
 
 def _common(tok, window: int, layers: int, init: float) -> dict:
@@ -43,3 +43,24 @@ def tiny_gemma2(window: int = 8, seed: int = 0, layers: int = 4, dtype=None):
     types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     config = Gemma2Config(**_common(tok, window, layers, 0.02), layer_types=types, query_pre_attn_scalar=16)
     return _build(Gemma2ForCausalLM, config, seed, dtype), tok
+
+
+def tiny_gemma3(window: int = 8, seed: int = 0, layers: int = 6, dtype=None):
+    """``(model, ByteTokenizer())``: a text-only Gemma 3 with its 5 sliding : 1 full
+    layer pattern (``window`` tokens)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = ByteTokenizer()
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    config = Gemma3TextConfig(**_common(tok, window, layers, 0.02), layer_types=types, query_pre_attn_scalar=16)
+    return _build(Gemma3ForCausalLM, config, seed, dtype), tok
+
+
+def tiny_qwen2(window: int = 8, seed: int = 0, layers: int = 4, dtype=None):
+    """``(model, ByteTokenizer())``: a Qwen2 whose upper layers slide (``window`` tokens,
+    ``max_window_layers`` 2: layers 0-1 full attention, as Qwen2's config reads)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = ByteTokenizer()
+    config = Qwen2Config(**_common(tok, window, layers, 0.4), use_sliding_window=True, max_window_layers=2)
+    return _build(Qwen2ForCausalLM, config, seed, dtype), tok
