@@ -383,8 +383,9 @@ def test_a_stale_temporary_of_ours_is_replaced(tmp_path):
 
 # ---- other typed errors ------------------------------------------------------------------------
 def test_a_prefix_disk_dir_with_a_nul_byte_is_refused(tmp_path):
-    with pytest.raises(InvalidArgumentError, match=r"prefix_disk_dir: expected a directory path without NUL "
-                                                   r"bytes, got '.*\\x00x'"):
+    # CacheConfig refuses it first (the tier's own check stays for direct use)
+    with pytest.raises(InvalidArgumentError, match=r"prefix_disk_dir: expected a directory path \(a str without NUL "
+                                                   r"bytes\), got '"):
         make(**opts(str(tmp_path) + "/a\0x"))
 
 
