@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedkv.ops.reference import _assign, _plane
 from pagedkv import ops
+from pagedkv.ops.reference import _assign, _plane
 from pagedkv.quant import dequantize_key_channels, quantize
 from pagedkv.rotation import rotate
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +43,15 @@ from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
 from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int, tensor_values
 from pagedkv.config import CacheConfig, format_bytes
-from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, InvalidBlockError, PagedKVError,
-                            SequenceExistsError, SequenceNotFoundError, expected)
+from pagedkv.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    PagedKVError,
+    SequenceExistsError,
+    SequenceNotFoundError,
+    expected,
+)
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.namespaces import NamespaceRegistry, namespace_key
 from pagedkv.pool_view import PoolView
@@ -53,7 +61,7 @@ from pagedkv.stats import CacheStats, render_block_map
 __all__ = ["PagedKVCache", "as_token_ids"]
 
 SeqId = Any
-SeqIds = Union[SeqId, Sequence[SeqId], np.ndarray]
+SeqIds = SeqId | Sequence[SeqId] | np.ndarray
 
 _I64 = np.dtype(np.int64)
 
@@ -81,7 +89,7 @@ class CallerLock:
         self.depth -= 1
         self._lock.release()
 
-    def __enter__(self) -> "CallerLock":
+    def __enter__(self) -> CallerLock:
         self.acquire()
         return self
 
@@ -121,7 +129,7 @@ class PagedKVCache:
         # sink tokens matter only where a store keeps model-precision copies of them
         self._sink_tokens = config.kv_sink_tokens if self.store is not None and self.store.window is not None else 0
         nb = config.resolved_num_blocks
-        self.index: Optional[PrefixIndex] = self._prefix_index(config) if config.enable_prefix_caching else None
+        self.index: PrefixIndex | None = self._prefix_index(config) if config.enable_prefix_caching else None
         self._pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
                               low_watermark=config.low_watermark, high_watermark=config.high_watermark,
                               shuffle_seed=config.shuffle_free_blocks, index=self.index)
@@ -141,7 +149,7 @@ class PagedKVCache:
         # Every change of the tables goes through _book: the tables, or all groups' tables.
         self._book = self.tables if self._groups is None else self._groups
         self._namespaces = NamespaceRegistry()
-        self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
+        self._copies: list[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
         self._deferred: collections.deque = collections.deque()   # batches queued by free_deferred
         self._tiers = None
         if config.has_prefix_tiers:
@@ -168,9 +176,9 @@ class PagedKVCache:
                            events=config.enable_kv_events, tier_log=config.has_prefix_tiers)
 
     # ---- lifecycle ----------------------------------------------------------------
-    def add_sequence(self, seq_id: SeqId, prompt_token_ids: Optional[Iterable[int]] = None, *,
-                     cache_salt: Optional[str] = None, adapter_id: Any = None,
-                     priority: Optional[int] = None, max_cached_tokens: Optional[int] = None) -> int:
+    def add_sequence(self, seq_id: SeqId, prompt_token_ids: Iterable[int] | None = None, *,
+                     cache_salt: str | None = None, adapter_id: Any = None,
+                     priority: int | None = None, max_cached_tokens: int | None = None) -> int:
         """Admit a sequence; returns how many prompt tokens are already cached.
 
         Those tokens' KV is in the arena already (full blocks reused by reference);
@@ -235,7 +243,7 @@ class PagedKVCache:
                 self._namespaces.rollback(mark)
                 raise
 
-    def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
+    def reserve(self, seq_ids: SeqIds, num_tokens: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Slots (int64, concatenated in batch order) for the next tokens of each sequence.
 
         One call for the whole batch, all or nothing: on :class:`OutOfBlocksError`
@@ -338,7 +346,7 @@ class PagedKVCache:
                 self._copy_pairs(pairs)
             return pairs
 
-    def compact(self, seq_ids: Optional[SeqIds] = None) -> np.ndarray:
+    def compact(self, seq_ids: SeqIds | None = None) -> np.ndarray:
         """Move blocks into the lowest empty blocks, highest first (see
         :mod:`pagedkv.compaction`), so the blocks in use sit at the bottom of the pool.
 
@@ -387,8 +395,8 @@ class PagedKVCache:
             pending.clear()
             return out
 
-    def commit(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray],
-               token_ids: Optional[Iterable[int]] = None) -> None:
+    def commit(self, seq_ids: SeqIds, num_tokens: int | Sequence[int] | np.ndarray,
+               token_ids: Iterable[int] | None = None) -> None:
         """The KV of the next ``num_tokens`` reserved tokens of each sequence is written.
 
         ``token_ids`` (concatenated in batch order) name those tokens when they are not
@@ -417,7 +425,7 @@ class PagedKVCache:
                     num_tokens = as_counts(num_tokens)
             self._book.unreserve(keys, num_tokens, internal=internal)
 
-    def truncate(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> None:
+    def truncate(self, seq_ids: SeqIds, num_tokens: int | Sequence[int] | np.ndarray) -> None:
         """Drop the last ``num_tokens`` committed tokens of each sequence, e.g. draft
         tokens a speculative step rejected; reserved, uncommitted slots go back too.
 
@@ -570,7 +578,7 @@ class PagedKVCache:
                 self._run_deferred()
             return len(self.tables)
 
-    def sequences(self) -> List[SeqId]:
+    def sequences(self) -> list[SeqId]:
         """Live sequence ids (device-resident)."""
         with self._lock:
             if self._deferred:
@@ -615,12 +623,12 @@ class PagedKVCache:
                     info[field] = sum(g[field] for g in per)
             return info
 
-    def block_table(self, seq_id: SeqId, group: Optional[int] = None) -> np.ndarray:
+    def block_table(self, seq_id: SeqId, group: int | None = None) -> np.ndarray:
         """The sequence's physical blocks in token order (int32); of a layer group's
         tables with ``group`` (-1 where a sliding group released the block)."""
         return self._one(self._tables_of(group).blocks, seq_id)
 
-    def _tables_of(self, group: Optional[int]):
+    def _tables_of(self, group: int | None):
         if self._groups is None:
             if group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
                                           and group == 0):
@@ -633,20 +641,20 @@ class PagedKVCache:
             keys, internal = self._ids.batch(seq_ids)
             return method(keys, *args, internal=internal)
 
-    def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: Optional[int] = None,
-                     group: Optional[int] = None) -> np.ndarray:
+    def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: int | None = None,
+                     group: int | None = None) -> np.ndarray:
         """Padded ``[B, width]`` int32 block tables (of layer group ``group``: column j is
         block j of the sequence, ``pad`` where a sliding group released it)."""
         pad = as_int(pad, "pad", -2**31, 2**31 - 1)
         width = optional_int(width, "width", 0, 2**31 - 1)
         return self._batch_query(self._tables_of(group).block_table, seq_ids, pad, width)
 
-    def page_table_csr(self, seq_ids: SeqIds, group: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def page_table_csr(self, seq_ids: SeqIds, group: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's ``(indptr, indices, last_page_len)``, int32, over reserved tokens
         (of layer group ``group``: a sliding group lists only the blocks it holds)."""
         return self._batch_query(self._tables_of(group).csr, seq_ids)
 
-    def released_tokens(self, seq_ids: SeqIds, group: Optional[int] = None) -> np.ndarray:
+    def released_tokens(self, seq_ids: SeqIds, group: int | None = None) -> np.ndarray:
         """Tokens per sequence (int64) that sliding layer group ``group`` released (left
         its window): its gathers return the others. Zeros for full attention."""
         tables = self._tables_of(group)
@@ -660,7 +668,7 @@ class PagedKVCache:
             raise ArgumentTypeError(expected("computed", "True or False", repr(computed)))
         return self._batch_query(self.tables.seq_lens, seq_ids, computed)
 
-    def slot_mapping(self, seq_id: SeqId, start: int, count: int, group: Optional[int] = None) -> np.ndarray:
+    def slot_mapping(self, seq_id: SeqId, start: int, count: int, group: int | None = None) -> np.ndarray:
         """int64 slots of positions ``[start, start + count)`` (must be reserved, and
         held by layer group ``group``)."""
         start, count = as_count(start, "start"), as_count(count, "count")
@@ -675,7 +683,7 @@ class PagedKVCache:
         (``with cache.lock: ...``)."""
         return self._caller_lock
 
-    def match_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+    def match_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                      adapter_id: Any = None) -> int:
         """Tokens of ``token_ids`` a new sequence would find cached now (no side effects),
         on the device or in a prefix tier (whichever holds more full blocks). With
@@ -689,7 +697,7 @@ class PagedKVCache:
                 found = max(found, self._tiers.match(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id)))
         return found
 
-    def match_prefix_groups(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+    def match_prefix_groups(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                             adapter_id: Any = None) -> dict:
         """Per layer group, the cached prefix of ``token_ids``: a dict of ``tokens`` (what
         an admission reuses: the longest prefix every group holds), ``per_group`` and
@@ -719,8 +727,8 @@ class PagedKVCache:
         """Whether ``num_tokens`` tokens' worth of new blocks can be allocated now."""
         return self.has_available_blocks(self.config.blocks_for_tokens(num_tokens))
 
-    def blocks_to_admit(self, prompt_token_ids: Iterable[int], num_tokens: Optional[int] = None, *,
-                        cache_salt: Optional[str] = None, adapter_id: Any = None) -> int:
+    def blocks_to_admit(self, prompt_token_ids: Iterable[int], num_tokens: int | None = None, *,
+                        cache_salt: str | None = None, adapter_id: Any = None) -> int:
         """Free blocks that admitting this prompt, then reserving ``num_tokens`` tokens
         in all (default: the prompt), takes out of the pool now.
 
@@ -749,8 +757,8 @@ class PagedKVCache:
             revived = sum(1 for b in hits[ref[hits] == 0].tolist() if not self._pool.pin_count(b))
             return -(-total // bs) - len(hits) + revived
 
-    def can_admit(self, prompt_token_ids: Iterable[int], num_tokens: Optional[int] = None, *,
-                  cache_salt: Optional[str] = None, adapter_id: Any = None) -> bool:
+    def can_admit(self, prompt_token_ids: Iterable[int], num_tokens: int | None = None, *,
+                  cache_salt: str | None = None, adapter_id: Any = None) -> bool:
         """Whether :meth:`add_sequence` of this prompt, then reserving ``num_tokens``
         tokens in all (default: the prompt), would succeed now
         (see :meth:`blocks_to_admit`)."""
@@ -759,7 +767,7 @@ class PagedKVCache:
             return need <= self._pool.num_free_blocks
 
     # ---- prefix cache ---------------------------------------------------------------
-    def pin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+    def pin_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                    adapter_id: Any = None) -> int:
         """Pin the cached full blocks of ``token_ids``; returns the tokens pinned.
 
@@ -773,7 +781,7 @@ class PagedKVCache:
             tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, True)
         return max(self._pinned_tokens(blocks, token_ids, cache_salt, adapter_id), tiers)
 
-    def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+    def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                      adapter_id: Any = None) -> int:
         """Release the pins :meth:`pin_prefix` set on the cached full blocks of
         ``token_ids`` (same namespace: ``cache_salt``, ``adapter_id``), on the device and
@@ -821,7 +829,7 @@ class PagedKVCache:
                 self._tiers.clear()
 
     def set_priority(self, seq_id: SeqId, priority: int, start_token: int = 0,
-                     end_token: Optional[int] = None) -> None:
+                     end_token: int | None = None) -> None:
         """Eviction class of a sequence's blocks (or of a token range) when freed."""
         priority = as_int(priority, "priority", 0, 127)
         start_token = as_count(start_token, "start_token")
@@ -829,7 +837,7 @@ class PagedKVCache:
         with self._lock:
             self._book.set_priority(self._ids.key(seq_id), priority, start_token, end_token)
 
-    def drain_events(self) -> List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
+    def drain_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """KV events since the last drain (``enable_kv_events=True``), oldest first."""
         if self.index is None or not self.index.events_enabled:
             raise InvalidArgumentError(expected("config.enable_kv_events", "True to drain events", False))
@@ -866,7 +874,7 @@ class PagedKVCache:
             layer, slot_mapping = layer_slots(self.config.layer_groups, layer, slot_mapping)
         store.write(layer, _slots_tensor(slot_mapping, store.device), key, value)
 
-    def gather(self, seq_id: SeqId, layer: int, num_tokens: Optional[int] = None):
+    def gather(self, seq_id: SeqId, layer: int, num_tokens: int | None = None):
         """Contiguous K and V ``[n, num_kv_heads, head_dim]`` in token order: the first
         ``num_tokens`` tokens, by default every token holding a slot (committed plus
         reserved this step)."""
@@ -1177,7 +1185,7 @@ class PagedKVCache:
                 self._tiers.close()
                 self._tiers = None
 
-    def __enter__(self) -> "PagedKVCache":
+    def __enter__(self) -> PagedKVCache:
         return self
 
     def __exit__(self, *exc) -> None:

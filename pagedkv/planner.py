@@ -15,7 +15,7 @@ of L tokens costs ``context_bytes_per_token * L`` (full groups) plus at most
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 from pagedkv.config import CacheConfig, format_bytes, show
 from pagedkv.errors import InvalidArgumentError, expected
@@ -30,7 +30,7 @@ class PlanResult:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_attention_heads: Optional[int]
+    num_attention_heads: int | None
     block_size: int
     dtype: str
     kv_dtype: str  # stored element type: the model dtype or a quantized name
@@ -41,11 +41,11 @@ class PlanResult:
     num_blocks: int  # whole blocks that fit the budget
     num_tokens: int  # num_blocks * block_size
     arena_bytes: int  # num_blocks * bytes_per_block (<= budget_bytes)
-    max_seq_len: Optional[int]
-    blocks_per_sequence: Optional[int]  # ceil(max_seq_len / block_size)
-    bytes_per_sequence: Optional[int]  # blocks_per_sequence * bytes_per_block
-    exact_bytes_per_sequence: Optional[int]  # max_seq_len * bytes_per_token (no rounding)
-    num_sequences: Optional[int]  # full-length sequences that fit at once
+    max_seq_len: int | None
+    blocks_per_sequence: int | None  # ceil(max_seq_len / block_size)
+    bytes_per_sequence: int | None  # blocks_per_sequence * bytes_per_block
+    exact_bytes_per_sequence: int | None  # max_seq_len * bytes_per_token (no rounding)
+    num_sequences: int | None  # full-length sequences that fit at once
     layer_groups: tuple = ()  # per group: "full x N layers" / "sliding(window=W) x N layers"
     context_bytes_per_token: int = 0  # bytes a sequence adds per token of context (full-attention groups)
     constant_bytes_per_sequence: int = 0  # most bytes a sequence's sliding groups hold, at any length
@@ -87,7 +87,7 @@ class PlanResult:
         return "\n".join(lines)
 
 
-def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanResult:
+def plan_config(config: CacheConfig, max_seq_len: int | None = None) -> PlanResult:
     """Plan for an existing config; its budget is ``memory_budget`` or ``num_blocks`` worth."""
     if max_seq_len is not None and (
         isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len < 2**63
@@ -147,8 +147,8 @@ def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanR
 
 def plan(
     model_config: Any,
-    budget: Union[int, str],
-    max_seq_len: Optional[int] = None,
+    budget: int | str,
+    max_seq_len: int | None = None,
     *,
     block_size: int = 16,
     dtype: Any = "float16",

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Dict, Hashable, List, Tuple, Union
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -63,8 +64,8 @@ class SequenceIds:
     __slots__ = ("_keys", "_names", "_next")
 
     def __init__(self) -> None:
-        self._keys: Dict[Hashable, int] = {}   # strict_key(id) -> negative key
-        self._names: Dict[int, Any] = {}       # negative key -> the caller's id
+        self._keys: dict[Hashable, int] = {}   # strict_key(id) -> negative key
+        self._names: dict[int, Any] = {}       # negative key -> the caller's id
         self._next = -1
 
     def __len__(self) -> int:
@@ -89,7 +90,7 @@ class SequenceIds:
             raise SequenceNotFoundError(seq_id, argument)
         return k
 
-    def intern(self, seq_id: Any, argument: str = "seq_id") -> Tuple[int, bool]:
+    def intern(self, seq_id: Any, argument: str = "seq_id") -> tuple[int, bool]:
         """``(key, fresh)`` for an id being admitted; ``fresh`` when interned just now
         (call :meth:`forget` if the admission then fails). Refuses ambiguous ids."""
         if type(seq_id) is int and 0 <= seq_id <= _INT64_MAX:
@@ -125,7 +126,7 @@ class SequenceIds:
             if name is not None:
                 self._keys.pop(name if type(name) is str else strict_key(name), None)
 
-    def interned_keys(self) -> List[int]:
+    def interned_keys(self) -> list[int]:
         """Keys of every interned id (for leak audits)."""
         return list(self._names)
 
@@ -134,7 +135,7 @@ class SequenceIds:
         return self._names.get(key, key) if key < 0 else key
 
     # ---- batches --------------------------------------------------------------------
-    def batch(self, seq_ids: Any) -> Tuple[Union[int, np.ndarray], bool]:
+    def batch(self, seq_ids: Any) -> tuple[int | np.ndarray, bool]:
         """Keys for a batch call: one int, or an int64 array; and whether they may hold
         interned (negative) keys, which the core accepts only when told so."""
         t = type(seq_ids)

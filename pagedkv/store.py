@@ -18,19 +18,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Callable, List, Optional, Tuple
-
-import torch
+from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from pagedkv import dtypes, ops
+from pagedkv.block_keys import BlockKeys
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.memory_check import arena_bytes, check_device, check_fits
 from pagedkv.ops import reference
 from pagedkv.rotation import rotate, rotation_signs
-from pagedkv.block_keys import BlockKeys
 from pagedkv.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
@@ -210,7 +209,7 @@ class KVStore:
         main, i = self._where[self._layer_index(layer)]
         return self.kv_full[i] if (self.config.quantized and not main) else self.kv[i]
 
-    def layer_scales(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4/int3 ``[NB, 2, bs, H, groups]``);
         None where not stored."""
         main, i = self._where[self._layer_index(layer)]
@@ -220,7 +219,7 @@ class KVStore:
         zero = self.kv_zero[i] if self.kv_zero is not None else None
         return scale, zero
 
-    def layer_key_params(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def layer_key_params(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer block-key ``(scale, zero)`` views ``[NB, H, D]`` (bfloat16; see
         :func:`pagedkv.quant.quantize_key_block`), or ``(None, None)``."""
         main, i = self._where[self._layer_index(layer)]
@@ -228,7 +227,7 @@ class KVStore:
             return None, None
         return self.key_scale[i], self.key_zero[i]
 
-    def _groups(self, host: bool = False) -> List[List[torch.Tensor]]:
+    def _groups(self, host: bool = False) -> list[list[torch.Tensor]]:
         """Arena groups that share a leading ``num_layers`` dim (for block copies)."""
         if host:
             main = [self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale, self.host_key_zero]
@@ -242,14 +241,14 @@ class KVStore:
         return [g for g in groups if g]
 
     @property
-    def arenas(self) -> List[torch.Tensor]:
+    def arenas(self) -> list[torch.Tensor]:
         """The device arenas: data, then scale and zero when stored, block-key scale and
         zero when stored, then the model-precision layers."""
         return [t for t in (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full)
                 if t is not None]
 
     @property
-    def host_arenas(self) -> List[torch.Tensor]:
+    def host_arenas(self) -> list[torch.Tensor]:
         """The host-tier arenas (empty without a host tier)."""
         return [t for t in (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale,
                             self.host_key_zero, self.host_kv_full) if t is not None]
@@ -332,11 +331,11 @@ class KVStore:
         indices: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
-        out_key: Optional[torch.Tensor] = None,
-        out_value: Optional[torch.Tensor] = None,
-        pending: Optional[np.ndarray] = None,
+        out_key: torch.Tensor | None = None,
+        out_value: torch.Tensor | None = None,
+        pending: np.ndarray | None = None,
         rotated: bool = False,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables).
 
         ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`."""
@@ -361,9 +360,9 @@ class KVStore:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
-        out_key: Optional[torch.Tensor] = None,
-        out_value: Optional[torch.Tensor] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        out_key: torch.Tensor | None = None,
+        out_value: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`gather` with a padded ``[B, max_blocks]`` int32 table."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
@@ -380,7 +379,7 @@ class KVStore:
 
         return self._read(layer, read, blocks, seq_lens, out_key, out_value)
 
-    def _out_dtype(self, main: bool = True) -> Optional[torch.dtype]:
+    def _out_dtype(self, main: bool = True) -> torch.dtype | None:
         return self.config.torch_dtype if (self.config.quantized and main) else None
 
     def replaced(self, blocks) -> None:

@@ -16,7 +16,6 @@ there is no silent fallback from a GPU tensor to the slow reference.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Optional, Tuple
 
 import torch
 
@@ -40,7 +39,7 @@ __all__ = [
 
 # The fast CPU module when its loops are built: the per-call fast path skips the
 # dispatcher for the common case (CPU tensor, backend="auto").
-_CPU: Optional[ModuleType] = backends.load("cpu") if backends.cpu_ops_built() else None
+_CPU: ModuleType | None = backends.load("cpu") if backends.cpu_ops_built() else None
 _Tensor = torch.Tensor
 _impl = backends.implementation
 
@@ -69,9 +68,9 @@ def write_kv(
     value: torch.Tensor,
     *,
     layout: str = "NHD",
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """Store new K/V tokens at their slots; see :func:`pagedkv.ops.reference.write_kv`."""
@@ -98,16 +97,16 @@ def gather_kv(
     seq_lens: torch.Tensor,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    out_key: Optional[torch.Tensor] = None,
-    out_value: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    out_key: torch.Tensor | None = None,
+    out_value: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
     backend: str = "auto",
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (CSR block tables); see :func:`pagedkv.ops.reference.gather_kv`."""
     fn = _CPU.gather_kv if _cpu_fast(backend, kv_layer) else _impl("gather_kv", backend, _device(kv_layer))
     return fn(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
@@ -121,16 +120,16 @@ def gather_kv_padded(
     seq_lens: torch.Tensor,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    out_key: Optional[torch.Tensor] = None,
-    out_value: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    out_key: torch.Tensor | None = None,
+    out_value: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
     backend: str = "auto",
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (padded block table); see :func:`pagedkv.ops.reference.gather_kv_padded`."""
     if _cpu_fast(backend, kv_layer):
         fn = _CPU.gather_kv_padded

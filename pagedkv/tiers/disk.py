@@ -40,7 +40,7 @@ import os
 import warnings
 import weakref
 import zlib
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -83,9 +83,9 @@ class DiskPrefixTier(Tier):
 
     medium = "disk"
 
-    def __init__(self, path: str, store_arenas: List[torch.Tensor], capacity: int, block_size: int,
+    def __init__(self, path: str, store_arenas: list[torch.Tensor], capacity: int, block_size: int,
                  kv_format: dict, *, eviction: str, weak_hash: bool, verify_blocks: bool = True,
-                 on_evict: Optional[Callable[[int], None]] = None):
+                 on_evict: Callable[[int], None] | None = None):
         super().__init__()
         self.block_size = block_size
         self.weak_hash = weak_hash

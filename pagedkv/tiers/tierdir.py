@@ -20,7 +20,6 @@ import json
 import mmap
 import os
 import stat
-from typing import List, Optional
 
 from pagedkv.errors import InvalidArgumentError, TierFileError, TierStorageError, expected
 
@@ -62,8 +61,8 @@ class TierDir:
         self.path = path
         self.uid = os.geteuid()
         self.fd = -1
-        self.created: List[str] = []        # names this open created (removed again on failure)
-        self._made: List[str] = []          # directories makedirs created, deepest first
+        self.created: list[str] = []        # names this open created (removed again on failure)
+        self._made: list[str] = []          # directories makedirs created, deepest first
         p = os.path.abspath(path)
         while not os.path.lexists(p) and os.path.dirname(p) != p:
             self._made.append(p)
@@ -89,7 +88,7 @@ class TierDir:
         return os.path.join(self.path, name)
 
     # ---- checks -----------------------------------------------------------------------
-    def lstat(self, name: str) -> Optional[os.stat_result]:
+    def lstat(self, name: str) -> os.stat_result | None:
         try:
             return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -97,7 +96,7 @@ class TierDir:
         except OSError as e:
             raise storage_error(self.file(name), "a file pagedkv can inspect", e) from None
 
-    def _refuse(self, name: str, st: os.stat_result) -> Optional[TierFileError]:
+    def _refuse(self, name: str, st: os.stat_result) -> TierFileError | None:
         if not stat.S_ISREG(st.st_mode):
             got = _kind(st.st_mode)
         elif st.st_uid != self.uid:
@@ -106,7 +105,7 @@ class TierDir:
             return None
         return TierFileError(expected(self.file(name), f"a regular file owned by this user (uid {self.uid})", got))
 
-    def check(self, name: str) -> Optional[os.stat_result]:
+    def check(self, name: str) -> os.stat_result | None:
         """``name``'s status, or None when absent; refuses anything but a regular file of ours."""
         st = self.lstat(name)
         if st is not None:

@@ -14,11 +14,22 @@ import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.cache import as_token_ids, namespace_key
-from pagedkv.support import require
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
+from pagedkv.support import require
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
-from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_header, recv_kv,
-                                       recv_tokens, refuse, scratch_id, send_tokens)
+from pagedkv.transfer.protocol import (
+    MAX_TOKENS,
+    abort,
+    expect_ok,
+    header,
+    jsonable,
+    recv_header,
+    recv_kv,
+    recv_tokens,
+    refuse,
+    scratch_id,
+    send_tokens,
+)
 from pagedkv.transfer.schema import check, integer, list_of_digits, optional, scalar, text
 from pagedkv.transfer.wire import Link
 
