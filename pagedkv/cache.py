@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,11 +52,14 @@ from pagedkv.errors import (
     SequenceNotFoundError,
     expected,
 )
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.events import KVEvent, events_from_records
 from pagedkv.namespaces import NamespaceRegistry, namespace_key
 from pagedkv.pool_view import PoolView
 from pagedkv.seq_ids import SequenceIds
 from pagedkv.stats import CacheStats, render_block_map
+
+if TYPE_CHECKING:
+    from pagedkv.group_tables import GroupNamespaces
 
 __all__ = ["PagedKVCache", "as_token_ids"]
 
@@ -157,11 +160,11 @@ class PagedKVCache:
                 raise InvalidArgumentError(expected("allocate_store", "True with prefix tiers (they hold KV)", False))
             from pagedkv.tiers import PrefixTiers
 
-            names = self._namespaces
+            names: NamespaceRegistry | GroupNamespaces = self._namespaces
             if self._groups is not None:
                 from pagedkv.group_tables import GroupNamespaces
 
-                names = GroupNamespaces(names)
+                names = GroupNamespaces(self._namespaces)
             self._tiers = PrefixTiers(config, self.index, self.store, self._pool, names, self._book)
         self._host = None
         if config.host_num_blocks:
@@ -220,13 +223,16 @@ class PagedKVCache:
                         self._ids.forget(key)
                     raise
             if hit and self._sink_tokens:     # a shared first block keeps its exact sink rows
-                self.store.pin_sinks(self._first_blocks(np.array([key], np.int64), True), held_only=True)
+                self._require_store().pin_sinks(self._first_blocks(np.array([key], np.int64), True), held_only=True)
             return hit
 
     def _admit_restored(self, seq_id: SeqId, tokens: np.ndarray, cache_salt, adapter_id, priority) -> None:
         """Admit a sequence of a layer-grouped cache whose KV is about to arrive whole
         from elsewhere (a transfer): no prefix lookup, sliding groups untracked (see
         :meth:`~pagedkv.group_tables.GroupTables.add_restored`)."""
+        groups = self._groups
+        if groups is None:     # the transfer takes this path only for a layer-grouped cache
+            raise InvalidArgumentError(expected("config.layer_groups", "a layer-grouped cache", None))
         with self._lock:
             if self._deferred:
                 self._run_deferred()
@@ -236,7 +242,7 @@ class PagedKVCache:
                 if key in self.tables or (self._host is not None and self._host.holds(key)):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
-                self._groups.add_restored(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+                groups.add_restored(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
             except BaseException:
                 if fresh:
                     self._ids.forget(key)
@@ -300,7 +306,7 @@ class PagedKVCache:
         fresh = starts < self._sink_tokens
         if not fresh.any():
             return
-        self.store.pin_sinks(self._first_blocks(np.atleast_1d(np.asarray(keys, dtype=np.int64))[fresh], internal))
+        self._require_store().pin_sinks(self._first_blocks(np.atleast_1d(np.asarray(keys, dtype=np.int64))[fresh], internal))
 
     def _first_blocks(self, keys: np.ndarray, internal: bool) -> np.ndarray:
         """The blocks holding the sink tokens of ``keys``, in every layer group's table
@@ -420,7 +426,7 @@ class PagedKVCache:
             keys, internal = self._ids.batch(seq_ids)
             if num_tokens is not None:
                 if type(num_tokens) is int or isinstance(num_tokens, np.integer):
-                    num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens), np.int64)
+                    num_tokens = np.full(1 if isinstance(keys, int) else len(keys), as_count(num_tokens), np.int64)
                 else:
                     num_tokens = as_counts(num_tokens)
             self._book.unreserve(keys, num_tokens, internal=internal)
@@ -438,7 +444,7 @@ class PagedKVCache:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
             if type(num_tokens) is int or isinstance(num_tokens, np.integer):
-                num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens, "num_tokens"),
+                num_tokens = np.full(1 if isinstance(keys, int) else len(keys), as_count(num_tokens, "num_tokens"),
                                      np.int64)
             else:
                 num_tokens = as_counts(num_tokens, "num_tokens")
@@ -837,7 +843,7 @@ class PagedKVCache:
         with self._lock:
             self._book.set_priority(self._ids.key(seq_id), priority, start_token, end_token)
 
-    def drain_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+    def drain_events(self) -> list[KVEvent]:
         """KV events since the last drain (``enable_kv_events=True``), oldest first."""
         if self.index is None or not self.index.events_enabled:
             raise InvalidArgumentError(expected("config.enable_kv_events", "True to drain events", False))
@@ -845,7 +851,7 @@ class PagedKVCache:
             if self._tiers is not None:
                 return self._tiers.drain_events()
             records = self.index.drain_events()
-            name = self._namespaces.name
+            name: Callable[[int], tuple[Any, Any]] = self._namespaces.name
             if self._groups is not None:     # every group registers under its own id (group_tables)
                 from pagedkv.group_tables import GROUP_NS_BITS
 
@@ -871,7 +877,7 @@ class PagedKVCache:
         if self._groups is not None:
             from pagedkv.group_data import layer_slots
 
-            layer, slot_mapping = layer_slots(self.config.layer_groups, layer, slot_mapping)
+            layer, slot_mapping = layer_slots(self._groups.plan, layer, slot_mapping)
         store.write(layer, _slots_tensor(slot_mapping, store.device), key, value)
 
     def gather(self, seq_id: SeqId, layer: int, num_tokens: int | None = None):
@@ -907,7 +913,7 @@ class PagedKVCache:
             if self._groups is not None:
                 from pagedkv.group_data import layer_slot
 
-                g, slot = layer_slot(self.config.layer_groups, layer)
+                g, slot = layer_slot(self._groups.plan, layer)
                 tables = self._groups.tables[g]
             indptr, indices, _ = tables.csr(keys, internal=internal)
             lens = tables.seq_lens(keys, internal=internal)
@@ -968,7 +974,7 @@ class PagedKVCache:
         if self._groups is not None:
             from pagedkv.group_data import layer_slot
 
-            layer = layer_slot(self.config.layer_groups, layer)[1]
+            layer = layer_slot(self._groups.plan, layer)[1]
         indptr, indices, seq_lens = (self._table_tensor(a, n) for a, n in
                                      ((indptr, "indptr"), (indices, "indices"), (seq_lens, "seq_lens")))
         if pending is not None:
@@ -989,7 +995,7 @@ class PagedKVCache:
         if self._groups is not None:
             from pagedkv.group_data import layer_slot
 
-            layer = layer_slot(self.config.layer_groups, layer)[1]
+            layer = layer_slot(self._groups.plan, layer)[1]
         view = store.layer(layer)
         scale, zero = store.layer_scales(layer)
         kscale, kzero = store.layer_key_params(layer)
@@ -1009,7 +1015,7 @@ class PagedKVCache:
                          exact, options):
         from pagedkv.ops import paged_attention
 
-        store = self.store
+        store = self._require_store()
         out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
                               kv_zero=zero, key_scale=kscale, key_zero=kzero, rotation_signs=store.rotation_signs,
                               exact_rows=exact, **options)
@@ -1043,8 +1049,10 @@ class PagedKVCache:
         without ``kv_rotation``: what :func:`pagedkv.rotation.rotate` takes."""
         if not self.config.kv_rotation:
             return None
-        if self.store is not None:
+        if self.store is not None and self.store.rotation_signs is not None:   # a kv_rotation store has them
             return self.store.rotation_signs.clone()
+
+
         from pagedkv.rotation import rotation_signs
 
         return rotation_signs(self.config.head_dim, self.config.kv_rotation_seed)

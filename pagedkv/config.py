@@ -319,7 +319,7 @@ class CacheConfig:
         if self.num_blocks is not None:
             put("num_blocks", _check_int("num_blocks", self.num_blocks, 1))
             put("_resolved_blocks", self.num_blocks)
-        else:
+        elif self.memory_budget is not None:     # always, by the exactly-one check above
             budget = parse_bytes(self.memory_budget)
             put("memory_budget", budget)
             blocks = (budget - self.window_bytes) // self.bytes_per_block
@@ -488,7 +488,7 @@ class CacheConfig:
         layers = self.kv_full_precision_layers
         if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, set, frozenset)):
             raise ArgumentTypeError(expected("kv_full_precision_layers", "a tuple of layer indices", show(layers)))
-        norm = set()
+        norm: set[int] = set()
         for i in layers:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral):
                 raise ArgumentTypeError(expected("kv_full_precision_layers",
@@ -548,7 +548,7 @@ class CacheConfig:
     def quant_head_bytes(self) -> int:
         """Bytes of one quantized (token, head, K or V) row: codes plus scale/zero."""
         row, d = dtypes.info(self.kv_dtype), self.head_dim
-        params = d // self.kv_group_size if row.grouped else 1
+        params = self.param_groups if row.grouped else 1
         return row.stored_dim(d) * row.itemsize + row.param_bytes * params * (2 if row.zero_point else 1)
 
     @property
@@ -580,7 +580,7 @@ class CacheConfig:
         that many per group (a sequence has a block table per group)."""
         recent = 0
         if self.kv_window or self.block_keys:
-            recent = -(-self.kv_window // self.block_size) + 1
+            recent = -(-(self.kv_window or 0) // self.block_size) + 1
         return self.kv_window_sequences * self.table_groups * recent + self.pinned_blocks
 
     @property
@@ -698,8 +698,15 @@ class CacheConfig:
         Its dtype is :attr:`torch_scale_dtype`."""
         if not self.quantized:
             return None
-        groups = (self.head_dim // self.kv_group_size,) if dtypes.info(self.kv_dtype).grouped else ()
+        groups = (self.param_groups,) if dtypes.info(self.kv_dtype).grouped else ()
         return self.arena_shape[:-1] + groups
+
+    @property
+    def param_groups(self) -> int:
+        """Scale/zero groups along ``head_dim``: ``head_dim // kv_group_size`` for a grouped
+        format (int4/int3, whose group size ``__post_init__`` resolved), else 1."""
+        g = self.kv_group_size
+        return 1 if g is None else self.head_dim // g
 
     def layer_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
         """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too);

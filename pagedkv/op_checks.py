@@ -107,7 +107,7 @@ def check_layout(layout: object, name: str = "layout") -> str:
     """Return ``layout`` if it is ``"NHD"`` or ``"HND"``."""
     if layout not in LAYOUTS:
         raise InvalidArgumentError(expected(name, "'NHD' or 'HND'", repr(layout)))
-    return layout  # type: ignore[return-value]
+    return layout
 
 
 def check_layer(
@@ -124,7 +124,8 @@ def check_layer(
         want = "[num_blocks, 2, block_size, H, D]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D]"
         raise ShapeError(expected(name, f"a {layout} layer view {want}", tuple(kv_layer.shape)))
     quantized = is_quantized(kv_layer.dtype)
-    if not quantized and kv_layer.dtype not in MODEL_DTYPES:
+    row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
+    if row is None or (not quantized and kv_layer.dtype not in MODEL_DTYPES):
         raise DTypeError(
             expected(name, f"dtype {dtypes.torch_names(dtypes.ALL)}", kv_layer.dtype)
         )
@@ -133,7 +134,6 @@ def check_layer(
         bs, h = kv_layer.shape[2], kv_layer.shape[3]
     else:
         h, bs = kv_layer.shape[2], kv_layer.shape[3]
-    row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
     if kv_layer.shape[4] % row.stored_dim(row.pack):
         raise ShapeError(expected(name, f"a last dim that is a multiple of {row.stored_dim(row.pack)} for "
                                   f"{row.name} ({row.pack} codes per {row.stored_dim(row.pack)} bytes)",
@@ -290,9 +290,10 @@ def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout) -
     device = kv_layer.device
     _index_vector("blocks", blocks, (torch.int64,), device)
     keys = check_tensor("keys", keys)
-    want = (blocks.shape[0], bs, h, geo.head_dim)
-    if tuple(keys.shape) != want:
-        raise ShapeError(expected("keys", f"shape {want} [len(blocks), block_size, H, head_dim]", tuple(keys.shape)))
+    keys_shape = (blocks.shape[0], bs, h, geo.head_dim)
+    if tuple(keys.shape) != keys_shape:
+        raise ShapeError(expected("keys", f"shape {keys_shape} [len(blocks), block_size, H, head_dim]",
+                                  tuple(keys.shape)))
     if keys.dtype not in MODEL_DTYPES:
         raise DTypeError(expected("keys", f"dtype {dtypes.torch_names(dtypes.MODEL)}", keys.dtype))
     _same_device("keys", keys, device)
@@ -375,7 +376,7 @@ def check_arenas(name: str, arenas: object) -> list[torch.Tensor]:
         arenas = [arenas]
     if not isinstance(arenas, (list, tuple)) or len(arenas) == 0:
         raise InvalidArgumentError(expected(name, "a tensor or a non-empty list of tensors", type(arenas).__name__))
-    out = []
+    out: list[torch.Tensor] = []
     for i, a in enumerate(arenas):
         a = check_tensor(f"{name}[{i}]", a)
         if a.dim() < 2:

@@ -7,7 +7,7 @@ import numpy.typing as npt
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 
-Keys = npt.NDArray[np.int64] | Sequence[int]
+Keys = int | npt.NDArray[np.int64] | Sequence[int]   # one int key, or a batch
 Counts = int | npt.NDArray[np.int64] | Sequence[int]
 Tokens = npt.NDArray[np.int32] | Sequence[int]
 
