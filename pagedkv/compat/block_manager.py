@@ -151,7 +151,7 @@ class KVCacheBlockManager:
         self.config = CacheConfig(num_layers=num_layers, num_kv_heads=num_attention_heads, head_dim=head_dim,
                                   block_size=block_size, num_blocks=total_blocks, dtype=dtype, device=device,
                                   layout="HND", enable_prefix_caching=False)
-        self.pool = BlockPool(self.config.num_blocks)
+        self.pool = BlockPool(self.config.resolved_num_blocks)
         self._store = None
         if allocate_tensors:
             from pagedkv.store import KVStore
@@ -159,7 +159,7 @@ class KVCacheBlockManager:
             self._store = KVStore(self.config)
         self._lock = threading.RLock()
         self._sequence_blocks: dict[int, list[int]] = {}
-        nb = self.config.num_blocks
+        nb = self.config.resolved_num_blocks
         self._owner = np.full(nb, -1, dtype=np.int64)       # sequence holding the block; -1 free
         self._tokens = np.zeros(nb, dtype=np.int32)          # token_count per block
         self._generation = np.zeros(nb, dtype=np.int64)      # bumped on free: stale MemoryBlocks
@@ -172,7 +172,7 @@ class KVCacheBlockManager:
 
     @property
     def total_blocks(self) -> int:
-        return self.config.num_blocks
+        return self.config.resolved_num_blocks
 
     @property
     def allocated_blocks(self) -> int:

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class KVCacheConfiguration:
     def for_cache(cls, cache: PagedKVCache, **overrides) -> KVCacheConfiguration:
         """The seed's defaults with pages sized to ``cache``: ``page_size_tokens`` is
         its block size and ``cache_block_size_bytes`` its real bytes per token."""
-        values = dict(page_size_tokens=cache.config.block_size,
+        values: dict[str, Any] = dict(page_size_tokens=cache.config.block_size,
                       cache_block_size_bytes=cache.config.bytes_per_token)
         values.update(overrides)
         return cls(**values)

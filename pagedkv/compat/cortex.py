@@ -188,7 +188,7 @@ class BuddyBlockAllocator(KVBlockAllocator):
         self._lock = threading.Lock()
 
     @property
-    def _used(self) -> np.ndarray:            # the bitmap view the statistics read
+    def _used(self) -> np.ndarray:  # type: ignore[override]  # the base's bitmap, derived from the pool here
         return np.asarray(self.pool.ref_cnt) > 0
 
     def allocate(self, blocks_needed: int) -> KVHandle:

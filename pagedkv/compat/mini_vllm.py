@@ -35,6 +35,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from pagedkv.errors import (
     SequenceNotFoundError,
     expected,
 )
+from pagedkv.pool_view import PoolView
 
 __all__ = [
     "AllocatorOutOfBlocksError",
@@ -59,6 +61,8 @@ __all__ = [
     "BlockTable",
     "KVCacheManager",
 ]
+
+_V = TypeVar("_V")
 
 
 class AllocatorOutOfBlocksError(OutOfBlocksError, RuntimeError):
@@ -98,7 +102,7 @@ class CacheConfig:
     def to_pagedkv(self, **overrides) -> _PagedKVConfig:
         """The equivalent :class:`pagedkv.CacheConfig` (prefix caching off: the seed's
         API never names tokens). ``overrides`` are passed through."""
-        fields = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+        fields: dict[str, Any] = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                       block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
                       device=self.device, enable_prefix_caching=False)
         fields.update(overrides)
@@ -132,12 +136,12 @@ class BlockAllocator:
         self._init(BlockPool(_check_count("num_blocks", num_blocks, 1)), threading.RLock(), owner=None)
 
     @classmethod
-    def _view(cls, pool: BlockPool, lock, owner: str) -> BlockAllocator:
+    def _view(cls, pool: BlockPool | PoolView, lock, owner: str) -> BlockAllocator:
         self = cls.__new__(cls)
         self._init(pool, lock, owner)
         return self
 
-    def _init(self, pool: BlockPool, lock, owner: str | None) -> None:
+    def _init(self, pool: BlockPool | PoolView, lock, owner: str | None) -> None:
         self.pool = pool
         self.num_blocks = pool.num_blocks
         self._lock = lock
@@ -274,15 +278,11 @@ class _SequenceBlockTable(BlockTable):
         return super().as_tensor(device or self._manager.config.device)
 
 
-class _Tables(Mapping):
-    """``sequence_tables``: ``{seq_id: BlockTable}``, a live view of the manager's sequences."""
+class _Sequences(Mapping[int, _V], Generic[_V]):
+    """A live ``{seq_id: ...}`` view of the manager's sequences."""
 
     def __init__(self, manager: KVCacheManager):
         self._m = manager
-
-    def __getitem__(self, seq_id: int) -> BlockTable:
-        self._m.cache.num_tokens(seq_id)  # SequenceNotFoundError (a KeyError) when unknown
-        return _SequenceBlockTable(self._m, seq_id)
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._m.cache
@@ -294,7 +294,15 @@ class _Tables(Mapping):
         return len(self._m.cache)
 
 
-class _Lengths(_Tables):
+class _Tables(_Sequences[BlockTable]):
+    """``sequence_tables``: ``{seq_id: BlockTable}``."""
+
+    def __getitem__(self, seq_id: int) -> BlockTable:
+        self._m.cache.num_tokens(seq_id)  # SequenceNotFoundError (a KeyError) when unknown
+        return _SequenceBlockTable(self._m, seq_id)
+
+
+class _Lengths(_Sequences[int]):
     """``sequence_lengths``: ``{seq_id: num_tokens}``."""
 
     def __getitem__(self, seq_id: int) -> int:
@@ -329,11 +337,11 @@ class KVCacheManager:
     @property
     def kv_cache(self) -> torch.Tensor:
         """All layers: ``[num_layers] + config.kv_cache_shape``."""
-        return self.cache.store.kv
+        return self.cache._require_store().kv
 
     def layer_cache(self, layer: int) -> torch.Tensor:
         """One layer's ``config.kv_cache_shape`` view (no copy), what the seed's kernels take."""
-        return self.cache.store.layer(layer)
+        return self.cache._require_store().layer(layer)
 
     def _grow(self, seq_id: int, num_tokens: int, what: str) -> None:
         try:

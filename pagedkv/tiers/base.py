@@ -8,6 +8,8 @@ with the store's per-block shape, so one block moves with all of its scales in a
 """
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import numpy as np
 import torch
 
@@ -51,6 +53,11 @@ class Tier:
     @property
     def capacity(self) -> int:
         return self.index.capacity
+
+    @overload
+    def namespace(self, key: bytes, create: Literal[True]) -> int: ...
+    @overload
+    def namespace(self, key: bytes, create: bool) -> int | None: ...
 
     def namespace(self, key: bytes, create: bool) -> int | None:
         """The tier's id of a namespace key (None when unknown and not created)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -90,18 +90,24 @@ class PrefixTiers:
         self.host: HostPrefixTier | None = None
         self.disk: DiskPrefixTier | None = None
         if cfg.prefix_host_blocks:
-            self.host = HostPrefixTier(self.store.arenas, cfg.prefix_host_blocks, self.bs,
-                                       eviction=cfg.prefix_tier_eviction, weak_hash=weak,
-                                       pin=self.store.device.type == "cuda",
-                                       on_evict=lambda s: self._evicting(self.host, s))
-            self.host.index.on_removed = lambda s: self._removed_slot(self.host, s)
+            host = self.host = HostPrefixTier(self.store.arenas, cfg.prefix_host_blocks, self.bs,
+                                              eviction=cfg.prefix_tier_eviction, weak_hash=weak,
+                                              pin=self.store.device.type == "cuda",
+                                              on_evict=lambda s: self._evicting(host, s))
+            host.index.on_removed = lambda s: self._removed_slot(host, s)
         if cfg.prefix_disk_blocks:
-            self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
-                                       kv_format(self.store, cfg.prefix_disk_tag),
-                                       eviction=cfg.prefix_tier_eviction, weak_hash=weak,
-                                       on_evict=lambda s: self._evicting(self.disk, s))
-            persist = self.disk.index.on_removed
-            self.disk.index.on_removed = lambda s: (persist(s), self._removed_slot(self.disk, s))
+            disk = self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
+                                              kv_format(self.store, cfg.prefix_disk_tag),
+                                              eviction=cfg.prefix_tier_eviction, weak_hash=weak,
+                                              on_evict=lambda s: self._evicting(disk, s))
+            persist = disk.index.on_removed      # the disk's own record keeping, then ours
+
+            def on_removed(s: int) -> None:
+                if persist is not None:
+                    persist(s)
+                self._removed_slot(disk, s)
+
+            disk.index.on_removed = on_removed
         self.tiers: list[Tier] = [t for t in (self.host, self.disk) if t is not None]
         # (target medium, source medium, id, gen) -> (slot, slot gen); per target slot its keys
         self._links: dict[tuple, tuple[int, int]] = {}
@@ -267,7 +273,10 @@ class PrefixTiers:
             raise
 
     def _tier(self, medium: str) -> Tier:
-        return self.host if medium == "host" else self.disk
+        tier = self.host if medium == "host" else self.disk
+        if tier is None:     # a medium named here comes from a copy between existing tiers
+            raise KeyError(medium)
+        return tier
 
     # ---- promotion ------------------------------------------------------------------------
     def promote(self, key: int, tokens: np.ndarray, ns_id: int, hit: int, max_blocks: int | None = None) -> int:
@@ -299,7 +308,7 @@ class PrefixTiers:
         # per group and promoted block: (tier, slot), upper tier first
         sources = [[next((t, c[i]) for t, c in found if len(c) > i) for i in range(have, have + n)]
                    for found in chains]
-        leases = [[t, list(c[:have + n])] for found in chains for t, c in found]
+        leases: list[list[Any]] = [[t, list(c[:have + n])] for found in chains for t, c in found]
         for t, held in leases:
             t.index.lease(held)
 
@@ -472,7 +481,7 @@ def _split_loaded(event, promoted: dict[int, str]):
     """A device BlockStored of promoted blocks, split by the tier each block came from."""
     if not isinstance(event, BlockStored) or not any(b in promoted for b in event.block_ids):
         return [event]
-    out = []
+    out: list[Any] = []
     parent = event.parent_block_hash
     for h, b in zip(event.block_hashes, event.block_ids):
         src = promoted.get(b)

@@ -40,7 +40,8 @@ def _kind(mode: int) -> str:
 
 
 def storage_error(argument: str, what: str, e: OSError) -> TierStorageError:
-    err = TierStorageError(expected(argument, what, f"{errno.errorcode.get(e.errno, e.errno)} ({e.strerror})"))
+    code = e.errno if e.errno is None else errno.errorcode.get(e.errno, e.errno)
+    err = TierStorageError(expected(argument, what, f"{code} ({e.strerror})"))
     err.errno = e.errno       # (not strerror: OSError would print "[Errno N] ..." instead of the message)
     return err
 
@@ -123,8 +124,9 @@ class TierDir:
             fd = os.open(name, fl, _MODE, dir_fd=self.fd)
         except OSError as e:
             st = self.lstat(name) if e.errno in (errno.ELOOP, errno.EMLINK, errno.EISDIR, errno.ENXIO) else None
-            if st is not None and self._refuse(name, st) is not None:
-                raise self._refuse(name, st) from None
+            refused = self._refuse(name, st) if st is not None else None
+            if refused is not None:
+                raise refused from None
             raise storage_error(self.file(name), "a file pagedkv can open", e) from None
         if not existed or exclusive:
             self.created.append(name)
