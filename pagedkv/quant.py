@@ -186,7 +186,7 @@ def quantize(
         raise ShapeError(expected("x", "a non-empty last dimension", tuple(x.shape)))
     qdtype = storage_dtype(kv_dtype)
     xf = x.to(torch.float32)  # exact widening: every model dtype fits in float32
-    if isinstance(kv_dtype, str) and dtypes.lookup(kv_dtype).name == "int3":
+    if isinstance(kv_dtype, str) and dtypes.lookup(kv_dtype).name == "int3":  # type: ignore[union-attr]  # known: storage_dtype
         return _quantize_int3(xf, int3_group(x.shape[-1], group_size))
     if qdtype == torch.uint8:
         return _quantize_int4(xf, int4_group(x.shape[-1], group_size))

@@ -22,7 +22,7 @@ try:
     from pagedkv.ops import _cpu_copy as _c
     from pagedkv.ops import _cpu_quant as _q
 except ImportError:  # not built (source checkout without build_ext)
-    _c = _q = None
+    _c = _q = None  # type: ignore[assignment]
 
 __all__ = [
     "AVAILABLE",
@@ -169,7 +169,7 @@ def _quant_code(geo) -> int:
 
 
 def _model_code(dtype) -> int:
-    return _q.MODEL_CODES[dtypes.lookup(dtype).name]
+    return _q.MODEL_CODES[dtypes.lookup(dtype).name]  # type: ignore[union-attr]  # a checked model dtype
 
 
 def _signs_ptr(rotation_signs: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:

@@ -172,13 +172,13 @@ def write_kv(
     blk = torch.div(slots, geo.block_size, rounding_mode="floor")
     off = slots - blk * geo.block_size
     for kv, src in ((0, key[valid]), (1, value[valid])):
-        if geo.quantized:
-            group = geo.head_dim // kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else None
-            q, s, z = quantize(src, geo.kv_dtype, group_size=group)
+        if geo.quantized:   # check_write_kv has required kv_scale, and kv_zero where the format has one
+            group = geo.head_dim // kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else None  # type: ignore[union-attr]
+            q, s, z = quantize(src, geo.kv_dtype, group_size=group)  # type: ignore[arg-type]
             _assign(kv_layer, layout, kv, blk, off, q)
-            _assign(kv_scale, layout, kv, blk, off, s)
+            _assign(kv_scale, layout, kv, blk, off, s)  # type: ignore[arg-type]
             if z is not None:
-                _assign(kv_zero, layout, kv, blk, off, z)
+                _assign(kv_zero, layout, kv, blk, off, z)  # type: ignore[arg-type]
         else:
             _assign(kv_layer, layout, kv, blk, off, src)
 
