@@ -214,10 +214,11 @@ class ChunkPolicy:
                 ramp = self.min_tokens if state.last_chunk <= 0 else int(state.last_chunk * self.growth)
                 n = min(n, max(lower, ramp))
             budget = self.headroom()
-            fit = self._largest_fitting(n, state.position, budget)
-            if fit < lower:
-                raise PrefillMemoryError(self.estimate(lower, state.position), budget, lower, state.position)
-            n = fit
+            if budget is not None:     # always: a memory-aware policy has a limit or a probe
+                fit = self._largest_fitting(n, state.position, budget)
+                if fit < lower:
+                    raise PrefillMemoryError(self.estimate(lower, state.position), budget, lower, state.position)
+                n = fit
         if self.align_to_blocks and n < state.remaining:
             end = state.position + n
             aligned = n - end % state.block_size

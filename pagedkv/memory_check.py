@@ -14,7 +14,6 @@ a CUDA device's free bytes (``torch.cuda.mem_get_info``).
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -59,9 +58,7 @@ def check_device(device: Any) -> int | None:
     text = str(device)
     if text == "cpu":
         return None
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch
+    import torch
     dev = torch.device(text)
     if dev.type != "cuda":
         return None

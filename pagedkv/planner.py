@@ -81,7 +81,7 @@ class PlanResult:
         if self.max_seq_len is not None:
             lines += [
                 f"one sequence    {self.max_seq_len:,} tokens = {self.blocks_per_sequence:,} blocks = "
-                f"{self.bytes_per_sequence:,} B ({format_bytes(self.bytes_per_sequence)})",
+                f"{self.bytes_per_sequence:,} B ({format_bytes(self.bytes_per_sequence)})",  # type: ignore[arg-type]
                 f"sequences       {self.num_sequences:,} full-length sequence(s) fit",
             ]
         return "\n".join(lines)
@@ -99,6 +99,7 @@ def plan_config(config: CacheConfig, max_seq_len: int | None = None) -> PlanResu
     per_seq = blocks = exact = fits = None
     groups = config.layer_groups
     bpb = config.bytes_per_block
+    described: tuple[str, ...]
     if groups is None:
         described, per_token, constant = (), config.bytes_per_token, 0
     else:

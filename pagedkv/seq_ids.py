@@ -39,7 +39,7 @@ BATCH_TYPES = (list, range, np.ndarray)
 _ONE_ID = "a hashable sequence id (one id: lists, ranges and arrays are batches)"
 
 
-def strict_key(value: Hashable) -> Hashable:
+def strict_key(value: Any) -> Hashable:
     """A dict key equal only for values of the same type and value, recursively
     through tuples and frozensets (so ``1``, ``True`` and ``1.0`` differ, and so do
     ``("a", 1)`` and ``("a", True)``). Floats compare by bit pattern (``-0.0`` differs
@@ -78,10 +78,10 @@ class SequenceIds:
         if type(seq_id) is int and 0 <= seq_id <= _INT64_MAX:
             return seq_id
         if isinstance(seq_id, (int, np.integer)) and not isinstance(seq_id, bool):
-            k = int(seq_id)
-            if 0 <= k <= _INT64_MAX:
-                return k
-            raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", k))
+            n = int(seq_id)
+            if 0 <= n <= _INT64_MAX:
+                return n
+            raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", n))
         try:
             k = self._keys.get(seq_id if type(seq_id) is str else strict_key(seq_id))
         except TypeError:
@@ -98,10 +98,10 @@ class SequenceIds:
         if isinstance(seq_id, (bool, np.bool_)):
             raise InvalidArgumentError(expected(argument, "a sequence id that is not a bool (True == 1)", repr(seq_id)))
         if isinstance(seq_id, (int, np.integer)):
-            k = int(seq_id)
-            if not 0 <= k <= _INT64_MAX:
-                raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", k))
-            return k, False
+            n = int(seq_id)
+            if not 0 <= n <= _INT64_MAX:
+                raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", n))
+            return n, False
         if isinstance(seq_id, BATCH_TYPES) or _is_tensor(seq_id):
             raise InvalidArgumentError(expected(argument, _ONE_ID, type(seq_id).__name__))
         if isinstance(seq_id, float) and math.isnan(seq_id):

@@ -117,7 +117,7 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
     tmp = scratch_id()
     added = False
     k = m = 0
-    if reason is None:
+    if reason is None and tokens is not None:     # tokens arrive whenever the header was accepted
         try:
             salt, adapter = h["cache_salt"], h["adapter_id"]
             if [str(x) for x in block_hashes(tokens, bs, salt, adapter)] != h["hashes"]:

@@ -63,7 +63,7 @@ def checksum(t: torch.Tensor) -> int:
     where both peers are on GPUs) a position-weighted sum computed on the device."""
     b = t.reshape(-1).view(torch.uint8)
     if b.device.type == "cpu":
-        return zlib.crc32(b.numpy())
+        return zlib.crc32(b.numpy())  # type: ignore[arg-type]  # numpy: a buffer
     x = b.to(torch.int64)
     w = torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device) % 65521
     return (int(x.sum()) & 0xFFFFFFFF) | ((int((x * w).sum()) & 0x7FFFFFFF) << 32)
@@ -178,9 +178,9 @@ class Link:
         it; returns the payload's work (None for an empty one)."""
         n = 0 if payload is None else payload.numel() * payload.element_size()
         if check is None:
-            check = checksum(payload) if n else 0
+            check = checksum(payload) if payload is not None and n else 0
         self.send_ints([FRAME_MAGIC, kind, n, check], what)
-        return self.send(payload, what) if n else None
+        return self.send(payload, what) if payload is not None and n else None
 
     def recv_frame(self, what: str, kind: int) -> list[int]:
         """``[kind, nbytes, checksum]`` of the next frame; an abort raises :class:`PeerAborted`."""
@@ -284,7 +284,7 @@ class Link:
         for layer in range(arenas[0].shape[0]):
             for a in arenas:
                 src = a[layer]
-                part = src[run[0]:run[1]] if run is not None else src.index_select(0, idx)
+                part = src[run[0]:run[1]] if run is not None else src.index_select(0, idx)  # type: ignore[arg-type]  # idx: set unless a run
                 part = _wire(part).to(self.comm).contiguous()     # no copy for a run on the comm device
                 window.append((self.send_frame(DATA, part, f"sending layer {layer}"), part, layer))
                 if len(window) > _DEPTH:
