@@ -33,7 +33,7 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 # Hugging Face models whose configs alternate layer kinds without a layer_types list:
 # one full-attention layer every `pattern` layers (the others slide).
-_IMPLICIT_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+_IMPLICIT_PATTERN: dict[Any, int] = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def plan_groups(layer_windows: Sequence[int], sinks: int = 0) -> GroupPlan | Non
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
     size = min(len(layers) for layers in kinds.values())
-    groups = []
+    groups: list[LayerGroup] = []
     layer_group = [0] * len(windows)
     layer_slot = [0] * len(windows)
     # Full attention first: group 0 is then the one whose tables keep every block.

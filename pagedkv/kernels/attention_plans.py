@@ -283,7 +283,7 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         keep += [part_o, part_ml]
     if signs is not None:
         keep.append(signs)
-    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]
+    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named
     q_type = _MODEL_NAMES[q.dtype]
     name = sources.attention_name(tl.mode, layout.lower(), kv_type, q_type)
     args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key_scale), _ptr(key_zero), _ptr(signs), _ptr(q),

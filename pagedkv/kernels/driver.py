@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Any
 
 from pagedkv.errors import KernelUnavailableError
 
 __all__ = ["Module", "compute_capability", "load_module", "launch", "make_current"]
 
 _guard = threading.Lock()
-_contexts: dict[int, object] = {}
+_contexts: dict[int, Any] = {}   # cuda-python CUcontext handles
 
 
 def _driver():

@@ -96,6 +96,6 @@ class CompileOptions:
             flags.append("--device-debug")
         if self.max_registers is not None:
             flags.append(f"--maxrregcount={self.max_registers}")
-        flags += [f"-D{n}" if v is None else f"-D{n}={v}" for n, v in self.defines]
+        flags += [f"-D{n}" if v is None else f"-D{n}={v}" for n, v in self.defines]  # type: ignore[str-unpack]  # pairs, once made
         flags += [f"--include-path={d}" for d in self.include_dirs]
         return tuple(flags)

@@ -73,7 +73,7 @@ class Launch:
     def pack_args(self):
         """``(argv, values)``: a ``void*[]`` pointing at each argument's C value, in
         cuLaunchKernel's ``kernelParams`` form; keep ``values`` alive while in use."""
-        values = [_CTYPES[kind](value) for kind, value in self.args]
+        values = [_CTYPES[kind](value) for kind, value in self.args]  # type: ignore[arg-type]  # ints by kind
         argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         return argv, values
 
@@ -125,7 +125,7 @@ def as_tensor(x: object) -> object:
 
 def _check_kernel_dtype(geo: checks.LayerGeometry) -> None:
     if geo.quantized and geo.kv_dtype not in _QUANT_NAMES:
-        row = dtypes.info(geo.kv_dtype)
+        row = dtypes.info(geo.kv_dtype)  # type: ignore[arg-type]  # quantized: named
         raise DTypeError(expected("kv_layer", f"a kv dtype with a CUDA kernel ({', '.join(sources.QUANT_TYPES)} "
                                   "or a model dtype)", f"{row.name} ({row.torch_name})"))
 
@@ -222,7 +222,7 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
     lo = layout.lower()
     tail = [_i64(tokens), _i64(geo.num_blocks * geo.block_size), _i64(geo.block_size), _i64(heads)]
     if geo.quantized:
-        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[geo.kv_dtype],
+        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[geo.kv_dtype],  # type: ignore[index]
                                      rotated=signs is not None)
         groups = _groups(kv_layer, kv_scale)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key), _ptr(value), _ptr(slots)]
@@ -347,7 +347,7 @@ def plan_gather(
     keep = (table, indptr_c, lens, seq_ends)
     lo = layout.lower()
     if geo.quantized:
-        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[geo.kv_dtype], out_type=_MODEL_NAMES[out_dtype],
+        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[geo.kv_dtype], out_type=_MODEL_NAMES[out_dtype],  # type: ignore[index]
                                    rotated=signs is not None)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
         args += table_args + [_i64(dim), _i64(_groups(kv_layer, kv_scale))]
@@ -389,7 +389,7 @@ def _host_pairs(pairs: object) -> bool:
     return isinstance(pairs, torch.Tensor) and pairs.device.type == "cpu"
 
 
-def _no_pairs(pairs: object) -> object:
+def _no_pairs(pairs: object) -> torch.Tensor:
     """An empty stand-in for device pairs, so the reference validators run their
     structural checks without reading (syncing on) the real ones."""
     dtype = pairs.dtype if isinstance(pairs, torch.Tensor) else torch.int64

@@ -13,6 +13,7 @@ so it needs no hashing; the core must behave the same wherever hashes do not col
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pagedkv.errors import (
     CacheBusyError,
@@ -49,12 +50,12 @@ class PyBlockPool:
         self.pins = [0] * num_blocks
         self.hits = [0] * num_blocks
         self.lists: list[OrderedDict] = [OrderedDict() for _ in range(1 + self.nbuckets)]
-        self.where: dict[int, object] = {}
+        self.where: dict[int, int | str] = {}    # block -> its list, or PINNED
         for b in (range(num_blocks) if order is None else order):
             self.lists[EMPTY][b] = None
             self.where[b] = EMPTY
         self.num_allocations = self.num_frees = self.num_touches = self.num_evictions = 0
-        self.on_evict = None   # callback(block) when cached content is dropped
+        self.on_evict: Callable[[int], None] | None = None   # callback(block) when cached content is dropped
 
     # -- helpers -----------------------------------------------------------------------
     def bucket_for(self, b: int, cls: int) -> int:
@@ -66,7 +67,7 @@ class PyBlockPool:
 
     def _unlist(self, b: int) -> None:
         w = self.where.pop(b)
-        if w != PINNED:
+        if isinstance(w, int):      # not PINNED
             del self.lists[w][b]
 
     def _push_back(self, lst: int, b: int) -> None:
@@ -118,10 +119,10 @@ class PyBlockPool:
         self.num_allocations += n
         if n and self.policy == "adaptive" and len(self.lists[EMPTY]) < self.low:
             while len(self.lists[EMPTY]) < self.high:
-                lst = next((k for k in range(1, len(self.lists)) if self.lists[k]), None)
-                if lst is None:
+                victim = next((k for k in range(1, len(self.lists)) if self.lists[k]), None)
+                if victim is None:
                     break
-                b, _ = self.lists[lst].popitem(last=False)
+                b, _ = self.lists[victim].popitem(last=False)
                 del self.where[b]
                 self._evict(b)
                 self._push_back(EMPTY, b)
