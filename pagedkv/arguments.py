@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +95,7 @@ def as_token_ids(token_ids: Any, argument: str = "token_ids") -> np.ndarray:
     return arr.astype(np.int32, copy=False)
 
 
-def optional_int(value: Optional[Any], argument: str, lo: int = 0, hi: int = INT64_MAX) -> Optional[int]:
+def optional_int(value: Any | None, argument: str, lo: int = 0, hi: int = INT64_MAX) -> int | None:
     return None if value is None else as_int(value, argument, lo, hi)
 
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedkv.ops.reference import _assign, _plane
 from pagedkv import ops
+from pagedkv.ops.reference import _assign, _plane
 from pagedkv.quant import dequantize_key_channels, quantize
 from pagedkv.rotation import rotate
 
@@ -133,6 +133,6 @@ class BlockKeys:
         q, s, z = quantize(keys, "int4", group_size=self.group)
         _assign(view, self.store.layout, 0, blk, off, q)
         _assign(scale, self.store.layout, 0, blk, off, s)
-        _assign(zero, self.store.layout, 0, blk, off, z)
+        _assign(zero, self.store.layout, 0, blk, off, z)  # type: ignore[arg-type]  # int4 has a zero point
         kscale[block] = 0
         kzero[block] = 0

@@ -20,12 +20,12 @@ count changes), which no allocator of those blocks can avoid.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Set
+from collections.abc import Callable
 
 import numpy as np
 
 from pagedkv._core.pool import BlockPool
-from pagedkv.errors import (InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected)
+from pagedkv.errors import InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected
 
 __all__ = ["BuddyAllocator", "order_for"]
 
@@ -53,8 +53,8 @@ class BuddyAllocator:
             raise InvalidArgumentError(expected("pool", "a BlockPool", type(pool).__name__))
         self.pool = pool
         self.max_order = order_for(pool.num_blocks) if pool.num_blocks > 1 else 0
-        self._free: List[Set[int]] = [set() for _ in range(self.max_order + 1)]
-        self._live: Dict[int, int] = {}           # start -> order of every run handed out
+        self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
+        self._live: dict[int, int] = {}           # start -> order of every run handed out
         self.num_refreshes = 0
         self.refresh()
 
@@ -67,11 +67,11 @@ class BuddyAllocator:
             raise InvalidBlockError(expected("start", "the start of a live run (double free?)", repr(start)))
         return order
 
-    def runs(self) -> Dict[int, int]:
+    def runs(self) -> dict[int, int]:
         """``{start: num_blocks}`` of the live runs."""
         return {s: 1 << k for s, k in self._live.items()}
 
-    def free_candidates(self) -> Dict[int, List[int]]:
+    def free_candidates(self) -> dict[int, list[int]]:
         """``{order: sorted starts}`` of the listed free runs (candidates, see module doc)."""
         return {k: sorted(f) for k, f in enumerate(self._free) if f}
 
@@ -106,7 +106,7 @@ class BuddyAllocator:
         self._insert(start, k)
 
     def grow(self, start: int, num_blocks: int,
-             copy: Optional[Callable[[int, int, int], None]] = None) -> int:
+             copy: Callable[[int, int, int], None] | None = None) -> int:
         """Make the run at ``start`` hold at least ``num_blocks`` blocks; returns its start.
 
         In place when the run is aligned for the larger order and its buddies are free

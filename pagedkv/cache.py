@@ -34,7 +34,8 @@ from __future__ import annotations
 import collections
 import threading
 import warnings
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,18 +44,28 @@ from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
 from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int, tensor_values
 from pagedkv.config import CacheConfig, format_bytes
-from pagedkv.errors import (ArgumentTypeError, InvalidArgumentError, InvalidBlockError, PagedKVError,
-                            SequenceExistsError, SequenceNotFoundError, expected)
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    PagedKVError,
+    SequenceExistsError,
+    SequenceNotFoundError,
+    expected,
+)
+from pagedkv.events import KVEvent, events_from_records
 from pagedkv.namespaces import NamespaceRegistry, namespace_key
 from pagedkv.pool_view import PoolView
 from pagedkv.seq_ids import SequenceIds
 from pagedkv.stats import CacheStats, render_block_map
 
+if TYPE_CHECKING:
+    from pagedkv.group_tables import GroupNamespaces
+
 __all__ = ["PagedKVCache", "as_token_ids"]
 
 SeqId = Any
-SeqIds = Union[SeqId, Sequence[SeqId], np.ndarray]
+SeqIds = SeqId | Sequence[SeqId] | np.ndarray
 
 _I64 = np.dtype(np.int64)
 
@@ -82,7 +93,7 @@ class CallerLock:
         self.depth -= 1
         self._lock.release()
 
-    def __enter__(self) -> "CallerLock":
+    def __enter__(self) -> CallerLock:
         self.acquire()
         return self
 
@@ -124,7 +135,7 @@ class PagedKVCache:
             warnings.warn(f"pagedkv: {config.window_note}", RuntimeWarning, stacklevel=2)
         self._sink_tokens = config.kv_sink_tokens if self.store is not None and self.store.window is not None else 0
         nb = config.resolved_num_blocks
-        self.index: Optional[PrefixIndex] = self._prefix_index(config) if config.enable_prefix_caching else None
+        self.index: PrefixIndex | None = self._prefix_index(config) if config.enable_prefix_caching else None
         self._pool = BlockPool(nb, config.eviction, priority_classes=config.priority_classes,
                               low_watermark=config.low_watermark, high_watermark=config.high_watermark,
                               shuffle_seed=config.shuffle_free_blocks, index=self.index)
@@ -144,7 +155,7 @@ class PagedKVCache:
         # Every change of the tables goes through _book: the tables, or all groups' tables.
         self._book = self.tables if self._groups is None else self._groups
         self._namespaces = NamespaceRegistry()
-        self._copies: List[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
+        self._copies: list[np.ndarray] = []   # CoW pairs owed by a bookkeeping-only cache
         self._deferred: collections.deque = collections.deque()   # batches queued by free_deferred
         self._tiers = None
         if config.has_prefix_tiers:
@@ -152,11 +163,11 @@ class PagedKVCache:
                 raise InvalidArgumentError(expected("allocate_store", "True with prefix tiers (they hold KV)", False))
             from pagedkv.tiers import PrefixTiers
 
-            names = self._namespaces
+            names: NamespaceRegistry | GroupNamespaces = self._namespaces
             if self._groups is not None:
                 from pagedkv.group_tables import GroupNamespaces
 
-                names = GroupNamespaces(names)
+                names = GroupNamespaces(self._namespaces)
             self._tiers = PrefixTiers(config, self.index, self.store, self._pool, names, self._book)
         self._host = None
         if config.host_num_blocks:
@@ -171,9 +182,9 @@ class PagedKVCache:
                            events=config.enable_kv_events, tier_log=config.has_prefix_tiers)
 
     # ---- lifecycle ----------------------------------------------------------------
-    def add_sequence(self, seq_id: SeqId, prompt_token_ids: Optional[Iterable[int]] = None, *,
-                     cache_salt: Optional[str] = None, adapter_id: Any = None,
-                     priority: Optional[int] = None, max_cached_tokens: Optional[int] = None) -> int:
+    def add_sequence(self, seq_id: SeqId, prompt_token_ids: Iterable[int] | None = None, *,
+                     cache_salt: str | None = None, adapter_id: Any = None,
+                     priority: int | None = None, max_cached_tokens: int | None = None) -> int:
         """Admit a sequence; returns how many prompt tokens are already cached.
 
         Those tokens' KV is in the arena already (full blocks reused by reference);
@@ -215,13 +226,16 @@ class PagedKVCache:
                         self._ids.forget(key)
                     raise
             if hit and self._sink_tokens:     # a shared first block keeps its exact sink rows
-                self.store.pin_sinks(self._first_blocks(np.array([key], np.int64), True), held_only=True)
+                self._require_store().pin_sinks(self._first_blocks(np.array([key], np.int64), True), held_only=True)
             return hit
 
     def _admit_restored(self, seq_id: SeqId, tokens: np.ndarray, cache_salt, adapter_id, priority) -> None:
         """Admit a sequence of a layer-grouped cache whose KV is about to arrive whole
         from elsewhere (a transfer): no prefix lookup, sliding groups untracked (see
         :meth:`~pagedkv.group_tables.GroupTables.add_restored`)."""
+        groups = self._groups
+        if groups is None:     # the transfer takes this path only for a layer-grouped cache
+            raise InvalidArgumentError(expected("config.layer_groups", "a layer-grouped cache", None))
         with self._lock:
             if self._deferred:
                 self._run_deferred()
@@ -231,14 +245,14 @@ class PagedKVCache:
                 if key in self.tables or (self._host is not None and self._host.holds(key)):
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self._namespaces.register(cache_salt, adapter_id)
-                self._groups.add_restored(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
+                groups.add_restored(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
             except BaseException:
                 if fresh:
                     self._ids.forget(key)
                 self._namespaces.rollback(mark)
                 raise
 
-    def reserve(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> np.ndarray:
+    def reserve(self, seq_ids: SeqIds, num_tokens: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Slots (int64, concatenated in batch order) for the next tokens of each sequence.
 
         One call for the whole batch, all or nothing: on :class:`OutOfBlocksError`
@@ -295,7 +309,7 @@ class PagedKVCache:
         fresh = starts < self._sink_tokens
         if not fresh.any():
             return
-        self.store.pin_sinks(self._first_blocks(np.atleast_1d(np.asarray(keys, dtype=np.int64))[fresh], internal))
+        self._require_store().pin_sinks(self._first_blocks(np.atleast_1d(np.asarray(keys, dtype=np.int64))[fresh], internal))
 
     def _first_blocks(self, keys: np.ndarray, internal: bool) -> np.ndarray:
         """The blocks holding the sink tokens of ``keys``, in every layer group's table
@@ -341,7 +355,7 @@ class PagedKVCache:
                 self._copy_pairs(pairs)
             return pairs
 
-    def compact(self, seq_ids: Optional[SeqIds] = None) -> np.ndarray:
+    def compact(self, seq_ids: SeqIds | None = None) -> np.ndarray:
         """Move blocks into the lowest empty blocks, highest first (see
         :mod:`pagedkv.compaction`), so the blocks in use sit at the bottom of the pool.
 
@@ -390,8 +404,8 @@ class PagedKVCache:
             pending.clear()
             return out
 
-    def commit(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray],
-               token_ids: Optional[Iterable[int]] = None) -> None:
+    def commit(self, seq_ids: SeqIds, num_tokens: int | Sequence[int] | np.ndarray,
+               token_ids: Iterable[int] | None = None) -> None:
         """The KV of the next ``num_tokens`` reserved tokens of each sequence is written.
 
         ``token_ids`` (concatenated in batch order) name those tokens when they are not
@@ -415,12 +429,12 @@ class PagedKVCache:
             keys, internal = self._ids.batch(seq_ids)
             if num_tokens is not None:
                 if type(num_tokens) is int or isinstance(num_tokens, np.integer):
-                    num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens), np.int64)
+                    num_tokens = np.full(1 if isinstance(keys, int) else len(keys), as_count(num_tokens), np.int64)
                 else:
                     num_tokens = as_counts(num_tokens)
             self._book.unreserve(keys, num_tokens, internal=internal)
 
-    def truncate(self, seq_ids: SeqIds, num_tokens: Union[int, Sequence[int], np.ndarray]) -> None:
+    def truncate(self, seq_ids: SeqIds, num_tokens: int | Sequence[int] | np.ndarray) -> None:
         """Drop the last ``num_tokens`` committed tokens of each sequence, e.g. draft
         tokens a speculative step rejected; reserved, uncommitted slots go back too.
 
@@ -433,7 +447,7 @@ class PagedKVCache:
                 self._run_deferred()
             keys, internal = self._ids.batch(seq_ids)
             if type(num_tokens) is int or isinstance(num_tokens, np.integer):
-                num_tokens = np.full(1 if type(keys) is int else len(keys), as_count(num_tokens, "num_tokens"),
+                num_tokens = np.full(1 if isinstance(keys, int) else len(keys), as_count(num_tokens, "num_tokens"),
                                      np.int64)
             else:
                 num_tokens = as_counts(num_tokens, "num_tokens")
@@ -573,7 +587,7 @@ class PagedKVCache:
                 self._run_deferred()
             return len(self.tables)
 
-    def sequences(self) -> List[SeqId]:
+    def sequences(self) -> list[SeqId]:
         """Live sequence ids (device-resident)."""
         with self._lock:
             if self._deferred:
@@ -618,12 +632,12 @@ class PagedKVCache:
                     info[field] = sum(g[field] for g in per)
             return info
 
-    def block_table(self, seq_id: SeqId, group: Optional[int] = None) -> np.ndarray:
+    def block_table(self, seq_id: SeqId, group: int | None = None) -> np.ndarray:
         """The sequence's physical blocks in token order (int32); of a layer group's
         tables with ``group`` (-1 where a sliding group released the block)."""
         return self._one(self._tables_of(group).blocks, seq_id)
 
-    def _tables_of(self, group: Optional[int]):
+    def _tables_of(self, group: int | None):
         if self._groups is None:
             if group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
                                           and group == 0):
@@ -636,20 +650,20 @@ class PagedKVCache:
             keys, internal = self._ids.batch(seq_ids)
             return method(keys, *args, internal=internal)
 
-    def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: Optional[int] = None,
-                     group: Optional[int] = None) -> np.ndarray:
+    def block_tables(self, seq_ids: SeqIds, pad: int = -1, width: int | None = None,
+                     group: int | None = None) -> np.ndarray:
         """Padded ``[B, width]`` int32 block tables (of layer group ``group``: column j is
         block j of the sequence, ``pad`` where a sliding group released it)."""
         pad = as_int(pad, "pad", -2**31, 2**31 - 1)
         width = optional_int(width, "width", 0, 2**31 - 1)
         return self._batch_query(self._tables_of(group).block_table, seq_ids, pad, width)
 
-    def page_table_csr(self, seq_ids: SeqIds, group: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def page_table_csr(self, seq_ids: SeqIds, group: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's ``(indptr, indices, last_page_len)``, int32, over reserved tokens
         (of layer group ``group``: a sliding group lists only the blocks it holds)."""
         return self._batch_query(self._tables_of(group).csr, seq_ids)
 
-    def released_tokens(self, seq_ids: SeqIds, group: Optional[int] = None) -> np.ndarray:
+    def released_tokens(self, seq_ids: SeqIds, group: int | None = None) -> np.ndarray:
         """Tokens per sequence (int64) that sliding layer group ``group`` released (left
         its window): its gathers return the others. Zeros for full attention."""
         tables = self._tables_of(group)
@@ -663,7 +677,7 @@ class PagedKVCache:
             raise ArgumentTypeError(expected("computed", "True or False", repr(computed)))
         return self._batch_query(self.tables.seq_lens, seq_ids, computed)
 
-    def slot_mapping(self, seq_id: SeqId, start: int, count: int, group: Optional[int] = None) -> np.ndarray:
+    def slot_mapping(self, seq_id: SeqId, start: int, count: int, group: int | None = None) -> np.ndarray:
         """int64 slots of positions ``[start, start + count)`` (must be reserved, and
         held by layer group ``group``)."""
         start, count = as_count(start, "start"), as_count(count, "count")
@@ -678,7 +692,7 @@ class PagedKVCache:
         (``with cache.lock: ...``)."""
         return self._caller_lock
 
-    def match_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+    def match_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                      adapter_id: Any = None) -> int:
         """Tokens of ``token_ids`` a new sequence would find cached now (no side effects),
         on the device or in a prefix tier (whichever holds more full blocks). With
@@ -692,7 +706,7 @@ class PagedKVCache:
                 found = max(found, self._tiers.match(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id)))
         return found
 
-    def match_prefix_groups(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+    def match_prefix_groups(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                             adapter_id: Any = None) -> dict:
         """Per layer group, the cached prefix of ``token_ids``: a dict of ``tokens`` (what
         an admission reuses: the longest prefix every group holds), ``per_group`` and
@@ -722,8 +736,8 @@ class PagedKVCache:
         """Whether ``num_tokens`` tokens' worth of new blocks can be allocated now."""
         return self.has_available_blocks(self.config.blocks_for_tokens(num_tokens))
 
-    def blocks_to_admit(self, prompt_token_ids: Iterable[int], num_tokens: Optional[int] = None, *,
-                        cache_salt: Optional[str] = None, adapter_id: Any = None) -> int:
+    def blocks_to_admit(self, prompt_token_ids: Iterable[int], num_tokens: int | None = None, *,
+                        cache_salt: str | None = None, adapter_id: Any = None) -> int:
         """Free blocks that admitting this prompt, then reserving ``num_tokens`` tokens
         in all (default: the prompt), takes out of the pool now.
 
@@ -752,8 +766,8 @@ class PagedKVCache:
             revived = sum(1 for b in hits[ref[hits] == 0].tolist() if not self._pool.pin_count(b))
             return -(-total // bs) - len(hits) + revived
 
-    def can_admit(self, prompt_token_ids: Iterable[int], num_tokens: Optional[int] = None, *,
-                  cache_salt: Optional[str] = None, adapter_id: Any = None) -> bool:
+    def can_admit(self, prompt_token_ids: Iterable[int], num_tokens: int | None = None, *,
+                  cache_salt: str | None = None, adapter_id: Any = None) -> bool:
         """Whether :meth:`add_sequence` of this prompt, then reserving ``num_tokens``
         tokens in all (default: the prompt), would succeed now
         (see :meth:`blocks_to_admit`)."""
@@ -762,7 +776,7 @@ class PagedKVCache:
             return need <= self._pool.num_free_blocks
 
     # ---- prefix cache ---------------------------------------------------------------
-    def pin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+    def pin_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                    adapter_id: Any = None) -> int:
         """Pin the cached full blocks of ``token_ids``; returns the tokens pinned.
 
@@ -776,7 +790,7 @@ class PagedKVCache:
             tiers = self._pin_tiers(token_ids, cache_salt, adapter_id, True)
         return max(self._pinned_tokens(blocks, token_ids, cache_salt, adapter_id), tiers)
 
-    def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: Optional[str] = None,
+    def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                      adapter_id: Any = None) -> int:
         """Release the pins :meth:`pin_prefix` set on the cached full blocks of
         ``token_ids`` (same namespace: ``cache_salt``, ``adapter_id``), on the device and
@@ -824,7 +838,7 @@ class PagedKVCache:
                 self._tiers.clear()
 
     def set_priority(self, seq_id: SeqId, priority: int, start_token: int = 0,
-                     end_token: Optional[int] = None) -> None:
+                     end_token: int | None = None) -> None:
         """Eviction class of a sequence's blocks (or of a token range) when freed."""
         priority = as_int(priority, "priority", 0, 127)
         start_token = as_count(start_token, "start_token")
@@ -832,7 +846,7 @@ class PagedKVCache:
         with self._lock:
             self._book.set_priority(self._ids.key(seq_id), priority, start_token, end_token)
 
-    def drain_events(self) -> List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
+    def drain_events(self) -> list[KVEvent]:
         """KV events since the last drain (``enable_kv_events=True``), oldest first."""
         if self.index is None or not self.index.events_enabled:
             raise InvalidArgumentError(expected("config.enable_kv_events", "True to drain events", False))
@@ -840,7 +854,7 @@ class PagedKVCache:
             if self._tiers is not None:
                 return self._tiers.drain_events()
             records = self.index.drain_events()
-            name = self._namespaces.name
+            name: Callable[[int], tuple[Any, Any]] = self._namespaces.name
             if self._groups is not None:     # every group registers under its own id (group_tables)
                 from pagedkv.group_tables import GROUP_NS_BITS
 
@@ -866,10 +880,10 @@ class PagedKVCache:
         if self._groups is not None:
             from pagedkv.group_data import layer_slots
 
-            layer, slot_mapping = layer_slots(self.config.layer_groups, layer, slot_mapping)
+            layer, slot_mapping = layer_slots(self._groups.plan, layer, slot_mapping)
         store.write(layer, _slots_tensor(slot_mapping, store.device), key, value)
 
-    def gather(self, seq_id: SeqId, layer: int, num_tokens: Optional[int] = None):
+    def gather(self, seq_id: SeqId, layer: int, num_tokens: int | None = None):
         """Contiguous K and V ``[n, num_kv_heads, head_dim]`` in token order: the first
         ``num_tokens`` tokens, by default every token holding a slot (committed plus
         reserved this step)."""
@@ -902,7 +916,7 @@ class PagedKVCache:
             if self._groups is not None:
                 from pagedkv.group_data import layer_slot
 
-                g, slot = layer_slot(self.config.layer_groups, layer)
+                g, slot = layer_slot(self._groups.plan, layer)
                 tables = self._groups.tables[g]
             indptr, indices, _ = tables.csr(keys, internal=internal)
             lens = tables.seq_lens(keys, internal=internal)
@@ -963,7 +977,7 @@ class PagedKVCache:
         if self._groups is not None:
             from pagedkv.group_data import layer_slot
 
-            layer = layer_slot(self.config.layer_groups, layer)[1]
+            layer = layer_slot(self._groups.plan, layer)[1]
         indptr, indices, seq_lens = (self._table_tensor(a, n) for a, n in
                                      ((indptr, "indptr"), (indices, "indices"), (seq_lens, "seq_lens")))
         if pending is not None:
@@ -984,7 +998,7 @@ class PagedKVCache:
         if self._groups is not None:
             from pagedkv.group_data import layer_slot
 
-            layer = layer_slot(self.config.layer_groups, layer)[1]
+            layer = layer_slot(self._groups.plan, layer)[1]
         view = store.layer(layer)
         scale, zero = store.layer_scales(layer)
         kscale, kzero = store.layer_key_params(layer)
@@ -1004,7 +1018,7 @@ class PagedKVCache:
                          exact, options):
         from pagedkv.ops import paged_attention
 
-        store = self.store
+        store = self._require_store()
         out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
                               kv_zero=zero, key_scale=kscale, key_zero=kzero, rotation_signs=store.rotation_signs,
                               exact_rows=exact, **options)
@@ -1038,8 +1052,10 @@ class PagedKVCache:
         without ``kv_rotation``: what :func:`pagedkv.rotation.rotate` takes."""
         if not self.config.kv_rotation:
             return None
-        if self.store is not None:
+        if self.store is not None and self.store.rotation_signs is not None:   # a kv_rotation store has them
             return self.store.rotation_signs.clone()
+
+
         from pagedkv.rotation import rotation_signs
 
         return rotation_signs(self.config.head_dim, self.config.kv_rotation_seed)
@@ -1180,7 +1196,7 @@ class PagedKVCache:
                 self._tiers.close()
                 self._tiers = None
 
-    def __enter__(self) -> "PagedKVCache":
+    def __enter__(self) -> PagedKVCache:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,7 +17,8 @@ are enough to rank the layers.
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -92,7 +93,7 @@ def _log_probs(model, input_ids: torch.Tensor, config: CacheConfig, chunk: int) 
 
 @torch.no_grad()
 def layer_sensitivity(model: Any, input_ids: torch.Tensor, *, chunk: int = 128, block_size: int = 16,
-                      **lowbit: Any) -> List[float]:
+                      **lowbit: Any) -> list[float]:
     """Mean KL (nats per token) added by quantizing each layer's KV alone.
 
     Args:
@@ -139,7 +140,7 @@ def layer_sensitivity(model: Any, input_ids: torch.Tensor, *, chunk: int = 128, 
     return out
 
 
-def choose_full_precision_layers(sensitivity: Sequence[float], count: int) -> Tuple[int, ...]:
+def choose_full_precision_layers(sensitivity: Sequence[float], count: int) -> tuple[int, ...]:
     """The ``count`` most sensitive layers (ties: the lower index), sorted, for
     ``kv_full_precision_layers``. ``count`` must leave at least one quantized layer."""
     try:

@@ -31,8 +31,8 @@ work on that chunk, and the committed chunks stay resumable.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 from pagedkv.config import parse_bytes
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PrefillMemoryError, expected
@@ -111,15 +111,15 @@ class ChunkPolicy:
     """
 
     def __init__(self, min_tokens: int = DEFAULT_MIN_TOKENS, max_tokens: int = DEFAULT_MAX_TOKENS, *,
-                 memory_limit: Optional[Union[int, str]] = None,
-                 memory_probe: Optional[Callable[[], int]] = None,
+                 memory_limit: int | str | None = None,
+                 memory_probe: Callable[[], int] | None = None,
                  probe_margin: int = 0,
                  activation_bytes_per_token: int = 0,
                  attention_bytes_per_pair: int = 0,
                  fixed_bytes: int = 0,
-                 activation_bytes: Optional[Callable[[int, int], int]] = None,
+                 activation_bytes: Callable[[int, int], int] | None = None,
                  kv_reserve_blocks: int = 0,
-                 growth: Optional[float] = 2.0,
+                 growth: float | None = 2.0,
                  align_to_blocks: bool = True):
         self.min_tokens = _int_arg("min_tokens", min_tokens, 1)
         self.max_tokens = _int_arg("max_tokens", max_tokens, 1)
@@ -154,7 +154,7 @@ class ChunkPolicy:
                 "memory_limit/memory_probe", 0))
 
     @classmethod
-    def fixed(cls, tokens: int, *, align_to_blocks: bool = False) -> "ChunkPolicy":
+    def fixed(cls, tokens: int, *, align_to_blocks: bool = False) -> ChunkPolicy:
         """Every chunk ``tokens`` long (the last one the remainder)."""
         tokens = _int_arg("tokens", tokens, 1)
         return cls(tokens, tokens, align_to_blocks=align_to_blocks)
@@ -173,7 +173,7 @@ class ChunkPolicy:
         return (self.fixed_bytes + n * self.activation_bytes_per_token
                 + n * (context + n) * self.attention_bytes_per_pair)
 
-    def headroom(self) -> Optional[int]:
+    def headroom(self) -> int | None:
         """Bytes the next chunk's activations may use; None when not memory-aware."""
         budget = self.memory_limit
         if self.memory_probe is not None:
@@ -214,10 +214,11 @@ class ChunkPolicy:
                 ramp = self.min_tokens if state.last_chunk <= 0 else int(state.last_chunk * self.growth)
                 n = min(n, max(lower, ramp))
             budget = self.headroom()
-            fit = self._largest_fitting(n, state.position, budget)
-            if fit < lower:
-                raise PrefillMemoryError(self.estimate(lower, state.position), budget, lower, state.position)
-            n = fit
+            if budget is not None:     # always: a memory-aware policy has a limit or a probe
+                fit = self._largest_fitting(n, state.position, budget)
+                if fit < lower:
+                    raise PrefillMemoryError(self.estimate(lower, state.position), budget, lower, state.position)
+                n = fit
         if self.align_to_blocks and n < state.remaining:
             end = state.position + n
             aligned = n - end % state.block_size

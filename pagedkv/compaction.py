@@ -13,14 +13,14 @@ a cached-free block, still findable), as after a copy-on-write.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Tuple
+from collections.abc import Iterable
 
 import numpy as np
 
 __all__ = ["plan_compaction"]
 
 
-def plan_compaction(pool, tables, keys: Iterable[int]) -> Dict[Tuple[int, int], np.ndarray]:
+def plan_compaction(pool, tables, keys: Iterable[int]) -> dict[tuple[int, int], np.ndarray]:
     """``{(table, key): int64 [P, 2] (old, new)}`` moves for the sequences ``keys`` of
     each of ``tables`` (a list: one ``BlockTables`` per layer group, all over ``pool``;
     device-resident sequences), over ``pool``'s current state; empty when nothing can
@@ -45,7 +45,7 @@ def plan_compaction(pool, tables, keys: Iterable[int]) -> Dict[Tuple[int, int], 
     owner, block, holes = owner[order[:n]], block[order[:n]], holes[:n]
     lower = holes < block                                    # block descends, hole ascends: a prefix
     owner, block, holes = owner[lower], block[lower], holes[lower]
-    plan: Dict[Tuple[int, int], np.ndarray] = {}
+    plan: dict[tuple[int, int], np.ndarray] = {}
     for g, k in {tuple(o) for o in owner.tolist()}:
         sel = (owner[:, 0] == g) & (owner[:, 1] == k)
         plan[(g, k)] = np.stack([block[sel], holes[sel]], axis=1)

@@ -10,8 +10,9 @@ import json
 import numbers
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
 from pagedkv import dtypes
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
@@ -32,13 +33,13 @@ __all__ = [
 ]
 
 #: canonical model dtype name -> bytes per element
-MODEL_DTYPE_NAMES: Dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
+MODEL_DTYPE_NAMES: dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 #: canonical quantized kv dtype name -> bytes per element
-KV_DTYPE_NAMES: Dict[str, float] = {d.name: d.element_bytes for d in dtypes.QUANTIZED}
+KV_DTYPE_NAMES: dict[str, float] = {d.name: d.element_bytes for d in dtypes.QUANTIZED}
 #: default recent window (tokens kept in model precision) per quantized kv dtype
-DEFAULT_KV_WINDOW: Dict[str, int] = {"int4": 128, "int3": 128}
+DEFAULT_KV_WINDOW: dict[str, int] = {"int4": 128, "int3": 128}
 #: Leading tokens of each sequence kept in model precision, by kv_dtype (see ``kv_sink_tokens``).
-DEFAULT_KV_SINK: Dict[str, int] = {"int4": 4, "int3": 4}
+DEFAULT_KV_SINK: dict[str, int] = {"int4": 4, "int3": 4}
 #: ``kv_key_quant`` values: keys quantized per token (as values), or per channel over each full block.
 KEY_QUANT_MODES = ("token", "block")
 #: int4 group size along head_dim when none is given (chosen by measurement; README)
@@ -68,7 +69,7 @@ INT64_MAX = 2**63 - 1
 _MAX_DIGITS = 24
 
 
-def parse_bytes(value: Union[int, str], name: str = "memory_budget") -> int:
+def parse_bytes(value: int | str, name: str = "memory_budget") -> int:
     """Parse a byte count: an int, or a string like ``"4GiB"``, ``"512MB"``, ``"1.5 G"``.
 
     ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` are powers of 1024; ``KB/MB/GB/TB``
@@ -139,7 +140,7 @@ def dtype_name(value: Any, name: str = "dtype") -> str:
     return row.name
 
 
-def kv_dtype_name(value: Any, dtype: str, name: str = "kv_dtype") -> Optional[str]:
+def kv_dtype_name(value: Any, dtype: str, name: str = "kv_dtype") -> str | None:
     """Canonical kv dtype: None when it equals the model dtype, else a quantized name."""
     if value is None:
         return None
@@ -246,10 +247,10 @@ class CacheConfig:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_attention_heads: Optional[int] = None
+    num_attention_heads: int | None = None
     block_size: int = 16
-    num_blocks: Optional[int] = None
-    memory_budget: Optional[Union[int, str]] = None
+    num_blocks: int | None = None
+    memory_budget: int | str | None = None
     dtype: Any = "float16"
     kv_dtype: Any = None
     device: Any = "cpu"
@@ -260,29 +261,29 @@ class CacheConfig:
     priority_classes: int = 3
     low_watermark: float = 0.05
     high_watermark: float = 0.15
-    hash_seed: Optional[int] = None
+    hash_seed: int | None = None
     host_num_blocks: int = 0
-    shuffle_free_blocks: Optional[int] = None
+    shuffle_free_blocks: int | None = None
     enable_kv_events: bool = False
-    kv_group_size: Optional[int] = None
-    kv_rotation: Optional[bool] = None
+    kv_group_size: int | None = None
+    kv_rotation: bool | None = None
     kv_rotation_seed: int = 0
-    kv_window: Optional[int] = None
+    kv_window: int | None = None
     kv_window_sequences: int = 16
-    kv_sink_tokens: Optional[int] = None
-    kv_key_quant: Optional[str] = None
-    kv_full_precision_layers: Tuple[int, ...] = ()
+    kv_sink_tokens: int | None = None
+    kv_key_quant: str | None = None
+    kv_full_precision_layers: tuple[int, ...] = ()
     tp_size: int = 1
     tp_rank: int = 0
     prefix_host_blocks: int = 0
-    prefix_disk_dir: Optional[str] = None
+    prefix_disk_dir: str | None = None
     prefix_disk_blocks: int = 0
     prefix_disk_tag: str = ""
     prefix_tier_write: str = "back"
     prefix_tier_eviction: str = "lru"
-    layer_windows: Optional[Tuple[int, ...]] = None
+    layer_windows: tuple[int, ...] | None = None
     attention_sinks: int = 0
-    _groups: Optional[GroupPlan] = field(default=None, init=False, repr=False, compare=False)
+    _groups: GroupPlan | None = field(default=None, init=False, repr=False, compare=False)
     _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -318,7 +319,7 @@ class CacheConfig:
         if self.num_blocks is not None:
             put("num_blocks", _check_int("num_blocks", self.num_blocks, 1))
             put("_resolved_blocks", self.num_blocks)
-        else:
+        elif self.memory_budget is not None:     # always, by the exactly-one check above
             budget = parse_bytes(self.memory_budget)
             put("memory_budget", budget)
             blocks = (budget - self.window_bytes) // self.bytes_per_block
@@ -349,7 +350,7 @@ class CacheConfig:
                                                 "kv_dtype=None for none)", list(self.kv_full_precision_layers)))
 
     @property
-    def layer_groups(self) -> Optional[GroupPlan]:
+    def layer_groups(self) -> GroupPlan | None:
         """The layer groups, or None when every layer is full attention."""
         return self._groups
 
@@ -487,7 +488,7 @@ class CacheConfig:
         layers = self.kv_full_precision_layers
         if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, set, frozenset)):
             raise ArgumentTypeError(expected("kv_full_precision_layers", "a tuple of layer indices", show(layers)))
-        norm = set()
+        norm: set[int] = set()
         for i in layers:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral):
                 raise ArgumentTypeError(expected("kv_full_precision_layers",
@@ -517,14 +518,14 @@ class CacheConfig:
     # -- derived sizes ------------------------------------------------------------
 
     @property
-    def quantized_layers(self) -> Tuple[int, ...]:
+    def quantized_layers(self) -> tuple[int, ...]:
         """Indices of the layers stored in ``kv_dtype`` (all but ``kv_full_precision_layers``)."""
         if not self.quantized:
             return ()
         return tuple(i for i in range(self.num_layers) if i not in self.kv_full_precision_layers)
 
     @property
-    def full_precision_slots(self) -> Tuple[int, ...]:
+    def full_precision_slots(self) -> tuple[int, ...]:
         """Arena layer slots stored in the model dtype: ``kv_full_precision_layers``, or
         with layer groups the slots those layers occupy. A slot holds one layer of each
         group, so with groups every layer sharing a full-precision layer's slot is stored
@@ -536,7 +537,7 @@ class CacheConfig:
         return tuple(sorted({self._groups.layer_slot[i] for i in self.kv_full_precision_layers}))
 
     @property
-    def quantized_slots(self) -> Tuple[int, ...]:
+    def quantized_slots(self) -> tuple[int, ...]:
         """Arena layer slots stored in ``kv_dtype`` (the quantized layers without groups)."""
         if not self.quantized:
             return ()
@@ -547,7 +548,7 @@ class CacheConfig:
     def quant_head_bytes(self) -> int:
         """Bytes of one quantized (token, head, K or V) row: codes plus scale/zero."""
         row, d = dtypes.info(self.kv_dtype), self.head_dim
-        params = d // self.kv_group_size if row.grouped else 1
+        params = self.param_groups if row.grouped else 1
         return row.stored_dim(d) * row.itemsize + row.param_bytes * params * (2 if row.zero_point else 1)
 
     @property
@@ -579,7 +580,7 @@ class CacheConfig:
         that many per group (a sequence has a block table per group)."""
         recent = 0
         if self.kv_window or self.block_keys:
-            recent = -(-self.kv_window // self.block_size) + 1
+            recent = -(-(self.kv_window or 0) // self.block_size) + 1
         return self.kv_window_sequences * self.table_groups * recent + self.pinned_blocks
 
     @property
@@ -621,7 +622,7 @@ class CacheConfig:
         return max(1, self.num_kv_heads // self.tp_size)
 
     @property
-    def kv_head_indices(self) -> Tuple[int, ...]:
+    def kv_head_indices(self) -> tuple[int, ...]:
         """The model's KV heads this rank stores, in order.
 
         With at least as many heads as ranks, rank ``r`` holds a contiguous slice;
@@ -685,7 +686,7 @@ class CacheConfig:
         return max(0, self.resolved_num_blocks * (plain * self.block_size - self.bytes_per_block))
 
     @property
-    def window_note(self) -> Optional[str]:
+    def window_note(self) -> str | None:
         """A warning when the window arena (``kv_window``, ``kv_sink_tokens``, block
         keys' staging) costs more than quantizing the blocks saves; None otherwise."""
         saved, window = self.quantization_saving_bytes, self.window_bytes
@@ -702,26 +703,33 @@ class CacheConfig:
         return self.resolved_num_blocks * self.block_size
 
     @property
-    def kv_cache_shape(self) -> Tuple[int, int, int, int, int]:
+    def kv_cache_shape(self) -> tuple[int, int, int, int, int]:
         """Per-layer data shape: NHD ``[NB, 2, bs, H, D]``, HND ``[NB, 2, H, bs, D]``."""
         return self.layer_shape(self.resolved_num_blocks)
 
     @property
-    def arena_shape(self) -> Tuple[int, ...]:
+    def arena_shape(self) -> tuple[int, ...]:
         """All-layer data arena shape: ``[arena_layers] + kv_cache_shape``."""
         return (self.arena_layers,) + self.kv_cache_shape
 
     @property
-    def scale_arena_shape(self) -> Optional[Tuple[int, ...]]:
+    def scale_arena_shape(self) -> tuple[int, ...] | None:
         """Scale (and int8/int4/int3 zero) arena shape: ``arena_shape`` without ``head_dim``
         (int4/int3: with ``head_dim / kv_group_size`` groups instead); None unquantized.
         Its dtype is :attr:`torch_scale_dtype`."""
         if not self.quantized:
             return None
-        groups = (self.head_dim // self.kv_group_size,) if dtypes.info(self.kv_dtype).grouped else ()
+        groups = (self.param_groups,) if dtypes.info(self.kv_dtype).grouped else ()
         return self.arena_shape[:-1] + groups
 
-    def layer_shape(self, num_blocks: int) -> Tuple[int, int, int, int, int]:
+    @property
+    def param_groups(self) -> int:
+        """Scale/zero groups along ``head_dim``: ``head_dim // kv_group_size`` for a grouped
+        format (int4/int3, whose group size ``__post_init__`` resolved), else 1."""
+        g = self.kv_group_size
+        return 1 if g is None else self.head_dim // g
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
         """Per-layer data shape for ``num_blocks`` blocks in this layout (host tier uses it too);
         int4 packs two codes per byte, so its last dim is ``head_dim / 2``; int3 packs eight
         codes in three bytes (``3 * head_dim / 8``)."""
@@ -755,7 +763,7 @@ class CacheConfig:
     # -- construction from a model config -----------------------------------------
 
     @classmethod
-    def from_hf_config(cls, config: Any, **overrides: Any) -> "CacheConfig":
+    def from_hf_config(cls, config: Any, **overrides: Any) -> CacheConfig:
         """Build a config from a Hugging Face model config.
 
         Args:
@@ -849,7 +857,7 @@ def _as_mapping(config: Any) -> Mapping[str, Any]:
     )
 
 
-def _layer_windows(windows: Any, num_layers: int) -> Tuple[Any, ...]:
+def _layer_windows(windows: Any, num_layers: int) -> tuple[Any, ...]:
     """``layer_windows`` as one entry per layer, in layer order: a list or tuple, or a
     mapping keyed by every layer index (``{0: 4, 1: 0}`` is ``(4, 0)``). Sets and other
     unordered or partial forms are refused: their order is not the layers' order."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import gcd as _gcd
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 __all__ = [
     "DTypeInfo",
@@ -56,7 +56,7 @@ class DTypeInfo:
     """
 
     name: str
-    aliases: Tuple[str, ...]
+    aliases: tuple[str, ...]
     torch_name: str
     kernel_name: str
     itemsize: int
@@ -113,7 +113,7 @@ class DTypeInfo:
         return self.torch_name.startswith("float8")
 
     @property
-    def spellings(self) -> Tuple[str, ...]:
+    def spellings(self) -> tuple[str, ...]:
         """Every accepted name: canonical, torch name, aliases (no duplicates)."""
         out = [self.name]
         for s in (self.torch_name,) + self.aliases:
@@ -122,13 +122,13 @@ class DTypeInfo:
         return tuple(out)
 
 
-MODEL: Tuple[DTypeInfo, ...] = (
+MODEL: tuple[DTypeInfo, ...] = (
     DTypeInfo("float32", ("fp32", "float"), "float32", "f32", 4, 3.4028234663852886e38, False),
     DTypeInfo("float16", ("fp16", "half"), "float16", "f16", 2, 65504.0, False),
     DTypeInfo("bfloat16", ("bf16",), "bfloat16", "bf16", 2, 3.3895313892515355e38, False),
 )
 
-QUANTIZED: Tuple[DTypeInfo, ...] = (
+QUANTIZED: tuple[DTypeInfo, ...] = (
     DTypeInfo("fp8_e4m3", ("fp8", "fp8_e4m3fn"), "float8_e4m3fn", "e4m3", 1, 448.0, True),
     DTypeInfo("fp8_e5m2", (), "float8_e5m2", "e5m2", 1, 57344.0, True),
     DTypeInfo("int8", (), "int8", "int8", 1, 127.0, True, zero_point=True),
@@ -141,9 +141,9 @@ QUANTIZED: Tuple[DTypeInfo, ...] = (
               group_multiple=8, param_torch_name="bfloat16"),
 )
 
-ALL: Tuple[DTypeInfo, ...] = MODEL + QUANTIZED
-BY_NAME: Dict[str, DTypeInfo] = {d.name: d for d in ALL}
-_BY_SPELLING: Dict[str, DTypeInfo] = {}
+ALL: tuple[DTypeInfo, ...] = MODEL + QUANTIZED
+BY_NAME: dict[str, DTypeInfo] = {d.name: d for d in ALL}
+_BY_SPELLING: dict[str, DTypeInfo] = {}
 for _row in ALL:
     for _s in _row.spellings:
         # torch.uint8 spells int4 (the first row stored as uint8); int3 is told apart by
@@ -152,7 +152,7 @@ for _row in ALL:
 del _row, _s
 
 
-def _spelling(value: Any) -> Optional[str]:
+def _spelling(value: Any) -> str | None:
     """Lower-case spelling of a name, or the torch name of a torch dtype."""
     if isinstance(value, str):
         return value.lower()
@@ -161,13 +161,13 @@ def _spelling(value: Any) -> Optional[str]:
     return None
 
 
-def lookup(value: Any) -> Optional[DTypeInfo]:
+def lookup(value: Any) -> DTypeInfo | None:
     """The row for a name, alias or torch dtype; None when pagedkv does not know it."""
     spelling = _spelling(value)
     return _BY_SPELLING.get(spelling) if spelling is not None else None
 
 
-def layer_row(data_dtype: Any, param_dtype: Any = None) -> Optional[DTypeInfo]:
+def layer_row(data_dtype: Any, param_dtype: Any = None) -> DTypeInfo | None:
     """The row of a stored arena from its data dtype and, for the packed formats that
     share one (uint8), its scale arena's dtype: bfloat16 params mean int3, anything else
     int4 (the caller then checks the params against the row's ``param_torch_name``)."""
@@ -184,15 +184,15 @@ def info(name: str) -> DTypeInfo:
     return BY_NAME[name]
 
 
-def model_names() -> Tuple[str, ...]:
+def model_names() -> tuple[str, ...]:
     return tuple(d.name for d in MODEL)
 
 
-def quantized_names() -> Tuple[str, ...]:
+def quantized_names() -> tuple[str, ...]:
     return tuple(d.name for d in QUANTIZED)
 
 
-def torch_names(rows: Tuple[DTypeInfo, ...]) -> str:
+def torch_names(rows: tuple[DTypeInfo, ...]) -> str:
     """``"float32, float16 or bfloat16"``: the rows' torch names, for error messages."""
     names = list(dict.fromkeys(d.torch_name for d in rows))
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]

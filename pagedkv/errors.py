@@ -8,6 +8,8 @@ and tests can match on it. Every error raised by pagedkv derives from
 """
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "PagedKVError",
     "OutOfBlocksError",
@@ -141,6 +143,9 @@ class KernelUnavailableError(PagedKVError, RuntimeError):
 
 class PrefillCancelledError(PagedKVError):
     """A chunked prefill was cancelled; its committed chunks stay cached."""
+
+    progress: Any   # the prefill's PrefillProgress when it stopped (set by the prefill)
+    seq_id: Any
 
 
 class PrefillMemoryError(PagedKVError, MemoryError):

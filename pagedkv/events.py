@@ -12,9 +12,9 @@ the tier that served the hit.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple, Union
-
+from typing import Any
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "EventsLost", "KVEvent", "events_from_records"]
 
@@ -26,21 +26,21 @@ class BlockStored:
     """Full blocks became reusable. ``parent_block_hash`` is None for a chain that starts
     at the root; ``namespace`` is ``(cache_salt, adapter_id)`` or None (default)."""
 
-    block_hashes: List[int]
-    parent_block_hash: Optional[int]
+    block_hashes: list[int]
+    parent_block_hash: int | None
     token_count: int
-    namespace: Optional[Tuple[Any, Any]]
-    block_ids: List[int]
+    namespace: tuple[Any, Any] | None
+    block_ids: list[int]
     medium: str = "device"
-    loaded_from: Optional[str] = None
+    loaded_from: str | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     """Blocks were evicted from ``medium``: their hashes no longer resolve there."""
 
-    block_hashes: List[int]
-    block_ids: List[int]
+    block_hashes: list[int]
+    block_ids: list[int]
     medium: str = "device"
 
 
@@ -59,14 +59,14 @@ class EventsLost:
     count: int
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, EventsLost]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | EventsLost
 
 
-def events_from_records(records, namespace_of: Callable[[int], Tuple[Any, Any]], block_size: int,
-                        root: int) -> List[KVEvent]:
+def events_from_records(records, namespace_of: Callable[[int], tuple[Any, Any]], block_size: int,
+                        root: int) -> list[KVEvent]:
     """Group the core's event records; ``namespace_of(ns_id)`` gives ``(cache_salt, adapter_id)``."""
     kind, hashes, parents, ns, blocks, lost = records
-    out: List[KVEvent] = []
+    out: list[KVEvent] = []
     last_ns = -1
     for i in range(len(kind)):
         k = int(kind[i])

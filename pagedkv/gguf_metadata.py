@@ -19,7 +19,7 @@ import mmap
 import os
 import stat
 import struct
-from typing import Any, Dict, Tuple
+from typing import Any
 
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 
@@ -108,7 +108,7 @@ def open_regular(path: str, argument: str = "config", what: str = "a readable GG
         raise
 
 
-def read_gguf_metadata(path: str) -> Dict[str, Any]:
+def read_gguf_metadata(path: str) -> dict[str, Any]:
     """The key/value metadata of a GGUF file (arrays longer than 64 elements: None)."""
     try:
         with open_regular(path) as f:
@@ -122,7 +122,7 @@ def read_gguf_metadata(path: str) -> Dict[str, Any]:
         raise InvalidArgumentError(expected("config", "a readable GGUF file", f"{path!r} ({e.strerror})")) from None
 
 
-def _parse(buf, path: str) -> Dict[str, Any]:
+def _parse(buf, path: str) -> dict[str, Any]:
     r = _Reader(buf, path)
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise r.fail("no GGUF magic")
@@ -137,14 +137,14 @@ def _parse(buf, path: str) -> Dict[str, Any]:
     count = r.take("Q")
     if count > (r.end - r.pos) // 13:   # a pair takes at least 8 + 1 + 4 bytes
         raise r.fail(f"{count} metadata pairs past the end of the file")
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for _ in range(count):
         key = r.string()
         out[key] = r.value(r.take("I"))
     return out
 
 
-def hf_fields_from_gguf(meta: Dict[str, Any], path: str) -> Dict[str, Any]:
+def hf_fields_from_gguf(meta: dict[str, Any], path: str) -> dict[str, Any]:
     """The Hugging Face config fields ``from_hf_config`` reads, from GGUF metadata."""
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
@@ -163,7 +163,7 @@ def hf_fields_from_gguf(meta: Dict[str, Any], path: str) -> Dict[str, Any]:
             raise ArgumentTypeError(expected(f"{arch}.{name}", "an integer", f"{_short(value)} in {path!r}"))
         return value
 
-    fields: Tuple[Tuple[str, str], ...] = (
+    fields: tuple[tuple[str, str], ...] = (
         ("num_hidden_layers", "block_count"),
         ("num_attention_heads", "attention.head_count"),
         ("num_key_value_heads", "attention.head_count_kv"),

@@ -9,8 +9,6 @@ absolute positions they are (what RoPE'd keys and an attention mask need).
 """
 from __future__ import annotations
 
-from typing import Tuple
-
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, ShapeError, expected
@@ -19,7 +17,7 @@ from pagedkv.layer_groups import GroupPlan
 __all__ = ["layer_slot", "layer_slots", "kept_lengths", "kept_positions"]
 
 
-def layer_slot(plan: GroupPlan, layer) -> Tuple[int, int]:
+def layer_slot(plan: GroupPlan, layer) -> tuple[int, int]:
     """``(group, arena layer slot)`` of a model layer."""
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < plan.num_layers:
         raise InvalidArgumentError(expected("layer", f"an int in [0, {plan.num_layers})", repr(layer)))
@@ -39,7 +37,7 @@ def layer_slots(plan: GroupPlan, layer, slot_mapping):
     return slot, slot_mapping
 
 
-def kept_lengths(tables, keys, internal: bool) -> Tuple[np.ndarray, np.ndarray]:
+def kept_lengths(tables, keys, internal: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per sequence: tokens a gather through ``tables`` returns, and tokens released."""
     lens = tables.seq_lens(keys, internal=internal)
     gone = tables.released_tokens(keys, internal=internal) if tables.window else np.zeros_like(lens)

@@ -20,7 +20,6 @@ held the least is reported as the limit.
 from __future__ import annotations
 
 import struct
-from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -50,7 +49,7 @@ class GroupNamespaces:
         self.registry = registry
 
     @staticmethod
-    def split(ns_id: int) -> Tuple[int, int]:
+    def split(ns_id: int) -> tuple[int, int]:
         return ns_id & ((1 << GROUP_NS_BITS) - 1), ns_id >> GROUP_NS_BITS
 
     def key_of(self, ns_id: int) -> bytes:
@@ -60,7 +59,7 @@ class GroupNamespaces:
     def name(self, ns_id: int):
         return self.registry.name(self.split(ns_id)[0])
 
-    def _parse(self, nkey: bytes) -> Tuple[bytes, int]:
+    def _parse(self, nkey: bytes) -> tuple[bytes, int]:
         base, sep, g = nkey.rpartition(b"\x00layer-group:")
         return (base, int(g)) if sep and g.isdigit() else (nkey, 0)
 
@@ -84,7 +83,7 @@ class GroupTables:
         self.pool = pool
         self.index = index
         self.block_size = block_size
-        self.tables: List[BlockTables] = []
+        self.tables: list[BlockTables] = []
         for g in plan.groups:
             t = BlockTables(pool, block_size, index, window=g.window, sinks=g.sinks)
             t.namer = namer
@@ -92,7 +91,7 @@ class GroupTables:
         self.limited_by = [0] * len(plan.groups)   # admissions whose hit each group limited
 
     # ---- namespaces ------------------------------------------------------------------
-    def namespace(self, group: int, ns_id: int, ns_hash: int) -> Tuple[int, int]:
+    def namespace(self, group: int, ns_id: int, ns_hash: int) -> tuple[int, int]:
         """The group's own prefix namespace for a cache namespace (group 0: the same)."""
         if group == 0:
             return ns_id, ns_hash
@@ -101,7 +100,7 @@ class GroupTables:
                                                 "namespaces with layer groups", f"namespace id {ns_id}"))
         return ns_id | (group << GROUP_NS_BITS), hash_bytes(struct.pack("<QQ", ns_hash, group))
 
-    def prefix_hits(self, tokens: np.ndarray, ns_id: int, ns_hash: int) -> List[int]:
+    def prefix_hits(self, tokens: np.ndarray, ns_id: int, ns_hash: int) -> list[int]:
         """Cached full blocks of ``tokens`` per group (pure query)."""
         if self.index is None:
             return [0] * len(self.tables)
@@ -135,8 +134,8 @@ class GroupTables:
         return need
 
     # ---- lifecycle -------------------------------------------------------------------
-    def add(self, key: int, tokens: Optional[np.ndarray] = None, ns_id: int = 0, ns_hash: int = 0,
-            priority: int = -1, max_hit_blocks: Optional[int] = None) -> int:
+    def add(self, key: int, tokens: np.ndarray | None = None, ns_id: int = 0, ns_hash: int = 0,
+            priority: int = -1, max_hit_blocks: int | None = None) -> int:
         cap = max_hit_blocks
         if self.index is not None and tokens is not None and len(tokens):
             hits = self.prefix_hits(tokens, ns_id, ns_hash)
@@ -161,7 +160,7 @@ class GroupTables:
             raise
         return got[0]
 
-    def add_restored(self, key: int, tokens: Optional[np.ndarray], ns_id: int, ns_hash: int,
+    def add_restored(self, key: int, tokens: np.ndarray | None, ns_id: int, ns_hash: int,
                      priority: int = -1) -> None:
         """Admit a sequence whose KV arrives from elsewhere (the host tier, another
         process), with no prefix lookup. Full-attention groups track its tokens as usual;
@@ -207,7 +206,7 @@ class GroupTables:
         return self._rows([t.advance(keys, token_ids, internal=internal) for t in self.tables])
 
     @staticmethod
-    def _rows(parts: List[np.ndarray]) -> np.ndarray:
+    def _rows(parts: list[np.ndarray]) -> np.ndarray:
         out = np.empty((len(parts), len(parts[0])), dtype=np.int64)   # np.stack costs microseconds
         for g, p in enumerate(parts):
             out[g] = p
@@ -314,24 +313,24 @@ class GroupTables:
             n += t.num_pending_copies
         return n
 
-    def group_for(self, group: Optional[int]) -> BlockTables:
+    def group_for(self, group: int | None) -> BlockTables:
         if group is None:
             return self.tables[0]
         if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or not 0 <= group < len(self.tables):
             raise InvalidArgumentError(expected("group", f"a layer group in [0, {len(self.tables)})", repr(group)))
         return self.tables[int(group)]
 
-    def set_priority(self, key: int, priority: int, start_token: int = 0, end_token: Optional[int] = None) -> None:
+    def set_priority(self, key: int, priority: int, start_token: int = 0, end_token: int | None = None) -> None:
         """Every group's blocks of the sequence (or of a token range) get the class; the
         rows and counts are the same in every group, so group 0's checks stand for all."""
         for t in self.tables:
             t.set_priority(key, priority, start_token, end_token)
 
-    def held_blocks(self, key: int) -> List[int]:
+    def held_blocks(self, key: int) -> list[int]:
         """Blocks each group holds for one sequence (released ones not counted)."""
         return [int((t.blocks(key) >= 0).sum()) for t in self.tables]
 
-    def group_figures(self) -> List[dict]:
+    def group_figures(self) -> list[dict]:
         """Per group: its window, the blocks its live sequences hold, the unused slots in
         their partial last blocks, copy-on-write copies and prefix-hit tokens (stats)."""
         out = []

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable, Dict, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from pagedkv.errors import InternalError
 
@@ -21,22 +22,22 @@ __all__ = ["kv_format", "fingerprint", "unclassified", "differences", "describe"
 FORMAT = 2
 
 
-def _value(name: str) -> Callable[[Any], Dict[str, Any]]:
+def _value(name: str) -> Callable[[Any], dict[str, Any]]:
     return lambda c: {name: getattr(c, name)}
 
 
-def _heads(c) -> Dict[str, Any]:
+def _heads(c) -> dict[str, Any]:
     # A rank's block holds these model heads; tp_size/tp_rank matter only through them
     # (rank 0 of 2 and rank 0 of 4 on a 2-head model both hold head 0: same bytes).
     return {"kv_head_indices": list(c.kv_head_indices)}
 
 
-def _rotation_seed(c) -> Dict[str, Any]:
+def _rotation_seed(c) -> dict[str, Any]:
     # The seed picks the rotation; without rotation it means nothing (no false refusal).
     return {"kv_rotation_seed": c.kv_rotation_seed if c.kv_rotation else None}
 
 
-def _groups(c) -> Dict[str, Any]:
+def _groups(c) -> dict[str, Any]:
     plan = c.layer_groups
     return {"layer_groups": None if plan is None else
             [[g.window, g.sinks, list(g.layers)] for g in plan.groups]}
@@ -44,7 +45,7 @@ def _groups(c) -> Dict[str, Any]:
 
 #: CacheConfig field -> its entries in the fingerprint (named after the setting, so a
 #: refusal names what to change). These change what a stored block's bytes mean.
-STORED: Dict[str, Callable[[Any], Dict[str, Any]]] = {
+STORED: dict[str, Callable[[Any], dict[str, Any]]] = {
     "num_layers": _value("num_layers"),               # layers a block holds
     "num_kv_heads": _value("num_kv_heads"),           # the model's KV heads
     "tp_size": _heads,                                # which heads this rank holds
@@ -66,7 +67,7 @@ STORED: Dict[str, Callable[[Any], Dict[str, Any]]] = {
 }
 
 #: CacheConfig field -> why it does not change what a stored block's bytes mean.
-NOT_STORED: Dict[str, str] = {
+NOT_STORED: dict[str, str] = {
     "num_attention_heads": "query heads; a block holds only the KV heads",
     "num_blocks": "capacity",
     "memory_budget": "capacity",
@@ -98,14 +99,14 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, sort_keys=True))
 
 
-def unclassified(cls) -> Tuple[List[str], List[str]]:
+def unclassified(cls) -> tuple[list[str], list[str]]:
     """``(fields of cls in neither table, names in the tables that are not fields of cls)``."""
     names = [f.name for f in dataclasses.fields(cls)]
     known = set(STORED) | set(NOT_STORED)
     return [n for n in names if n not in known], sorted(known - set(names))
 
 
-def fingerprint(config) -> Dict[str, Any]:
+def fingerprint(config) -> dict[str, Any]:
     """The fingerprint of everything in ``config`` that changes what a stored block means
     (see :data:`STORED`), JSON-normalized. Raises :class:`~pagedkv.errors.InternalError`
     when a field of ``config`` is not classified (or a classified name is gone)."""
@@ -115,13 +116,13 @@ def fingerprint(config) -> Dict[str, Any]:
                             "(STORED or NOT_STORED)")
     if gone:
         raise InternalError(f"classified in pagedkv.kvformat but not CacheConfig fields: {gone}")
-    out: Dict[str, Any] = {"format": FORMAT}
+    out: dict[str, Any] = {"format": FORMAT}
     for derive in STORED.values():
         out.update(derive(config))
     return _jsonable(out)
 
 
-def kv_format(store, tag: Any = None) -> Dict[str, Any]:
+def kv_format(store, tag: Any = None) -> dict[str, Any]:
     """A JSON-able description of ``store``'s blocks: :func:`fingerprint` of its config,
     plus every arena's element type and per-block shape (so quantization scales and any
     arena a future store adds are covered). ``tag`` (default: the config's
@@ -139,7 +140,7 @@ def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def differences(mine: Dict[str, Any], theirs: Any) -> List[Tuple[str, Any, Any]]:
+def differences(mine: dict[str, Any], theirs: Any) -> list[tuple[str, Any, Any]]:
     """``(setting, theirs, mine)`` for every setting that differs, sorted by name; a
     ``theirs`` that is not a dict (a corrupt header) differs as a whole (``kv_format``)."""
     if not isinstance(theirs, dict):
@@ -154,6 +155,6 @@ def shown(value: Any, limit: int = 200) -> str:
     return r if len(r) <= limit else r[:limit] + "..."
 
 
-def describe(diffs: List[Tuple[str, Any, Any]], there: str = "there", here: str = "here") -> str:
+def describe(diffs: list[tuple[str, Any, Any]], there: str = "there", here: str = "here") -> str:
     """``"kv_rotation=True there, False here; ..."``."""
     return "; ".join(f"{k}={shown(t)} {there}, {shown(m)} {here}" for k, t, m in diffs)

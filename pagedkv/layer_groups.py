@@ -21,8 +21,9 @@ takes exactly the path it always took.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, expected
 
@@ -32,7 +33,7 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 # Hugging Face models whose configs alternate layer kinds without a layer_types list:
 # one full-attention layer every `pattern` layers (the others slide).
-_IMPLICIT_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+_IMPLICIT_PATTERN: dict[Any, int] = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class LayerGroup:
     index: int
     window: int                 # tokens; 0 = full attention
     sinks: int                  # leading tokens a sliding group never releases; 0 for full attention
-    layers: Tuple[int, ...]
+    layers: tuple[int, ...]
 
     @property
     def is_sliding(self) -> bool:
@@ -59,9 +60,9 @@ class LayerGroup:
 class GroupPlan:
     """The layer groups of a model with at least one sliding layer."""
 
-    groups: Tuple[LayerGroup, ...]
-    layer_group: Tuple[int, ...]     # layer -> its group's index
-    layer_slot: Tuple[int, ...]      # layer -> its layer slot in the group's blocks
+    groups: tuple[LayerGroup, ...]
+    layer_group: tuple[int, ...]     # layer -> its group's index
+    layer_slot: tuple[int, ...]      # layer -> its layer slot in the group's blocks
 
     @property
     def slots_per_block(self) -> int:
@@ -75,7 +76,7 @@ class GroupPlan:
     def group_of(self, layer: int) -> LayerGroup:
         return self.groups[self.layer_group[layer]]
 
-    def blocks_held(self, tokens: int, block_size: int) -> Tuple[int, ...]:
+    def blocks_held(self, tokens: int, block_size: int) -> tuple[int, ...]:
         """Blocks each group holds at most for a sequence of ``tokens`` tokens: all of
         them in a full group; in a sliding group the sink blocks, the window's blocks
         and one partial block at each end."""
@@ -96,7 +97,7 @@ def _window(value: Any, name: str) -> int:
     return value
 
 
-def layer_windows_from_hf(src: Mapping[str, Any], num_layers: int) -> Optional[Tuple[int, ...]]:
+def layer_windows_from_hf(src: Mapping[str, Any], num_layers: int) -> tuple[int, ...] | None:
     """Each layer's window (0 = full attention) from a Hugging Face config mapping, or
     None when every layer attends to everything.
 
@@ -145,7 +146,7 @@ def layer_windows_from_hf(src: Mapping[str, Any], num_layers: int) -> Optional[T
     return tuple(w if (i + 1) % pattern else 0 for i in range(num_layers))
 
 
-def plan_groups(layer_windows: Sequence[int], sinks: int = 0) -> Optional[GroupPlan]:
+def plan_groups(layer_windows: Sequence[int], sinks: int = 0) -> GroupPlan | None:
     """Group layers by kind; None when every layer is full attention.
 
     ``sinks`` applies to every sliding layer and must be below each window.
@@ -169,7 +170,7 @@ def plan_groups(layer_windows: Sequence[int], sinks: int = 0) -> Optional[GroupP
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
     size = min(len(layers) for layers in kinds.values())
-    groups = []
+    groups: list[LayerGroup] = []
     layer_group = [0] * len(windows)
     layer_slot = [0] * len(windows)
     # Full attention first: group 0 is then the one whose tables keep every block.

@@ -14,8 +14,8 @@ a CUDA device's free bytes (``torch.cuda.mem_get_info``).
 from __future__ import annotations
 
 import os
-import sys
-from typing import Any, Iterable, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from pagedkv.errors import DeviceError, OutOfMemoryError, expected
 
@@ -24,7 +24,7 @@ __all__ = ["INT64_MAX", "arena_bytes", "available_bytes", "check_device", "check
 INT64_MAX = 2**63 - 1
 
 #: (option to blame, its value, bytes needed)
-Need = Tuple[str, Any, int]
+Need = tuple[str, Any, int]
 
 
 def arena_bytes(option: str, value: Any, shape: Iterable[int], itemsize: int) -> int:
@@ -38,7 +38,7 @@ def arena_bytes(option: str, value: Any, shape: Iterable[int], itemsize: int) ->
     return n
 
 
-def _host_available() -> Optional[int]:
+def _host_available() -> int | None:
     try:
         with open("/proc/meminfo", "rb") as f:
             for line in f:
@@ -52,15 +52,13 @@ def _host_available() -> Optional[int]:
         return None
 
 
-def check_device(device: Any) -> Optional[int]:
+def check_device(device: Any) -> int | None:
     """A CUDA ``device`` torch cannot use is a DeviceError (torch itself would fail with
     an AssertionError on a CPU-only build); returns its index, None for the host."""
     text = str(device)
     if text == "cpu":
         return None
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch
+    import torch
     dev = torch.device(text)
     if dev.type != "cuda":
         return None
@@ -74,7 +72,7 @@ def check_device(device: Any) -> Optional[int]:
     return index
 
 
-def available_bytes(device: Any) -> Optional[int]:
+def available_bytes(device: Any) -> int | None:
     """Free bytes on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device),
     None where it cannot be told. A CUDA device torch cannot use is a DeviceError."""
     if str(device) == "cpu":

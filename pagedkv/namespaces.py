@@ -21,7 +21,8 @@ computed from (:func:`namespace_key`).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, Optional, Tuple
+from collections.abc import Hashable
+from typing import Any
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
@@ -30,7 +31,7 @@ from pagedkv.seq_ids import strict_key
 __all__ = ["NamespaceRegistry", "DEFAULT", "namespace_key", "namespace_hash"]
 
 #: the default namespace (no salt, no adapter): id 0, hash 0
-DEFAULT: Tuple[int, int] = (0, 0)
+DEFAULT: tuple[int, int] = (0, 0)
 
 _NS_MAX = 2**31 - 1   # ns ids are int32 in the core
 
@@ -41,24 +42,24 @@ class NamespaceRegistry:
     __slots__ = ("_ids", "_names", "_hashes", "_keys", "_by_key")
 
     def __init__(self) -> None:
-        self._ids: Dict[Hashable, int] = {(None, None): 0}       # strict key -> ns id
-        self._names: Dict[int, Tuple[Any, Any]] = {0: (None, None)}
-        self._hashes: Dict[int, int] = {0: 0}
+        self._ids: dict[Hashable, int] = {(None, None): 0}       # strict key -> ns id
+        self._names: dict[int, tuple[Any, Any]] = {0: (None, None)}
+        self._hashes: dict[int, int] = {0: 0}
         default = namespace_key(None, None)
-        self._keys: Dict[int, bytes] = {0: default}               # ns id -> namespace key
-        self._by_key: Dict[bytes, int] = {default: 0}
+        self._keys: dict[int, bytes] = {0: default}               # ns id -> namespace key
+        self._by_key: dict[bytes, int] = {default: 0}
 
     def __len__(self) -> int:
         return len(self._names)
 
-    def find(self, cache_salt: Optional[str], adapter_id: Any) -> Optional[Tuple[int, int]]:
+    def find(self, cache_salt: str | None, adapter_id: Any) -> tuple[int, int] | None:
         """``(ns_id, ns_hash)`` of a registered namespace, or None (nothing cached in it)."""
         if cache_salt is None and adapter_id is None:
             return DEFAULT
         ns_id = self._ids.get(_key(cache_salt, adapter_id))
         return None if ns_id is None else (ns_id, self._hashes[ns_id])
 
-    def register(self, cache_salt: Optional[str], adapter_id: Any) -> Tuple[int, int]:
+    def register(self, cache_salt: str | None, adapter_id: Any) -> tuple[int, int]:
         """``(ns_id, ns_hash)``, registering the namespace on first use."""
         if cache_salt is None and adapter_id is None:
             return DEFAULT
@@ -87,7 +88,7 @@ class NamespaceRegistry:
             del self._ids[_key(*name)]
             del self._by_key[self._keys.pop(ns_id)]
 
-    def name(self, ns_id: int) -> Tuple[Any, Any]:
+    def name(self, ns_id: int) -> tuple[Any, Any]:
         """``(cache_salt, adapter_id)`` of a namespace id."""
         return self._names[ns_id]
 
@@ -114,7 +115,7 @@ class NamespaceRegistry:
         return None if name == (None, None) else name
 
 
-def _key(cache_salt: Optional[str], adapter_id: Any) -> Hashable:
+def _key(cache_salt: str | None, adapter_id: Any) -> Hashable:
     if cache_salt is not None and type(cache_salt) is not str:
         raise InvalidArgumentError(expected("cache_salt", "a str or None", type(cache_salt).__name__))
     try:
@@ -124,14 +125,14 @@ def _key(cache_salt: Optional[str], adapter_id: Any) -> Hashable:
                                          type(adapter_id).__name__)) from None
 
 
-def namespace_hash(cache_salt: Optional[str], adapter_id: Any) -> int:
+def namespace_hash(cache_salt: str | None, adapter_id: Any) -> int:
     """The namespace's hash seed: the hash of :func:`namespace_key` (0 for the default)."""
     if cache_salt is None and adapter_id is None:
         return 0
     return hash_bytes(namespace_key(cache_salt, adapter_id))
 
 
-def namespace_key(cache_salt: Optional[str], adapter_id: Any) -> bytes:
+def namespace_key(cache_salt: str | None, adapter_id: Any) -> bytes:
     """The process-independent key of a namespace. Domain separation: each field is
     tagged and length-prefixed, with its type, so a salt "X" and an adapter "X" (or
     "a" + "bc" vs "ab" + "c", or adapter 1 vs True) never collide by construction."""

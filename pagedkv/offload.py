@@ -7,8 +7,8 @@ full blocks for prefix reuse. Both are all or nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -24,7 +24,7 @@ _MAX_BLOCKS = 2**31 - 1   # block ids are int32 in the core
 @dataclass
 class _Swapped:
     host_blocks: np.ndarray   # int32 host block ids, every group's, in the order parts lists them
-    parts: List[np.ndarray]   # per layer group: the table positions whose blocks were saved
+    parts: list[np.ndarray]   # per layer group: the table positions whose blocks were saved
     tokens: np.ndarray        # known token ids
     num_computed: int
     ns_id: int
@@ -56,7 +56,7 @@ class HostTier:
     """
 
     def __init__(self, tables, store, num_blocks: int, namespace_hash: Callable[[int], int],
-                 sync: Optional[Callable[[], None]] = None):
+                 sync: Callable[[], None] | None = None):
         self.tables = tables
         self.groups = list(getattr(tables, "tables", [tables]))   # one BlockTables per layer group
         self.store = store
@@ -68,7 +68,7 @@ class HostTier:
             raise InvalidArgumentError(expected("host_num_blocks", f"an int in [0, {_MAX_BLOCKS}]", num_blocks))
         self.pool = BlockPool(num_blocks)
         self._namespace_hash = namespace_hash
-        self.swapped: Dict[int, _Swapped] = {}
+        self.swapped: dict[int, _Swapped] = {}
         # A cache with prefix tiers passes theirs: it moves the prefix blocks an
         # allocation evicted down to the tiers before anything overwrites their KV.
         self.sync = sync

@@ -11,7 +11,8 @@ Shapes: see :mod:`pagedkv.ops.reference`.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -58,7 +59,7 @@ __all__ = [
 
 LAYOUTS = ("NHD", "HND")
 
-Arenas = Union[torch.Tensor, Sequence[torch.Tensor]]
+Arenas = torch.Tensor | Sequence[torch.Tensor]
 
 
 class LayerGeometry(NamedTuple):
@@ -71,7 +72,7 @@ class LayerGeometry(NamedTuple):
     quantized: bool
     #: the storage format's name (``"int4"``, ``"int3"``...; None unquantized): int4 and
     #: int3 share the uint8 data dtype and differ in their params' dtype
-    kv_dtype: Optional[str] = None
+    kv_dtype: str | None = None
 
 
 # ----------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise DeviceError(expected(name, f"device {device}", t.device))
 
 
-def _index_vector(name: str, t: object, dtypes: Tuple[torch.dtype, ...], device) -> torch.Tensor:
+def _index_vector(name: str, t: object, dtypes: tuple[torch.dtype, ...], device) -> torch.Tensor:
     t = check_tensor(name, t)
     if t.dtype not in dtypes:
         want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
@@ -106,7 +107,7 @@ def check_layout(layout: object, name: str = "layout") -> str:
     """Return ``layout`` if it is ``"NHD"`` or ``"HND"``."""
     if layout not in LAYOUTS:
         raise InvalidArgumentError(expected(name, "'NHD' or 'HND'", repr(layout)))
-    return layout  # type: ignore[return-value]
+    return layout
 
 
 def check_layer(
@@ -123,7 +124,8 @@ def check_layer(
         want = "[num_blocks, 2, block_size, H, D]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D]"
         raise ShapeError(expected(name, f"a {layout} layer view {want}", tuple(kv_layer.shape)))
     quantized = is_quantized(kv_layer.dtype)
-    if not quantized and kv_layer.dtype not in MODEL_DTYPES:
+    row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
+    if row is None or (not quantized and kv_layer.dtype not in MODEL_DTYPES):
         raise DTypeError(
             expected(name, f"dtype {dtypes.torch_names(dtypes.ALL)}", kv_layer.dtype)
         )
@@ -132,7 +134,6 @@ def check_layer(
         bs, h = kv_layer.shape[2], kv_layer.shape[3]
     else:
         h, bs = kv_layer.shape[2], kv_layer.shape[3]
-    row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
     if kv_layer.shape[4] % row.stored_dim(row.pack):
         raise ShapeError(expected(name, f"a last dim that is a multiple of {row.stored_dim(row.pack)} for "
                                   f"{row.name} ({row.pack} codes per {row.stored_dim(row.pack)} bytes)",
@@ -208,7 +209,7 @@ def check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero
     return geo
 
 
-def check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero) -> Tuple[LayerGeometry, torch.dtype]:
+def check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero) -> tuple[LayerGeometry, torch.dtype]:
     """Structural checks of a gather's arena side; returns the resolved out dtype."""
     geo = check_layer(kv_layer, layout, kv_scale, kv_zero)
     if geo.quantized:
@@ -289,9 +290,10 @@ def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout) -
     device = kv_layer.device
     _index_vector("blocks", blocks, (torch.int64,), device)
     keys = check_tensor("keys", keys)
-    want = (blocks.shape[0], bs, h, geo.head_dim)
-    if tuple(keys.shape) != want:
-        raise ShapeError(expected("keys", f"shape {want} [len(blocks), block_size, H, head_dim]", tuple(keys.shape)))
+    keys_shape = (blocks.shape[0], bs, h, geo.head_dim)
+    if tuple(keys.shape) != keys_shape:
+        raise ShapeError(expected("keys", f"shape {keys_shape} [len(blocks), block_size, H, head_dim]",
+                                  tuple(keys.shape)))
     if keys.dtype not in MODEL_DTYPES:
         raise DTypeError(expected("keys", f"dtype {dtypes.torch_names(dtypes.MODEL)}", keys.dtype))
     _same_device("keys", keys, device)
@@ -365,7 +367,7 @@ def contiguous_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + _nbytes(b) and b0 < a0 + _nbytes(a)
 
 
-def check_arenas(name: str, arenas: object) -> List[torch.Tensor]:
+def check_arenas(name: str, arenas: object) -> list[torch.Tensor]:
     """Normalize a tensor or a sequence of tensors to a non-empty list of all-layer arenas
     ``[num_layers, num_blocks, ...]`` that agree on ``num_blocks`` and device. Their
     layer counts may differ (a store keeps its model-precision layers in an arena of their
@@ -374,7 +376,7 @@ def check_arenas(name: str, arenas: object) -> List[torch.Tensor]:
         arenas = [arenas]
     if not isinstance(arenas, (list, tuple)) or len(arenas) == 0:
         raise InvalidArgumentError(expected(name, "a tensor or a non-empty list of tensors", type(arenas).__name__))
-    out = []
+    out: list[torch.Tensor] = []
     for i, a in enumerate(arenas):
         a = check_tensor(f"{name}[{i}]", a)
         if a.dim() < 2:
@@ -456,12 +458,12 @@ def check_block_ids(name: str, ids: Sequence[int], num_blocks: int, where=lambda
             raise block_id_error(name, b, num_blocks, where(i))
 
 
-def _pair_lists(pairs: torch.Tensor) -> Tuple[List[int], List[int]]:
+def _pair_lists(pairs: torch.Tensor) -> tuple[list[int], list[int]]:
     rows = pairs.tolist()
     return [r[0] for r in rows], [r[1] for r in rows]
 
 
-def _check_distinct_dst(dst: List[int]) -> None:
+def _check_distinct_dst(dst: list[int]) -> None:
     seen = set()
     for i, d in enumerate(dst):
         if d in seen:
@@ -469,14 +471,14 @@ def _check_distinct_dst(dst: List[int]) -> None:
         seen.add(d)
 
 
-def _check_dst_not_src(src: List[int], dst: List[int]) -> None:
+def _check_dst_not_src(src: list[int], dst: list[int]) -> None:
     srcs = set(src)
     for i, d in enumerate(dst):
         if d in srcs:
             raise InvalidBlockError(expected("pairs", "dst ids that are not also src ids", f"{d} (row {i})"))
 
 
-def validate_copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> Tuple[List[torch.Tensor], List[int], List[int]]:
+def validate_copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """All checks of :func:`copy_blocks`; returns (arenas as a list, src ids, dst ids)."""
     arenas = check_arenas("arenas", arenas)
     pairs = check_pairs(pairs, arenas[0].device)
@@ -491,7 +493,7 @@ def validate_copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> Tuple[List[torc
 
 def validate_swap_blocks(
     src_arenas: Arenas, dst_arenas: Arenas, pairs: torch.Tensor
-) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[int], List[int]]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]]:
     """All checks of :func:`swap_blocks`; returns (src list, dst list, src ids, dst ids)."""
     srcs = check_arenas("src_arenas", src_arenas)
     dsts = check_arenas("dst_arenas", dst_arenas)

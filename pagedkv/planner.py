@@ -15,7 +15,7 @@ of L tokens costs ``context_bytes_per_token * L`` (full groups) plus at most
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 from pagedkv.config import CacheConfig, format_bytes, show
 from pagedkv.errors import InvalidArgumentError, expected
@@ -30,7 +30,7 @@ class PlanResult:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_attention_heads: Optional[int]
+    num_attention_heads: int | None
     block_size: int
     dtype: str
     kv_dtype: str  # stored element type: the model dtype or a quantized name
@@ -41,17 +41,17 @@ class PlanResult:
     num_blocks: int  # whole blocks that fit the budget
     num_tokens: int  # num_blocks * block_size
     arena_bytes: int  # num_blocks * bytes_per_block (<= budget_bytes)
-    max_seq_len: Optional[int]
-    blocks_per_sequence: Optional[int]  # ceil(max_seq_len / block_size)
-    bytes_per_sequence: Optional[int]  # blocks_per_sequence * bytes_per_block
-    exact_bytes_per_sequence: Optional[int]  # max_seq_len * bytes_per_token (no rounding)
-    num_sequences: Optional[int]  # full-length sequences that fit at once
+    max_seq_len: int | None
+    blocks_per_sequence: int | None  # ceil(max_seq_len / block_size)
+    bytes_per_sequence: int | None  # blocks_per_sequence * bytes_per_block
+    exact_bytes_per_sequence: int | None  # max_seq_len * bytes_per_token (no rounding)
+    num_sequences: int | None  # full-length sequences that fit at once
     layer_groups: tuple = ()  # per group: "full x N layers" / "sliding(window=W) x N layers"
     context_bytes_per_token: int = 0  # bytes a sequence adds per token of context (full-attention groups)
     constant_bytes_per_sequence: int = 0  # most bytes a sequence's sliding groups hold, at any length
     window_bytes: int = 0  # the window arena (model-precision rows of kv_window / sinks), in arena_bytes
     quantization_saving_bytes: int = 0  # what the quantized blocks save against the model dtype
-    note: Optional[str] = None  # set when the window arena costs more than quantization saves
+    note: str | None = None  # set when the window arena costs more than quantization saves
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_groups", tuple(self.layer_groups))   # to_dict() gives a list
@@ -89,13 +89,13 @@ class PlanResult:
         if self.max_seq_len is not None:
             lines += [
                 f"one sequence    {self.max_seq_len:,} tokens = {self.blocks_per_sequence:,} blocks = "
-                f"{self.bytes_per_sequence:,} B ({format_bytes(self.bytes_per_sequence)})",
+                f"{self.bytes_per_sequence:,} B ({format_bytes(self.bytes_per_sequence)})",  # type: ignore[arg-type]
                 f"sequences       {self.num_sequences:,} full-length sequence(s) fit",
             ]
         return "\n".join(lines)
 
 
-def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanResult:
+def plan_config(config: CacheConfig, max_seq_len: int | None = None) -> PlanResult:
     """Plan for an existing config; its budget is ``memory_budget`` or ``num_blocks`` worth."""
     if max_seq_len is not None and (
         isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len < 2**63
@@ -107,6 +107,7 @@ def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanR
     per_seq = blocks = exact = fits = None
     groups = config.layer_groups
     bpb = config.bytes_per_block
+    described: tuple[str, ...]
     if groups is None:
         described, per_token, constant = (), config.bytes_per_token, 0
     else:
@@ -158,8 +159,8 @@ def plan_config(config: CacheConfig, max_seq_len: Optional[int] = None) -> PlanR
 
 def plan(
     model_config: Any,
-    budget: Union[int, str],
-    max_seq_len: Optional[int] = None,
+    budget: int | str,
+    max_seq_len: int | None = None,
     *,
     block_size: int = 16,
     dtype: Any = "float16",

@@ -37,8 +37,9 @@ reuses them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -143,8 +144,8 @@ class PrefillResult:
     cached_tokens: int
     resumed_from: int
     tokens_computed: int
-    chunk_sizes: Tuple[int, ...]
-    blocks_after_chunk: Tuple[int, ...]
+    chunk_sizes: tuple[int, ...]
+    blocks_after_chunk: tuple[int, ...]
     kv_blocks: int
     kv_bytes: int
     elapsed_s: float
@@ -182,9 +183,9 @@ class ChunkedPrefill:
     """
 
     def __init__(self, cache: PagedKVCache, seq_id: Hashable, prompt_token_ids: Iterable[int],
-                 forward: Callable[[PrefillChunk], Any], *, policy: Optional[ChunkPolicy] = None,
-                 on_progress: Optional[Callable[[PrefillProgress], Any]] = None, cancel: Any = None,
-                 cache_salt: Optional[str] = None, adapter_id: Any = None, priority: Optional[int] = None,
+                 forward: Callable[[PrefillChunk], Any], *, policy: ChunkPolicy | None = None,
+                 on_progress: Callable[[PrefillProgress], Any] | None = None, cancel: Any = None,
+                 cache_salt: str | None = None, adapter_id: Any = None, priority: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         if not isinstance(cache, PagedKVCache):
             raise InvalidArgumentError(expected("cache", "a PagedKVCache", type(cache).__name__))
@@ -279,7 +280,7 @@ class ChunkedPrefill:
             err.seq_id = self.seq_id
             raise err
 
-    def step(self) -> Optional[PrefillProgress]:
+    def step(self) -> PrefillProgress | None:
         """Compute and commit the next chunk; None when the prompt is already done.
 
         Raises :class:`~pagedkv.errors.PrefillCancelledError` (before any work) when

@@ -85,8 +85,6 @@ int3's scale and zero are bfloat16).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import torch
 
 from pagedkv import dtypes
@@ -131,7 +129,7 @@ DEFAULT_INT4_GROUP = 64
 #: int3 group size used when none is given and it divides head_dim (README, "Low-bit KV").
 DEFAULT_INT3_GROUP = 32
 
-KVDType = Union[str, torch.dtype]
+KVDType = str | torch.dtype
 
 
 def storage_dtype(kv_dtype: KVDType) -> torch.dtype:
@@ -158,8 +156,8 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def quantize(
-    x: torch.Tensor, kv_dtype: KVDType, *, group_size: Optional[int] = None
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    x: torch.Tensor, kv_dtype: KVDType, *, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize ``x`` over its last dimension.
 
     Args:
@@ -188,7 +186,7 @@ def quantize(
         raise ShapeError(expected("x", "a non-empty last dimension", tuple(x.shape)))
     qdtype = storage_dtype(kv_dtype)
     xf = x.to(torch.float32)  # exact widening: every model dtype fits in float32
-    if isinstance(kv_dtype, str) and dtypes.lookup(kv_dtype).name == "int3":
+    if isinstance(kv_dtype, str) and dtypes.lookup(kv_dtype).name == "int3":  # type: ignore[union-attr]  # known: storage_dtype
         return _quantize_int3(xf, int3_group(x.shape[-1], group_size))
     if qdtype == torch.uint8:
         return _quantize_int4(xf, int4_group(x.shape[-1], group_size))
@@ -222,7 +220,7 @@ def _quantize_int8(xf: torch.Tensor):
     return v.to(torch.int8), s, mn
 
 
-def int4_group(head_dim: int, group_size: Optional[int]) -> int:
+def int4_group(head_dim: int, group_size: int | None) -> int:
     """The validated int4 group size for ``head_dim`` (even; ``group_size`` divides it)."""
     if head_dim % 2:
         raise ShapeError(expected("x", "an even last dimension for int4 (two codes per byte)", head_dim))
@@ -257,7 +255,7 @@ def _dequantize_int4(q, scale, zero, out_dtype):
     return y.reshape(lead + (d,)).to(out_dtype)
 
 
-def int3_group(head_dim: int, group_size: Optional[int]) -> int:
+def int3_group(head_dim: int, group_size: int | None) -> int:
     """The validated int3 group size for ``head_dim`` (a multiple of 8; ``group_size`` a
     multiple of 8 that divides it; default :data:`DEFAULT_INT3_GROUP` or the largest
     multiple of 8 below it that divides ``head_dim``)."""
@@ -314,7 +312,7 @@ def _quantize_int3(xf: torch.Tensor, g: int):
     return packed.reshape(lead + (3 * d // 8,)), s.to(torch.bfloat16), z.to(torch.bfloat16)
 
 
-def quantize_key_block(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_key_block(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel int4 codes of whole blocks of keys (see "block keys" above).
 
     Args:
@@ -370,7 +368,7 @@ def _dequantize_int3(q, scale, zero, out_dtype):
 def dequantize(
     q: torch.Tensor,
     scale: torch.Tensor,
-    zero: Optional[torch.Tensor],
+    zero: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Invert :func:`quantize` (up to the quantization error).
@@ -431,7 +429,7 @@ def _check_groups(scale: object, q: torch.Tensor, int3: bool = False) -> None:
         raise ShapeError(expected("scale", want, tuple(scale.shape)))
 
 
-def _check_param(name: str, t: object, q: torch.Tensor, shape: Optional[tuple] = None,
+def _check_param(name: str, t: object, q: torch.Tensor, shape: tuple | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
     if not isinstance(t, torch.Tensor):
         raise DTypeError(expected(name, "a torch.Tensor", type(t).__name__))

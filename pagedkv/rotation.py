@@ -24,8 +24,6 @@ float32 ``1 / sqrt(n)`` once. Each step rounds once; nothing is fused.
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expected
@@ -33,7 +31,7 @@ from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expecte
 __all__ = ["hadamard_blocks", "rotation_signs", "rotate", "unrotate"]
 
 
-def hadamard_blocks(head_dim: int) -> List[int]:
+def hadamard_blocks(head_dim: int) -> list[int]:
     """Sizes of the power-of-two Hadamard blocks covering ``head_dim``, largest first."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise InvalidArgumentError(expected("head_dim", "an int >= 1", repr(head_dim)))

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Dict, Hashable, List, Tuple, Union
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ BATCH_TYPES = (list, range, np.ndarray)
 _ONE_ID = "a hashable sequence id (one id: lists, ranges and arrays are batches)"
 
 
-def strict_key(value: Hashable) -> Hashable:
+def strict_key(value: Any) -> Hashable:
     """A dict key equal only for values of the same type and value, recursively
     through tuples and frozensets (so ``1``, ``True`` and ``1.0`` differ, and so do
     ``("a", 1)`` and ``("a", True)``). Floats compare by bit pattern (``-0.0`` differs
@@ -63,8 +64,8 @@ class SequenceIds:
     __slots__ = ("_keys", "_names", "_next")
 
     def __init__(self) -> None:
-        self._keys: Dict[Hashable, int] = {}   # strict_key(id) -> negative key
-        self._names: Dict[int, Any] = {}       # negative key -> the caller's id
+        self._keys: dict[Hashable, int] = {}   # strict_key(id) -> negative key
+        self._names: dict[int, Any] = {}       # negative key -> the caller's id
         self._next = -1
 
     def __len__(self) -> int:
@@ -77,10 +78,10 @@ class SequenceIds:
         if type(seq_id) is int and 0 <= seq_id <= _INT64_MAX:
             return seq_id
         if isinstance(seq_id, (int, np.integer)) and not isinstance(seq_id, bool):
-            k = int(seq_id)
-            if 0 <= k <= _INT64_MAX:
-                return k
-            raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", k))
+            n = int(seq_id)
+            if 0 <= n <= _INT64_MAX:
+                return n
+            raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", n))
         try:
             k = self._keys.get(seq_id if type(seq_id) is str else strict_key(seq_id))
         except TypeError:
@@ -89,7 +90,7 @@ class SequenceIds:
             raise SequenceNotFoundError(seq_id, argument)
         return k
 
-    def intern(self, seq_id: Any, argument: str = "seq_id") -> Tuple[int, bool]:
+    def intern(self, seq_id: Any, argument: str = "seq_id") -> tuple[int, bool]:
         """``(key, fresh)`` for an id being admitted; ``fresh`` when interned just now
         (call :meth:`forget` if the admission then fails). Refuses ambiguous ids."""
         if type(seq_id) is int and 0 <= seq_id <= _INT64_MAX:
@@ -97,10 +98,10 @@ class SequenceIds:
         if isinstance(seq_id, (bool, np.bool_)):
             raise InvalidArgumentError(expected(argument, "a sequence id that is not a bool (True == 1)", repr(seq_id)))
         if isinstance(seq_id, (int, np.integer)):
-            k = int(seq_id)
-            if not 0 <= k <= _INT64_MAX:
-                raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", k))
-            return k, False
+            n = int(seq_id)
+            if not 0 <= n <= _INT64_MAX:
+                raise InvalidArgumentError(expected(argument, "an int id in [0, 2**63) or another hashable", n))
+            return n, False
         if isinstance(seq_id, BATCH_TYPES) or _is_tensor(seq_id):
             raise InvalidArgumentError(expected(argument, _ONE_ID, type(seq_id).__name__))
         if isinstance(seq_id, float) and math.isnan(seq_id):
@@ -125,7 +126,7 @@ class SequenceIds:
             if name is not None:
                 self._keys.pop(name if type(name) is str else strict_key(name), None)
 
-    def interned_keys(self) -> List[int]:
+    def interned_keys(self) -> list[int]:
         """Keys of every interned id (for leak audits)."""
         return list(self._names)
 
@@ -134,7 +135,7 @@ class SequenceIds:
         return self._names.get(key, key) if key < 0 else key
 
     # ---- batches --------------------------------------------------------------------
-    def batch(self, seq_ids: Any) -> Tuple[Union[int, np.ndarray], bool]:
+    def batch(self, seq_ids: Any) -> tuple[int | np.ndarray, bool]:
         """Keys for a batch call: one int, or an int64 array; and whether they may hold
         interned (negative) keys, which the core accepts only when told so."""
         t = type(seq_ids)

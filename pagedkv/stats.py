@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Tuple
 
 import numpy as np
 
@@ -17,7 +16,7 @@ class GroupStats:
 
     group: int
     window: int                    # tokens; 0 = full attention
-    layers: Tuple[int, ...]
+    layers: tuple[int, ...]
     blocks_held: int               # blocks its live sequences hold (released ones not counted)
     waste_slots: int               # unused slots in those sequences' partial last blocks
     cow_copies: int
@@ -52,9 +51,9 @@ class CacheStats:
     device_hit_tokens: int = 0     # hit tokens the device index served
     host_hit_tokens: int = 0       # hit tokens promoted from the host prefix tier
     disk_hit_tokens: int = 0       # hit tokens promoted from the disk prefix tier
-    tiers: Tuple = ()              # TierStats per prefix tier below the device
-    group_hit_limits: Tuple = ()   # layer groups: admissions whose prefix hit each group limited
-    groups: Tuple = ()             # layer groups: GroupStats per group (the totals above add them up)
+    tiers: tuple = ()              # TierStats per prefix tier below the device
+    group_hit_limits: tuple = ()   # layer groups: admissions whose prefix hit each group limited
+    groups: tuple = ()             # layer groups: GroupStats per group (the totals above add them up)
     window_bytes: int = 0          # the window arena (model-precision rows), allocated up front
 
     @property
@@ -62,7 +61,7 @@ class CacheStats:
         return self.free_blocks == 0
 
     @classmethod
-    def collect(cls, pool, tables, config, host=None, tiers=None, groups=None) -> "CacheStats":
+    def collect(cls, pool, tables, config, host=None, tiers=None, groups=None) -> CacheStats:
         """Read the figures from the core objects (``BlockPool``, ``BlockTables``), the
         ``CacheConfig``, the host tier (``HostTier`` or None), the prefix tiers
         (:class:`~pagedkv.tiers.PrefixTiers` or None) and the layer groups
@@ -73,7 +72,7 @@ class CacheStats:
         cfg = config
         tokens, waste = tables.total_tokens()
         cow = tables.num_cow
-        per_group: Tuple = ()
+        per_group: tuple = ()
         if groups is not None:
             per_group = tuple(GroupStats(group=g, **f) for g, f in enumerate(groups.group_figures()))
             waste = sum(f.waste_slots for f in per_group)

@@ -18,19 +18,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Callable, List, Optional, Tuple
-
-import torch
+from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from pagedkv import dtypes, ops
+from pagedkv.block_keys import BlockKeys
 from pagedkv.config import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.memory_check import arena_bytes, check_device, check_fits
 from pagedkv.ops import reference
 from pagedkv.rotation import rotate, rotation_signs
-from pagedkv.block_keys import BlockKeys
 from pagedkv.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
@@ -51,12 +50,13 @@ def fp8_supported(device: torch.device) -> bool:
 def _window_option(cfg: CacheConfig):
     """The option to name when the window arena does not fit: whichever of the
     sequences it holds, the window or the sink tokens asks for the most."""
-    per_seq = -(-cfg.kv_window // cfg.block_size) + 1 + cfg.sink_blocks
+    window, sink = cfg.kv_window or 0, cfg.kv_sink_tokens or 0    # ints once the config is made
+    per_seq = -(-window // cfg.block_size) + 1 + cfg.sink_blocks
     if cfg.kv_window_sequences > per_seq:
         return "kv_window_sequences", cfg.kv_window_sequences
-    if cfg.kv_window >= cfg.kv_sink_tokens:
-        return "kv_window", cfg.kv_window
-    return "kv_sink_tokens", cfg.kv_sink_tokens
+    if window >= sink:
+        return "kv_window", window
+    return "kv_sink_tokens", sink
 
 
 class KVStore:
@@ -126,7 +126,7 @@ class KVStore:
     def _window(self, num_blocks: int, device: torch.device, lock=None) -> RecentWindow:
         c = self.config
         return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.kv_heads_per_rank, c.head_dim,
-                            c.kv_window, c.torch_dtype, device, sink=c.kv_sink_tokens,
+                            c.kv_window or 0, c.torch_dtype, device, sink=c.kv_sink_tokens or 0,
                             pin_capacity=c.pinned_blocks, lock=lock)
 
     def _arena_specs(self, num_blocks: int):
@@ -136,7 +136,7 @@ class KVStore:
         shape = (self._num_main,) + cfg.layer_shape(num_blocks)
         scale = zero = kscale = kzero = full = None
         if cfg.quantized:
-            groups = (cfg.head_dim // cfg.kv_group_size,) if dtypes.info(cfg.kv_dtype).grouped else ()
+            groups = (cfg.param_groups,) if dtypes.info(cfg.kv_dtype).grouped else ()
             scale = (shape[:-1] + groups, cfg.torch_scale_dtype)
             if dtypes.info(cfg.kv_dtype).zero_point:
                 zero = scale
@@ -210,7 +210,7 @@ class KVStore:
         main, i = self._where[self._layer_index(layer)]
         return self.kv_full[i] if (self.config.quantized and not main) else self.kv[i]
 
-    def layer_scales(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4/int3 ``[NB, 2, bs, H, groups]``);
         None where not stored."""
         main, i = self._where[self._layer_index(layer)]
@@ -220,7 +220,7 @@ class KVStore:
         zero = self.kv_zero[i] if self.kv_zero is not None else None
         return scale, zero
 
-    def layer_key_params(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def layer_key_params(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer block-key ``(scale, zero)`` views ``[NB, H, D]`` (bfloat16; see
         :func:`pagedkv.quant.quantize_key_block`), or ``(None, None)``."""
         main, i = self._where[self._layer_index(layer)]
@@ -228,7 +228,7 @@ class KVStore:
             return None, None
         return self.key_scale[i], self.key_zero[i]
 
-    def _groups(self, host: bool = False) -> List[List[torch.Tensor]]:
+    def _groups(self, host: bool = False) -> list[list[torch.Tensor]]:
         """Arena groups that share a leading ``num_layers`` dim (for block copies)."""
         if host:
             main = [self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale, self.host_key_zero]
@@ -242,14 +242,14 @@ class KVStore:
         return [g for g in groups if g]
 
     @property
-    def arenas(self) -> List[torch.Tensor]:
+    def arenas(self) -> list[torch.Tensor]:
         """The device arenas: data, then scale and zero when stored, block-key scale and
         zero when stored, then the model-precision layers."""
         return [t for t in (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full)
                 if t is not None]
 
     @property
-    def host_arenas(self) -> List[torch.Tensor]:
+    def host_arenas(self) -> list[torch.Tensor]:
         """The host-tier arenas (empty without a host tier)."""
         return [t for t in (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale,
                             self.host_key_zero, self.host_kv_full) if t is not None]
@@ -282,7 +282,8 @@ class KVStore:
         if self.window is not None:
             slots = slot_mapping.cpu().numpy()
             with self.window.lock:      # a seal reads window rows: no other claim may move them between
-                if self._block_keys is not None:    # before the window's claim can take a block's slot
+                # before the window's claim can take a block's slot (block keys are int4: scale and zero exist)
+                if self._block_keys is not None and scale is not None and zero is not None:
                     self._block_keys.on_write(i, view, scale, zero, slots, key)
                 self.window.write(i, slot_mapping, key, value, slots)
 
@@ -305,20 +306,22 @@ class KVStore:
         scale, zero = self.layer_scales(layer)
         main, i = self._where[layer]
         signs = None if rotated else self.rotation_signs
-        to_rotated = (lambda x: rotate(x.float(), self.rotation_signs)) if rotated else None
+        rot = self.rotation_signs if rotated else None      # rotated: a rotated cache, which has signs
+        to_rotated = None if rot is None else (lambda x: rotate(x.float(), rot))
+        window = self.window
         if not main and not rotated:
             return read(self._out_dtype(main), None, out_key, out_value)
-        if main and (self.window is None or not (self.window.window or self.window.sink)):   # nothing to overlay
+        if main and (window is None or not (window.window or window.sink)):   # nothing to overlay
             return read(self._out_dtype(main), signs, out_key, out_value)
         model = self.config.torch_dtype
         geo, _ = reference.check_gather(view, self.layout, model, scale, zero)
         total = int(seq_lens.sum()) if isinstance(seq_lens, torch.Tensor) and seq_lens.numel() else 0
         reference.check_out(out_key, out_value, total, geo, model, view.device)
         k, v = read(model, signs, None, None)
-        if not main:        # a model-precision layer read in the rotated domain
+        if main and window is not None:     # main: the early return above left only a window to overlay
+            window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated)
+        elif to_rotated is not None:        # a model-precision layer read in the rotated domain
             k, v = to_rotated(k).to(model), to_rotated(v).to(model)
-        else:
-            self.window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated)
         if out_key is not None:
             out_key.copy_(k)
             out_value.copy_(v)
@@ -332,11 +335,11 @@ class KVStore:
         indices: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
-        out_key: Optional[torch.Tensor] = None,
-        out_value: Optional[torch.Tensor] = None,
-        pending: Optional[np.ndarray] = None,
+        out_key: torch.Tensor | None = None,
+        out_value: torch.Tensor | None = None,
+        pending: np.ndarray | None = None,
         rotated: bool = False,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables).
 
         ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`."""
@@ -361,9 +364,9 @@ class KVStore:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
-        out_key: Optional[torch.Tensor] = None,
-        out_value: Optional[torch.Tensor] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        out_key: torch.Tensor | None = None,
+        out_value: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`gather` with a padded ``[B, max_blocks]`` int32 table."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
@@ -380,7 +383,7 @@ class KVStore:
 
         return self._read(layer, read, blocks, seq_lens, out_key, out_value)
 
-    def _out_dtype(self, main: bool = True) -> Optional[torch.dtype]:
+    def _out_dtype(self, main: bool = True) -> torch.dtype | None:
         return self.config.torch_dtype if (self.config.quantized and main) else None
 
     def replaced(self, blocks) -> None:
@@ -413,7 +416,7 @@ class KVStore:
         reference.validate_swap_blocks(src[0], dst[0], pairs)
         for s, d in zip(src, dst):
             ops.swap_blocks(s, d, pairs)
-        if self.window is not None and pairs.shape[0]:
+        if self.window is not None and self.host_window is not None and pairs.shape[0]:   # one exists with the other
             p = pairs.cpu().numpy().astype(np.int64)
             self.host_window.copy(p[:, 0], p[:, 1], source=self.window)
 

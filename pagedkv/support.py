@@ -13,7 +13,6 @@ works in every configuration.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 from pagedkv.errors import InvalidArgumentError
 
@@ -37,7 +36,7 @@ class Capability:
     why: str = ""             # why not, where it does not
 
 
-CAPABILITIES: Tuple[Capability, ...] = (
+CAPABILITIES: tuple[Capability, ...] = (
     Capability("add_sequence / reserve / advance / commit / free (prefix caching)", True),
     Capability("write / gather / gather_pages (every kv_dtype, kv_window, kv_sink_tokens)", True),
     Capability("fork / truncate / unreserve (beams, rollback, speculative decoding)", True),
@@ -73,7 +72,7 @@ def supported(name: str, configuration: str) -> bool:
     return configuration == FULL or cap.groups
 
 
-def require(name: str, config, *, configuration: Optional[str] = None) -> None:
+def require(name: str, config, *, configuration: str | None = None) -> None:
     """Raise :class:`UnsupportedCombinationError` when capability ``name`` does not
     work in ``config``'s configuration (or ``configuration`` when given)."""
     conf = configuration if configuration is not None else configuration_of(config)

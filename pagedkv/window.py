@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Optional
 
 import numpy as np
 import torch
@@ -72,7 +71,7 @@ class RecentWindow:
 
     def __init__(self, num_layers: int, num_blocks: int, capacity: int, block_size: int, num_heads: int,
                  head_dim: int, window: int, dtype: torch.dtype, device: torch.device, sink: int = 0,
-                 pin_capacity: int = 0, lock: Optional[threading.RLock] = None):
+                 pin_capacity: int = 0, lock: threading.RLock | None = None):
         check_fits(device, RecentWindow.needs("kv_window", window, num_layers, num_blocks, capacity, block_size,
                                               num_heads, head_dim, dtype))
         self.lock = threading.RLock() if lock is None else lock
@@ -184,7 +183,7 @@ class RecentWindow:
             self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
 
     @_locked
-    def copy(self, src: np.ndarray, dst: np.ndarray, source: Optional["RecentWindow"] = None) -> None:
+    def copy(self, src: np.ndarray, dst: np.ndarray, source: RecentWindow | None = None) -> None:
         """Block copies: ``dst[i]`` gets the window copy of ``src[i]`` in ``source`` (default:
         this window; copy-on-write), or none when ``src[i]`` has none there. ``source`` may
         be another window (the host tier's) with the same geometry."""
@@ -192,7 +191,7 @@ class RecentWindow:
         with source.lock:       # the same lock for a store's two windows
             self._copy(src, dst, source)
 
-    def _copy(self, src: np.ndarray, dst: np.ndarray, source: "RecentWindow") -> None:
+    def _copy(self, src: np.ndarray, dst: np.ndarray, source: RecentWindow) -> None:
         self.drop(dst)
         has = source.slot_of[src] >= 0
         if not has.any():
@@ -243,7 +242,7 @@ class RecentWindow:
 
     @_locked
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              slots: Optional[np.ndarray] = None) -> None:
+              slots: np.ndarray | None = None) -> None:
         """Keep the model-precision K/V of the written tokens (slots < 0 skipped).
 
         Every layer claims the same blocks (an engine writes the same slots in each
@@ -285,7 +284,7 @@ class RecentWindow:
 
     @_locked
     def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
-                value: torch.Tensor, pending: Optional[np.ndarray] = None, transform=None) -> None:
+                value: torch.Tensor, pending: np.ndarray | None = None, transform=None) -> None:
         """Overwrite, in gathered ``key``/``value`` ``[sum(seq_lens), H, D]``, each
         sequence's first ``sink`` and last ``window`` tokens that the window arena holds.
 
@@ -341,7 +340,7 @@ class RecentWindow:
         value[r] = wv.to(value.dtype)
 
     @_locked
-    def held(self, block: int) -> Optional[int]:
+    def held(self, block: int) -> int | None:
         """The window slot of ``block`` (None when it has none)."""
         s = int(self.slot_of[block])
         return None if s < 0 else s

@@ -1,4 +1,3 @@
-from typing import Dict
 
-POLICIES: Dict[str, int]
-POLICY_NAMES: Dict[int, str]
+POLICIES: dict[str, int]
+POLICY_NAMES: dict[int, str]

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Dict, List, Optional
 
 #: subcommand name -> module implementing it
-SUBCOMMANDS: Dict[str, str] = {
+SUBCOMMANDS: dict[str, str] = {
     "plan": "pagedkv.cli.plan",
     "demo": "pagedkv.cli.demo",
 }
@@ -40,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Console-script entry point (``pagedkv = pagedkv.cli:main``)."""
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)

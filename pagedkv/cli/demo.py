@@ -25,7 +25,6 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import List
 
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError, expected
 
@@ -55,7 +54,7 @@ USER_PROMPTS = [
 class Request:
     rid: int
     user: str
-    prompt_ids: List[int]
+    prompt_ids: list[int]
     max_new_tokens: int
     arrival_step: int
     admitted_step: int = -1
@@ -63,12 +62,12 @@ class Request:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     cached_tokens: int = 0
-    output_ids: List[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class DemoResult:
-    requests: List[Request]
+    requests: list[Request]
     wall_s: float
     generated_tokens: int
     decode_steps: int
@@ -103,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attend over gathered K/V (the old path) instead of reading the pages (pagedkv attention)")
 
 
-def _chat_ids(tokenizer, user: str) -> List[int]:
+def _chat_ids(tokenizer, user: str) -> list[int]:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys") and "input_ids" in ids:  # transformers 5 returns a BatchEncoding
@@ -111,7 +110,7 @@ def _chat_ids(tokenizer, user: str) -> List[int]:
     return [int(i) for i in ids]
 
 
-def make_requests(tokenizer, n: int, max_new_tokens: int, arrival_gap: int) -> List[Request]:
+def make_requests(tokenizer, n: int, max_new_tokens: int, arrival_gap: int) -> list[Request]:
     """``n`` requests cycling through the prompts, with varied answer budgets."""
     out = []
     for i in range(n):
@@ -139,7 +138,7 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def serve(model, tokenizer, requests: List[Request], kv, *, max_batch: int = 8,
+def serve(model, tokenizer, requests: list[Request], kv, *, max_batch: int = 8,
           progress: bool = False, paged: bool = True) -> DemoResult:
     """Run the engine loop until every request is answered; frees everything it admits,
     also when it fails."""
@@ -155,7 +154,7 @@ def serve(model, tokenizer, requests: List[Request], kv, *, max_batch: int = 8,
     cache = PagedCache(kv, paged_attention=paged)
     pending = deque(sorted(requests, key=lambda r: r.arrival_step))
     waiting: deque = deque()
-    running: List[Request] = []
+    running: list[Request] = []
     bar = _Progress(len(requests), progress)
     step = steps = generated = max_batch_seen = 0
     peak_blocks, peak_map = -1, ""

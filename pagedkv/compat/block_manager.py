@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -50,14 +49,14 @@ class BlockAllocationResult:
 
     success: bool
     block_id: int = -1
-    error: Optional[str] = None
+    error: str | None = None
 
     @classmethod
-    def successful(cls, block_id: int) -> "BlockAllocationResult":
+    def successful(cls, block_id: int) -> BlockAllocationResult:
         return cls(True, block_id)
 
     @classmethod
-    def failed(cls, error: str) -> "BlockAllocationResult":
+    def failed(cls, error: str) -> BlockAllocationResult:
         return cls(False, -1, error)
 
 
@@ -80,7 +79,7 @@ class MemoryBlock:
 
     __slots__ = ("_manager", "block_id", "block_size", "sequence_id", "_generation")
 
-    def __init__(self, manager: "KVCacheBlockManager", block_id: int, sequence_id: int, generation: int):
+    def __init__(self, manager: KVCacheBlockManager, block_id: int, sequence_id: int, generation: int):
         self._manager = manager
         self.block_id = block_id
         self.block_size = manager.block_size
@@ -152,15 +151,15 @@ class KVCacheBlockManager:
         self.config = CacheConfig(num_layers=num_layers, num_kv_heads=num_attention_heads, head_dim=head_dim,
                                   block_size=block_size, num_blocks=total_blocks, dtype=dtype, device=device,
                                   layout="HND", enable_prefix_caching=False)
-        self.pool = BlockPool(self.config.num_blocks)
+        self.pool = BlockPool(self.config.resolved_num_blocks)
         self._store = None
         if allocate_tensors:
             from pagedkv.store import KVStore
 
             self._store = KVStore(self.config)
         self._lock = threading.RLock()
-        self._sequence_blocks: Dict[int, List[int]] = {}
-        nb = self.config.num_blocks
+        self._sequence_blocks: dict[int, list[int]] = {}
+        nb = self.config.resolved_num_blocks
         self._owner = np.full(nb, -1, dtype=np.int64)       # sequence holding the block; -1 free
         self._tokens = np.zeros(nb, dtype=np.int32)          # token_count per block
         self._generation = np.zeros(nb, dtype=np.int64)      # bumped on free: stale MemoryBlocks
@@ -173,7 +172,7 @@ class KVCacheBlockManager:
 
     @property
     def total_blocks(self) -> int:
-        return self.config.num_blocks
+        return self.config.resolved_num_blocks
 
     @property
     def allocated_blocks(self) -> int:
@@ -192,7 +191,7 @@ class KVCacheBlockManager:
         return int(block_id)
 
     # ---- allocation -------------------------------------------------------------------
-    def _take(self, sequence_id: int, count: int) -> Optional[List[int]]:
+    def _take(self, sequence_id: int, count: int) -> list[int] | None:
         """``count`` blocks for ``sequence_id`` in one pool call; None when out of blocks."""
         if self._disposed:
             raise InvalidArgumentError(expected("manager", "a live KVCacheBlockManager", "one that was disposed"))
@@ -215,7 +214,7 @@ class KVCacheBlockManager:
             ids = self._take(sequence_id, 1)
         return BlockAllocationResult.failed(NO_FREE_BLOCKS) if ids is None else BlockAllocationResult.successful(ids[0])
 
-    def allocate_blocks(self, sequence_id: int, count: int) -> List[int]:
+    def allocate_blocks(self, sequence_id: int, count: int) -> list[int]:
         """``count`` blocks, all or nothing: their ids, or ``[]`` when not enough are free."""
         sequence_id = _check_id("sequence_id", sequence_id)
         count = _check_id("count", count)
@@ -225,7 +224,7 @@ class KVCacheBlockManager:
             return self._take(sequence_id, count) or []
 
     # ---- release ------------------------------------------------------------------------
-    def _release(self, blocks: List[int]) -> None:
+    def _release(self, blocks: list[int]) -> None:
         self.pool.free(blocks)
         self._owner[blocks] = -1
         self._tokens[blocks] = 0
@@ -265,20 +264,20 @@ class KVCacheBlockManager:
             self._store = None
             self._disposed = True
 
-    def __enter__(self) -> "KVCacheBlockManager":
+    def __enter__(self) -> KVCacheBlockManager:
         return self
 
     def __exit__(self, *exc) -> None:
         self.dispose()
 
     # ---- queries -------------------------------------------------------------------------
-    def get_sequence_blocks(self, sequence_id: int) -> List[int]:
+    def get_sequence_blocks(self, sequence_id: int) -> list[int]:
         """The sequence's block ids in allocation order (a copy; ``[]`` when unknown)."""
         sequence_id = _check_id("sequence_id", sequence_id)
         with self._lock:
             return list(self._sequence_blocks.get(sequence_id, ()))
 
-    def get_block(self, block_id: int) -> Optional[MemoryBlock]:
+    def get_block(self, block_id: int) -> MemoryBlock | None:
         """A view of an allocated block, or None when the block is free."""
         b = self._block_id(block_id)
         with self._lock:

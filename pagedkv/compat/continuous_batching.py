@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import numbers
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import ClassVar, Dict, Hashable, List, Optional, Tuple
+from typing import Any, ClassVar
 
 import numpy as np
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.errors import (InvalidArgumentError, OutOfBlocksError, SequenceExistsError,
-                            expected)
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, SequenceExistsError, expected
 
 __all__ = ["KVCacheConfiguration", "CachePage", "CacheAllocation", "ContinuousBatchKVCacheManager"]
 
@@ -68,7 +68,7 @@ class KVCacheConfiguration:
     target_utilization: float = 0.85         # compact only below this (0-1)
     enable_compaction: bool = True
 
-    DEFAULT: ClassVar["KVCacheConfiguration"]
+    DEFAULT: ClassVar[KVCacheConfiguration]
 
     def __post_init__(self) -> None:
         _check_int("page_size_tokens", self.page_size_tokens, 1)
@@ -86,10 +86,10 @@ class KVCacheConfiguration:
         return self.page_size_tokens * self.cache_block_size_bytes
 
     @classmethod
-    def for_cache(cls, cache: PagedKVCache, **overrides) -> "KVCacheConfiguration":
+    def for_cache(cls, cache: PagedKVCache, **overrides) -> KVCacheConfiguration:
         """The seed's defaults with pages sized to ``cache``: ``page_size_tokens`` is
         its block size and ``cache_block_size_bytes`` its real bytes per token."""
-        values = dict(page_size_tokens=cache.config.block_size,
+        values: dict[str, Any] = dict(page_size_tokens=cache.config.block_size,
                       cache_block_size_bytes=cache.config.bytes_per_token)
         values.update(overrides)
         return cls(**values)
@@ -115,7 +115,7 @@ class CacheAllocation:
     """A snapshot of one request's pages (block indices as of the call)."""
 
     request_id: RequestId
-    pages: Tuple[CachePage, ...]
+    pages: tuple[CachePage, ...]
     total_tokens_allocated: int
     total_bytes_allocated: int
     allocated_time: datetime
@@ -138,12 +138,12 @@ class ContinuousBatchKVCacheManager:
         config: defaults to :meth:`KVCacheConfiguration.for_cache`.
     """
 
-    def __init__(self, paged_cache: PagedKVCache, config: Optional[KVCacheConfiguration] = None):
+    def __init__(self, paged_cache: PagedKVCache, config: KVCacheConfiguration | None = None):
         if not isinstance(paged_cache, PagedKVCache):
             raise InvalidArgumentError(expected("paged_cache", "a PagedKVCache", type(paged_cache).__name__))
         self.cache = paged_cache
         self._lock = threading.RLock()
-        self._allocated_at: Dict[RequestId, datetime] = {}
+        self._allocated_at: dict[RequestId, datetime] = {}
         self.config = KVCacheConfiguration.for_cache(paged_cache) if config is None else config
 
     @property
@@ -233,7 +233,7 @@ class ContinuousBatchKVCacheManager:
                 return False
             return True
 
-    def get_allocation(self, request_id: RequestId) -> Optional[CacheAllocation]:
+    def get_allocation(self, request_id: RequestId) -> CacheAllocation | None:
         """The request's pages now, or None for an unknown request."""
         request_id = _request(request_id)
         with self._lock:
@@ -246,7 +246,7 @@ class ContinuousBatchKVCacheManager:
             return CacheAllocation(request_id, pages, len(pages) * c.page_size_tokens,
                                    len(pages) * c.page_size_bytes, at)
 
-    def requests(self) -> List[RequestId]:
+    def requests(self) -> list[RequestId]:
         with self._lock:
             return list(self._allocated_at)
 

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Dict, Hashable, Optional, TextIO, Tuple
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -47,8 +48,14 @@ import torch
 from pagedkv._core.pool import BlockPool
 from pagedkv.buddy import BuddyAllocator
 from pagedkv.config import CacheConfig
-from pagedkv.errors import (InvalidArgumentError, InvalidBlockError, OutOfBlocksError, SequenceExistsError,
-                            SequenceNotFoundError, expected)
+from pagedkv.errors import (
+    InvalidArgumentError,
+    InvalidBlockError,
+    OutOfBlocksError,
+    SequenceExistsError,
+    SequenceNotFoundError,
+    expected,
+)
 
 __all__ = ["KVHandle", "INVALID_HANDLE", "KVBlockAllocator", "BuddyBlockAllocator", "KVCache"]
 
@@ -87,7 +94,7 @@ def _request(request_id: object) -> Hashable:
     return request_id
 
 
-def _free_runs(used: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def _free_runs(used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Starts and lengths of the maximal runs of free blocks, in block order."""
     edges = np.diff(np.concatenate(([0], (~used).view(np.int8), [0])))
     starts = np.flatnonzero(edges == 1)
@@ -100,7 +107,7 @@ class KVBlockAllocator:
     def __init__(self, total_blocks: int):
         total_blocks = _check_int("total_blocks", total_blocks, 1)
         self._used = np.zeros(total_blocks, dtype=bool)
-        self._runs: Dict[int, int] = {}     # start -> num_blocks of every live handle
+        self._runs: dict[int, int] = {}     # start -> num_blocks of every live handle
         self._lock = threading.Lock()
 
     def allocate(self, blocks_needed: int) -> KVHandle:
@@ -162,7 +169,7 @@ class KVBlockAllocator:
         lines += ["    " + cells[i:i + width] for i in range(0, len(cells), width)]
         return "\n".join(lines) + "\n"
 
-    def dump_block_map(self, stream: Optional[TextIO] = None) -> None:
+    def dump_block_map(self, stream: TextIO | None = None) -> None:
         (stream or sys.stdout).write(self.block_map())
 
     def __repr__(self) -> str:
@@ -181,7 +188,7 @@ class BuddyBlockAllocator(KVBlockAllocator):
         self._lock = threading.Lock()
 
     @property
-    def _used(self) -> np.ndarray:            # the bitmap view the statistics read
+    def _used(self) -> np.ndarray:  # type: ignore[override]  # the base's bitmap, derived from the pool here
         return np.asarray(self.pool.ref_cnt) > 0
 
     def allocate(self, blocks_needed: int) -> KVHandle:
@@ -258,11 +265,11 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
         self.v = torch.zeros(shape, dtype=c.torch_dtype, device=c.device)
         self.allocator = KVBlockAllocator(total) if allocator == "first_fit" else BuddyBlockAllocator(total)
-        self._sequences: Dict[Hashable, _Entry] = {}
+        self._sequences: dict[Hashable, _Entry] = {}
         self._lock = threading.RLock()
 
     @classmethod
-    def from_config(cls, config: CacheConfig, allocator: str = "first_fit") -> "KVCache":
+    def from_config(cls, config: CacheConfig, allocator: str = "first_fit") -> KVCache:
         """A cache with the shape, block count, dtype and device of a pagedkv config."""
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError(expected("config", "a CacheConfig", type(config).__name__))
@@ -408,7 +415,7 @@ class KVCache:
                              f"blocks [{e.handle.start_block_index}, +{e.handle.num_blocks}]")
         return "\n".join(lines) + "\n"
 
-    def dump_cache_stats(self, stream: Optional[TextIO] = None) -> None:
+    def dump_cache_stats(self, stream: TextIO | None = None) -> None:
         (stream or sys.stdout).write(self.cache_stats())
 
     def __repr__(self) -> str:

@@ -33,8 +33,9 @@ Deviations from the seed, each forced by pagedkv's design or by a seed bug:
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -42,8 +43,15 @@ import torch
 from pagedkv._core.pool import BlockPool
 from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig as _PagedKVConfig
-from pagedkv.errors import (DeviceError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError,
-                            SequenceNotFoundError, expected)
+from pagedkv.errors import (
+    DeviceError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    OutOfBlocksError,
+    SequenceNotFoundError,
+    expected,
+)
+from pagedkv.pool_view import PoolView
 
 __all__ = [
     "AllocatorOutOfBlocksError",
@@ -53,6 +61,8 @@ __all__ = [
     "BlockTable",
     "KVCacheManager",
 ]
+
+_V = TypeVar("_V")
 
 
 class AllocatorOutOfBlocksError(OutOfBlocksError, RuntimeError):
@@ -92,14 +102,14 @@ class CacheConfig:
     def to_pagedkv(self, **overrides) -> _PagedKVConfig:
         """The equivalent :class:`pagedkv.CacheConfig` (prefix caching off: the seed's
         API never names tokens). ``overrides`` are passed through."""
-        fields = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+        fields: dict[str, Any] = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                       block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
                       device=self.device, enable_prefix_caching=False)
         fields.update(overrides)
         return _PagedKVConfig(**fields)
 
     @property
-    def kv_cache_shape(self) -> Tuple[int, ...]:
+    def kv_cache_shape(self) -> tuple[int, ...]:
         """Per-layer shape ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``."""
         return self.to_pagedkv().kv_cache_shape
 
@@ -126,12 +136,12 @@ class BlockAllocator:
         self._init(BlockPool(_check_count("num_blocks", num_blocks, 1)), threading.RLock(), owner=None)
 
     @classmethod
-    def _view(cls, pool: BlockPool, lock, owner: str) -> "BlockAllocator":
+    def _view(cls, pool: BlockPool | PoolView, lock, owner: str) -> BlockAllocator:
         self = cls.__new__(cls)
         self._init(pool, lock, owner)
         return self
 
-    def _init(self, pool: BlockPool, lock, owner: Optional[str]) -> None:
+    def _init(self, pool: BlockPool | PoolView, lock, owner: str | None) -> None:
         self.pool = pool
         self.num_blocks = pool.num_blocks
         self._lock = lock
@@ -161,12 +171,12 @@ class BlockAllocator:
         return self.pool.num_free_blocks
 
     @property
-    def free_blocks(self) -> List[int]:
+    def free_blocks(self) -> list[int]:
         """Free block ids in the order ``allocate`` takes them (a snapshot)."""
         return self.pool.free_block_queue().tolist()
 
     @property
-    def ref_counts(self) -> Dict[int, int]:
+    def ref_counts(self) -> dict[int, int]:
         """``{block_id: ref_count}`` of the allocated blocks (a snapshot)."""
         ref = self.pool.ref_cnt
         return {int(b): int(ref[b]) for b in np.flatnonzero(ref)}
@@ -178,7 +188,7 @@ class BlockAllocator:
         """One block with ref count 1."""
         return self.allocate_n(1)[0]
 
-    def allocate_n(self, n: int) -> List[int]:
+    def allocate_n(self, n: int) -> list[int]:
         """``n`` blocks, all or nothing."""
         self._mutable("allocate")
         n = _check_count("n", n)
@@ -213,10 +223,10 @@ class BlockTable:
     """Logical -> physical block ids of one sequence (a plain list the caller fills)."""
 
     def __init__(self, block_ids: Sequence[int] = ()):
-        self._ids: List[int] = [int(b) for b in block_ids]
+        self._ids: list[int] = [int(b) for b in block_ids]
 
     @property
-    def table(self) -> List[int]:
+    def table(self) -> list[int]:
         """The block ids (a copy)."""
         return list(self._ids)
 
@@ -239,7 +249,7 @@ class BlockTable:
             raise InvalidBlockError(expected("block_id", "a block id >= 0", repr(block_id)))
         self._ids.append(int(block_id))
 
-    def as_tensor(self, device: Optional[str] = None) -> torch.Tensor:
+    def as_tensor(self, device: str | None = None) -> torch.Tensor:
         """int32 tensor of the ids (``device`` defaults to the CPU)."""
         return torch.tensor(self.table, dtype=torch.int32, device=device or "cpu")
 
@@ -251,12 +261,12 @@ class _SequenceBlockTable(BlockTable):
     """The live table of a manager's sequence: reads the core's table on every access,
     so the object returned by ``allocate_sequence`` sees later extensions (as in the seed)."""
 
-    def __init__(self, manager: "KVCacheManager", seq_id: int):
+    def __init__(self, manager: KVCacheManager, seq_id: int):
         self._manager = manager
         self._seq_id = seq_id
 
     @property
-    def table(self) -> List[int]:
+    def table(self) -> list[int]:
         return self._manager.cache.block_table(self._seq_id).tolist()
 
     def append(self, block_id: int) -> None:
@@ -264,19 +274,15 @@ class _SequenceBlockTable(BlockTable):
             "block_table", "a standalone BlockTable (a sequence's table grows through extend_sequence)",
             f"the live table of sequence {self._seq_id!r}"))
 
-    def as_tensor(self, device: Optional[str] = None) -> torch.Tensor:
+    def as_tensor(self, device: str | None = None) -> torch.Tensor:
         return super().as_tensor(device or self._manager.config.device)
 
 
-class _Tables(Mapping):
-    """``sequence_tables``: ``{seq_id: BlockTable}``, a live view of the manager's sequences."""
+class _Sequences(Mapping[int, _V], Generic[_V]):
+    """A live ``{seq_id: ...}`` view of the manager's sequences."""
 
-    def __init__(self, manager: "KVCacheManager"):
+    def __init__(self, manager: KVCacheManager):
         self._m = manager
-
-    def __getitem__(self, seq_id: int) -> BlockTable:
-        self._m.cache.num_tokens(seq_id)  # SequenceNotFoundError (a KeyError) when unknown
-        return _SequenceBlockTable(self._m, seq_id)
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._m.cache
@@ -288,7 +294,15 @@ class _Tables(Mapping):
         return len(self._m.cache)
 
 
-class _Lengths(_Tables):
+class _Tables(_Sequences[BlockTable]):
+    """``sequence_tables``: ``{seq_id: BlockTable}``."""
+
+    def __getitem__(self, seq_id: int) -> BlockTable:
+        self._m.cache.num_tokens(seq_id)  # SequenceNotFoundError (a KeyError) when unknown
+        return _SequenceBlockTable(self._m, seq_id)
+
+
+class _Lengths(_Sequences[int]):
     """``sequence_lengths``: ``{seq_id: num_tokens}``."""
 
     def __getitem__(self, seq_id: int) -> int:
@@ -323,11 +337,11 @@ class KVCacheManager:
     @property
     def kv_cache(self) -> torch.Tensor:
         """All layers: ``[num_layers] + config.kv_cache_shape``."""
-        return self.cache.store.kv
+        return self.cache._require_store().kv
 
     def layer_cache(self, layer: int) -> torch.Tensor:
         """One layer's ``config.kv_cache_shape`` view (no copy), what the seed's kernels take."""
-        return self.cache.store.layer(layer)
+        return self.cache._require_store().layer(layer)
 
     def _grow(self, seq_id: int, num_tokens: int, what: str) -> None:
         try:

@@ -13,8 +13,6 @@ start at or before column ``max(cached - W + 1, 0)``.
 """
 from __future__ import annotations
 
-from typing import List, Optional
-
 import numpy as np
 import torch
 
@@ -44,7 +42,7 @@ def sliding_mask_sizes(cached: int, query: int, window: int) -> tuple:
     return cached + query, 0
 
 
-def plan_groups_step(kv, rows, pads: np.ndarray, cached: int, q: int, device) -> List[GroupStep]:
+def plan_groups_step(kv, rows, pads: np.ndarray, cached: int, q: int, device) -> list[GroupStep]:
     """A :class:`GroupStep` per layer group, for a pass of ``q`` columns after ``cached``."""
     plan = kv.config.layer_groups
     steps = []
@@ -104,7 +102,7 @@ def admit_caps(hits: np.ndarray, pads: np.ndarray, block_size: int, window: int)
         cols = low
 
 
-def layer_windows(kv) -> Optional[list]:
+def layer_windows(kv) -> list | None:
     """Each layer's window (0 = full), or None when the cache has no layer groups."""
     plan = kv.config.layer_groups
     if plan is None:

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,7 +72,7 @@ class PagedLayer(CacheLayerMixin):
     # nothing to pre-allocate, so early_initialization must skip it.
     supports_early_init = False
 
-    def __init__(self, parent: "PagedCache", layer_idx: int, window: int = 0):
+    def __init__(self, parent: PagedCache, layer_idx: int, window: int = 0):
         super().__init__()
         self.parent = parent
         self.layer_idx = layer_idx
@@ -170,7 +171,7 @@ class PagedCache(Cache):
     reserved, and the rows it created.
     """
 
-    def __init__(self, kv: PagedKVCache, *, cache_salt: Optional[str] = None, paged_attention: bool = False):
+    def __init__(self, kv: PagedKVCache, *, cache_salt: str | None = None, paged_attention: bool = False):
         if not isinstance(kv, PagedKVCache):
             raise InvalidArgumentError(expected("kv", "a PagedKVCache", type(kv).__name__))
         if kv.device is None:
@@ -202,17 +203,17 @@ class PagedCache(Cache):
         self._implicit = False  # rows created by the pass in progress (freed if it fails)
         self._pads = np.zeros(0, dtype=np.int64)
         self._columns = 0
-        self._plan: Optional[_StepPlan] = None
-        self._reserved: Optional[np.ndarray] = None   # tokens this pass reserved, not yet committed
-        self._input_ids: Optional[torch.Tensor] = None
+        self._plan: _StepPlan | None = None
+        self._reserved: np.ndarray | None = None   # tokens this pass reserved, not yet committed
+        self._input_ids: torch.Tensor | None = None
         self._fresh = False  # admitted, no forward pass yet
         self._holding = False   # recording the past: sliding groups keep blocks until crop
 
     def _new_id(self):
         return ("pagedkv.hf", next(_serial))
 
-    def admit(self, input_ids, attention_mask=None, *, seq_ids: Optional[Sequence[Any]] = None,
-              cache_salt: Optional[str] = None, adapter_id: Any = None) -> np.ndarray:
+    def admit(self, input_ids, attention_mask=None, *, seq_ids: Sequence[Any] | None = None,
+              cache_salt: str | None = None, adapter_id: Any = None) -> np.ndarray:
         """Admit a batch of left-padded prompts ``[B, T]``; returns the cached tokens per row.
 
         Call it before ``generate`` with the same ``input_ids``/``attention_mask``.
@@ -361,7 +362,7 @@ class PagedCache(Cache):
         if self._holding and self.seq_ids:
             self.kv.slide_window(self.seq_ids)
 
-    def __enter__(self) -> "PagedCache":
+    def __enter__(self) -> PagedCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -381,7 +382,7 @@ class PagedCache(Cache):
             return hf_windows.sliding_mask_sizes(self._columns, q, self._windows[layer_idx])
         return self._columns + q, 0
 
-    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+    def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:

@@ -26,7 +26,6 @@ are checked like the public op checks them.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,6 +36,8 @@ from pagedkv.kernels import sources
 from pagedkv.kernels.plans import (
     _MODEL_NAMES,
     _QUANT_NAMES,
+    MAX_GRID_X,
+    MAX_GRID_Y,
     Launch,
     _check_aligned,
     _check_contiguous,
@@ -47,8 +48,6 @@ from pagedkv.kernels.plans import (
     _i64,
     _ptr,
     _rot_dims,
-    MAX_GRID_X,
-    MAX_GRID_Y,
 )
 from pagedkv.quant import MODEL_DTYPES
 
@@ -141,7 +140,7 @@ def _index(name: str, x: object, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _number(name: str, x: object, what: str, ok) -> Optional[float]:
+def _number(name: str, x: object, what: str, ok) -> float | None:
     if x is None:
         return None
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(float(x)):
@@ -149,7 +148,7 @@ def _number(name: str, x: object, what: str, ok) -> Optional[float]:
     return float(x)
 
 
-def _integer(name: str, x: object, lo: int, allow_none: bool = True) -> Optional[int]:
+def _integer(name: str, x: object, lo: int, allow_none: bool = True) -> int | None:
     if x is None and allow_none:
         return None
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < lo:
@@ -187,7 +186,7 @@ def _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q: int) ->
 def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                          kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                          soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None, exact_rows=None,
-                         num_sms: int = DEFAULT_SMS) -> Tuple[List[Launch], torch.Tensor]:
+                         num_sms: int = DEFAULT_SMS) -> tuple[list[Launch], torch.Tensor]:
     """Plan :func:`pagedkv.ops.paged_attention` (same arguments); returns ``(launches, out)``.
 
     ``num_sms``: the device's SM count, for the automatic ``num_splits``.
@@ -284,7 +283,7 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         keep += [part_o, part_ml]
     if signs is not None:
         keep.append(signs)
-    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]
+    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named
     q_type = _MODEL_NAMES[q.dtype]
     name = sources.attention_name(tl.mode, layout.lower(), kv_type, q_type)
     args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key_scale), _ptr(key_zero), _ptr(signs), _ptr(q),

@@ -23,9 +23,9 @@ import os
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple, Union
 
 from pagedkv.errors import KernelCompileError, KernelUnavailableError
 from pagedkv.kernels import sources
@@ -71,9 +71,9 @@ class BuildStats:
 
 stats = BuildStats()
 
-_memory: Dict[str, Artifact] = {}
+_memory: dict[str, Artifact] = {}
 _memory_guard = threading.Lock()
-_key_locks: Dict[str, threading.Lock] = {}
+_key_locks: dict[str, threading.Lock] = {}
 
 
 def cache_dir() -> Path:
@@ -93,7 +93,7 @@ def _nvrtc():
 
 
 @functools.lru_cache(maxsize=1)
-def nvrtc_version() -> Tuple[int, int]:
+def nvrtc_version() -> tuple[int, int]:
     nvrtc = _nvrtc()
     try:
         err, major, minor = nvrtc.nvrtcVersion()
@@ -110,7 +110,7 @@ def cache_key(source: KernelSource, options: CompileOptions) -> str:
     h = hashlib.sha256()
     for part in (
         f"pagedkv-kernel-schema={SCHEMA_VERSION}",
-        "nvrtc=%d.%d" % nvrtc_version(),
+        "nvrtc={}.{}".format(*nvrtc_version()),
         f"arch={options.arch}",
         f"target={options.target}",
         "flags=" + "\x1f".join(options.nvrtc_flags()),
@@ -139,7 +139,7 @@ def _file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _read_entry(path: Path) -> Optional[bytes]:
+def _read_entry(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
     except FileNotFoundError:
@@ -202,7 +202,7 @@ def _lock_for(key: str) -> threading.Lock:
         return _key_locks.setdefault(key, threading.Lock())
 
 
-def build(source: Union[str, KernelSource], options: CompileOptions) -> Artifact:
+def build(source: str | KernelSource, options: CompileOptions) -> Artifact:
     """Compile ``source`` (a packaged file name or a :class:`KernelSource`) with
     ``options``, through the caches.
 
@@ -251,10 +251,10 @@ def _build_on_disk(source: KernelSource, options: CompileOptions, key: str) -> b
         return data
 
 
-_loaded: Dict[Tuple[str, int], object] = {}
+_loaded: dict[tuple[str, int], object] = {}
 
 
-def build_and_load(source: Union[str, KernelSource], device: int, options: Optional[CompileOptions] = None):
+def build_and_load(source: str | KernelSource, device: int, options: CompileOptions | None = None):
     """Compile (through the caches) and load ``source`` into ``device``'s primary
     context; returns a :class:`pagedkv.kernels.driver.Module` (cached per device).
 

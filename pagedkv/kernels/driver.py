@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Dict, Tuple
+from typing import Any
 
 from pagedkv.errors import KernelUnavailableError
 
 __all__ = ["Module", "compute_capability", "load_module", "launch", "make_current"]
 
 _guard = threading.Lock()
-_contexts: Dict[int, object] = {}
+_contexts: dict[int, Any] = {}   # cuda-python CUcontext handles
 
 
 def _driver():
@@ -64,8 +64,8 @@ def make_current(device: int) -> None:
         _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-@functools.lru_cache(maxsize=None)
-def compute_capability(device: int) -> Tuple[int, int]:
+@functools.cache
+def compute_capability(device: int) -> tuple[int, int]:
     _init()
     driver = _driver()
     dev = _check(driver.cuDeviceGet(device), "cuDeviceGet")
@@ -82,7 +82,7 @@ class Module:
         self.handle = handle
         self.device = device
         self.source_name = source_name
-        self._functions: Dict[str, object] = {}
+        self._functions: dict[str, object] = {}
 
     def function(self, name: str):
         fn = self._functions.get(name)
@@ -98,7 +98,7 @@ def load_module(image: bytes, device: int, source_name: str) -> Module:
     return Module(handle, device, source_name)
 
 
-def launch(function, grid: Tuple[int, int, int], block: Tuple[int, int, int], stream: int, argv_address: int) -> None:
+def launch(function, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, argv_address: int) -> None:
     """cuLaunchKernel on ``stream`` (a raw handle) with a ``void**`` parameter array."""
     driver = _driver()
     _check(

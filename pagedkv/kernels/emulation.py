@@ -22,8 +22,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,7 +49,7 @@ FLAGS = ("-std=c++17", "-O2", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-
          "-DPAGEDKV_EMULATE")
 SANITIZE_FLAGS = {"address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")}
 
-Dims = Optional[Tuple[int, int, int]]
+Dims = tuple[int, int, int] | None
 
 # Element-wise number conversions of common.cuh, exported for the exhaustive tests.
 _CONVERSIONS = {
@@ -100,7 +100,7 @@ def _compiler_version() -> str:
     return out.stdout
 
 
-def _flags(sanitize: Optional[str]) -> Tuple[str, ...]:
+def _flags(sanitize: str | None) -> tuple[str, ...]:
     if sanitize is None:
         return FLAGS
     if sanitize not in SANITIZE_FLAGS:
@@ -108,7 +108,7 @@ def _flags(sanitize: Optional[str]) -> Tuple[str, ...]:
     return FLAGS + SANITIZE_FLAGS[sanitize]
 
 
-def _library_path(sanitize: Optional[str]) -> Path:
+def _library_path(sanitize: str | None) -> Path:
     srcs = [sources.load(s) for s in sources.SOURCE_FILES]
     h = hashlib.sha256()
     for part in [_compiler_version(), " ".join(_flags(sanitize))]:
@@ -156,8 +156,8 @@ def _compile_library(srcs, flags: Sequence[str], path: Path) -> None:
         os.replace(staged, path)
 
 
-@functools.lru_cache(maxsize=None)
-def library(sanitize: Optional[str] = None) -> ctypes.CDLL:
+@functools.cache
+def library(sanitize: str | None = None) -> ctypes.CDLL:
     """The emulation library (built on first use; ``sanitize="address"`` for ASan)."""
     if sanitize is None:
         sanitize = os.environ.get("PAGEDKV_EMULATION_SANITIZE") or None

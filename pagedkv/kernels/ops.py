@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from typing import Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ def _on_stream(device: torch.device, stream: object) -> Iterator[torch.cuda.Stre
         yield ts
 
 
-def _run(launches: List[plans.Launch], ts: torch.cuda.Stream, device: torch.device) -> None:
+def _run(launches: list[plans.Launch], ts: torch.cuda.Stream, device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     for ln in launches:
         plans.check_dims(ln.grid, ln.block)
@@ -125,7 +125,7 @@ def write_kv(
         _run(launches, ts, device)
 
 
-def _gather(kv_layer, seq_lens, stream, **kw) -> Tuple[torch.Tensor, torch.Tensor]:
+def _gather(kv_layer, seq_lens, stream, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     device = _cuda_device("kv_layer", kv_layer)
     with _on_stream(device, stream) as ts:
         kw = {k: v if k in ("layout", "out_dtype") else as_tensor(v) for k, v in kw.items()}
@@ -141,7 +141,7 @@ def gather_kv(
     seq_lens,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: torch.dtype | None = None,
     kv_scale=None,
     kv_zero=None,
     out_key=None,
@@ -150,7 +150,7 @@ def gather_kv(
     key_scale=None,
     key_zero=None,
     stream=None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of a batch of sequences as contiguous ``[sum(seq_lens), H, D]`` tensors in
     token order, from CSR block tables (int32 ``indptr [B + 1]``, ``indices [nnz]``,
     ``seq_lens [B]``, all on the arena's device). Dequantizes fp8/int8 storage into
@@ -172,7 +172,7 @@ def gather_kv_padded(
     seq_lens,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: torch.dtype | None = None,
     kv_scale=None,
     kv_zero=None,
     out_key=None,
@@ -181,7 +181,7 @@ def gather_kv_padded(
     key_scale=None,
     key_zero=None,
     stream=None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table."""
     return _gather(kv_layer, seq_lens, stream, block_table=block_table, layout=layout, out_dtype=out_dtype,
                    kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,

@@ -7,8 +7,8 @@ disk-cache key (which hashes those flags) cannot miss an option.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple, Union
 
 from pagedkv.errors import InvalidArgumentError, expected
 
@@ -19,7 +19,7 @@ _ARCH = re.compile(r"^sm_(\d{2,3})([af]?)$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _STDS = ("c++17", "c++20")
 
-Defines = Union[Mapping[str, Optional[str]], Tuple[Tuple[str, Optional[str]], ...]]
+Defines = Mapping[str, str | None] | tuple[tuple[str, str | None], ...]
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class CompileOptions:
     fmad: bool = False
     line_info: bool = False
     device_debug: bool = False
-    include_dirs: Tuple[str, ...] = ()
-    max_registers: Optional[int] = None
+    include_dirs: tuple[str, ...] = ()
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.arch, str) or not _ARCH.match(self.arch):
@@ -77,11 +77,11 @@ class CompileOptions:
             raise InvalidArgumentError(expected("max_registers", "a positive int or None", repr(self.max_registers)))
 
     @property
-    def compute_capability(self) -> Tuple[int, int]:
+    def compute_capability(self) -> tuple[int, int]:
         digits = _ARCH.match(self.arch).group(1)  # type: ignore[union-attr]
         return int(digits[:-1]), int(digits[-1])
 
-    def nvrtc_flags(self) -> Tuple[str, ...]:
+    def nvrtc_flags(self) -> tuple[str, ...]:
         """The NVRTC command line these options mean (the one translator)."""
         m = _ARCH.match(self.arch)  # always matches: __post_init__ checked it
         virtual = "compute_" + m.group(1) + m.group(2)  # type: ignore[union-attr]
@@ -96,6 +96,6 @@ class CompileOptions:
             flags.append("--device-debug")
         if self.max_registers is not None:
             flags.append(f"--maxrregcount={self.max_registers}")
-        flags += [f"-D{n}" if v is None else f"-D{n}={v}" for n, v in self.defines]
+        flags += [f"-D{n}" if v is None else f"-D{n}={v}" for n, v in self.defines]  # type: ignore[str-unpack]  # pairs, once made
         flags += [f"--include-path={d}" for d in self.include_dirs]
         return tuple(flags)

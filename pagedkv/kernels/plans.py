@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from pagedkv import dtypes
+from pagedkv import op_checks as checks
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.kernels import sources
-from pagedkv import op_checks as checks
 
 __all__ = [
     "Launch",
@@ -53,7 +53,7 @@ _MODEL_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.MODEL}
 _QUANT_NAMES = {d.name: d.kernel_name for d in dtypes.QUANTIZED if d.kernel_name in sources.QUANT_TYPES}
 _CHUNK_NAMES = {16: "v16", 4: "e4", 2: "e2", 1: "e1"}
 
-Arg = Tuple[str, object]  # ("ptr" | "i64", int) or ("f32", float)
+Arg = tuple[str, object]  # ("ptr" | "i64", int) or ("f32", float)
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,15 @@ class Launch:
 
     source: str
     kernel: str
-    grid: Tuple[int, int, int]
-    block: Tuple[int, int, int]
-    args: Tuple[Arg, ...]
-    keep: Tuple[object, ...] = field(default=(), compare=False, repr=False)
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: tuple[Arg, ...]
+    keep: tuple[object, ...] = field(default=(), compare=False, repr=False)
 
     def pack_args(self):
         """``(argv, values)``: a ``void*[]`` pointing at each argument's C value, in
         cuLaunchKernel's ``kernelParams`` form; keep ``values`` alive while in use."""
-        values = [_CTYPES[kind](value) for kind, value in self.args]
+        values = [_CTYPES[kind](value) for kind, value in self.args]  # type: ignore[arg-type]  # ints by kind
         argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         return argv, values
 
@@ -125,7 +125,7 @@ def as_tensor(x: object) -> object:
 
 def _check_kernel_dtype(geo: checks.LayerGeometry) -> None:
     if geo.quantized and geo.kv_dtype not in _QUANT_NAMES:
-        row = dtypes.info(geo.kv_dtype)
+        row = dtypes.info(geo.kv_dtype)  # type: ignore[arg-type]  # quantized: named
         raise DTypeError(expected("kv_layer", f"a kv dtype with a CUDA kernel ({', '.join(sources.QUANT_TYPES)} "
                                   "or a model dtype)", f"{row.name} ({row.torch_name})"))
 
@@ -165,7 +165,7 @@ def _chunk_for(nbytes: int, *ptrs: int) -> int:
     return 1  # unreachable: 1 divides everything
 
 
-def _ptr(t: Optional[torch.Tensor]) -> Arg:
+def _ptr(t: torch.Tensor | None) -> Arg:
     return ("ptr", 0 if t is None else t.data_ptr())
 
 
@@ -173,7 +173,7 @@ def _i64(v: int) -> Arg:
     return ("i64", int(v))
 
 
-def _check_signs(rotation_signs, geo, device) -> Optional[torch.Tensor]:
+def _check_signs(rotation_signs, geo, device) -> torch.Tensor | None:
     """The rotation signs a kernel reads (contiguous), after the shared checks and the
     kernels' own bound: a CTA row holds a whole head_dim row in shared memory."""
     checks.check_rotation(rotation_signs, geo, device)
@@ -200,7 +200,7 @@ def _rot_dims(rows: int, cols: int, head_dim: int):
 
 
 def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None,
-                  rotation_signs=None) -> List[Launch]:
+                  rotation_signs=None) -> list[Launch]:
     """Plan :func:`pagedkv.ops.reference.write_kv` (same arguments)."""
     geo = checks.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
     signs = _check_signs(rotation_signs, geo, kv_layer.device)
@@ -222,7 +222,7 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
     lo = layout.lower()
     tail = [_i64(tokens), _i64(geo.num_blocks * geo.block_size), _i64(geo.block_size), _i64(heads)]
     if geo.quantized:
-        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[geo.kv_dtype],
+        name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[geo.kv_dtype],  # type: ignore[index]
                                      rotated=signs is not None)
         groups = _groups(kv_layer, kv_scale)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key), _ptr(value), _ptr(slots)]
@@ -250,7 +250,7 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
 # seal_key_blocks
 
 
-def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> List[Launch]:
+def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> list[Launch]:
     """Plan :func:`pagedkv.ops.reference.seal_key_blocks` (same arguments).
 
     The ids are read once, from a copy the kernel then reads too: on the CPU they are
@@ -347,7 +347,7 @@ def plan_gather(
     keep = (table, indptr_c, lens, seq_ends)
     lo = layout.lower()
     if geo.quantized:
-        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[geo.kv_dtype], out_type=_MODEL_NAMES[out_dtype],
+        name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[geo.kv_dtype], out_type=_MODEL_NAMES[out_dtype],  # type: ignore[index]
                                    rotated=signs is not None)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
         args += table_args + [_i64(dim), _i64(_groups(kv_layer, kv_scale))]
@@ -371,7 +371,7 @@ def plan_gather(
 # copy_blocks / swap_blocks
 
 
-def _block_copy(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> Optional[Launch]:
+def _block_copy(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> Launch | None:
     layers, src_blocks = src.shape[0], src.shape[1]
     block_bytes = math.prod(src.shape[2:]) * src.element_size()
     num_pairs = pairs.shape[0]
@@ -389,14 +389,14 @@ def _host_pairs(pairs: object) -> bool:
     return isinstance(pairs, torch.Tensor) and pairs.device.type == "cpu"
 
 
-def _no_pairs(pairs: object) -> object:
+def _no_pairs(pairs: object) -> torch.Tensor:
     """An empty stand-in for device pairs, so the reference validators run their
     structural checks without reading (syncing on) the real ones."""
     dtype = pairs.dtype if isinstance(pairs, torch.Tensor) else torch.int64
     return torch.empty((0, 2), dtype=dtype)
 
 
-def plan_copy_blocks(arenas, pairs) -> List[Launch]:
+def plan_copy_blocks(arenas, pairs) -> list[Launch]:
     """Plan :func:`pagedkv.ops.reference.copy_blocks`: one launch per arena."""
     if _host_pairs(pairs):
         arenas, _, _ = checks.validate_copy_blocks(arenas, pairs)  # every check, same messages
@@ -410,7 +410,7 @@ def plan_copy_blocks(arenas, pairs) -> List[Launch]:
     return [x for x in launches if x is not None]
 
 
-def plan_swap_blocks(src_arenas, dst_arenas, pairs, *, launch_device: Optional[torch.device] = None) -> List[Launch]:
+def plan_swap_blocks(src_arenas, dst_arenas, pairs, *, launch_device: torch.device | None = None) -> list[Launch]:
     """Plan :func:`pagedkv.ops.reference.swap_blocks`: one launch per arena pair.
 
     With ``launch_device`` (the CUDA path) every arena must live on that device or

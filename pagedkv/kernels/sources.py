@@ -16,7 +16,6 @@ import importlib.resources
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Tuple
 
 from pagedkv import dtypes
 from pagedkv.errors import InvalidArgumentError, expected
@@ -62,7 +61,7 @@ class KernelSource:
 
     name: str
     text: bytes
-    headers: Dict[str, bytes] = field(default_factory=dict)
+    headers: dict[str, bytes] = field(default_factory=dict)
 
     def all_bytes(self) -> bytes:
         """Everything that determines the compiled code, in a stable order."""
@@ -83,7 +82,7 @@ def _source_root():
         return root
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read(name: str) -> bytes:
     return _source_root().joinpath(name).read_bytes()
 
@@ -93,7 +92,7 @@ def load(name: str) -> KernelSource:
     if name not in SOURCE_FILES:
         raise InvalidArgumentError(expected("name", f"one of {', '.join(SOURCE_FILES)}", repr(name)))
     text = _read(name)
-    headers: Dict[str, bytes] = {}
+    headers: dict[str, bytes] = {}
     pending = [text]
     while pending:
         for inc in _INCLUDE.findall(pending.pop()):
@@ -151,8 +150,8 @@ def attention_merge_name(out_type: str) -> str:
 _COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
 
 
-@functools.lru_cache(maxsize=None)
-def entry_points() -> Dict[str, Tuple[str, ...]]:
+@functools.cache
+def entry_points() -> dict[str, tuple[str, ...]]:
     """``{source file: every extern "C" kernel it defines}``."""
     write = [write_kv_name(lo, chunk=c) for lo in LAYOUTS for c in _COPY_CHUNKS_MODEL]
     write += [write_kv_name(lo, in_type=t, quant=q, rotated=r) for lo in LAYOUTS for t in MODEL_TYPES

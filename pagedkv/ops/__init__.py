@@ -15,9 +15,6 @@ there is no silent fallback from a GPU tensor to the slow reference.
 """
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Optional, Tuple
-
 import torch
 
 from pagedkv.ops import backends
@@ -40,7 +37,7 @@ __all__ = [
 
 # The fast CPU module when its loops are built: the per-call fast path skips the
 # dispatcher for the common case (CPU tensor, backend="auto").
-_CPU: Optional[ModuleType] = backends.load("cpu") if backends.cpu_ops_built() else None
+_CPU: backends.DataOpsBackend | None = backends.load("cpu") if backends.cpu_ops_built() else None
 _Tensor = torch.Tensor
 _impl = backends.implementation
 
@@ -58,8 +55,9 @@ def _first_device(arenas: object) -> torch.device:
     return _device(arenas)
 
 
-def _cpu_fast(backend: str, t: object) -> bool:
-    return _CPU is not None and backend == "auto" and type(t) is _Tensor and t.is_cpu
+def _cpu_fast(backend: str, t: object) -> backends.DataOpsBackend | None:
+    """The fast CPU module when it serves this call (built, CPU tensor, backend="auto"), else None."""
+    return _CPU if backend == "auto" and type(t) is _Tensor and t.is_cpu else None
 
 
 def write_kv(
@@ -69,15 +67,16 @@ def write_kv(
     value: torch.Tensor,
     *,
     layout: str = "NHD",
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """Store new K/V tokens at their slots; see :func:`pagedkv.ops.reference.write_kv`."""
-    if _cpu_fast(backend, kv_layer):
-        _CPU.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
-                      rotation_signs=rotation_signs)
+    cpu = _cpu_fast(backend, kv_layer)
+    if cpu is not None:
+        cpu.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
+                     rotation_signs=rotation_signs)
         return
     fn = _impl("write_kv", backend, _device(kv_layer))
     fn(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
@@ -98,18 +97,19 @@ def gather_kv(
     seq_lens: torch.Tensor,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    out_key: Optional[torch.Tensor] = None,
-    out_value: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    out_key: torch.Tensor | None = None,
+    out_value: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
     backend: str = "auto",
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (CSR block tables); see :func:`pagedkv.ops.reference.gather_kv`."""
-    fn = _CPU.gather_kv if _cpu_fast(backend, kv_layer) else _impl("gather_kv", backend, _device(kv_layer))
+    cpu = _cpu_fast(backend, kv_layer)
+    fn = cpu.gather_kv if cpu is not None else _impl("gather_kv", backend, _device(kv_layer))
     return fn(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
               kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
               key_scale=key_scale, key_zero=key_zero)
@@ -121,19 +121,20 @@ def gather_kv_padded(
     seq_lens: torch.Tensor,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    out_key: Optional[torch.Tensor] = None,
-    out_value: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    out_key: torch.Tensor | None = None,
+    out_value: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
     backend: str = "auto",
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (padded block table); see :func:`pagedkv.ops.reference.gather_kv_padded`."""
-    if _cpu_fast(backend, kv_layer):
-        fn = _CPU.gather_kv_padded
+    cpu = _cpu_fast(backend, kv_layer)
+    if cpu is not None:
+        fn = cpu.gather_kv_padded
     else:
         fn = _impl("gather_kv_padded", backend, _device(kv_layer))
     return fn(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,

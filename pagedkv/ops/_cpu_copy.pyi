@@ -1,6 +1,5 @@
 """Typing stub of the fast CPU loops (see _cpu_copy.pyx). Pointers are ``int`` addresses
 (``tensor.data_ptr()``), strides and sizes are in bytes unless named in elements."""
-from typing import Tuple
 
 PARALLEL_BYTES: int
 
@@ -29,7 +28,7 @@ def validate_csr(
     nnz: int,
     block_size: int,
     num_blocks: int,
-) -> Tuple[int, int, int, int]: ...
+) -> tuple[int, int, int, int]: ...
 def validate_padded(
     table_ptr: int,
     seq_lens_ptr: int,
@@ -37,7 +36,7 @@ def validate_padded(
     width: int,
     block_size: int,
     num_blocks: int,
-) -> Tuple[int, int, int, int]: ...
+) -> tuple[int, int, int, int]: ...
 def gather_csr(
     layer_ptr: int,
     indptr_ptr: int,

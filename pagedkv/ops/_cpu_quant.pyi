@@ -1,9 +1,8 @@
 """Typing stub of the quantized CPU loops (see _cpu_quant.pyx). Pointers are ``int``
 addresses (``tensor.data_ptr()``, 0 for an absent zero view or no rotation signs), strides are in bytes."""
-from typing import Dict, Tuple
 
-MODEL_CODES: Dict[str, int]
-QUANT_CODES: Dict[str, int]
+MODEL_CODES: dict[str, int]
+QUANT_CODES: dict[str, int]
 ROW_ISA: str
 
 def write_quant(
@@ -27,7 +26,7 @@ def write_quant(
     groups: int,
     hnd: bool,
     signs_ptr: int = 0,
-) -> Tuple[int, int]: ...
+) -> tuple[int, int]: ...
 def gather_quant(
     layer_ptr: int,
     scale_ptr: int,
@@ -69,4 +68,4 @@ def seal_key_blocks(
     block_size: int,
     num_heads: int,
     head_dim: int,
-) -> Tuple[int, int]: ...
+) -> tuple[int, int]: ...

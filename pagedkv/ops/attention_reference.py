@@ -36,7 +36,7 @@ same up to rounding.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -81,15 +81,15 @@ class AttentionPlan(NamedTuple):
     num_q_heads: int
     group: int                  # query heads per KV head
     sm_scale: float
-    soft_cap: Optional[float]
-    window: Optional[int]
+    soft_cap: float | None
+    window: int | None
     sink_tokens: int
-    num_splits: Optional[int]
+    num_splits: int | None
     indptr: torch.Tensor        # int32, CPU snapshots (read once), values checked
     indices: torch.Tensor
     seq_lens: torch.Tensor
     q_indptr: torch.Tensor
-    exact: Optional[ExactRows]  # with slot_of as a contiguous int64 CPU tensor
+    exact: ExactRows | None  # with slot_of as a contiguous int64 CPU tensor
 
 
 def index_array(name: str, x: object, device: torch.device) -> torch.Tensor:
@@ -115,7 +115,7 @@ def index_array(name: str, x: object, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _opt_number(name: str, x: object, what: str, ok) -> Optional[float]:
+def _opt_number(name: str, x: object, what: str, ok) -> float | None:
     if x is None:
         return None
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(float(x)):
@@ -123,7 +123,7 @@ def _opt_number(name: str, x: object, what: str, ok) -> Optional[float]:
     return float(x)
 
 
-def _opt_int(name: str, x: object, lo: int, allow_none: bool = True) -> Optional[int]:
+def _opt_int(name: str, x: object, lo: int, allow_none: bool = True) -> int | None:
     if x is None and allow_none:
         return None
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < lo:
@@ -131,7 +131,7 @@ def _opt_int(name: str, x: object, lo: int, allow_none: bool = True) -> Optional
     return int(x)
 
 
-def _check_exact(exact: object, geo: op_checks.LayerGeometry, device: torch.device) -> Optional[ExactRows]:
+def _check_exact(exact: object, geo: op_checks.LayerGeometry, device: torch.device) -> ExactRows | None:
     if exact is None:
         return None
     if not isinstance(exact, ExactRows):

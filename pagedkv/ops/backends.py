@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import logging
 import warnings
-from typing import Dict, Protocol, Tuple, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -32,7 +32,7 @@ OP_NAMES = ("write_kv", "seal_key_blocks", "gather_kv", "gather_kv_padded", "cop
             "convert_layout")
 
 #: backend name -> module implementing :class:`DataOpsBackend`
-MODULES: Dict[str, str] = {
+MODULES: dict[str, str] = {
     "reference": "pagedkv.ops.reference",
     "cpu": "pagedkv.ops.cpu",
     "cuda": "pagedkv.kernels.ops",
@@ -41,7 +41,7 @@ MODULES: Dict[str, str] = {
 
 #: what the ops' ``backend=`` accepts: ``"auto"`` picks by device (see :func:`resolve_backend`).
 #: The emulation is for tests: they call it through :func:`load`, with its grid overrides.
-BACKENDS: Tuple[str, ...] = ("auto", "cpu", "cuda", "reference")
+BACKENDS: tuple[str, ...] = ("auto", "cpu", "cuda", "reference")
 
 
 @runtime_checkable
@@ -67,7 +67,7 @@ class DataOpsBackend(Protocol):
 
 
 _log = logging.getLogger("pagedkv.ops")
-_checked: Dict[str, object] = {}  # name -> module already checked against the protocol
+_checked: dict[str, object] = {}  # name -> module already checked against the protocol
 _cpu_missing_warned = False
 
 _LABELS = {
@@ -103,12 +103,12 @@ def load(name: str) -> DataOpsBackend:
             missing = [op for op in OP_NAMES if not callable(getattr(mod, op, None))]
             raise KernelUnavailableError(f"{where} provides no {', '.join(missing)}")
         _checked[name] = mod
-    return mod  # type: ignore[return-value]
+    return mod
 
 
 def cpu_ops_built() -> bool:
     """True when the fast CPU loops are compiled into this install."""
-    return bool(load("cpu").AVAILABLE)
+    return bool(load("cpu").AVAILABLE)  # type: ignore[attr-defined]  # the cpu module's own flag
 
 
 def resolve_backend(backend: str, *devices: torch.device) -> str:

@@ -12,8 +12,6 @@ Results equal the reference element for element.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 
 from pagedkv import dtypes
@@ -24,7 +22,7 @@ try:
     from pagedkv.ops import _cpu_copy as _c
     from pagedkv.ops import _cpu_quant as _q
 except ImportError:  # not built (source checkout without build_ext)
-    _c = _q = None
+    _c = _q = None  # type: ignore[assignment]
 
 __all__ = [
     "AVAILABLE",
@@ -65,9 +63,9 @@ def write_kv(
     value: torch.Tensor,
     *,
     layout: str = "NHD",
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
 ) -> None:
     """:func:`pagedkv.ops.reference.write_kv` on CPU tensors."""
     if _c is not None and kv_scale is None and kv_zero is None and rotation_signs is None and _sparse_safe(
@@ -171,10 +169,10 @@ def _quant_code(geo) -> int:
 
 
 def _model_code(dtype) -> int:
-    return _q.MODEL_CODES[dtypes.lookup(dtype).name]
+    return _q.MODEL_CODES[dtypes.lookup(dtype).name]  # type: ignore[union-attr]  # a checked model dtype
 
 
-def _signs_ptr(rotation_signs: Optional[torch.Tensor]) -> Tuple[int, Optional[torch.Tensor]]:
+def _signs_ptr(rotation_signs: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
     """``(address, tensor to keep alive)`` of contiguous rotation signs (0: none)."""
     if rotation_signs is None:
         return 0, None
@@ -321,15 +319,15 @@ def gather_kv(
     seq_lens: torch.Tensor,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    out_key: Optional[torch.Tensor] = None,
-    out_value: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    out_dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    out_key: torch.Tensor | None = None,
+    out_value: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv` on CPU tensors."""
     if _c is not None and rotation_signs is None and key_scale is None and key_zero is None:
         outs = _sparse_safe(_fast_gather_csr, kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
@@ -375,15 +373,15 @@ def gather_kv_padded(
     seq_lens: torch.Tensor,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    out_key: Optional[torch.Tensor] = None,
-    out_value: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    out_dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    out_key: torch.Tensor | None = None,
+    out_value: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv_padded` on CPU tensors."""
     if _c is not None and rotation_signs is None and key_scale is None and key_zero is None:
         outs = _sparse_safe(_fast_gather_padded, kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,

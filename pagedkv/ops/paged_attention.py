@@ -29,8 +29,6 @@ Every check runs before any work, with the same errors whatever the backend
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pagedkv.errors import DeviceError, KernelUnavailableError, expected
@@ -59,18 +57,18 @@ def paged_attention(
     q_indptr,
     *,
     layout: str = "NHD",
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    sm_scale: Optional[float] = None,
-    soft_cap: Optional[float] = None,
-    window: Optional[int] = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    window: int | None = None,
     sink_tokens: int = 0,
-    num_splits: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    exact_rows: Optional[ExactRows] = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    exact_rows: ExactRows | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` over paged K/V.

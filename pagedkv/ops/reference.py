@@ -26,11 +26,11 @@ which of the tokens lands is unspecified (as in every GPU implementation).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 import torch
 
 from pagedkv import dtypes
+from pagedkv import op_checks as _op_checks
+from pagedkv.errors import ShapeError, expected
 from pagedkv.op_checks import (  # re-exported: the checks were first published here
     LAYOUTS,
     Arenas,
@@ -40,14 +40,14 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
     check_block_ids,
     check_csr,
     check_gather,
-    check_layer,
     check_key_channels,
-    check_seal_key_blocks,
+    check_layer,
     check_layout,
     check_out,
     check_padded,
     check_pairs,
     check_rotation,
+    check_seal_key_blocks,
     check_slot_values,
     check_tensor,
     check_write_kv,
@@ -60,11 +60,8 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
     validate_copy_blocks,
     validate_swap_blocks,
 )
-from pagedkv.errors import ShapeError, expected
 from pagedkv.quant import dequantize, dequantize_key_channels, is_quantized, quantize, quantize_key_block
 from pagedkv.rotation import rotate, unrotate
-
-from pagedkv import op_checks as _op_checks
 
 __all__ = [
     "write_kv",
@@ -82,7 +79,7 @@ def _csr_token_index(indptr, indices, seq_lens, bs: int, nb: int):
     idx = indices.tolist()
     lens = seq_lens.tolist()
     nnz = len(idx)
-    blocks: List[List[int]] = []
+    blocks: list[list[int]] = []
     for b, n in enumerate(lens):
         lo, hi = ptr[b], ptr[b + 1]
         if not 0 <= lo <= hi <= nnz:
@@ -99,7 +96,7 @@ def _padded_token_index(block_table, seq_lens, bs: int, nb: int):
     rows = block_table.tolist()
     lens = seq_lens.tolist()
     width = block_table.shape[1]
-    blocks: List[List[int]] = []
+    blocks: list[list[int]] = []
     for b, n in enumerate(lens):
         if n < 0 or n > width * bs:
             raise seq_len_error(b, n, width, bs, padded=True)
@@ -109,7 +106,7 @@ def _padded_token_index(block_table, seq_lens, bs: int, nb: int):
     return _token_index(blocks, lens, bs)
 
 
-def _token_index(blocks: List[List[int]], lens: List[int], bs: int):
+def _token_index(blocks: list[list[int]], lens: list[int], bs: int):
     blk, off = [], []
     for need, n in zip(blocks, lens):
         blk.append(torch.tensor(need, dtype=torch.int64).repeat_interleave(bs)[:n])
@@ -145,9 +142,9 @@ def write_kv(
     value: torch.Tensor,
     *,
     layout: str = "NHD",
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
 ) -> None:
     """Store one layer's new K/V tokens into their slots.
 
@@ -175,13 +172,13 @@ def write_kv(
     blk = torch.div(slots, geo.block_size, rounding_mode="floor")
     off = slots - blk * geo.block_size
     for kv, src in ((0, key[valid]), (1, value[valid])):
-        if geo.quantized:
-            group = geo.head_dim // kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else None
-            q, s, z = quantize(src, geo.kv_dtype, group_size=group)
+        if geo.quantized:   # check_write_kv has required kv_scale, and kv_zero where the format has one
+            group = geo.head_dim // kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else None  # type: ignore[union-attr]
+            q, s, z = quantize(src, geo.kv_dtype, group_size=group)  # type: ignore[arg-type]
             _assign(kv_layer, layout, kv, blk, off, q)
-            _assign(kv_scale, layout, kv, blk, off, s)
+            _assign(kv_scale, layout, kv, blk, off, s)  # type: ignore[arg-type]
             if z is not None:
-                _assign(kv_zero, layout, kv, blk, off, z)
+                _assign(kv_zero, layout, kv, blk, off, z)  # type: ignore[arg-type]
         else:
             _assign(kv_layer, layout, kv, blk, off, src)
 
@@ -251,15 +248,15 @@ def gather_kv(
     seq_lens: torch.Tensor,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    out_key: Optional[torch.Tensor] = None,
-    out_value: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    out_dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    out_key: torch.Tensor | None = None,
+    out_value: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch of sequences into contiguous tensors, in token order.
 
     Args:
@@ -301,15 +298,15 @@ def gather_kv_padded(
     seq_lens: torch.Tensor,
     *,
     layout: str = "NHD",
-    out_dtype: Optional[torch.dtype] = None,
-    kv_scale: Optional[torch.Tensor] = None,
-    kv_zero: Optional[torch.Tensor] = None,
-    out_key: Optional[torch.Tensor] = None,
-    out_value: Optional[torch.Tensor] = None,
-    rotation_signs: Optional[torch.Tensor] = None,
-    key_scale: Optional[torch.Tensor] = None,
-    key_zero: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    out_dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
+    out_key: torch.Tensor | None = None,
+    out_value: torch.Tensor | None = None,
+    rotation_signs: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table.
 
     Row ``b`` lists sequence ``b``'s blocks; entries past ``ceil(seq_lens[b] / bs)``

@@ -13,10 +13,17 @@ so it needs no hashing; the core must behave the same wherever hashes do not col
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from collections.abc import Callable
 
-from pagedkv.errors import (CacheBusyError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError,
-                            SequenceExistsError, SequenceNotFoundError, expected)
+from pagedkv.errors import (
+    CacheBusyError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    OutOfBlocksError,
+    SequenceExistsError,
+    SequenceNotFoundError,
+    expected,
+)
 
 __all__ = ["PyBlockPool", "PyTables"]
 
@@ -42,13 +49,13 @@ class PyBlockPool:
         self.cached = [False] * num_blocks
         self.pins = [0] * num_blocks
         self.hits = [0] * num_blocks
-        self.lists: List[OrderedDict] = [OrderedDict() for _ in range(1 + self.nbuckets)]
-        self.where: Dict[int, object] = {}
+        self.lists: list[OrderedDict] = [OrderedDict() for _ in range(1 + self.nbuckets)]
+        self.where: dict[int, int | str] = {}    # block -> its list, or PINNED
         for b in (range(num_blocks) if order is None else order):
             self.lists[EMPTY][b] = None
             self.where[b] = EMPTY
         self.num_allocations = self.num_frees = self.num_touches = self.num_evictions = 0
-        self.on_evict = None   # callback(block) when cached content is dropped
+        self.on_evict: Callable[[int], None] | None = None   # callback(block) when cached content is dropped
 
     # -- helpers -----------------------------------------------------------------------
     def bucket_for(self, b: int, cls: int) -> int:
@@ -60,7 +67,7 @@ class PyBlockPool:
 
     def _unlist(self, b: int) -> None:
         w = self.where.pop(b)
-        if w != PINNED:
+        if isinstance(w, int):      # not PINNED
             del self.lists[w][b]
 
     def _push_back(self, lst: int, b: int) -> None:
@@ -85,7 +92,7 @@ class PyBlockPool:
     def num_cached_free_blocks(self) -> int:
         return sum(1 for b in range(self.num_blocks) if not self.ref[b] and self.cached[b])
 
-    def free_block_queue(self) -> List[int]:
+    def free_block_queue(self) -> list[int]:
         return [b for lst in self.lists for b in lst]
 
     def _check_range(self, b: int, i: int) -> None:
@@ -93,7 +100,7 @@ class PyBlockPool:
             raise InvalidBlockError(expected("block_ids", f"block ids in [0, {self.num_blocks})", f"{b} at index {i}"))
 
     # -- operations --------------------------------------------------------------------
-    def allocate(self, n: int) -> List[int]:
+    def allocate(self, n: int) -> list[int]:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidArgumentError(expected("n", "an int >= 0", repr(n)))
         free = self.num_free_blocks
@@ -101,7 +108,7 @@ class PyBlockPool:
             raise OutOfBlocksError(n, free)
         out = []
         for _ in range(n):
-            lst = next(k for k, l in enumerate(self.lists) if l)
+            lst = next(k for k, blocks in enumerate(self.lists) if blocks)
             b, _ = self.lists[lst].popitem(last=False)
             del self.where[b]
             if self.cached[b]:
@@ -112,10 +119,10 @@ class PyBlockPool:
         self.num_allocations += n
         if n and self.policy == "adaptive" and len(self.lists[EMPTY]) < self.low:
             while len(self.lists[EMPTY]) < self.high:
-                lst = next((k for k in range(1, len(self.lists)) if self.lists[k]), None)
-                if lst is None:
+                victim = next((k for k in range(1, len(self.lists)) if self.lists[k]), None)
+                if victim is None:
                     break
-                b, _ = self.lists[lst].popitem(last=False)
+                b, _ = self.lists[victim].popitem(last=False)
                 del self.where[b]
                 self._evict(b)
                 self._push_back(EMPTY, b)
@@ -123,7 +130,7 @@ class PyBlockPool:
 
     def free(self, block_ids, priority=None) -> None:
         ids = [int(b) for b in block_ids]
-        seen: Dict[int, int] = {}
+        seen: dict[int, int] = {}
         for i, b in enumerate(ids):
             self._check_range(b, i)
             seen[b] = seen.get(b, 0) + 1
@@ -187,7 +194,7 @@ class PyBlockPool:
 
     def unpin(self, block_ids) -> None:
         ids = [int(b) for b in block_ids]
-        seen: Dict[int, int] = {}
+        seen: dict[int, int] = {}
         for i, b in enumerate(ids):
             self._check_range(b, i)
             seen[b] = seen.get(b, 0) + 1
@@ -230,13 +237,13 @@ class _Row:
                  "canon_gen", "ns", "priority", "track", "prefix_hit", "cls", "dropped", "hold")
 
     def __init__(self, tokens, ns, priority):
-        self.blocks: List[int] = []
-        self.tokens: List[int] = list(tokens)
+        self.blocks: list[int] = []
+        self.tokens: list[int] = list(tokens)
         self.prompt_len = len(self.tokens)
         self.computed = self.reserved = self.hashed = self.prefix_hit = 0
         self.canon, self.canon_gen = -1, 0
         self.ns, self.priority, self.track = ns, priority, True
-        self.cls: Dict[int, int] = {}
+        self.cls: dict[int, int] = {}
         self.dropped = 0    # sliding window: released blocks after the sinks (entries -1)
         self.hold = False   # sliding window: commits release nothing (rollback pending)
 
@@ -250,11 +257,11 @@ class PyTables:
         self.pool, self.bs, self.prefix, self.recent = pool, block_size, prefix, recent_blocks
         self.window, self.sinks = window, sinks
         self.sink_blocks = -(-sinks // block_size)
-        self.rows: Dict[int, _Row] = {}
-        self.reg: Dict[int, Tuple[int, tuple, int, int]] = {}     # block -> (ns, chain, parent, pgen)
-        self.chains: Dict[Tuple[int, tuple], int] = {}            # (ns, chain) -> block
+        self.rows: dict[int, _Row] = {}
+        self.reg: dict[int, tuple[int, tuple, int, int]] = {}     # block -> (ns, chain, parent, pgen)
+        self.chains: dict[tuple[int, tuple], int] = {}            # (ns, chain) -> block
         self.gen = [0] * pool.num_blocks
-        self.copies: List[Tuple[int, int]] = []
+        self.copies: list[tuple[int, int]] = []
         self.num_query_tokens = self.num_hit_tokens = 0
         pool.on_evict = self._unregister
 
@@ -285,7 +292,7 @@ class PyTables:
             raise SequenceNotFoundError(key, "seq_ids")
         return row
 
-    def _rows(self, keys) -> List[_Row]:
+    def _rows(self, keys) -> list[_Row]:
         seen = set()
         rows = []
         for k in keys:      # in order: the first unknown or repeated key decides the error
@@ -295,8 +302,8 @@ class PyTables:
             seen.add(k)
         return rows
 
-    def match(self, tokens, ns: int = 0, max_blocks: Optional[int] = None) -> List[int]:
-        hits: List[int] = []
+    def match(self, tokens, ns: int = 0, max_blocks: int | None = None) -> list[int]:
+        hits: list[int] = []
         parent, pgen = -1, 0
         n = len(tokens) // self.bs if max_blocks is None else min(max_blocks, len(tokens) // self.bs)
         for i in range(n):
@@ -314,7 +321,7 @@ class PyTables:
         if key in self.rows:
             raise SequenceExistsError(key)
         row = _Row(tokens or [], ns, priority)
-        hits: List[int] = []
+        hits: list[int] = []
         if self.prefix and row.tokens:
             hits = self.match(row.tokens, ns, (len(row.tokens) - 1) // self.bs)
             for b in hits:
@@ -330,7 +337,7 @@ class PyTables:
         self.rows[key] = row
         return len(hits) * self.bs
 
-    def reserve(self, keys, counts) -> List[int]:
+    def reserve(self, keys, counts) -> list[int]:
         keys = list(keys)
         counts = [counts] * len(keys) if isinstance(counts, int) else [int(c) for c in counts]
         rows = self._rows(keys)
@@ -388,7 +395,7 @@ class PyTables:
                 self._register(row)
             self._slide(row)
 
-    def advance(self, keys, token_ids) -> List[int]:
+    def advance(self, keys, token_ids) -> list[int]:
         keys = list(keys)
         token_ids = [int(t) for t in token_ids]
         if len(token_ids) != len(keys):

@@ -335,5 +335,5 @@ def tiny_llama(seed: int = 0, dtype=None):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model = model.to(torch.float32 if dtype is None else dtype).eval()
+    model = model.to(torch.float32 if dtype is None else dtype).eval()  # type: ignore[arg-type]  # transformers' stub
     return model, tok

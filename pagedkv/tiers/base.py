@@ -8,7 +8,7 @@ with the store's per-block shape, so one block moves with all of its scales in a
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from pagedkv.tiers.chain import ChainIndex
 __all__ = ["Tier", "mirror_arenas"]
 
 
-def mirror_arenas(store_arenas: List[torch.Tensor], capacity: int, *, pin: bool) -> List[torch.Tensor]:
+def mirror_arenas(store_arenas: list[torch.Tensor], capacity: int, *, pin: bool) -> list[torch.Tensor]:
     """Zeroed CPU arenas with ``capacity`` blocks, one per store arena."""
     out = []
     for a in store_arenas:
@@ -42,10 +42,10 @@ class Tier:
 
     def __init__(self):
         self.index: ChainIndex
-        self.arenas: List[torch.Tensor] = []
-        self.ns_ids: Dict[bytes, int] = {}
-        self.ns_keys: List[bytes] = []
-        self.ns_hashes: List[int] = []
+        self.arenas: list[torch.Tensor] = []
+        self.ns_ids: dict[bytes, int] = {}
+        self.ns_keys: list[bytes] = []
+        self.ns_hashes: list[int] = []
         self.num_hit_tokens = 0       # tokens promoted from this tier
         self.num_written = 0          # blocks copied into this tier
         self.num_corrupt = 0          # blocks refused at read (disk: checksum)
@@ -54,7 +54,12 @@ class Tier:
     def capacity(self) -> int:
         return self.index.capacity
 
-    def namespace(self, key: bytes, create: bool) -> Optional[int]:
+    @overload
+    def namespace(self, key: bytes, create: Literal[True]) -> int: ...
+    @overload
+    def namespace(self, key: bytes, create: bool) -> int | None: ...
+
+    def namespace(self, key: bytes, create: bool) -> int | None:
         """The tier's id of a namespace key (None when unknown and not created)."""
         ns = self.ns_ids.get(key)
         if ns is None and create:
@@ -68,12 +73,12 @@ class Tier:
     def _namespace_added(self, key: bytes) -> None:
         pass
 
-    def read(self, slots: List[int], dst_arenas: List[torch.Tensor], dst_blocks: List[int]) -> None:
+    def read(self, slots: list[int], dst_arenas: list[torch.Tensor], dst_blocks: list[int]) -> None:
         """Copy these slots' KV (all arenas, all layers) into ``dst_blocks``."""
         pairs = torch.tensor(list(zip(slots, dst_blocks)), dtype=torch.int64).reshape(-1, 2)
         ops.swap_blocks(self.arenas, dst_arenas, pairs)
 
-    def write(self, src_arenas: List[torch.Tensor], src_blocks: List[int], slots: List[int]) -> None:
+    def write(self, src_arenas: list[torch.Tensor], src_blocks: list[int], slots: list[int]) -> None:
         """Copy ``src_blocks`` of ``src_arenas`` into these slots."""
         pairs = torch.tensor(list(zip(src_blocks, slots)), dtype=torch.int64).reshape(-1, 2)
         ops.swap_blocks(src_arenas, self.arenas, pairs)

@@ -22,7 +22,7 @@ a disk tier's index stays valid across restarts.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 
@@ -66,8 +66,8 @@ class ChainIndex:
     """
 
     def __init__(self, records: np.ndarray, block_size: int, *, eviction: str = "lru",
-                 weak_hash: bool = False, on_evict: Optional[Callable[[int], None]] = None,
-                 on_removed: Optional[Callable[[int], None]] = None):
+                 weak_hash: bool = False, on_evict: Callable[[int], None] | None = None,
+                 on_removed: Callable[[int], None] | None = None):
         self.rec = records
         # field views, made once: a lookup reads a few fields of each block's record
         self._f = {k: records[k] for k in ("valid", "ns", "parent", "parent_gen", "gen", "hash", "tokens")}
@@ -83,8 +83,8 @@ class ChainIndex:
         self.busy = np.zeros(n, dtype=np.int32)
         self.where = np.full(n, -1, dtype=np.int8)     # eviction bucket of a leaf; -1: not evictable
         nb = FREQUENCY_BUCKETS if self.frequency else 1
-        self.buckets: List[OrderedDict] = [OrderedDict() for _ in range(nb)]
-        self.by_hash: Dict[int, int] = {}
+        self.buckets: list[OrderedDict] = [OrderedDict() for _ in range(nb)]
+        self.by_hash: dict[int, int] = {}
         self.num_evictions = 0
         valid = records["valid"] == 1
         self.num_used = int(valid.sum())
@@ -95,7 +95,7 @@ class ChainIndex:
             self.children[:] = counts[:n]
         for s in np.flatnonzero(valid).tolist():
             self.by_hash[int(records["hash"][s])] = s
-        self.free: List[int] = np.flatnonzero(~valid)[::-1].tolist()   # pop() takes the lowest
+        self.free: list[int] = np.flatnonzero(~valid)[::-1].tolist()   # pop() takes the lowest
         for s in np.flatnonzero(valid)[np.argsort(records["stamp"][valid], kind="stable")].tolist():
             self._refresh(s)
 
@@ -120,10 +120,10 @@ class ChainIndex:
         pgen = 0 if parent == ROOT else int(self._f["gen"][parent])
         return s if self.matches(s, tokens, ns, parent, pgen) else -1
 
-    def lookup(self, tokens: np.ndarray, ns: int, ns_hash: int, max_blocks: int) -> List[int]:
+    def lookup(self, tokens: np.ndarray, ns: int, ns_hash: int, max_blocks: int) -> list[int]:
         """Slots of the longest verified chain from the root that ``tokens`` starts with."""
         bs = self.block_size
-        out: List[int] = []
+        out: list[int] = []
         parent = ROOT
         for i in range(min(max_blocks, len(tokens) // bs)):
             s = self.find_child(parent, ns, ns_hash, tokens[i * bs:(i + 1) * bs])
@@ -133,7 +133,7 @@ class ChainIndex:
             parent = s
         return out
 
-    def chain(self, slot: int) -> List[int]:
+    def chain(self, slot: int) -> list[int]:
         """The slots from the root down to ``slot``."""
         out = []
         while slot != ROOT:
@@ -221,7 +221,7 @@ class ChainIndex:
         if self.on_removed is not None:
             self.on_removed(slot)
 
-    def descendants(self, slot: int) -> List[int]:
+    def descendants(self, slot: int) -> list[int]:
         """Valid slots below ``slot``, deepest first (the order :meth:`remove` needs)."""
         r = self.rec
         valid = r["valid"] == 1
@@ -233,7 +233,7 @@ class ChainIndex:
             frontier = kids
         return np.concatenate(found)[::-1].tolist() if found else []
 
-    def clear(self) -> List[int]:
+    def clear(self) -> list[int]:
         """Empty every slot; returns the slots that were valid."""
         r = self.rec
         held = np.flatnonzero(r["valid"] == 1)

@@ -40,7 +40,8 @@ import os
 import warnings
 import weakref
 import zlib
-from typing import Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,7 +55,7 @@ from pagedkv.tiers.tierdir import TierDir, storage_error
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["DiskPrefixTier", "FORMAT_VERSION"]
 
@@ -83,9 +84,9 @@ class DiskPrefixTier(Tier):
 
     medium = "disk"
 
-    def __init__(self, path: str, store_arenas: List[torch.Tensor], capacity: int, block_size: int,
+    def __init__(self, path: str, store_arenas: list[torch.Tensor], capacity: int, block_size: int,
                  kv_format: dict, *, eviction: str, weak_hash: bool, verify_blocks: bool = True,
-                 on_evict: Optional[Callable[[int], None]] = None):
+                 on_evict: Callable[[int], None] | None = None):
         super().__init__()
         self.block_size = block_size
         self.weak_hash = weak_hash
@@ -98,9 +99,9 @@ class DiskPrefixTier(Tier):
             sections.append((offset, a.dtype, (a.shape[0],) + tuple(a.shape[2:])))
             offset = _aligned(offset + per_block)
         self.record_bytes = offset
-        self.meta = {"magic": _MAGIC, "version": FORMAT_VERSION, "capacity": capacity,
-                     "record_bytes": offset, "block_size": block_size, "weak_hash": bool(weak_hash),
-                     "kv_format": kv_format}
+        self.meta: dict[str, Any] = {"magic": _MAGIC, "version": FORMAT_VERSION, "capacity": capacity,
+                                     "record_bytes": offset, "block_size": block_size,
+                                     "weak_hash": bool(weak_hash), "kv_format": kv_format}
         if not 0 < capacity <= MAX_SLOTS:               # before anything is created or allocated
             raise InvalidArgumentError(expected("prefix_disk_blocks", f"an int in [1, {MAX_SLOTS}] (tier slot "
                                                 "ids are int32)", capacity))
@@ -200,7 +201,7 @@ class DiskPrefixTier(Tier):
         self._disk_raw = self._disk.view(np.uint8).reshape(n, dt.itemsize)
         self.records = np.array(self._disk)
         self._raw_records = self.records.view(np.uint8).reshape(n, dt.itemsize)
-        self._checked_bytes = dt.fields["rec_crc"][1]
+        self._checked_bytes = dt.fields["rec_crc"][1]  # type: ignore[index]  # a record dtype has fields
 
     def _check_meta_types(self, meta: dict) -> None:
         # Before any comparison: a field of the wrong type is a foreign header, not a crash.
@@ -270,9 +271,9 @@ class DiskPrefixTier(Tier):
         parent, pgen, gen = np.array(r["parent"]), np.array(r["parent_gen"]), np.array(r["gen"])
         ns, stored, rec_crc = np.array(r["ns"]), np.array(r["hash"]), np.array(r["rec_crc"])
         held = np.flatnonzero(valid == 1).tolist()
-        kids = {}
+        kids: dict[int, list[int]] = {}
         for s in held:
-            if zlib.crc32(self._raw_records[s, :self._checked_bytes]) != int(rec_crc[s]) or (
+            if zlib.crc32(self._raw_records[s, :self._checked_bytes]) != int(rec_crc[s]) or (  # type: ignore[arg-type]
                     verify_blocks and not self.verify(s)):
                 bad.add(s)
                 continue
@@ -284,7 +285,7 @@ class DiskPrefixTier(Tier):
         hashes, owner = {ROOT: ROOT_HASH}, {}
         frontier = kids.get(ROOT, [])
         while frontier:
-            nxt = []
+            nxt: list[int] = []
             for s in frontier:
                 h = chain_hash(hashes[int(parent[s])], self.ns_hashes[int(ns[s])], np.asarray(r["tokens"][s]),
                                self.weak_hash)
@@ -330,7 +331,7 @@ class DiskPrefixTier(Tier):
     # ---- data integrity ----------------------------------------------------------------
     def _block_crc(self, slot: int) -> int:
         start = slot * self.record_bytes
-        return zlib.crc32(self.blocks[start:start + self.record_bytes])
+        return zlib.crc32(self.blocks[start:start + self.record_bytes])  # type: ignore[arg-type]  # numpy: a buffer
 
     def verify(self, slot: int) -> bool:
         ok = self._block_crc(slot) == int(self.records["crc"][slot])
@@ -344,7 +345,7 @@ class DiskPrefixTier(Tier):
         r, raw, disk = self.records, self._raw_records, self._disk_raw
         for s in np.asarray(slots).tolist():
             r["crc"][s] = self._block_crc(s)
-            r["rec_crc"][s] = zlib.crc32(raw[s, :self._checked_bytes])
+            r["rec_crc"][s] = zlib.crc32(raw[s, :self._checked_bytes])  # type: ignore[arg-type]  # numpy: a buffer
             disk[s, 1:] = raw[s, 1:]
             disk[s, 0] = raw[s, 0]
         super().written(slots)
@@ -376,7 +377,7 @@ class DiskPrefixTier(Tier):
                 self.flush()
         finally:
             self.arenas, self._records_view = [], []
-            self.blocks = self._disk = self._disk_raw = None
+            self.blocks = self._disk = self._disk_raw = None  # type: ignore[assignment]  # closed
             for m in getattr(self, "_maps", ()):
                 try:
                     m.close()

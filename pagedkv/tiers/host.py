@@ -1,7 +1,7 @@
 """The host-memory prefix tier: CPU arenas (pinned when the device is a GPU)."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -16,9 +16,9 @@ __all__ = ["HostPrefixTier"]
 class HostPrefixTier(Tier):
     medium = "host"
 
-    def __init__(self, store_arenas: List[torch.Tensor], capacity: int, block_size: int, *,
+    def __init__(self, store_arenas: list[torch.Tensor], capacity: int, block_size: int, *,
                  eviction: str, weak_hash: bool, pin: bool,
-                 on_evict: Optional[Callable[[int], None]] = None):
+                 on_evict: Callable[[int], None] | None = None):
         super().__init__()
         # sized before anything is allocated: a huge prefix_host_blocks is a typed error
         check_fits("cpu", [("prefix_host_blocks", capacity,

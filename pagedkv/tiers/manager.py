@@ -28,19 +28,19 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from pagedkv.errors import TierFileError
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.group_tables import GROUP_NS_BITS, group_key
 from pagedkv.kvformat import kv_format
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT
 from pagedkv.tiers.disk import DiskPrefixTier
 from pagedkv.tiers.host import HostPrefixTier
 from pagedkv.tiers.stats import TierStats
-from pagedkv.group_tables import GROUP_NS_BITS, group_key
 
 __all__ = ["PrefixTiers"]
 
@@ -53,9 +53,9 @@ class _Rec(NamedTuple):
 
     tokens: np.ndarray
     ns_key: bytes
-    parent: Optional[Tuple[int, int]]   # (id, generation) of the parent in the same source
+    parent: tuple[int, int] | None   # (id, generation) of the parent in the same source
     data: int                           # device block or tier slot holding the KV
-    dev_hash: Optional[int]             # this process's device hash (for KV events)
+    dev_hash: int | None             # this process's device hash (for KV events)
     pins: int = 0                       # pins it holds there (a copy holds them too)
 
 
@@ -87,34 +87,40 @@ class PrefixTiers:
         self.through = cfg.prefix_tier_write == "through"
         self.events = cfg.enable_kv_events
         weak = self.index.weak_hash
-        self.host: Optional[HostPrefixTier] = None
-        self.disk: Optional[DiskPrefixTier] = None
+        self.host: HostPrefixTier | None = None
+        self.disk: DiskPrefixTier | None = None
         if cfg.prefix_host_blocks:
-            self.host = HostPrefixTier(self.store.arenas, cfg.prefix_host_blocks, self.bs,
-                                       eviction=cfg.prefix_tier_eviction, weak_hash=weak,
-                                       pin=self.store.device.type == "cuda",
-                                       on_evict=lambda s: self._evicting(self.host, s))
-            self.host.index.on_removed = lambda s: self._removed_slot(self.host, s)
+            host = self.host = HostPrefixTier(self.store.arenas, cfg.prefix_host_blocks, self.bs,
+                                              eviction=cfg.prefix_tier_eviction, weak_hash=weak,
+                                              pin=self.store.device.type == "cuda",
+                                              on_evict=lambda s: self._evicting(host, s))
+            host.index.on_removed = lambda s: self._removed_slot(host, s)
         if cfg.prefix_disk_blocks:
-            self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
-                                       kv_format(self.store, cfg.prefix_disk_tag),
-                                       eviction=cfg.prefix_tier_eviction, weak_hash=weak,
-                                       on_evict=lambda s: self._evicting(self.disk, s))
-            persist = self.disk.index.on_removed
-            self.disk.index.on_removed = lambda s: (persist(s), self._removed_slot(self.disk, s))
-        self.tiers: List[Tier] = [t for t in (self.host, self.disk) if t is not None]
+            disk = self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
+                                              kv_format(self.store, cfg.prefix_disk_tag),
+                                              eviction=cfg.prefix_tier_eviction, weak_hash=weak,
+                                              on_evict=lambda s: self._evicting(disk, s))
+            persist = disk.index.on_removed      # the disk's own record keeping, then ours
+
+            def on_removed(s: int) -> None:
+                if persist is not None:
+                    persist(s)
+                self._removed_slot(disk, s)
+
+            disk.index.on_removed = on_removed
+        self.tiers: list[Tier] = [t for t in (self.host, self.disk) if t is not None]
         # (target medium, source medium, id, gen) -> (slot, slot gen); per target slot its keys
-        self._links: Dict[tuple, Tuple[int, int]] = {}
-        self._link_keys: Dict[Tuple[str, int], List[tuple]] = defaultdict(list)
-        self._dev_hash: Dict[Tuple[str, int], int] = {}
-        self._removed: Dict[Tuple[int, int], _Rec] = {}       # this drain's ended registrations
-        self._copies: Dict[Tuple[str, str], List[Tuple[int, int]]] = defaultdict(list)
-        self._new: Dict[str, List[int]] = defaultdict(list)
+        self._links: dict[tuple, tuple[int, int]] = {}
+        self._link_keys: dict[tuple[str, int], list[tuple]] = defaultdict(list)
+        self._dev_hash: dict[tuple[str, int], int] = {}
+        self._removed: dict[tuple[int, int], _Rec] = {}       # this drain's ended registrations
+        self._copies: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+        self._new: dict[str, list[int]] = defaultdict(list)
         self._buffer: list = []                                 # KV events, all media, in order
         self.num_lost = 0
 
     # ---- write-back / write-through -----------------------------------------------------
-    def sync(self, promoted: Optional[Dict[int, str]] = None) -> None:
+    def sync(self, promoted: dict[int, str] | None = None) -> None:
         """Copy down what the last device call evicted (and, write-through, registered).
 
         Must run before anything writes into the blocks that call allocated."""
@@ -147,7 +153,7 @@ class PrefixTiers:
         finally:
             self._removed = {}
 
-    def _record(self, src: str, key: Tuple[int, int]) -> Optional[_Rec]:
+    def _record(self, src: str, key: tuple[int, int]) -> _Rec | None:
         if src == DEVICE:
             found = self._removed.get(key)
             if found is not None:
@@ -169,7 +175,7 @@ class PrefixTiers:
         return _Rec(np.array(r["tokens"][s]), tier.ns_keys[int(r["ns"][s])], parent, s,
                     self._dev_hash.get((src, s)), int(tier.index.pins[s]))
 
-    def _linked(self, target: Tier, src: str, key: Tuple[int, int]) -> int:
+    def _linked(self, target: Tier, src: str, key: tuple[int, int]) -> int:
         found = self._links.get((target.medium, src) + key)
         if found is None:
             return -1
@@ -180,7 +186,7 @@ class PrefixTiers:
         target.index.touch(s)
         return s
 
-    def _link(self, target: Tier, src: str, key: Tuple[int, int], slot: int) -> None:
+    def _link(self, target: Tier, src: str, key: tuple[int, int], slot: int) -> None:
         k = (target.medium, src) + key
         if k not in self._links:
             keys = self._link_keys[(target.medium, slot)]
@@ -189,7 +195,7 @@ class PrefixTiers:
                 self._links.pop(keys.pop(0), None)
         self._links[k] = (slot, int(target.index.rec["gen"][slot]))
 
-    def _admit(self, target: Tier, src: str, key: Tuple[int, int]) -> int:
+    def _admit(self, target: Tier, src: str, key: tuple[int, int]) -> int:
         """The slot of ``target`` holding the chain ending at ``key`` of ``src``, admitting
         the blocks it lacks (root first); -1 when the chain cannot be closed."""
         path = []
@@ -267,10 +273,13 @@ class PrefixTiers:
             raise
 
     def _tier(self, medium: str) -> Tier:
-        return self.host if medium == "host" else self.disk
+        tier = self.host if medium == "host" else self.disk
+        if tier is None:     # a medium named here comes from a copy between existing tiers
+            raise KeyError(medium)
+        return tier
 
     # ---- promotion ------------------------------------------------------------------------
-    def promote(self, key: int, tokens: np.ndarray, ns_id: int, hit: int, max_blocks: Optional[int] = None) -> int:
+    def promote(self, key: int, tokens: np.ndarray, ns_id: int, hit: int, max_blocks: int | None = None) -> int:
         """Extend a just-admitted sequence's device hit (``hit`` tokens) from the tiers;
         returns the new hit. Verified like a device hit; limited by free device blocks.
         With layer groups every group is extended by the same blocks, each from its own
@@ -299,7 +308,7 @@ class PrefixTiers:
         # per group and promoted block: (tier, slot), upper tier first
         sources = [[next((t, c[i]) for t, c in found if len(c) > i) for i in range(have, have + n)]
                    for found in chains]
-        leases = [[t, list(c[:have + n])] for found in chains for t, c in found]
+        leases: list[list[Any]] = [[t, list(c[:have + n])] for found in chains for t, c in found]
         for t, held in leases:
             t.index.lease(held)
 
@@ -406,7 +415,7 @@ class PrefixTiers:
         self._link_keys.clear()
 
     # ---- events ---------------------------------------------------------------------------------
-    def _pull_device_events(self, promoted: Optional[Dict[int, str]] = None) -> None:
+    def _pull_device_events(self, promoted: dict[int, str] | None = None) -> None:
         events = events_from_records(self.index.drain_events(), self.namespaces.name, self.bs, self.index.root)
         if promoted:
             events = [e for ev in events for e in _split_loaded(ev, promoted)]
@@ -453,7 +462,7 @@ class PrefixTiers:
             self._buffer.append(BlockStored([h], ph, self.bs, ns, [slot], medium=tier.medium))
 
     # ---- stats, checks, close ------------------------------------------------------------------
-    def stats(self) -> List[TierStats]:
+    def stats(self) -> list[TierStats]:
         return [TierStats(medium=t.medium, capacity=t.capacity, used_blocks=t.index.num_used,
                           pinned_blocks=t.index.num_pinned, hit_tokens=t.num_hit_tokens,
                           written_blocks=t.num_written, eviction_count=t.index.num_evictions,
@@ -468,11 +477,11 @@ class PrefixTiers:
             t.close()
 
 
-def _split_loaded(event, promoted: Dict[int, str]):
+def _split_loaded(event, promoted: dict[int, str]):
     """A device BlockStored of promoted blocks, split by the tier each block came from."""
     if not isinstance(event, BlockStored) or not any(b in promoted for b in event.block_ids):
         return [event]
-    out = []
+    out: list[Any] = []
     parent = event.parent_block_hash
     for h, b in zip(event.block_hashes, event.block_ids):
         src = promoted.get(b)

@@ -20,7 +20,6 @@ import json
 import mmap
 import os
 import stat
-from typing import List, Optional
 
 from pagedkv.errors import InvalidArgumentError, TierFileError, TierStorageError, expected
 
@@ -41,7 +40,8 @@ def _kind(mode: int) -> str:
 
 
 def storage_error(argument: str, what: str, e: OSError) -> TierStorageError:
-    err = TierStorageError(expected(argument, what, f"{errno.errorcode.get(e.errno, e.errno)} ({e.strerror})"))
+    code = e.errno if e.errno is None else errno.errorcode.get(e.errno, e.errno)
+    err = TierStorageError(expected(argument, what, f"{code} ({e.strerror})"))
     err.errno = e.errno       # (not strerror: OSError would print "[Errno N] ..." instead of the message)
     return err
 
@@ -62,8 +62,8 @@ class TierDir:
         self.path = path
         self.uid = os.geteuid()
         self.fd = -1
-        self.created: List[str] = []        # names this open created (removed again on failure)
-        self._made: List[str] = []          # directories makedirs created, deepest first
+        self.created: list[str] = []        # names this open created (removed again on failure)
+        self._made: list[str] = []          # directories makedirs created, deepest first
         p = os.path.abspath(path)
         while not os.path.lexists(p) and os.path.dirname(p) != p:
             self._made.append(p)
@@ -89,7 +89,7 @@ class TierDir:
         return os.path.join(self.path, name)
 
     # ---- checks -----------------------------------------------------------------------
-    def lstat(self, name: str) -> Optional[os.stat_result]:
+    def lstat(self, name: str) -> os.stat_result | None:
         try:
             return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -97,7 +97,7 @@ class TierDir:
         except OSError as e:
             raise storage_error(self.file(name), "a file pagedkv can inspect", e) from None
 
-    def _refuse(self, name: str, st: os.stat_result) -> Optional[TierFileError]:
+    def _refuse(self, name: str, st: os.stat_result) -> TierFileError | None:
         if not stat.S_ISREG(st.st_mode):
             got = _kind(st.st_mode)
         elif st.st_uid != self.uid:
@@ -106,7 +106,7 @@ class TierDir:
             return None
         return TierFileError(expected(self.file(name), f"a regular file owned by this user (uid {self.uid})", got))
 
-    def check(self, name: str) -> Optional[os.stat_result]:
+    def check(self, name: str) -> os.stat_result | None:
         """``name``'s status, or None when absent; refuses anything but a regular file of ours."""
         st = self.lstat(name)
         if st is not None:
@@ -124,8 +124,9 @@ class TierDir:
             fd = os.open(name, fl, _MODE, dir_fd=self.fd)
         except OSError as e:
             st = self.lstat(name) if e.errno in (errno.ELOOP, errno.EMLINK, errno.EISDIR, errno.ENXIO) else None
-            if st is not None and self._refuse(name, st) is not None:
-                raise self._refuse(name, st) from None
+            refused = self._refuse(name, st) if st is not None else None
+            if refused is not None:
+                raise refused from None
             raise storage_error(self.file(name), "a file pagedkv can open", e) from None
         if not existed or exclusive:
             self.created.append(name)

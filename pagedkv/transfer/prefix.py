@@ -14,11 +14,22 @@ import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.cache import as_token_ids, namespace_key
-from pagedkv.support import require
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
+from pagedkv.support import require
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
-from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_header, recv_kv,
-                                       recv_tokens, refuse, scratch_id, send_tokens)
+from pagedkv.transfer.protocol import (
+    MAX_TOKENS,
+    abort,
+    expect_ok,
+    header,
+    jsonable,
+    recv_header,
+    recv_kv,
+    recv_tokens,
+    refuse,
+    scratch_id,
+    send_tokens,
+)
 from pagedkv.transfer.schema import check, integer, list_of_digits, optional, scalar, text
 from pagedkv.transfer.wire import Link
 
@@ -106,7 +117,7 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
     tmp = scratch_id()
     added = False
     k = m = 0
-    if reason is None:
+    if reason is None and tokens is not None:     # tokens arrive whenever the header was accepted
         try:
             salt, adapter = h["cache_salt"], h["adapter_id"]
             if [str(x) for x in block_hashes(tokens, bs, salt, adapter)] != h["hashes"]:

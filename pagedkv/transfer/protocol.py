@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ def jsonable(name: str, value: Any) -> Any:
     return value
 
 
-def header(kind: str, cache, **fields) -> Dict[str, Any]:
+def header(kind: str, cache, **fields) -> dict[str, Any]:
     h = {"magic": MAGIC, "version": VERSION, "kind": kind, "format": kv_format(cache.store)}
     h.update(fields)
     return h
@@ -68,7 +68,7 @@ def abort(link: Link, kind: str, error: BaseException) -> None:
     link.send_abort(str(error))
 
 
-def refusal(h: Any, kind: str, cache, fields: Dict[str, Any], link: Link) -> Optional[str]:
+def refusal(h: Any, kind: str, cache, fields: dict[str, Any], link: Link) -> str | None:
     """Why a received header cannot be served here (None when it can): not a pagedkv
     header, another kind, another KV format (every differing setting named), or a field
     that fails ``fields`` (see :func:`pagedkv.transfer.schema.check`)."""
@@ -84,7 +84,7 @@ def refusal(h: Any, kind: str, cache, fields: Dict[str, Any], link: Link) -> Opt
     return check(h, fields, "header")
 
 
-def recv_header(link: Link, kind: str, cache, fields: Dict[str, Any]):
+def recv_header(link: Link, kind: str, cache, fields: dict[str, Any]):
     """``(header, why it is refused or None)``; a header that is not even JSON is refused
     (after its tokens are drained) rather than raised, so the sender learns why."""
     try:
@@ -96,7 +96,7 @@ def recv_header(link: Link, kind: str, cache, fields: Dict[str, Any]):
     return h, refusal(h, kind, cache, fields, link)
 
 
-def expect_ok(link: Link, what: str, fields: Optional[Dict[str, Any]] = None, last: bool = False) -> Dict[str, Any]:
+def expect_ok(link: Link, what: str, fields: dict[str, Any] | None = None, last: bool = False) -> dict[str, Any]:
     """The peer's ``{"ok": true, ...}`` reply, checked against ``fields``. A refusal or a
     malformed reply raises TransferError; ``last``: the peer expects nothing after it."""
     reply = link.recv_json(what)        # a malformed one raises; the peer still waits for this side
@@ -124,7 +124,7 @@ def send_tokens(link: Link, tokens: np.ndarray) -> None:
     link.send_data(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)), "sending tokens")
 
 
-def recv_tokens(link: Link, n: Optional[int]) -> Optional[np.ndarray]:
+def recv_tokens(link: Link, n: int | None) -> np.ndarray | None:
     """The ``n`` token ids the header announced, verified (size and checksum); with
     ``n=None`` (a header this side refuses) whatever came is received and dropped."""
     what = "receiving tokens"
@@ -141,7 +141,7 @@ def recv_kv(link: Link, cache, blocks, window: bool) -> None:
     """Step 3 on the receiver: ``blocks``' KV (and the window rows when ``window``), each
     part verified before it lands in blocks no reader can see yet. On a bad part the
     rest is received and dropped, the sender is told why, and TransferError is raised."""
-    error: Optional[TransferError] = None
+    error: TransferError | None = None
     try:
         link.recv_blocks(cache.store.arenas, blocks)
         cache.store.replaced(blocks)

@@ -3,7 +3,8 @@ and a bool is never taken for an int. A field that fails names itself, what was
 expected and what came (cut short), so a refusal says what the peer got wrong."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 from pagedkv.kvformat import shown
 
@@ -72,7 +73,7 @@ def list_of_digits(count: int) -> Check:
     return f
 
 
-def check(msg: Any, fields: Dict[str, Check], what: str) -> Optional[str]:
+def check(msg: Any, fields: dict[str, Check], what: str) -> str | None:
     """Why ``msg`` does not fit ``fields`` (None when it does). Fields are checked in
     order; a check may read fields checked before it (``msg`` is then a dict)."""
     if type(msg) is not dict:

@@ -1,13 +1,24 @@
 """Move one sequence (its tokens, metadata and committed KV) to another process."""
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
-from pagedkv.transfer.protocol import (MAX_TOKENS, abort, expect_ok, header, jsonable, recv_header, recv_kv,
-                                       recv_tokens, refuse, scratch_id, send_tokens)
+from pagedkv.transfer.protocol import (
+    MAX_TOKENS,
+    abort,
+    expect_ok,
+    header,
+    jsonable,
+    recv_header,
+    recv_kv,
+    recv_tokens,
+    refuse,
+    scratch_id,
+    send_tokens,
+)
 from pagedkv.transfer.schema import Invalid, anything, integer, optional, scalar, text
 from pagedkv.transfer.wire import Link
 
@@ -36,7 +47,7 @@ HEADER = {"seq_id": _seq_id, "cache_salt": optional(text()), "adapter_id": scala
 # and "groups" (checked by _held_positions): absent or null without layer groups
 
 
-def _held_positions(cache, h) -> Optional[List[np.ndarray]]:
+def _held_positions(cache, h) -> list[np.ndarray] | None:
     """With layer groups: per group, the table positions whose KV the sender sends (a
     sliding group sends only what its window and sinks hold), checked against this
     cache; None without groups. Raises ``Invalid`` naming what is wrong."""

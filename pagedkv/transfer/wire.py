@@ -29,7 +29,8 @@ from __future__ import annotations
 import datetime
 import json
 import zlib
-from typing import Any, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ def checksum(t: torch.Tensor) -> int:
     where both peers are on GPUs) a position-weighted sum computed on the device."""
     b = t.reshape(-1).view(torch.uint8)
     if b.device.type == "cpu":
-        return zlib.crc32(b.numpy())
+        return zlib.crc32(b.numpy())  # type: ignore[arg-type]  # numpy: a buffer
     x = b.to(torch.int64)
     w = torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device) % 65521
     return (int(x.sum()) & 0xFFFFFFFF) | ((int((x * w).sum()) & 0x7FFFFFFF) << 32)
@@ -92,7 +93,7 @@ def json_depth(raw: bytes) -> int:
 class Link:
     """One conversation with ``peer`` in ``group`` (default: the world)."""
 
-    def __init__(self, peer: int, group=None, timeout: float = 60.0, device: Optional[torch.device] = None):
+    def __init__(self, peer: int, group=None, timeout: float = 60.0, device: torch.device | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise InvalidArgumentError(expected("torch.distributed", "an initialized process group "
                                                 "(torch.distributed.init_process_group)", "none"))
@@ -172,16 +173,16 @@ class Link:
     def send_ints(self, values: Sequence[int], what: str) -> None:
         self.wait(self.send(torch.tensor(list(values), dtype=torch.int64, device=self.ctl), what), what)
 
-    def send_frame(self, kind: int, payload: Optional[torch.Tensor], what: str, check: Optional[int] = None):
+    def send_frame(self, kind: int, payload: torch.Tensor | None, what: str, check: int | None = None):
         """Send a frame and start sending ``payload`` (contiguous, on the comm device) after
         it; returns the payload's work (None for an empty one)."""
         n = 0 if payload is None else payload.numel() * payload.element_size()
         if check is None:
-            check = checksum(payload) if n else 0
+            check = checksum(payload) if payload is not None and n else 0
         self.send_ints([FRAME_MAGIC, kind, n, check], what)
-        return self.send(payload, what) if n else None
+        return self.send(payload, what) if payload is not None and n else None
 
-    def recv_frame(self, what: str, kind: int) -> List[int]:
+    def recv_frame(self, what: str, kind: int) -> list[int]:
         """``[kind, nbytes, checksum]`` of the next frame; an abort raises :class:`PeerAborted`."""
         t = torch.zeros(_FRAME_ROOM, dtype=torch.int64, device=self.ctl)
         self.wait(self.recv(t, what), what)
@@ -272,18 +273,18 @@ class Link:
                 raise self.corrupt(what, "data whose checksum does not match its frame")
 
     # ---- KV blocks ----------------------------------------------------------------------------
-    def send_blocks(self, arenas: List[torch.Tensor], blocks: Sequence[int]) -> None:
+    def send_blocks(self, arenas: list[torch.Tensor], blocks: Sequence[int]) -> None:
         """Send ``blocks`` of every layer of every arena (``[L, NB, ...]``), in order, each
         part framed with its size and checksum."""
         if not len(blocks):
             return
         run = _as_run(blocks)
         idx = None if run is not None else torch.tensor(list(blocks), dtype=torch.int64, device=arenas[0].device)
-        window: List[Any] = []
+        window: list[Any] = []
         for layer in range(arenas[0].shape[0]):
             for a in arenas:
                 src = a[layer]
-                part = src[run[0]:run[1]] if run is not None else src.index_select(0, idx)
+                part = src[run[0]:run[1]] if run is not None else src.index_select(0, idx)  # type: ignore[arg-type]  # idx: set unless a run
                 part = _wire(part).to(self.comm).contiguous()     # no copy for a run on the comm device
                 window.append((self.send_frame(DATA, part, f"sending layer {layer}"), part, layer))
                 if len(window) > _DEPTH:
@@ -292,7 +293,7 @@ class Link:
         for w, _, lay in window:
             self.wait(w, f"sending layer {lay}")
 
-    def recv_blocks(self, arenas: List[torch.Tensor], blocks: Sequence[int]) -> None:
+    def recv_blocks(self, arenas: list[torch.Tensor], blocks: Sequence[int]) -> None:
         """Receive what :meth:`send_blocks` sends into ``blocks`` of ``arenas``. Each part
         is checked (size, then checksum) before it is copied in; after a bad part the rest
         are received and dropped (the conversation stays in step) and TransferError is
@@ -303,8 +304,8 @@ class Link:
         idx = torch.tensor(list(blocks), dtype=torch.int64, device=arenas[0].device)
         jobs = [(layer, a) for layer in range(arenas[0].shape[0]) for a in arenas]
         buffers = {}
-        error: Optional[TransferError] = None
-        pending: List[Any] = []
+        error: TransferError | None = None
+        pending: list[Any] = []
 
         def land(entry):
             nonlocal error
