@@ -25,8 +25,12 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError, expected
+
+if TYPE_CHECKING:   # the demo imports torch-backed modules lazily, so `--help` stays fast
+    from pagedkv.cache import PagedKVCache
 
 HELP = "serve concurrent chat requests with continuous batching over a paged KV cache"
 
@@ -78,7 +82,7 @@ class DemoResult:
     hit_rate: float
     contiguous_bytes: int       # requests x max context x bytes/token
     contiguous_tight_bytes: int  # requests x (prompt + max_new_tokens) x bytes/token
-    kv: object
+    kv: PagedKVCache
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

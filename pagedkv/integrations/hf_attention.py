@@ -71,5 +71,5 @@ def register(name: str = NAME) -> str:
 
 def tag(key: torch.Tensor, ticket: Ticket) -> torch.Tensor:
     """``key`` carrying ``ticket`` (a plain attribute: transformers passes the tensor through)."""
-    key._pagedkv_ticket = ticket
+    setattr(key, "_pagedkv_ticket", ticket)   # a plain attribute on the tensor
     return key

@@ -186,7 +186,7 @@ class PagedCache(Cache):
         self.cache_salt = cache_salt
         # update() only writes; the "pagedkv" attention reads the pages (hf_attention)
         self.paged_attention = paged_attention
-        self._ticket = None
+        self._ticket: hf_attention.Ticket | None = None
         self.num_layers = kv.config.num_layers
         self._windows = hf_windows.layer_windows(kv)     # None: every layer is full attention
         windows = self._windows or [0] * self.num_layers
@@ -279,7 +279,7 @@ class PagedCache(Cache):
             tokens = ids[b, int(pads[b]):].to("cpu")
             whole = (len(tokens) - 1) // bs * bs
             hits[b] = min(self.kv.match_prefix(tokens, cache_salt=salt, adapter_id=adapter_id), whole)
-        window = min(w for w in self._windows if w)
+        window = min(w for w in self._windows or () if w)
         return hf_windows.admit_caps(hits, pads, bs, window)
 
     def select(self, seq_ids: Sequence[Any], num_new_tokens: int = 1):
@@ -403,7 +403,7 @@ class PagedCache(Cache):
             try:
                 self._abort_step()
             except Exception as undo:   # keep the original error; say the rollback failed too
-                e.add_note(f"pagedkv: undoing the failed forward pass also failed: {undo!r}")
+                e.add_note(f"pagedkv: undoing the failed forward pass also failed: {undo!r}")  # type: ignore[attr-defined]  # Python 3.11+; 3.10 has no notes
             raise
 
     def _update(self, key_states, value_states, layer_idx: int):
@@ -423,8 +423,9 @@ class PagedCache(Cache):
         columns = plan.columns
         if self.paged_attention:
             return self._write_only(key_states, value_states, layer_idx, plan)
-        if plan.groups is not None:   # layer groups: this layer's group's tables and window
-            step = plan.groups[self.kv.config.layer_groups.layer_group[layer_idx]]
+        groups = self.kv.config.layer_groups
+        if plan.groups is not None and groups is not None:   # layer groups: this layer's group's tables
+            step = plan.groups[groups.layer_group[layer_idx]]
             k, v = self.kv.gather_pages(layer_idx, step.indptr, step.indices, step.lens, pending=plan.n_new)
             keys, values = hf_windows.assemble(step, k, v, B, H, D)
             columns = step.columns
@@ -446,7 +447,7 @@ class PagedCache(Cache):
         # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
-        self.layers[layer_idx].is_initialized = True
+        self.layers[layer_idx].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
         if layer_idx == self.num_layers - 1:
             self._finish_step()
         return keys.transpose(1, 2), values.transpose(1, 2)
@@ -457,11 +458,11 @@ class PagedCache(Cache):
         B, H, q, D = key_states.shape
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
-        self.layers[layer_idx].is_initialized = True
-        self._ticket = hf_attention.Ticket(self, layer_idx, plan)
+        self.layers[layer_idx].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
+        ticket = self._ticket = hf_attention.Ticket(self, layer_idx, plan)
         if layer_idx == self.num_layers - 1:
             self._finish_step()
-        return hf_attention.tag(key_states, self._ticket), value_states
+        return hf_attention.tag(key_states, ticket), value_states
 
     def _check_ticket(self) -> None:
         ticket, self._ticket = self._ticket, None
@@ -480,10 +481,11 @@ class PagedCache(Cache):
         # to that token and the window mask (keys after p - W) reads the same.
         window = None
         table = plan
-        if plan.groups is not None:
-            g = self.kv.config.layer_groups.layer_group[ticket.layer_idx]
+        groups = self.kv.config.layer_groups
+        if plan.groups is not None and groups is not None:
+            g = groups.layer_group[ticket.layer_idx]
             table = plan.groups[g]
-            window = self.kv.config.layer_groups.groups[g].window or None
+            window = groups.groups[g].window or None
         key = id(table)
         if plan.q_indptr is None:
             plan.q_indptr, plan.q_rows = {}, {}
@@ -563,8 +565,8 @@ class PagedCache(Cache):
         indptr, indices, _ = kv.page_table_csr(rows)
         dest = None
         if self._pads.any():
-            dest = np.concatenate([b * columns + np.arange(self._pads[b], columns) for b in range(B)])
-            dest = torch.from_numpy(dest)
+            dest = torch.from_numpy(np.concatenate([b * columns + np.arange(self._pads[b], columns)
+                                                    for b in range(B)]))
         self._plan = _StepPlan(
             q, torch.from_numpy(write_slots.reshape(-1)).to(device), n_new, new_mask,
             torch.from_numpy(indptr).to(device), torch.from_numpy(indices).to(device),
@@ -573,6 +575,8 @@ class PagedCache(Cache):
 
     def _finish_step(self) -> None:
         plan = self._plan
+        if plan is None:
+            raise InternalError("a forward pass finished that layer 0 never planned: a bug")
         token_ids = None
         if self._input_ids is not None and tuple(self._input_ids.shape) == tuple(plan.new_mask.shape):
             token_ids = self._input_ids.cpu().numpy()[plan.new_mask]

@@ -36,7 +36,7 @@ same up to rounding.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -163,7 +163,7 @@ def _check_exact(exact: object, geo: op_checks.LayerGeometry, device: torch.devi
                                             int(slot_of.max())))
     recent = _opt_int("exact_rows.recent", exact.recent, 0, allow_none=False)
     sink = _opt_int("exact_rows.sink", exact.sink, 0, allow_none=False)
-    return ExactRows(data, slot_of, valid, recent, sink)
+    return ExactRows(data, slot_of, valid, cast(int, recent), cast(int, sink))
 
 
 def check_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
@@ -254,6 +254,8 @@ def _check_tables(indptr, indices, seq_lens, q_indptr, geo, num_q: int) -> None:
 
 def _exact_overlay(k, v, plan: AttentionPlan, b: int, n: int) -> None:
     ex = plan.exact
+    if ex is None:
+        return
     lo = max(0, n - ex.recent)
     head = min(ex.sink, lo)
     pos = torch.cat([torch.arange(head), torch.arange(lo, n)]).long()
@@ -262,7 +264,7 @@ def _exact_overlay(k, v, plan: AttentionPlan, b: int, n: int) -> None:
     bs = plan.geo.block_size
     first = int(plan.indptr[b])
     blk = plan.indices[first + pos // bs].long()
-    slot = ex.slot_of[blk]
+    slot = cast(torch.Tensor, ex.slot_of)[blk]
     off = pos % bs
     held = slot >= 0
     pos, slot, off = pos[held], slot[held], off[held]

@@ -38,7 +38,7 @@ from pagedkv.ops.attention_reference import ExactRows, attend_reference, check_a
 try:
     from pagedkv.ops import _cpu_attention as _ca
 except ImportError:  # not built
-    _ca = None
+    _ca = None  # type: ignore[assignment]
 
 __all__ = ["paged_attention", "ExactRows", "SPLIT_TOKENS", "CPU_AVAILABLE"]
 

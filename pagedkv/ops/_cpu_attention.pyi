@@ -1,0 +1,8 @@
+"""Typing stub of the CPU paged-attention loops (see _cpu_attention.pyx): the arguments
+are raw addresses (``tensor.data_ptr()``), sizes and codes that
+:mod:`pagedkv.ops.attention_cpu` prepares and checks; it is the only caller."""
+from typing import Any
+
+ROW_ISA: str
+
+def attend(*args: Any, **kwargs: Any) -> None: ...
