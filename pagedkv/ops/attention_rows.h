@@ -1,11 +1,15 @@
 /* attention_rows.h - paged attention on the CPU, reading the arena in place.
  *
- * One work item is (sequence b, KV head h, key range [t0, t1)): every query row of b
- * served by h (its query tokens times the GQA group) against those keys. Keys are taken
- * a tile of PKV_ATTN_TILE tokens at a time: each K and V row is read from its page in
- * its own format and widened to float32 into the tile (quant_rows.h's row functions,
- * key_rows.h's for sealed block keys), then every row scores the tile, and a float32
- * online softmax (running max m, sum l, accumulator acc) takes it in, rescaling once per
+ * One work item is (sequence b, KV heads [h0, h1), key range [t0, t1)): every query row
+ * of b served by those heads (its query tokens times the GQA group) against those keys.
+ * A decode item covers all KV heads: in the NHD layout a token's rows of consecutive
+ * heads are adjacent, so the item streams each page once, where one item per head read
+ * the same cache lines once per head with a head-sized stride (latency-bound: the same
+ * code ran 2x faster on HND). Keys are taken a tile of ``tile`` tokens (of every head)
+ * at a time: each K and V row is read from its page in its own format and widened to
+ * float32 into the tile (quant_rows.h's row functions, key_rows.h's for sealed block
+ * keys), then every row scores its head's part of the tile, and a float32 online softmax
+ * (running max m, sum l, accumulator acc, per query row) takes it in, rescaling once per
  * tile. The item leaves (m, l, acc) unnormalized; the caller merges the items of one
  * sequence exactly (log-sum-exp) and divides once.
  *
@@ -22,7 +26,9 @@
 #include "key_rows.h"
 #include "quant_rows.h"
 
+/* tokens per tile at most, and tile rows (tokens x heads) at most */
 #define PKV_ATTN_TILE 32
+#define PKV_ATTN_MAX_TILE_ROWS 4096
 
 typedef struct {
     const float* q;          /* [num_q, Hq, D] float32, unrotated */
@@ -39,6 +45,7 @@ typedef struct {
     const int32_t* seq_lens;
     const int32_t* q_indptr;
     int64_t block_size, num_heads, head_dim, groups, group, num_q_heads;
+    int64_t tile;            /* tokens per tile, 1..PKV_ATTN_TILE */
     int hnd;
     float sm_scale, soft_cap; /* soft_cap 0: none */
     int64_t window;          /* 0: none */
@@ -142,86 +149,108 @@ static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_ar
     return plain;
 }
 
-/* The item (b, h, [t0, t1)): m, l ``[rows]`` and acc ``[rows, D]`` (rows = nq * group, row
- * i * group + g is query token q_indptr[b] + i, head h * group + g), unnormalized.
- * scratch: (2 * TILE + 1) * D + rows * TILE floats. */
+/* The item (b, KV heads [h0, h1), keys [t0, t1)). m, l and acc point at the item's split
+ * of sequence b, laid out as the queries are: row i * Hq + hq (query token q_indptr[b] + i,
+ * query head hq), nq * Hq rows; the item writes the rows of its heads, unnormalized.
+ * A tile is ``tile`` tokens of every head in the item, read in memory order (NHD: a
+ * token's heads are adjacent, so one item streams its pages once instead of once per
+ * head; HND: each head's tokens run contiguously). scratch: pkv_attn_scratch_floats. */
+static inline int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t head_dim) {
+    return 2 * tile * heads * head_dim + head_dim + tile;
+}
+
 static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
-                                                                     int64_t h, int64_t t0, int64_t t1, float* m,
-                                                                     float* l, float* acc, float* scratch) {
-    const int64_t D = a->head_dim, G = a->group;
-    const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0, rows = nq * G;
+                                                                     int64_t h0, int64_t h1, int64_t t0,
+                                                                     int64_t t1, float* m, float* l, float* acc,
+                                                                     float* scratch) {
+    const int64_t D = a->head_dim, G = a->group, Hq = a->num_q_heads, T = a->tile, nh = h1 - h0;
+    const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0;
     const int64_t first = a->indptr[b];
-    float* kt = scratch;
-    float* vt = kt + PKV_ATTN_TILE * D;
-    float* tmp = vt + PKV_ATTN_TILE * D;
-    float* sc = tmp + D;
-    int plain[PKV_ATTN_TILE];
-    for (int64_t r = 0; r < rows; ++r) {
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
-    memset(acc, 0, (size_t)(rows * D) * sizeof(float));
+    float* kt = scratch;                 /* [nh, T, D] */
+    float* vt = kt + nh * T * D;
+    float* tmp = vt + nh * T * D;
+    float* s = tmp + D;                  /* [T] one row's scores */
+    uint8_t plain[PKV_ATTN_MAX_TILE_ROWS];
+    for (int64_t i = 0; i < nq; ++i)
+        for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+            memset(acc + r * D, 0, (size_t)D * sizeof(float));
+        }
     const int64_t p_min = n - nq;  /* the first query's position */
-    for (int64_t c0 = t0; c0 < t1; c0 += PKV_ATTN_TILE) {
-        const int64_t c1 = c0 + PKV_ATTN_TILE < t1 ? c0 + PKV_ATTN_TILE : t1, nt = c1 - c0;
+    for (int64_t c0 = t0; c0 < t1; c0 += T) {
+        const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
         if (c0 > n - 1) break;
         if (a->window && c1 - 1 <= p_min - a->window && c0 >= a->sink_tokens) continue;  /* seen by no query */
-        for (int64_t t = 0; t < nt; ++t)
-            plain[t] = pkv_attn_load(a, first, n, c0 + t, h, kt + t * D, vt + t * D, tmp);
-        for (int64_t i = 0; i < nq; ++i) {
-            const int64_t p = p_min + i;
-            for (int64_t g = 0; g < G; ++g) {
-                const int64_t r = i * G + g, off = ((q0 + i) * a->num_q_heads + h * G + g) * D;
-                float* s = sc + r * PKV_ATTN_TILE;
-                float mx = m[r];
-                for (int64_t t = 0; t < nt; ++t) {
-                    const int64_t j = c0 + t;
-                    if (j > p || (a->window && j <= p - a->window && j >= a->sink_tokens)) {
-                        s[t] = -INFINITY;
-                        continue;
+        if (a->hnd) {
+            for (int64_t hh = 0; hh < nh; ++hh)
+                for (int64_t t = 0; t < nt; ++t)
+                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, n, c0 + t, h0 + hh, kt + (hh * T + t) * D,
+                                                               vt + (hh * T + t) * D, tmp);
+        } else {
+            for (int64_t t = 0; t < nt; ++t)
+                for (int64_t hh = 0; hh < nh; ++hh)
+                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, n, c0 + t, h0 + hh, kt + (hh * T + t) * D,
+                                                               vt + (hh * T + t) * D, tmp);
+        }
+        for (int64_t hh = 0; hh < nh; ++hh) {
+            const float* kh = kt + hh * T * D;
+            const float* vh = vt + hh * T * D;
+            const uint8_t* ph = plain + hh * T;
+            for (int64_t i = 0; i < nq; ++i) {
+                const int64_t p = p_min + i;
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t r = i * Hq + (h0 + hh) * G + g, off = (q0 * Hq + r) * D;
+                    float mx = m[r];
+                    for (int64_t t = 0; t < nt; ++t) {
+                        const int64_t j = c0 + t;
+                        if (j > p || (a->window && j <= p - a->window && j >= a->sink_tokens)) {
+                            s[t] = -INFINITY;
+                            continue;
+                        }
+                        const float* qv = (a->qrot && !ph[t]) ? a->qrot + off : a->q + off;
+                        float x = pkv_attn_dot(qv, kh + t * D, D) * a->sm_scale;
+                        if (a->soft_cap > 0.0f) x = a->soft_cap * tanhf(x / a->soft_cap);
+                        s[t] = x;
+                        mx = x > mx ? x : mx;
                     }
-                    const float* qv = (a->qrot && !plain[t]) ? a->qrot + off : a->q + off;
-                    float x = pkv_attn_dot(qv, kt + t * D, D) * a->sm_scale;
-                    if (a->soft_cap > 0.0f) x = a->soft_cap * tanhf(x / a->soft_cap);
-                    s[t] = x;
-                    mx = x > mx ? x : mx;
+                    if (mx == -INFINITY) continue;  /* nothing seen yet */
+                    float* ar = acc + r * D;
+                    if (mx > m[r]) {
+                        const float c = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+                        l[r] *= c;
+                        for (int64_t d = 0; d < D; ++d) ar[d] *= c;
+                        m[r] = mx;
+                    }
+                    float sum = 0.0f;
+                    for (int64_t t = 0; t < nt; ++t) {
+                        if (s[t] == -INFINITY) continue;
+                        const float pt = expf(s[t] - mx);
+                        sum += pt;
+                        pkv_attn_axpy(ar, pt, vh + t * D, D);
+                    }
+                    l[r] += sum;
                 }
-                if (mx == -INFINITY) continue;  /* nothing seen yet */
-                float* ar = acc + r * D;
-                if (mx > m[r]) {
-                    const float c = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-                    l[r] *= c;
-                    for (int64_t d = 0; d < D; ++d) ar[d] *= c;
-                    m[r] = mx;
-                }
-                float sum = 0.0f;
-                for (int64_t t = 0; t < nt; ++t) {
-                    if (s[t] == -INFINITY) continue;
-                    const float pt = expf(s[t] - mx);
-                    sum += pt;
-                    pkv_attn_axpy(ar, pt, vt + t * D, D);
-                }
-                l[r] += sum;
             }
         }
     }
 }
 
-static void pkv_attn_item_base(const pkv_attn_args* a, int64_t b, int64_t h, int64_t t0, int64_t t1, float* m,
-                               float* l, float* acc, float* scratch) {
-    pkv_attn_item_body(a, b, h, t0, t1, m, l, acc, scratch);
+static void pkv_attn_item_base(const pkv_attn_args* a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1,
+                               float* m, float* l, float* acc, float* scratch) {
+    pkv_attn_item_body(a, b, h0, h1, t0, t1, m, l, acc, scratch);
 }
 
 #if PKV_HAVE_AVX2
-__attribute__((target("avx2,f16c"))) static void pkv_attn_item_avx2(const pkv_attn_args* a, int64_t b, int64_t h,
-                                                                    int64_t t0, int64_t t1, float* m, float* l,
-                                                                    float* acc, float* scratch) {
-    pkv_attn_item_body(a, b, h, t0, t1, m, l, acc, scratch);
+__attribute__((target("avx2,f16c"))) static void pkv_attn_item_avx2(const pkv_attn_args* a, int64_t b, int64_t h0,
+                                                                    int64_t h1, int64_t t0, int64_t t1, float* m,
+                                                                    float* l, float* acc, float* scratch) {
+    pkv_attn_item_body(a, b, h0, h1, t0, t1, m, l, acc, scratch);
 }
 #endif
 
-typedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, float*, float*, float*,
-                                 float*);
+typedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                                 float*, float*);
 
 static pkv_attn_item_fn pkv_pick_attn_item(void) {
 #if PKV_HAVE_AVX2
