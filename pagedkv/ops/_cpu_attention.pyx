@@ -21,7 +21,7 @@ cimport openmp
 cdef extern from "attention_rows.h" nogil:
     int PKV_F32, PKV_INT4, PKV_INT3
     int PKV_ATTN_TILE, PKV_ATTN_MAX_TILE_ROWS
-    int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t rows, int64_t head_dim, int64_t groups)
+    int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t head_dim)
     ctypedef void (*pkv_dequantize_row_fn)(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
                                            const float* scale, const float* zero, int out_type, char* out,
                                            float* tmp, const float* signs)
@@ -140,7 +140,7 @@ def attend(
         a.row_bytes = head_dim
     a.param_row = groups * (2 if (quantized and kv_type == PKV_INT3) else 4)
     cdef int64_t G = a.group, D = head_dim, Hq = num_q_heads
-    cdef int64_t b, h, s, n, nq, ns, per, i, r, it, d, hc, hc_max = 1, work = 0, share = 0, need
+    cdef int64_t b, h, s, n, nq, ns, per, i, r, it, d, hc, hc_max = 1, work = 0
     cdef int64_t num_items = 0, part_rows = 0
     for b in range(batch):
         n = a.seq_lens[b]
@@ -189,12 +189,7 @@ def attend(
     # item -> (b, h0, h1, t0, t1, split)
     cdef int64_t* items = <int64_t*> malloc(<size_t> (6 * num_items + 1) * 8)
     cdef float* part = <float*> malloc(<size_t> (part_rows * (D + 2) + 1) * 4)
-    for b in range(batch):
-        if seq_info[4 * b] > 0:
-            need = pkv_attn_scratch_floats(tile, seq_info[4 * b + 1], (a.q_indptr[b + 1] - a.q_indptr[b]) * G, D,
-                                           groups if quantized else 1)
-            if need > share:
-                share = need + (need & 1)
+    cdef int64_t share = pkv_attn_scratch_floats(tile, hc_max, D)
     cdef float* scratch = <float*> malloc(<size_t> (nth * share + 1) * 4)
     if items == NULL or part == NULL or scratch == NULL:
         free(seq_info); free(items); free(part); free(scratch)
@@ -225,13 +220,10 @@ def attend(
         for it in prange(num_items, num_threads=nth, schedule="static"):
             b = items[6 * it]
             rows = (a.q_indptr[b + 1] - a.q_indptr[b]) * Hq
-            # the split's partials: m [rows], l [rows], acc [rows, D], rows (KV head, query, group);
-            # the item's from its first head on
+            # the split's partials: m [rows], l [rows], acc [rows, D], rows in query order
             base = seq_info[4 * b + 3] + items[6 * it + 5] * rows
-            row_off = items[6 * it + 1] * (rows // num_heads)
             attn_item(&a, b, items[6 * it + 1], items[6 * it + 2], items[6 * it + 3], items[6 * it + 4],
-                      part + base * (D + 2) + row_off, part + base * (D + 2) + rows + row_off,
-                      part + base * (D + 2) + 2 * rows + row_off * D,
+                      part + base * (D + 2), part + base * (D + 2) + rows, part + base * (D + 2) + 2 * rows,
                       scratch + openmp.omp_get_thread_num() * share)
         # merge: each (sequence, query head)'s splits, query by query
         for it in prange(batch * Hq, num_threads=nth, schedule="static"):
@@ -242,8 +234,8 @@ def attend(
             nq = a.q_indptr[b + 1] - q0
             rows = nq * Hq
             for i in range(nq):
-                r = (hq // G * nq + i) * G + hq % G
-                row_off = ((q0 + i) * Hq + hq) * D
+                r = i * Hq + hq
+                row_off = (q0 * Hq + r) * D
                 mx = -INFINITY
                 for s in range(ns):
                     pm = part + (seq_info[4 * b + 3] + s * rows) * (D + 2)
