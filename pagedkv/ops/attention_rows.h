@@ -107,6 +107,149 @@ static inline __attribute__((always_inline)) void pkv_attn_axpy(float* acc, floa
     for (; d < n; ++d) acc[d] += p * v[d];
 }
 
+/* query rows (of one query token's GQA group) that share each load of a K or V row */
+#define PKV_ATTN_ROWS 4
+
+/* out[r] = q_r . k for R (constant) rows q_r = q + r * D: each k load serves R rows */
+static inline __attribute__((always_inline)) void pkv_attn_dots(const int R, const float* q, const float* k,
+                                                                int64_t D, float* out) {
+    pkv_attn_v8 acc[PKV_ATTN_ROWS], acc2[PKV_ATTN_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = acc2[r] = (pkv_attn_v8){0};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        pkv_attn_v8 c, c2;
+        memcpy(&c, k + d, 32);
+        memcpy(&c2, k + d + 8, 32);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            pkv_attn_v8 x, x2;
+            memcpy(&x, q + r * D + d, 32);
+            memcpy(&x2, q + r * D + d + 8, 32);
+            acc[r] += x * c;
+            acc2[r] += x2 * c2;
+        }
+    }
+    for (; d + 8 <= D; d += 8) {
+        pkv_attn_v8 c;
+        memcpy(&c, k + d, 32);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            pkv_attn_v8 x;
+            memcpy(&x, q + r * D + d, 32);
+            acc[r] += x * c;
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+        const pkv_attn_v8 v = acc[r] + acc2[r];
+        float x = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+        for (int64_t e = d; e < D; ++e) x += q[r * D + e] * k[e];
+        out[r] = x;
+    }
+}
+
+/* acc_r += sum over visible t of w[r * T + t] * v_t, for R (constant) rows acc + r * D:
+ * 16 lanes of every row's accumulator stay in registers across the tile's tokens */
+static inline __attribute__((always_inline)) void pkv_attn_vtile(const int R, float* acc, const float* w,
+                                                                 int64_t T, const uint8_t* vis, const float* v,
+                                                                 int64_t nt, int64_t D) {
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        pkv_attn_v8 x[PKV_ATTN_ROWS], x2[PKV_ATTN_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            memcpy(&x[r], acc + r * D + d, 32);
+            memcpy(&x2[r], acc + r * D + d + 8, 32);
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+            if (!vis[t]) continue;
+            pkv_attn_v8 c, c2;
+            memcpy(&c, v + t * D + d, 32);
+            memcpy(&c2, v + t * D + d + 8, 32);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+                const pkv_attn_v8 wv = (pkv_attn_v8){0} + w[r * T + t];
+                x[r] += wv * c;
+                x2[r] += wv * c2;
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            memcpy(acc + r * D + d, &x[r], 32);
+            memcpy(acc + r * D + d + 8, &x2[r], 32);
+        }
+    }
+    for (; d < D; ++d)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            float x = acc[r * D + d];
+            for (int64_t t = 0; t < nt; ++t)
+                if (vis[t]) x += w[r * T + t] * v[t * D + d];
+            acc[r * D + d] = x;
+        }
+}
+
+/* The rows [r0, r0 + R) (R constant) of one query token at position p and one KV head
+ * take in a tile: scores, the online softmax, then the values. s: R * T floats. */
+static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_attn_args* a, const int R,
+                                                                     int64_t r0, int64_t qoff, int64_t p,
+                                                                     int64_t c0, int64_t nt, const float* kh,
+                                                                     const float* vh, const uint8_t* ph,
+                                                                     float* m, float* l, float* acc, float* s) {
+    const int64_t D = a->head_dim, T = a->tile;
+    uint8_t vis[PKV_ATTN_TILE];
+    float mx[PKV_ATTN_ROWS], dots[PKV_ATTN_ROWS];
+    int any = 0;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) mx[r] = m[r0 + r];
+    for (int64_t t = 0; t < nt; ++t) {
+        const int64_t j = c0 + t;
+        vis[t] = !(j > p || (a->window && j <= p - a->window && j >= a->sink_tokens));
+        if (!vis[t]) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) s[r * T + t] = 0.0f;
+            continue;
+        }
+        any = 1;
+        const float* qv = (a->qrot && !ph[t]) ? a->qrot + qoff : a->q + qoff;
+        pkv_attn_dots(R, qv, kh + t * D, D, dots);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            float x = dots[r] * a->sm_scale;
+            if (a->soft_cap > 0.0f) x = a->soft_cap * tanhf(x / a->soft_cap);
+            s[r * T + t] = x;
+            mx[r] = x > mx[r] ? x : mx[r];
+        }
+    }
+    if (!any) return;  /* nothing of the tile seen */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+        const int64_t rr = r0 + r;
+        float* ar = acc + rr * D;
+        float* sr = s + r * T;
+        if (mx[r] == -INFINITY) {  /* no finite score yet: nothing to add */
+            for (int64_t t = 0; t < nt; ++t) sr[t] = 0.0f;
+            continue;
+        }
+        if (mx[r] > m[rr]) {
+            const float c = m[rr] == -INFINITY ? 0.0f : expf(m[rr] - mx[r]);
+            l[rr] *= c;
+            for (int64_t d = 0; d < D; ++d) ar[d] *= c;
+            m[rr] = mx[r];
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < nt; ++t) {
+            if (!vis[t]) continue;
+            const float pt = expf(sr[t] - mx[r]);
+            sr[t] = pt;
+            sum += pt;
+        }
+        l[rr] += sum;
+    }
+    pkv_attn_vtile(R, acc + r0 * D, s, T, vis, vh, nt, D);
+}
+
 /* Read K/V of token ``pos`` of sequence b into k/v (float32); returns whether the K row
  * is in the unrotated domain (a sealed block key or an exact row) */
 static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_args* a, int64_t first, int64_t n,
@@ -156,7 +299,7 @@ static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_ar
  * token's heads are adjacent, so one item streams its pages once instead of once per
  * head; HND: each head's tokens run contiguously). scratch: pkv_attn_scratch_floats. */
 static inline int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t head_dim) {
-    return 2 * tile * heads * head_dim + head_dim + tile;
+    return 2 * tile * heads * head_dim + head_dim + 4 * tile;
 }
 
 static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
@@ -169,7 +312,7 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
     float* kt = scratch;                 /* [nh, T, D] */
     float* vt = kt + nh * T * D;
     float* tmp = vt + nh * T * D;
-    float* s = tmp + D;                  /* [T] one row's scores */
+    float* s = tmp + D;                  /* [PKV_ATTN_ROWS, T] a few rows' scores, then weights */
     uint8_t plain[PKV_ATTN_MAX_TILE_ROWS];
     for (int64_t i = 0; i < nq; ++i)
         for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
@@ -199,37 +342,14 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
             const uint8_t* ph = plain + hh * T;
             for (int64_t i = 0; i < nq; ++i) {
                 const int64_t p = p_min + i;
-                for (int64_t g = 0; g < G; ++g) {
-                    const int64_t r = i * Hq + (h0 + hh) * G + g, off = (q0 * Hq + r) * D;
-                    float mx = m[r];
-                    for (int64_t t = 0; t < nt; ++t) {
-                        const int64_t j = c0 + t;
-                        if (j > p || (a->window && j <= p - a->window && j >= a->sink_tokens)) {
-                            s[t] = -INFINITY;
-                            continue;
-                        }
-                        const float* qv = (a->qrot && !ph[t]) ? a->qrot + off : a->q + off;
-                        float x = pkv_attn_dot(qv, kh + t * D, D) * a->sm_scale;
-                        if (a->soft_cap > 0.0f) x = a->soft_cap * tanhf(x / a->soft_cap);
-                        s[t] = x;
-                        mx = x > mx ? x : mx;
+                for (int64_t g0 = 0; g0 < G; g0 += PKV_ATTN_ROWS) {
+                    const int64_t r0 = i * Hq + (h0 + hh) * G + g0, qoff = (q0 * Hq + r0) * D;
+                    switch (G - g0 < PKV_ATTN_ROWS ? G - g0 : PKV_ATTN_ROWS) {
+                        case 1: pkv_attn_rows_tile(a, 1, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
+                        case 2: pkv_attn_rows_tile(a, 2, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
+                        case 3: pkv_attn_rows_tile(a, 3, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
+                        default: pkv_attn_rows_tile(a, 4, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
                     }
-                    if (mx == -INFINITY) continue;  /* nothing seen yet */
-                    float* ar = acc + r * D;
-                    if (mx > m[r]) {
-                        const float c = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-                        l[r] *= c;
-                        for (int64_t d = 0; d < D; ++d) ar[d] *= c;
-                        m[r] = mx;
-                    }
-                    float sum = 0.0f;
-                    for (int64_t t = 0; t < nt; ++t) {
-                        if (s[t] == -INFINITY) continue;
-                        const float pt = expf(s[t] - mx);
-                        sum += pt;
-                        pkv_attn_axpy(ar, pt, vh + t * D, D);
-                    }
-                    l[r] += sum;
                 }
             }
         }
