@@ -61,6 +61,12 @@ typedef struct {
     int64_t row_bytes, param_row, elem_bytes;
 } pkv_attn_args;
 
+/* The loops below may contract a * b + c into one fused multiply-add (the FMA build: half
+ * the arithmetic instructions of a kernel that, with the rows in L1, is bound by them; a
+ * fused result is the more exact one, and the tests' tolerance is unchanged) */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
 static inline int64_t pkv_attn_row(const pkv_attn_args* a, int64_t blk, int kv, int64_t off, int64_t h) {
     if (a->hnd) return ((blk * 2 + kv) * a->num_heads + h) * a->block_size + off;
     return ((blk * 2 + kv) * a->block_size + off) * a->num_heads + h;
@@ -105,6 +111,63 @@ static inline __attribute__((always_inline)) void pkv_attn_axpy(float* acc, floa
         memcpy(acc + d, &a, 32);
     }
     for (; d < n; ++d) acc[d] += p * v[d];
+}
+
+typedef int32_t pkv_attn_v8i __attribute__((vector_size(32)));
+/* 8-lane vectors passed between always-inlined functions: no ABI is involved */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_ld(const float* p) {
+    pkv_attn_v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void pkv_attn_st(float* p, pkv_attn_v8 v) { memcpy(p, &v, sizeof v); }
+
+static inline __attribute__((always_inline)) float pkv_attn_hsum(pkv_attn_v8 s) {
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+/* e^x of 8 lanes (x <= 0 here): 2^n e^f with n = rint(x log2 e), f = x - n ln 2 (ln 2 in two
+ * parts, |f| <= ln2 / 2) and e^f a degree-6 polynomial (Taylor, relative error < 2e-7 plus
+ * a few roundings); lanes below -87 (e^x < 2^-125, no subnormal) and -inf give 0 */
+static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_exp8(pkv_attn_v8 x) {
+    const pkv_attn_v8i dead = x < -87.0f;
+    x = (pkv_attn_v8)((pkv_attn_v8i)x & ~dead);  /* keep the arithmetic finite */
+    const pkv_attn_v8 n = (x * 1.44269504088896341f - 12582912.0f) + 12582912.0f;  /* rint for |v| < 2^22 */
+    const pkv_attn_v8 f = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    pkv_attn_v8 y = f * (1.0f / 720.0f) + (1.0f / 120.0f);
+    y = y * f + (1.0f / 24.0f);
+    y = y * f + (1.0f / 6.0f);
+    y = y * f + 0.5f;
+    y = y * f + 1.0f;
+    y = y * f + 1.0f;
+    const pkv_attn_v8i e = (__builtin_convertvector(n, pkv_attn_v8i) + 127) << 23;
+    y = y * (pkv_attn_v8)e;
+    return (pkv_attn_v8)((pkv_attn_v8i)y & ~dead);
+}
+
+/* s[t] = e^(s[t] - mx) over a tile row (-inf gives 0); returns their sum */
+static inline __attribute__((always_inline)) float pkv_attn_exp_tile(float* s, int64_t nt, float mx) {
+    pkv_attn_v8 sum = {0};
+    int64_t t = 0;
+    for (; t + 8 <= nt; t += 8) {
+        const pkv_attn_v8 e = pkv_attn_exp8(pkv_attn_ld(s + t) - mx);
+        pkv_attn_st(s + t, e);
+        sum += e;
+    }
+    float total = pkv_attn_hsum(sum);
+    if (t < nt) {  /* the tail through the same lanes */
+        float buf[8];
+        for (int64_t i = 0; i < 8; ++i) buf[i] = t + i < nt ? s[t + i] - mx : -INFINITY;
+        const pkv_attn_v8 e = pkv_attn_exp8(pkv_attn_ld(buf));
+        for (int64_t i = 0; t + i < nt; ++i) {
+            s[t + i] = e[i];
+            total += e[i];
+        }
+    }
+    return total;
 }
 
 /* query rows (of one query token's GQA group) that share each load of a K or V row */
@@ -208,7 +271,7 @@ static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_a
         vis[t] = !(j > p || (a->window && j <= p - a->window && j >= a->sink_tokens));
         if (!vis[t]) {
 #pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) s[r * T + t] = 0.0f;
+            for (int r = 0; r < R; ++r) s[r * T + t] = -INFINITY;
             continue;
         }
         any = 1;
@@ -238,14 +301,7 @@ static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_a
             for (int64_t d = 0; d < D; ++d) ar[d] *= c;
             m[rr] = mx[r];
         }
-        float sum = 0.0f;
-        for (int64_t t = 0; t < nt; ++t) {
-            if (!vis[t]) continue;
-            const float pt = expf(sr[t] - mx[r]);
-            sr[t] = pt;
-            sum += pt;
-        }
-        l[rr] += sum;
+        l[rr] += pkv_attn_exp_tile(sr, nt, mx[r]);  /* masked: e^-inf = 0 */
     }
     pkv_attn_vtile(R, acc + r0 * D, s, T, vis, vh, nt, D);
 }
@@ -292,6 +348,42 @@ static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_ar
     return plain;
 }
 
+/* Prefetch the K and V rows (and their parameters) of tokens [c0, c1) of heads [h0, h1):
+ * blocks come in table order, not address order, so no hardware prefetcher starts a new
+ * block's rows (or its block-key parameters) before they are read */
+static inline __attribute__((always_inline)) void pkv_attn_prefetch(const pkv_attn_args* a, int64_t first,
+                                                                    int64_t h0, int64_t h1, int64_t c0,
+                                                                    int64_t c1) {
+    const int64_t bytes = a->quantized ? a->row_bytes : a->head_dim * a->elem_bytes;
+    int64_t last_blk = -1;
+    for (int64_t j = c0; j < c1; ++j) {
+        const int64_t blk = a->indices[first + j / a->block_size], off = j % a->block_size;
+        for (int kv = 0; kv < 2; ++kv)
+            for (int64_t h = h0; h < h1; h += a->hnd ? 1 : h1 - h0) {
+                const int64_t r = pkv_attn_row(a, blk, kv, off, h), nr = a->hnd ? 1 : h1 - h0;
+                const char* p = (const char*)a->layer + r * bytes;
+                for (int64_t i = 0; i < nr * bytes; i += 64) __builtin_prefetch(p + i);
+                __builtin_prefetch(p + nr * bytes - 1);
+                if (a->quantized) {
+                    __builtin_prefetch(a->scale + r * a->param_row);
+                    __builtin_prefetch(a->scale + (r + nr) * a->param_row - 1);
+                    if (a->zero) {
+                        __builtin_prefetch(a->zero + r * a->param_row);
+                        __builtin_prefetch(a->zero + (r + nr) * a->param_row - 1);
+                    }
+                }
+            }
+        if (a->key_scale && blk != last_blk) {
+            last_blk = blk;
+            const int64_t kp = (blk * a->num_heads + h0) * a->head_dim * 2, kb = (h1 - h0) * a->head_dim * 2;
+            for (int64_t i = 0; i < kb; i += 64) {
+                __builtin_prefetch((const char*)a->key_scale + kp + i);
+                __builtin_prefetch((const char*)a->key_zero + kp + i);
+            }
+        }
+    }
+}
+
 /* The item (b, KV heads [h0, h1), keys [t0, t1)). m, l and acc point at the item's split
  * of sequence b, laid out as the queries are: row i * Hq + hq (query token q_indptr[b] + i,
  * query head hq), nq * Hq rows; the item writes the rows of its heads, unnormalized.
@@ -325,6 +417,7 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
         const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
         if (c0 > n - 1) break;
         if (a->window && c1 - 1 <= p_min - a->window && c0 >= a->sink_tokens) continue;  /* seen by no query */
+        if (c1 < t1) pkv_attn_prefetch(a, first, h0, h1, c1, c1 + T < t1 ? c1 + T : t1);
         if (a->hnd) {
             for (int64_t hh = 0; hh < nh; ++hh)
                 for (int64_t t = 0; t < nt; ++t)
@@ -367,6 +460,12 @@ __attribute__((target("avx2,f16c"))) static void pkv_attn_item_avx2(const pkv_at
                                                                     float* l, float* acc, float* scratch) {
     pkv_attn_item_body(a, b, h0, h1, t0, t1, m, l, acc, scratch);
 }
+__attribute__((target("avx2,f16c,fma"))) static void pkv_attn_item_fma(const pkv_attn_args* a, int64_t b,
+                                                                       int64_t h0, int64_t h1, int64_t t0,
+                                                                       int64_t t1, float* m, float* l, float* acc,
+                                                                       float* scratch) {
+    pkv_attn_item_body(a, b, h0, h1, t0, t1, m, l, acc, scratch);
+}
 #endif
 
 typedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
@@ -374,9 +473,11 @@ typedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t
 
 static pkv_attn_item_fn pkv_pick_attn_item(void) {
 #if PKV_HAVE_AVX2
-    if (pkv_use_avx2()) return pkv_attn_item_avx2;
+    if (pkv_use_avx2()) return __builtin_cpu_supports("fma") ? pkv_attn_item_fma : pkv_attn_item_avx2;
 #endif
     return pkv_attn_item_base;
 }
+
+#pragma GCC pop_options
 
 #endif
