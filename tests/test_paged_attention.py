@@ -118,8 +118,8 @@ def test_matches_the_float64_reference(backend, c, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("fmt, d, bs, block_keys", [
-    ("float32", 128, 16, False),   # a tile of 8 tokens x 8 heads: tiles inside blocks
-    ("int4", 40, 3, True),         # a tile of 25 tokens: tiles across blocks
+    ("float32", 128, 16, False),   # tiles of 8 heads across blocks of 16
+    ("int4", 40, 3, True),         # blocks of 3: a tile spans many, sealed and not
     ("int3", 64, 16, False),
     ("bfloat16", 24, 64, False),
 ])

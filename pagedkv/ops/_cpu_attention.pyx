@@ -71,8 +71,11 @@ ROW_ISA = "avx2" if pkv_use_avx2() else "baseline"
 
 # below this many multiply-adds (keys x query rows x head_dim), one thread
 cdef int64_t _PARALLEL_WORK = 1 << 18
-# a tile's K (and V) floats at most: K and V tiles together about fill a 64 KiB L1
-cdef int64_t _TILE_FLOATS = 8192
+# a tile's K (and V) floats at most (K and V: 256 KiB, in L2): per-tile work per row (the
+# softmax's rescale, exp, the accumulators' loads) is paid per tile, and was measured to
+# cost more than L1 misses (1 thread, 32q/8kv/128 int8: 8 tokens 24.3 ms, 32 tokens 23.9,
+# 2 tokens 41.5)
+cdef int64_t _TILE_FLOATS = 32768
 # a decode item's KV heads at most (its tile rows are tile x heads)
 cdef int64_t _ITEM_HEADS = 256
 
