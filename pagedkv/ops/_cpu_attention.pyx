@@ -19,7 +19,8 @@ from cython.parallel cimport prange
 cimport openmp
 
 cdef extern from "attention_rows.h" nogil:
-    int PKV_F32, PKV_INT4, PKV_INT3
+    int PKV_F32, PKV_INT4, PKV_INT3, PKV_INT8, PKV_E4M3
+    int PKV_ROW_I8, PKV_ROW_I4, PKV_ROW_I3, PKV_ROW_E4M3, PKV_ROW_E5M2
     int PKV_ATTN_TILE, PKV_ATTN_MAX_TILE_ROWS
     int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t head_dim)
     ctypedef void (*pkv_dequantize_row_fn)(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
@@ -46,6 +47,7 @@ cdef extern from "attention_rows.h" nogil:
         const int32_t* q_indptr
         int64_t block_size, num_heads, head_dim, groups, group, num_q_heads
         int64_t tile
+        int kind
         int hnd
         float sm_scale, soft_cap
         int64_t window, sink_tokens
@@ -142,6 +144,13 @@ def attend(
     else:
         a.row_bytes = head_dim
     a.param_row = groups * (2 if (quantized and kv_type == PKV_INT3) else 4)
+    # per-token code rows widened by attention_rows.h's own loops where each group is whole
+    # 8-lane chunks (else quant_rows.h's row function)
+    a.kind = -1
+    if quantized and head_dim % 8 == 0 and groups <= 64 and (head_dim // groups) % 8 == 0:
+        a.kind = (PKV_ROW_I8 if kv_type == PKV_INT8 else PKV_ROW_I4 if kv_type == PKV_INT4
+                  else PKV_ROW_I3 if kv_type == PKV_INT3 else PKV_ROW_E4M3 if kv_type == PKV_E4M3
+                  else PKV_ROW_E5M2)
     cdef int64_t G = a.group, D = head_dim, Hq = num_q_heads
     cdef int64_t b, h, s, n, nq, ns, per, i, r, it, d, hc, hc_max = 1, work = 0
     cdef int64_t num_items = 0, part_rows = 0

@@ -30,6 +30,15 @@
 #define PKV_ATTN_TILE 32
 #define PKV_ATTN_MAX_TILE_ROWS 4096
 
+/* how a token's row is read: float32 lanes, or codes of a storage format */
+#define PKV_ROW_F32 0
+#define PKV_ROW_I8 1
+#define PKV_ROW_I4 2
+#define PKV_ROW_I3 3
+#define PKV_ROW_E4M3 4
+#define PKV_ROW_E5M2 5
+
+
 typedef struct {
     const float* q;          /* [num_q, Hq, D] float32, unrotated */
     const float* qrot;       /* the same rotated (rotated arena), or NULL */
@@ -46,6 +55,7 @@ typedef struct {
     const int32_t* q_indptr;
     int64_t block_size, num_heads, head_dim, groups, group, num_q_heads;
     int64_t tile;            /* tokens per tile, 1..PKV_ATTN_TILE */
+    int kind;                /* quantized: its PKV_ROW_ kind where rows are widened here, else -1 */
     int hnd;
     float sm_scale, soft_cap; /* soft_cap 0: none */
     int64_t window;          /* 0: none */
@@ -306,6 +316,113 @@ static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_a
     pkv_attn_vtile(R, acc + r0 * D, s, T, vis, vh, nt, D);
 }
 
+typedef uint32_t pkv_attn_v8u __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) pkv_attn_v8u pkv_attn_sel(pkv_attn_v8i c, pkv_attn_v8u a, pkv_attn_v8u b) {
+    return (a & (pkv_attn_v8u)c) | (b & ~(pkv_attn_v8u)c);
+}
+
+/* Elements [d, d + 8) of a row as float lanes: float32 values, or the codes of a format
+ * exactly as quant_rows.h reads them (int8: the stored c - 128; int4: element 2i in the
+ * low nibble of byte i; int3: 8 codes in 3 bytes; fp8: its value, NaN and subnormals
+ * included, by integer operations). ``kind`` is a constant wherever this is inlined. */
+static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_lanes(const int kind, const uint8_t* row, int64_t d) {
+    /* bytes reach their lanes by a broadcast and per-lane shifts (a vpsllvd / vpsrlvd each
+     * in the AVX2 build): GCC turns a conversion from an 8-byte vector into scalar code */
+    if (kind == PKV_ROW_I8) {
+        uint32_t w[2];
+        memcpy(w, row + d, 8);
+        const pkv_attn_v8u up = {24u, 16u, 8u, 0u, 24u, 16u, 8u, 0u};
+        const pkv_attn_v8i c = (pkv_attn_v8i)((pkv_attn_v8u){w[0], w[0], w[0], w[0], w[1], w[1], w[1], w[1]} << up) >> 24;
+        return __builtin_convertvector(c, pkv_attn_v8);
+    }
+    if (kind == PKV_ROW_I4) {
+        uint32_t w;
+        memcpy(&w, row + d / 2, 4);
+        const pkv_attn_v8u shifts = {0u, 4u, 8u, 12u, 16u, 20u, 24u, 28u};
+        const pkv_attn_v8u c = ((pkv_attn_v8u){w, w, w, w, w, w, w, w} >> shifts) & 15u;
+        return __builtin_convertvector((pkv_attn_v8i)c, pkv_attn_v8);
+    }
+    if (kind == PKV_ROW_I3) {
+        const uint8_t* p = row + d / 8 * 3;
+        const uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
+        const pkv_attn_v8u shifts = {0u, 3u, 6u, 9u, 12u, 15u, 18u, 21u};
+        const pkv_attn_v8u c = ((pkv_attn_v8u){w, w, w, w, w, w, w, w} >> shifts) & 7u;
+        return __builtin_convertvector((pkv_attn_v8i)c, pkv_attn_v8);
+    }
+    if (kind == PKV_ROW_E4M3 || kind == PKV_ROW_E5M2) {
+        uint32_t w[2];
+        memcpy(w, row + d, 8);
+        const pkv_attn_v8u down = {0u, 8u, 16u, 24u, 0u, 8u, 16u, 24u};
+        const pkv_attn_v8u u = ((pkv_attn_v8u){w[0], w[0], w[0], w[0], w[1], w[1], w[1], w[1]} >> down) & 0xffu;
+        const pkv_attn_v8u sign = (u & 0x80u) << 24, m = u & 0x7fu;
+        pkv_attn_v8u r;
+        if (kind == PKV_ROW_E4M3) {  /* pkv_fp8_decode, lane by lane */
+            const pkv_attn_v8 sub = __builtin_convertvector((pkv_attn_v8i)(m & 7u), pkv_attn_v8) * 0.001953125f;
+            r = pkv_attn_sel(m > 7u, (m << 20) + (120u << 23), (pkv_attn_v8u)sub);
+            r = pkv_attn_sel(m == 0x7fu, (pkv_attn_v8u){0} + 0x7fc00000u, r);
+        } else {
+            const pkv_attn_v8 sub = __builtin_convertvector((pkv_attn_v8i)(m & 3u), pkv_attn_v8) * 1.52587890625e-05f;
+            r = pkv_attn_sel(m > 3u, (m << 21) + (112u << 23), (pkv_attn_v8u)sub);
+            r = pkv_attn_sel(m >= 0x7cu, 0x7f800000u | ((m & 3u) << 21), r);
+        }
+        return (pkv_attn_v8)(r | sign);
+    }
+    return pkv_attn_ld((const float*)row + d);
+}
+
+/* The per-token parameters of a quantized row as per-group float scales ``s`` and offsets
+ * ``z`` such that the row's value is s * lane + z (int8: its zero plus 128 s; fp8: z = 0) */
+static inline __attribute__((always_inline)) void pkv_attn_params(const pkv_attn_args* a, int64_t r, int64_t groups, float* s, float* z) {
+    const char* sp = a->scale + r * a->param_row;
+    const char* zp = a->zero ? a->zero + r * a->param_row : NULL;
+    if (a->kv_type == PKV_INT3) {
+        for (int64_t g = 0; g < groups; ++g) {
+            s[g] = pkv_bf16_to_f32(((const uint16_t*)sp)[g]);
+            z[g] = zp ? pkv_bf16_to_f32(((const uint16_t*)zp)[g]) : 0.0f;
+        }
+    } else if (a->kv_type == PKV_INT8) {
+        s[0] = ((const float*)sp)[0];
+        z[0] = (zp ? ((const float*)zp)[0] : 0.0f) + 128.0f * s[0];
+    } else if (a->kv_type == PKV_INT4) {
+        for (int64_t g = 0; g < groups; ++g) {
+            s[g] = ((const float*)sp)[g];
+            z[g] = zp ? ((const float*)zp)[g] : 0.0f;
+        }
+    } else {
+        s[0] = ((const float*)sp)[0];
+        z[0] = 0.0f;
+    }
+}
+
+/* a per-token code row as float32: s * lane + z per group (pkv_attn_params), ``kind``
+ * a constant */
+static inline __attribute__((always_inline)) void pkv_attn_deq_codes(const int kind, const uint8_t* row,
+                                                                     int64_t D, int64_t groups, const float* s,
+                                                                     const float* z, float* out) {
+    const int64_t g_len = D / groups;
+    for (int64_t g = 0; g < groups; ++g) {
+        const pkv_attn_v8 sv = (pkv_attn_v8){0} + s[g], zv = (pkv_attn_v8){0} + z[g];
+        for (int64_t d = g * g_len; d < (g + 1) * g_len; d += 8)
+            pkv_attn_st(out + d, pkv_attn_lanes(kind, row, d) * sv + zv);
+    }
+}
+
+/* pkv_attn_deq_codes of the arena row r (the format a->kind) */
+static inline __attribute__((always_inline)) void pkv_attn_deq(const pkv_attn_args* a, int64_t r, float* out) {
+    float s[64], z[64];
+    const int64_t groups = a->groups;
+    const uint8_t* row = a->layer + r * a->row_bytes;
+    pkv_attn_params(a, r, groups, s, z);
+    switch (a->kind) {
+        case PKV_ROW_I8: pkv_attn_deq_codes(PKV_ROW_I8, row, a->head_dim, groups, s, z, out); break;
+        case PKV_ROW_I4: pkv_attn_deq_codes(PKV_ROW_I4, row, a->head_dim, groups, s, z, out); break;
+        case PKV_ROW_I3: pkv_attn_deq_codes(PKV_ROW_I3, row, a->head_dim, groups, s, z, out); break;
+        case PKV_ROW_E4M3: pkv_attn_deq_codes(PKV_ROW_E4M3, row, a->head_dim, groups, s, z, out); break;
+        default: pkv_attn_deq_codes(PKV_ROW_E5M2, row, a->head_dim, groups, s, z, out); break;
+    }
+}
+
 /* Read K/V of token ``pos`` of sequence b into k/v (float32); returns whether the K row
  * is in the unrotated domain (a sealed block key or an exact row) */
 static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_args* a, int64_t first, int64_t n,
@@ -339,9 +456,15 @@ static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_ar
     if (a->key_scale && pkv_key_sealed(a->key_scale + kp)) {
         a->key_row(a->layer + rk * a->row_bytes, D, a->key_scale + kp, a->key_zero + kp, PKV_F32, (char*)k, tmp);
         plain = 1;
+    } else if (a->kind >= 0) {
+        pkv_attn_deq(a, rk, k);
     } else {
         a->deq(a->layer + rk * a->row_bytes, a->kv_type, D, a->groups, (const float*)(a->scale + rk * a->param_row),
                a->zero ? (const float*)(a->zero + rk * a->param_row) : NULL, PKV_F32, (char*)k, tmp, NULL);
+    }
+    if (a->kind >= 0) {
+        pkv_attn_deq(a, rv, v);
+        return plain;
     }
     a->deq(a->layer + rv * a->row_bytes, a->kv_type, D, a->groups, (const float*)(a->scale + rv * a->param_row),
            a->zero ? (const float*)(a->zero + rv * a->param_row) : NULL, PKV_F32, (char*)v, tmp, NULL);
