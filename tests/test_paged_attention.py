@@ -115,6 +115,26 @@ def test_matches_the_float64_reference(backend, c, seed):
     check_close(got, want, vmax, args[0].dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("fmt, d, bs, block_keys", [
+    ("float32", 128, 16, False),   # tiles of 8 heads across blocks of 16
+    ("int4", 40, 3, True),         # blocks of 3: a tile spans many, sealed and not
+    ("int3", 64, 16, False),
+    ("bfloat16", 24, 64, False),
+])
+def test_many_kv_heads_decode_and_prefill_in_one_batch(backend, layout, fmt, d, bs, block_keys):
+    """8 KV heads, GQA 4: decode sequences (one item takes all heads, its tile spans
+    heads) beside a prefill chunk (one head per item) and a window, split and unsplit."""
+    gen = torch.Generator().manual_seed(7)
+    args, kw, vmax = build(fmt, layout, d, bs, 8, 32, [1500, 37, 300, 5], [1, 20, 3, 5], gen,
+                           rot=fmt == "int3", block_keys=block_keys)
+    for opts in (dict(), dict(num_splits=3), dict(window=50, sink_tokens=4)):
+        want = paged_attention(*args, backend="reference", **kw, **opts)
+        got = paged_attention(*args, backend=backend, **kw, **opts)
+        check_close(got, want, vmax, args[0].dtype)
+
+
 def test_reference_equals_sdpa_on_gathered_rows():
     """The definition itself: causal chunk, GQA, against torch's SDPA on gathered K/V."""
     gen = torch.Generator().manual_seed(0)

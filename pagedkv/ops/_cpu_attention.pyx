@@ -5,8 +5,11 @@
 
 :mod:`pagedkv.ops.attention_cpu` has checked every shape, dtype and device and every
 table value (:func:`pagedkv.ops.attention_reference.check_attention`, on private
-snapshots), and hands over addresses and counts. Work items are (sequence, KV head,
-split); one OpenMP loop runs them (``schedule(static)``; one thread below
+snapshots), and hands over addresses and counts. Work items are (sequence, KV heads,
+split): a decode sequence (at most 16 queries) takes all its KV heads in one item, so
+an NHD page is streamed once rather than once per head; a prefill chunk takes one head
+per item (its rows are parallelism enough, and its reads are shared by many queries).
+One OpenMP loop runs the items (``schedule(static)``; one thread below
 ``_PARALLEL_WORK``), then a second merges each sequence's splits exactly.
 """
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint16_t, uintptr_t
@@ -16,8 +19,10 @@ from cython.parallel cimport prange
 cimport openmp
 
 cdef extern from "attention_rows.h" nogil:
-    int PKV_F32, PKV_INT4, PKV_INT3
-    int PKV_ATTN_TILE
+    int PKV_F32, PKV_INT4, PKV_INT3, PKV_INT8, PKV_E4M3
+    int PKV_ROW_I8, PKV_ROW_I4, PKV_ROW_I3, PKV_ROW_E4M3, PKV_ROW_E5M2
+    int PKV_ATTN_TILE, PKV_ATTN_MAX_TILE_ROWS
+    int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t head_dim)
     ctypedef void (*pkv_dequantize_row_fn)(const uint8_t* q, int qtype, int64_t head_dim, int64_t groups,
                                            const float* scale, const float* zero, int out_type, char* out,
                                            float* tmp, const float* signs)
@@ -41,6 +46,8 @@ cdef extern from "attention_rows.h" nogil:
         const int32_t* seq_lens
         const int32_t* q_indptr
         int64_t block_size, num_heads, head_dim, groups, group, num_q_heads
+        int64_t tile
+        int kind
         int hnd
         float sm_scale, soft_cap
         int64_t window, sink_tokens
@@ -53,8 +60,8 @@ cdef extern from "attention_rows.h" nogil:
         pkv_dequantize_row_fn deq
         pkv_key_row_fn key_row
         int64_t row_bytes, param_row, elem_bytes
-    ctypedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, float*, float*,
-                                      float*, float*) noexcept
+    ctypedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
+                                      float*, float*, float*) noexcept
     pkv_attn_item_fn pkv_pick_attn_item()
 
 cdef pkv_attn_item_fn attn_item = pkv_pick_attn_item()
@@ -66,6 +73,13 @@ ROW_ISA = "avx2" if pkv_use_avx2() else "baseline"
 
 # below this many multiply-adds (keys x query rows x head_dim), one thread
 cdef int64_t _PARALLEL_WORK = 1 << 18
+# a tile's K (and V) floats at most (K and V: 256 KiB, in L2): per-tile work per row (the
+# softmax's rescale, exp, the accumulators' loads) is paid per tile, and was measured to
+# cost more than L1 misses (1 thread, 32q/8kv/128 int8: 8 tokens 24.3 ms, 32 tokens 23.9,
+# 2 tokens 41.5)
+cdef int64_t _TILE_FLOATS = 32768
+# a decode item's KV heads at most (its tile rows are tile x heads)
+cdef int64_t _ITEM_HEADS = 256
 
 
 def attend(
@@ -76,14 +90,14 @@ def attend(
     int64_t block_size, int64_t num_heads, int64_t head_dim, int64_t groups, bint hnd,
     float sm_scale, float soft_cap, int64_t window, int64_t sink_tokens, int64_t num_splits, int64_t split_tokens,
     uintptr_t exact_data_ptr=0, int exact_type=0, uintptr_t exact_slot_ptr=0, uintptr_t exact_valid_ptr=0,
-    int64_t exact_recent=0, int64_t exact_sink=0, uintptr_t signs_ptr=0,
+    int64_t exact_recent=0, int64_t exact_sink=0, uintptr_t signs_ptr=0, int64_t tile_floats=0,
 ):
     """``out`` (float32 ``[num_q, Hq, D]``, rotated domain when ``qrot_ptr``) of checked tables.
 
     ``num_splits`` > 0 forces that many splits per sequence; else one per
     ``split_tokens`` keys for sequences of at most 16 queries (a prefill chunk has
     parallelism enough across its rows' heads and would need a partial result per split
-    and row)."""
+    and row). ``tile_floats`` > 0 overrides the tile budget (benchmarks)."""
     if head_dim < 1 or num_heads < 1 or num_q_heads % num_heads or batch < 0 or split_tokens < 1:
         raise ValueError("attend: bad sizes")
     if num_q > INT64_MAX // (num_q_heads * head_dim * 8):
@@ -130,94 +144,120 @@ def attend(
     else:
         a.row_bytes = head_dim
     a.param_row = groups * (2 if (quantized and kv_type == PKV_INT3) else 4)
-    cdef int64_t G = a.group, D = head_dim
-    cdef int64_t b, h, s, n, nq, ns, per, i, r, it, d, rows_max = 0, work = 0
+    # per-token code rows widened by attention_rows.h's own loops where each group is whole
+    # 8-lane chunks (else quant_rows.h's row function)
+    a.kind = -1
+    if quantized and head_dim % 8 == 0 and groups <= 64 and (head_dim // groups) % 8 == 0:
+        a.kind = (PKV_ROW_I8 if kv_type == PKV_INT8 else PKV_ROW_I4 if kv_type == PKV_INT4
+                  else PKV_ROW_I3 if kv_type == PKV_INT3 else PKV_ROW_E4M3 if kv_type == PKV_E4M3
+                  else PKV_ROW_E5M2)
+    cdef int64_t G = a.group, D = head_dim, Hq = num_q_heads
+    cdef int64_t b, h, s, n, nq, ns, per, i, r, it, d, hc, hc_max = 1, work = 0
     cdef int64_t num_items = 0, part_rows = 0
-    # per sequence: splits and the first item / first partial row
-    cdef int64_t* seq_info = <int64_t*> malloc(<size_t> (3 * batch + 1) * 8)
+    for b in range(batch):
+        n = a.seq_lens[b]
+        nq = a.q_indptr[b + 1] - a.q_indptr[b]
+        if nq > 0 and n > 0:
+            work += n * nq * G * D * num_heads
+    cdef int nth = 1 if work < _PARALLEL_WORK else openmp.omp_get_max_threads()
+    # per sequence: splits, heads per item, first item, first partial row
+    cdef int64_t* seq_info = <int64_t*> malloc(<size_t> (4 * batch + 1) * 8)
     if seq_info == NULL:
         raise MemoryError("attend: cannot plan the items")
     for b in range(batch):
         n = a.seq_lens[b]
         nq = a.q_indptr[b + 1] - a.q_indptr[b]
         ns = 0
+        hc = 1
         if nq > 0 and n > 0:
             if num_splits > 0:
                 ns = num_splits if num_splits < n else n
             elif nq <= 16:
                 ns = (n + split_tokens - 1) // split_tokens
+                if batch * ns < nth:  # all heads in one item: split for the threads instead
+                    ns = (nth + batch - 1) // batch
+                    if ns > (n + 255) // 256:
+                        ns = (n + 255) // 256
             else:
                 ns = 1
-        seq_info[3 * b] = ns
-        seq_info[3 * b + 1] = num_items
-        seq_info[3 * b + 2] = part_rows
-        num_items += ns * num_heads
-        part_rows += ns * num_heads * nq * G
-        if nq * G > rows_max:
-            rows_max = nq * G
-        work += n * nq * G * D * num_heads
-    # item -> (b, h, s): decoded from seq_info by a per-item table
-    cdef int64_t* items = <int64_t*> malloc(<size_t> (4 * num_items + 1) * 8)
+            if nq <= 16:
+                hc = num_heads if num_heads < _ITEM_HEADS else _ITEM_HEADS
+        if hc > hc_max:
+            hc_max = hc
+        seq_info[4 * b] = ns
+        seq_info[4 * b + 1] = hc
+        seq_info[4 * b + 2] = num_items
+        seq_info[4 * b + 3] = part_rows
+        num_items += ns * ((num_heads + hc - 1) // hc)
+        part_rows += ns * nq * Hq
+    cdef int64_t tile = (tile_floats if tile_floats > 0 else _TILE_FLOATS) // (hc_max * D)
+    if tile > PKV_ATTN_TILE:
+        tile = PKV_ATTN_TILE
+    if tile * hc_max > PKV_ATTN_MAX_TILE_ROWS:
+        tile = PKV_ATTN_MAX_TILE_ROWS // hc_max
+    if tile < 1:
+        tile = 1
+    a.tile = tile
+    # item -> (b, h0, h1, t0, t1, split)
+    cdef int64_t* items = <int64_t*> malloc(<size_t> (6 * num_items + 1) * 8)
     cdef float* part = <float*> malloc(<size_t> (part_rows * (D + 2) + 1) * 4)
-    cdef int nth = 1 if work < _PARALLEL_WORK else openmp.omp_get_max_threads()
-    cdef int64_t share = (2 * PKV_ATTN_TILE + 1) * D + rows_max * PKV_ATTN_TILE
+    cdef int64_t share = pkv_attn_scratch_floats(tile, hc_max, D)
     cdef float* scratch = <float*> malloc(<size_t> (nth * share + 1) * 4)
     if items == NULL or part == NULL or scratch == NULL:
         free(seq_info); free(items); free(part); free(scratch)
         raise MemoryError("attend: cannot allocate the partial results")
     it = 0
     for b in range(batch):
-        ns = seq_info[3 * b]
+        ns = seq_info[4 * b]
+        hc = seq_info[4 * b + 1]
         n = a.seq_lens[b]
-        nq = a.q_indptr[b + 1] - a.q_indptr[b]
         if ns == 0:
             continue
         per = (n + ns - 1) // ns
-        for h in range(num_heads):
+        for h in range(0, num_heads, hc):
             for s in range(ns):
-                items[4 * it] = b
-                items[4 * it + 1] = h
-                items[4 * it + 2] = s * per
-                items[4 * it + 3] = (s + 1) * per if (s + 1) * per < n else n
+                items[6 * it] = b
+                items[6 * it + 1] = h
+                items[6 * it + 2] = h + hc if h + hc < num_heads else num_heads
+                items[6 * it + 3] = s * per
+                items[6 * it + 4] = (s + 1) * per if (s + 1) * per < n else n
+                items[6 * it + 5] = s
                 it += 1
     cdef float* out = <float*> out_ptr
     cdef float* pm
     cdef float* pacc
     cdef float mx, c, lsum
-    cdef int64_t base, rows, q0, row_off
+    cdef int64_t base, rows, q0, row_off, hq
     with nogil:
         for it in prange(num_items, num_threads=nth, schedule="static"):
-            b = items[4 * it]
-            h = items[4 * it + 1]
-            nq = a.q_indptr[b + 1] - a.q_indptr[b]
-            rows = nq * G
-            # the item's partials: m [rows], l [rows], acc [rows, D], after the earlier items of b
-            base = seq_info[3 * b + 2] + (it - seq_info[3 * b + 1]) * rows
-            attn_item(&a, b, h, items[4 * it + 2], items[4 * it + 3], part + base * (D + 2),
-                      part + base * (D + 2) + rows, part + base * (D + 2) + 2 * rows,
+            b = items[6 * it]
+            rows = (a.q_indptr[b + 1] - a.q_indptr[b]) * Hq
+            # the split's partials: m [rows], l [rows], acc [rows, D], rows in query order
+            base = seq_info[4 * b + 3] + items[6 * it + 5] * rows
+            attn_item(&a, b, items[6 * it + 1], items[6 * it + 2], items[6 * it + 3], items[6 * it + 4],
+                      part + base * (D + 2), part + base * (D + 2) + rows, part + base * (D + 2) + 2 * rows,
                       scratch + openmp.omp_get_thread_num() * share)
-        # merge: each (sequence, KV head)'s splits, row by row
-        for it in prange(batch * num_heads, num_threads=nth, schedule="static"):
-            b = it // num_heads
-            h = it % num_heads
-            ns = seq_info[3 * b]
-            nq = a.q_indptr[b + 1] - a.q_indptr[b]
+        # merge: each (sequence, query head)'s splits, query by query
+        for it in prange(batch * Hq, num_threads=nth, schedule="static"):
+            b = it // Hq
+            hq = it % Hq
+            ns = seq_info[4 * b]
             q0 = a.q_indptr[b]
-            rows = nq * G
-            for r in range(rows):
-                row_off = ((q0 + r // G) * num_q_heads + h * G + r % G) * D
+            nq = a.q_indptr[b + 1] - q0
+            rows = nq * Hq
+            for i in range(nq):
+                r = i * Hq + hq
+                row_off = (q0 * Hq + r) * D
                 mx = -INFINITY
                 for s in range(ns):
-                    base = seq_info[3 * b + 2] + (h * ns + s) * rows
-                    pm = part + base * (D + 2)
+                    pm = part + (seq_info[4 * b + 3] + s * rows) * (D + 2)
                     if pm[r] > mx:
                         mx = pm[r]
                 for d in range(D):
                     out[row_off + d] = 0.0
                 lsum = 0.0
                 for s in range(ns):
-                    base = seq_info[3 * b + 2] + (h * ns + s) * rows
-                    pm = part + base * (D + 2)
+                    pm = part + (seq_info[4 * b + 3] + s * rows) * (D + 2)
                     if pm[r] == -INFINITY:
                         continue
                     c = expf(pm[r] - mx)
