@@ -7,6 +7,8 @@ unrotated once and narrowed to ``q.dtype`` once.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from pagedkv.ops import _cpu_attention as _ca
@@ -41,7 +43,7 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
         qrot = rotate(qf, signs).contiguous()
     res = torch.empty(q.shape, dtype=torch.float32)
     if geo.quantized:
-        kv_type = _q.QUANT_CODES[geo.kv_dtype]
+        kv_type = _q.QUANT_CODES[cast(str, geo.kv_dtype)]     # quantized: the name is set
         groups = kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
     else:
         kv_type = _MODEL_CODES[kv_layer.dtype]
@@ -50,7 +52,7 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
     if exact is not None:
         valid = exact.valid if exact.valid.dtype == torch.bool else exact.valid.bool()
         ex_args = dict(exact_data_ptr=exact.data.data_ptr(), exact_type=_MODEL_CODES[exact.data.dtype],
-                       exact_slot_ptr=exact.slot_of.data_ptr(), exact_valid_ptr=valid.data_ptr(),
+                       exact_slot_ptr=cast(torch.Tensor, exact.slot_of).data_ptr(), exact_valid_ptr=valid.data_ptr(),
                        exact_recent=exact.recent, exact_sink=exact.sink,
                        signs_ptr=0 if signs is None else signs.data_ptr())
     _ca.attend(
