@@ -120,6 +120,8 @@ class PrefixStore:
         self.num_disk_written = 0
         self.num_disk_corrupt = 0
         self.num_lock_misses = 0
+        # Tests only (the negative control): load the right slots in reverse order.
+        self.debug_reverse_loads = False
 
     # ---- refusals -------------------------------------------------------------------------
     def refuse(self, reason: str) -> None:
@@ -302,6 +304,8 @@ class PrefixStore:
             try:
                 slots = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
                 blocks = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+                if self.debug_reverse_loads:
+                    slots = slots.flip(0)
                 for layer, t in enumerate(self.kv):
                     parts = [arena[layer].index_select(0, slots) for arena in self.host.arenas]
                     t.index_copy_(0, blocks, self.codec.decode(parts))
