@@ -41,12 +41,19 @@ PY
   pip_ --no-deps "$whl"
   pip_ -r "$wheels/reqs.txt" "transformers==5.19.0" "llguidance==1.7.6" torch==2.13.0 pytest
 fi
+# gguf + accelerate: only to convert the model below.
+"$py" -c "import gguf, accelerate" 2>/dev/null || pip_ "gguf>=0.10" "accelerate>=0.30"
 
-# pagedkv from this clone (rebuilt each time: cheap when nothing changed, and always current).
-pip_ "setuptools>=68" wheel "Cython>=3.0.8" numpy
-pip_ --no-deps --no-build-isolation .
+# pagedkv from this clone, rebuilt when its sources changed (a stamp of their hashes).
+stamp=$(find pagedkv cuda setup.py pyproject.toml -type f \( -name '*.py' -o -name '*.pyx' -o -name '*.pxd' \
+          -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.toml' \) 2>/dev/null | sort | xargs sha1sum | sha1sum)
+if [ "$(cat "$venv/.pagedkv-stamp" 2>/dev/null)" != "$stamp" ]; then
+  pip_ "setuptools>=68" wheel "Cython>=3.0.8" numpy
+  pip_ --no-deps --no-build-isolation .
+  echo "$stamp" > "$venv/.pagedkv-stamp"
+fi
 
-"$py" - "$model" <<'PY'
+"$py" -P - "$model" <<'PY'   # -P: the checkout must not shadow the installed pagedkv
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1]).expanduser()
