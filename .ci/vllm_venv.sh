@@ -57,7 +57,9 @@ fi
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1]).expanduser()
-if (out / "model.safetensors").exists() and (out / "pagedkv_source.json").exists():
+SOURCE = {"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "conversion": 2}
+done = out / "pagedkv_source.json"
+if (out / "model.safetensors").exists() and done.exists() and json.loads(done.read_text()) == SOURCE:
     print(f"model: {out} (cached)")
     sys.exit(0)
 import torch
@@ -67,7 +69,9 @@ gguf = smollm2_path()
 tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
 # save_pretrained refuses a GGUF-loaded model: rebuild a plain Llama from its config.
-cfg = LlamaConfig.from_dict(src.config.to_dict())
+cfg_dict = src.config.to_dict()
+cfg_dict.pop("quantization_config", None)    # the GGUF's: vLLM would look for a gguf loader
+cfg = LlamaConfig.from_dict(cfg_dict)
 dst = LlamaForCausalLM(cfg).to(torch.float32)
 missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
 if unexpected or [m for m in missing if "lm_head" not in m]:
@@ -77,7 +81,7 @@ tmp = out.with_name(out.name + ".part")
 tmp.mkdir(parents=True, exist_ok=True)
 dst.save_pretrained(tmp, safe_serialization=True)
 tok.save_pretrained(tmp)
-(tmp / "pagedkv_source.json").write_text(json.dumps({"gguf": SMOLLM2_FILE}) + "\n")
+(tmp / "pagedkv_source.json").write_text(json.dumps(SOURCE) + "\n")
 if out.exists():
     import shutil; shutil.rmtree(out)
 tmp.rename(out)

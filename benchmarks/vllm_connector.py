@@ -82,8 +82,8 @@ def main() -> None:
         print(json.dumps({"tok_s": throughput(args.throughput_child == "on", n_req, max_tok, args.disk)}))
         return
 
-    from pagedkv.integrations.vllm.codec import bytes_per_token, make_codec
-    from pagedkv.integrations.vllm.store import lookup_store
+    from pagedkv.integrations.vllm_codec import bytes_per_token, make_codec
+    from pagedkv.integrations.vllm_store import lookup_store
 
     reps = 1 if args.smoke else 3
     tmp = tempfile.mkdtemp(prefix="pagedkv-vllm-bench-")

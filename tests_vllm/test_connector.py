@@ -85,7 +85,7 @@ def test_corrupted_disk_block_is_a_miss(engine, reference):
 
 
 def test_forced_hash_collisions_are_misses(engine, reference):
-    from pagedkv.integrations.vllm.store import PrefixStore, replace_store
+    from pagedkv.integrations.vllm_store import PrefixStore, replace_store
     from pagedkv.tiers.chain import ROOT_HASH, chain_hash
 
     llm, key, store, _ = engine
@@ -107,8 +107,8 @@ def test_forced_hash_collisions_are_misses(engine, reference):
 
 @pytest.mark.parametrize("storage", ["int8", "fp8", "int4"])
 def test_quantized_storage_agreement(engine, reference, storage, record_property):
-    from pagedkv.integrations.vllm.codec import bytes_per_token
-    from pagedkv.integrations.vllm.store import PrefixStore, replace_store
+    from pagedkv.integrations.vllm_codec import bytes_per_token
+    from pagedkv.integrations.vllm_store import PrefixStore, replace_store
 
     llm, key, store, _ = engine
     q = PrefixStore(dataclasses.replace(store.cfg, storage=storage, disk_dir=None), store.spec, store.tag)
@@ -139,7 +139,7 @@ def test_quantized_storage_agreement(engine, reference, storage, record_property
 
 
 def test_other_model_or_shape_is_refused(engine, reference, caplog):
-    from pagedkv.integrations.vllm.store import KVSpec, PrefixStore, replace_store
+    from pagedkv.integrations.vllm_store import KVSpec, PrefixStore, replace_store
 
     llm, key, store, _ = engine
     other = PrefixStore(store.cfg, store.spec, "another-model")      # same shape, other weights

@@ -63,7 +63,7 @@ def generate(llm, prompts, max_tokens: int = 12, logprobs: bool = False):
 
 def engine_store(llm):
     """The pagedkv store behind ``llm``'s connector (engine core in this process)."""
-    from pagedkv.integrations.vllm import store
+    from pagedkv.integrations import vllm_store as store
 
     key = str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
     return key, store.lookup_store(key)

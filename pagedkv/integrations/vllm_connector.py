@@ -2,10 +2,10 @@
 
 Load it with ``kv_transfer_config={"kv_connector": "PagedKVConnector",
 "kv_connector_module_path": "pagedkv.integrations.vllm", "kv_role": "kv_both",
-"kv_connector_extra_config": {...}}`` (keys: :class:`.config.ConnectorConfig`).
+"kv_connector_extra_config": {...}}`` (keys: :class:`.vllm_config.ConnectorConfig`).
 
 Scheduler side: ``get_num_new_matched_tokens`` answers from the tiers with the
-request's tokens verified (:meth:`.store.PrefixStore.lookup`) and leases the slots it
+request's tokens verified (:meth:`.vllm_store.PrefixStore.lookup`) and leases the slots it
 will load; ``build_connector_meta`` admits every block that this step completes (prompt
 or output) under its parent's host slot. Worker side: ``start_load_kv`` copies the
 leased slots into the request's blocks before the forward (vLLM runs it first whenever
@@ -27,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from pagedkv.integrations.vllm.config import ConnectorConfig
-from pagedkv.integrations.vllm.store import KVSpec, PrefixStore, get_store, lookup_store
+from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.integrations.vllm_store import KVSpec, PrefixStore, get_store, lookup_store
 from pagedkv.tiers.chain import ROOT
 
 __all__ = ["PagedKVConnector", "PagedKVMetadata"]

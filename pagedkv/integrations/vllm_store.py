@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from pagedkv.errors import TierFileError
-from pagedkv.integrations.vllm.codec import Codec, make_codec
-from pagedkv.integrations.vllm.config import ConnectorConfig
+from pagedkv.integrations.vllm_codec import Codec, make_codec
+from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
 from pagedkv.tiers.chain import ROOT
 
@@ -43,7 +43,7 @@ log = logging.getLogger("pagedkv.vllm")
 _stores: Dict[str, "PrefixStore"] = {}
 _stores_lock = threading.Lock()
 
-#: the layout this module reads and writes (see :mod:`.codec`); part of the format.
+#: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
 LAYOUT = "vllm-cpu-kT-v"
 
 
