@@ -48,8 +48,9 @@ def _spec_of(kv_cache_config) -> Tuple[Optional[KVSpec], Optional[str], List[str
     if len(groups) != 1:
         kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
         return None, (f"the model has {len(groups)} KV cache groups ({kinds}); the pagedkv connector serves "
-                      "single-group full-attention models only (a hybrid model: start vLLM with "
-                      "--disable-hybrid-kv-cache-manager, or run without the connector)"), []
+                      "single-group full-attention models only (it does not implement SupportsHMA; vLLM "
+                      "merges sliding-window layers into one group without HMA, SSM hybrids cannot be "
+                      "served)"), []
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
     if kind != "FullAttentionSpec":

@@ -120,8 +120,10 @@ class PrefixStore:
         self.num_disk_written = 0
         self.num_disk_corrupt = 0
         self.num_lock_misses = 0
-        # Tests only (the negative control): load the right slots in reverse order.
-        self.debug_reverse_loads = False
+        # Tests only (the negative control): load each layer's blocks into the next layer.
+        # (Reversing whole blocks would not do: attention sums over (K, V) pairs whose
+        # positions RoPE already baked in, so a block order is invisible to the suffix.)
+        self.debug_shuffle_loads = False
 
     # ---- refusals -------------------------------------------------------------------------
     def refuse(self, reason: str) -> None:
@@ -304,10 +306,10 @@ class PrefixStore:
             try:
                 slots = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
                 blocks = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-                if self.debug_reverse_loads:
-                    slots = slots.flip(0)
+                n = len(self.kv)
                 for layer, t in enumerate(self.kv):
-                    parts = [arena[layer].index_select(0, slots) for arena in self.host.arenas]
+                    src = (layer + 1) % n if self.debug_shuffle_loads else layer
+                    parts = [arena[src].index_select(0, slots) for arena in self.host.arenas]
                     t.index_copy_(0, blocks, self.codec.decode(parts))
                 for s in slots.tolist():
                     self.host.index.touch(s, hit=True)
