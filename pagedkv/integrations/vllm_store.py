@@ -289,7 +289,7 @@ class PrefixStore:
             slots = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
             for layer, t in enumerate(self.kv):
                 for a, part in enumerate(self.codec.encode(t.index_select(0, blocks))):
-                    self.host.arenas[a][layer].index_copy_(0, slots, part)
+                    _raw(self.host.arenas[a][layer]).index_copy_(0, slots, _raw(part))
             landed = [p[1] for p in pairs]
             self.host.written(np.asarray(landed))
             for s in landed:
@@ -309,7 +309,7 @@ class PrefixStore:
                 n = len(self.kv)
                 for layer, t in enumerate(self.kv):
                     src = (layer + 1) % n if self.debug_shuffle_loads else layer
-                    parts = [arena[src].index_select(0, slots) for arena in self.host.arenas]
+                    parts = [_raw(arena[src]).index_select(0, slots).view(arena.dtype) for arena in self.host.arenas]
                     t.index_copy_(0, blocks, self.codec.decode(parts))
                 for s in slots.tolist():
                     self.host.index.touch(s, hit=True)
@@ -387,3 +387,11 @@ class PrefixStore:
 
     def close(self) -> None:
         self.kv = None
+
+
+_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as bytes: torch's CPU index_copy_/index_select do not take fp8."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_FLOATS else t
