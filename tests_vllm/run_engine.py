@@ -30,7 +30,7 @@ def main() -> None:
         for name in args["sets"]:
             res[name] = ve.generate(llm, ve.prompt_set(name), logprobs=True)
     else:  # peer
-        llm = ve.make_llm({"disk_dir": args["disk_dir"], "host_blocks": 64})
+        llm = ve.make_llm({"disk_dir": args["disk_dir"], "host_blocks": 64, "disk_blocks": 256})
         key, store = ve.engine_store(llm)
         res["warm"] = ve.generate(llm, ve.prompt_set(args["warm_set"]))
         res["own"] = ve.generate(llm, ve.prompt_set(args["own_set"]))
@@ -41,8 +41,10 @@ def main() -> None:
         store.clear(disk=False)            # host empty: the other's blocks can only come from disk
         llm.reset_prefix_cache()
         res["other"] = ve.generate(llm, ve.prompt_set(args["other_set"]))
-        res["stats"] = [s.__dict__ if hasattr(s, "__dict__") else str(s) for s in store.stats()]
+        res["stats"] = [s.describe() for s in store.stats()]
         res["lock_misses"] = store.num_lock_misses
+        res["disk_refused"] = store.disk_refused
+        res["disk_hit_tokens"] = store.num_disk_hit_tokens
     out_path.write_text(json.dumps(res))
 
 

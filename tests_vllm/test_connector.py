@@ -170,7 +170,8 @@ def test_warm_restart_and_two_engines_share_a_directory(engine, reference, workd
     p2 = Proc(dict(common, own_set="C", other_set="B"), workdir / "peer2.json")
     for p, own, other in ((p1, "B", "C"), (p2, "C", "B")):
         r = p.result()
-        assert r["barrier_ok"]
+        assert r["barrier_ok"] and r["disk_refused"] is None, r
+        assert r["disk_hit_tokens"] >= 2 * PREFIX, r["stats"]
         assert all(c >= PREFIX for c in cached_of(r["warm"])), r["warm"]       # a new process: from disk
         assert tokens_of(r["warm"]) == tokens_of(reference["A"])
         assert tokens_of(r["own"]) == tokens_of(reference[own])
