@@ -136,7 +136,7 @@ def main() -> None:
         if not active:
             replace_store(key, inert)
             inert.refuse("benchmark: inert connector")
-        tput["connector_active" if active else "connector_inert"].append(tok_s(llm, batch(100 + r, n_req), max_tok))
+        tput["connector_active" if active else "connector_inert"].append(tok_s(llm, batch(10 + r, n_req), max_tok))
         replace_store(key, store)
     del llm
     # No connector at all: another process (vLLM takes other paths), same machine, right after.
