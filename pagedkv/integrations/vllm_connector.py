@@ -107,8 +107,9 @@ class PagedKVConnector(KVConnectorBase_V1):
         if s.kv is None:
             if not self._warned_unregistered:
                 self._warned_unregistered = True
-                log.warning("pagedkv connector: no worker registered its KV in this process "
-                            "(the connector needs vLLM's single-process worker); serving nothing")
+                log.warning("pagedkv connector: no worker registered its KV in this process: vLLM's CPU "
+                            "worker runs in its own process unless VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                            "(the connector's scheduler and worker sides share one store); serving nothing")
             return False
         return True
 
