@@ -1,0 +1,98 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every key is optional; an unknown key or a bad value raises a typed pagedkv error
+naming the key, what was expected and what came (vLLM then refuses to start, which is
+better than a connector that silently does something else)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional
+
+from pagedkv.errors import InvalidArgumentError, expected
+
+__all__ = ["ConnectorConfig", "STORAGE_FORMATS"]
+
+#: how blocks are kept at rest (host and disk): vLLM's bf16 bytes, or quantized.
+STORAGE_FORMATS = ("bf16", "int8", "fp8", "int4")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    """Args (``kv_connector_extra_config`` keys):
+        host_blocks: blocks the host tier holds (0: no host tier; loads still pass
+            through a host staging slot, so at least 1 is used when a disk is set).
+        disk_dir: directory of the disk tier (None: no disk tier). Two engines may
+            share one; each opens it only for the moment of a lookup or a write.
+        disk_blocks: capacity of the disk tier (fixed when the directory is created).
+        disk_write: ``"through"`` (every stored block also goes to disk at once, so a
+            crash or a restart loses nothing) or ``"back"`` (only host evictions go down).
+        eviction: ``"lru"`` or ``"frequency"`` (pagedkv's tier policies).
+        storage: one of :data:`STORAGE_FORMATS`.
+        model_tag: names the weights (two models of one shape have different KV);
+            default: vLLM's model path or name.
+        lock_timeout_s: how long to wait for another engine's hold on the disk tier
+            before counting a miss (or skipping a write).
+        rotation_seed: the fp8 format's Hadamard sign seed (part of the format).
+        weak_hash: tests only: a 4-valued tier hash, so collisions happen constantly.
+    """
+
+    host_blocks: int = 256
+    disk_dir: Optional[str] = None
+    disk_blocks: int = 1024
+    disk_write: str = "through"
+    eviction: str = "lru"
+    storage: str = "bf16"
+    model_tag: Optional[str] = None
+    lock_timeout_s: float = 5.0
+    rotation_seed: int = 0x5EED
+    weak_hash: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise InvalidArgumentError(expected("kv_connector_extra_config", f"keys among {sorted(names)}",
+                                                f"unknown key {unknown[0]!r}"))
+        cfg = cls(**extra)
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        def bad(key, what):
+            raise InvalidArgumentError(expected(f"kv_connector_extra_config[{key!r}]", what,
+                                                repr(getattr(self, key))))
+        for key in ("host_blocks", "disk_blocks", "rotation_seed"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                bad(key, "an int >= 0")
+        if self.disk_dir is not None and (not isinstance(self.disk_dir, str) or not self.disk_dir):
+            bad("disk_dir", "a directory path (str) or None")
+        if self.disk_dir is not None and self.disk_blocks < 1:
+            bad("disk_blocks", "an int >= 1 when disk_dir is set")
+        if self.disk_dir is None and self.host_blocks < 1:
+            bad("host_blocks", "an int >= 1 when there is no disk_dir (else nothing is stored)")
+        if self.disk_write not in ("through", "back"):
+            bad("disk_write", "'through' or 'back'")
+        if self.eviction not in ("lru", "frequency"):
+            bad("eviction", "'lru' or 'frequency'")
+        if self.storage not in STORAGE_FORMATS:
+            bad("storage", f"one of {STORAGE_FORMATS}")
+        if self.model_tag is not None and not isinstance(self.model_tag, str):
+            bad("model_tag", "a str or None")
+        if isinstance(self.lock_timeout_s, bool) or not isinstance(self.lock_timeout_s, (int, float)) \
+                or not self.lock_timeout_s >= 0:
+            bad("lock_timeout_s", "a number >= 0")
+        if not isinstance(self.weak_hash, bool):
+            bad("weak_hash", "a bool")
+
+    @property
+    def disk_path(self) -> Optional[str]:
+        return None if self.disk_dir is None else os.path.abspath(os.path.expanduser(self.disk_dir))
+
+    @property
+    def staging_blocks(self) -> int:
+        # Disk hits are promoted through the host tier, so a disk-only setup keeps a small one.
+        return self.host_blocks if self.host_blocks else 64

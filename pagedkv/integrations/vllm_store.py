@@ -1,0 +1,397 @@
+"""PrefixStore: pagedkv's host and disk prefix tiers holding vLLM's blocks.
+
+One store per engine (keyed by vLLM's ``engine_id``) is shared by the connector's
+scheduler side (which decides: verified lookups, slot admission, leases) and its worker
+side (which copies: vLLM block <-> host slot), so they must live in one process (vLLM's
+single-worker CPU executor does that); a worker elsewhere leaves the store unregistered
+and every lookup a miss.
+
+- **Lookups** walk the tiers' :class:`~pagedkv.tiers.ChainIndex` with the request's
+  tokens: a slot is accepted only when its tokens, namespace and parent link match, so
+  a hash collision is a miss. Disk hits are CRC-checked, then promoted into host slots;
+  every load is host -> vLLM.
+- **Stores** admit each newly full block under its parent's host slot; the worker fills
+  it after the forward. With ``disk_write="through"`` it also goes to disk at once;
+  host evictions go to disk before their slot is reused (chain-closed, like
+  :class:`~pagedkv.tiers.PrefixTiers`).
+- **Sharing a directory:** the disk tier is opened (``flock``) only for one batch of
+  lookups or writes, then closed, so several engines take turns; a block's CRC is
+  checked before it is served, and a slot is valid on disk only once sealed.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from pagedkv.errors import TierFileError
+from pagedkv.integrations.vllm_codec import Codec, make_codec
+from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
+from pagedkv.tiers.chain import ROOT
+
+__all__ = ["PrefixStore", "KVSpec", "get_store", "lookup_store", "replace_store", "drop_store"]
+
+log = logging.getLogger("pagedkv.vllm")
+
+_stores: Dict[str, "PrefixStore"] = {}
+_stores_lock = threading.Lock()
+
+#: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
+LAYOUT = "vllm-cpu-kT-v"
+
+
+class KVSpec:
+    """The shape of one engine's KV: what a stored block must match to be served."""
+
+    def __init__(self, num_layers: int, kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype):
+        self.num_layers, self.kv_heads, self.block_size = num_layers, kv_heads, block_size
+        self.head_size, self.dtype = head_size, dtype
+
+    def block_shape(self) -> tuple:
+        return (self.kv_heads, self.block_size, 2 * self.head_size)
+
+    def __repr__(self):
+        return (f"KVSpec(layers={self.num_layers}, kv_heads={self.kv_heads}, block_size={self.block_size}, "
+                f"head_size={self.head_size}, dtype={self.dtype})")
+
+
+def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> "PrefixStore":
+    """The store of engine ``key`` (created by whichever connector side asks first)."""
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = PrefixStore(cfg, spec, tag)
+        return store
+
+
+def lookup_store(key: str) -> Optional["PrefixStore"]:
+    return _stores.get(key)
+
+
+def replace_store(key: str, store: "PrefixStore") -> "PrefixStore":
+    """Swap engine ``key``'s store (tests and benchmarks: another storage format on the
+    same engine); the new one takes over the registered KV tensors."""
+    with _stores_lock:
+        old = _stores[key]
+        if old.kv is not None:
+            store.register(old.kv)
+        _stores[key] = store
+        return old
+
+
+def drop_store(key: str) -> None:
+    with _stores_lock:
+        store = _stores.pop(key, None)
+    if store is not None:
+        store.close()
+
+
+class PrefixStore:
+    def __init__(self, cfg: ConnectorConfig, spec: KVSpec, tag: str):
+        self.cfg, self.spec, self.tag = cfg, spec, tag
+        self.bs = spec.block_size
+        self.codec: Codec = make_codec(cfg.storage, spec.kv_heads, spec.block_size, spec.head_size,
+                                       spec.dtype, cfg.rotation_seed)
+        self.template = [torch.empty((spec.num_layers, 1) + shape, dtype=dt) for shape, dt in self.codec.arenas]
+        self.host = HostPrefixTier(self.template, cfg.staging_blocks, self.bs, eviction=cfg.eviction,
+                                   weak_hash=cfg.weak_hash, pin=False, on_evict=self._host_evicting)
+        self.format = {
+            "connector": "pagedkv.integrations.vllm", "tag": tag, "layout": LAYOUT,
+            "num_layers": spec.num_layers, "kv_heads": spec.kv_heads, "head_size": spec.head_size,
+            "block_size": spec.block_size, "dtype": str(spec.dtype).replace("torch.", ""),
+            "storage": cfg.storage,
+            "rotation_seed": cfg.rotation_seed if cfg.storage == "fp8" else None,
+            "arenas": [[str(dt).replace("torch.", ""), list(shape)] for shape, dt in self.codec.arenas],
+        }
+        self.lock = threading.RLock()
+        self.kv: Optional[List[torch.Tensor]] = None      # the worker's per-layer tensors
+        self.refused: Optional[str] = None                 # why nothing is served, if so
+        self.disk_refused: Optional[str] = None
+        self.pending: set = set()                          # host slots admitted, data not yet landed
+        self._disk: Optional[DiskPrefixTier] = None
+        self.num_disk_hit_tokens = 0
+        self.num_disk_written = 0
+        self.num_disk_corrupt = 0
+        self.num_lock_misses = 0
+        # Tests only (the negative control): load each layer's blocks into the next layer.
+        # (Reversing whole blocks would not do: attention sums over (K, V) pairs whose
+        # positions RoPE already baked in, so a block order is invisible to the suffix.)
+        self.debug_shuffle_loads = False
+
+    # ---- refusals -------------------------------------------------------------------------
+    def refuse(self, reason: str) -> None:
+        if self.refused is None:
+            self.refused = reason
+            log.warning("pagedkv connector: serving nothing: %s", reason)
+
+    def register(self, kv: List[torch.Tensor]) -> None:
+        """The worker's per-layer tensors, checked against the spec (refused on mismatch)."""
+        want = self.spec.block_shape()
+        if len(kv) != self.spec.num_layers:
+            return self.refuse(f"vLLM registered {len(kv)} KV layers, the store was built for {self.spec.num_layers}")
+        for i, t in enumerate(kv):
+            if t.dtype != self.spec.dtype:
+                return self.refuse(f"layer {i}: KV dtype {t.dtype}, expected {self.spec.dtype}")
+            if t.dim() != 4 or tuple(t.shape[1:]) != want:
+                return self.refuse(f"layer {i}: KV shape {tuple(t.shape)}, expected [num_blocks, *{want}] "
+                                   "(vLLM's CPU layout)")
+            if t.device.type != "cpu":
+                return self.refuse(f"layer {i}: KV on {t.device}, this connector copies CPU tensors")
+        self.kv = list(kv)
+
+    @property
+    def serving(self) -> bool:
+        return self.refused is None and self.kv is not None
+
+    # ---- disk sessions ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def disk(self):
+        """The disk tier, open (and locked) for one batch of work; None when unusable."""
+        if self._disk is not None or self.cfg.disk_path is None or self.disk_refused:
+            yield self._disk
+            return
+        deadline = time.monotonic() + self.cfg.lock_timeout_s
+        while True:
+            try:
+                d = DiskPrefixTier(self.cfg.disk_path, self.template, self.cfg.disk_blocks, self.bs, self.format,
+                                   eviction=self.cfg.eviction, weak_hash=self.cfg.weak_hash, verify_blocks=False)
+                break
+            except TierFileError as e:
+                if "locked by another cache" in str(e):
+                    if time.monotonic() < deadline:
+                        time.sleep(0.002)
+                        continue
+                    self.num_lock_misses += 1
+                    log.info("pagedkv connector: disk tier busy for %.1f s; skipped", self.cfg.lock_timeout_s)
+                    yield None
+                    return
+                self.disk_refused = str(e)
+                log.warning("pagedkv connector: disk tier refused, using host only: %s", e)
+                yield None
+                return
+        self._disk = d
+        try:
+            yield d
+        finally:
+            self._disk = None
+            d.close()
+
+    # ---- lookups --------------------------------------------------------------------------
+    def _ns(self, tier, ns_key: bytes, create: bool):
+        ns = tier.namespace(ns_key, create=create)
+        return (None, 0) if ns is None else (ns, tier.ns_hashes[ns])
+
+    def _host_chain(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> List[int]:
+        ns, h = self._ns(self.host, ns_key, False)
+        if ns is None:
+            return []
+        chain = self.host.index.lookup(tokens, ns, h, max_blocks)
+        for i, s in enumerate(chain):
+            if s in self.pending:
+                return chain[:i]
+        return chain
+
+    def lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> List[int]:
+        """Host slots of the longest verified prefix of ``tokens`` (at most ``max_blocks``),
+        promoting disk hits into the host tier. The caller leases what it will load."""
+        with self.lock:
+            chain = self._host_chain(tokens, ns_key, max_blocks)
+            if len(chain) >= max_blocks or self.cfg.disk_path is None:
+                return chain
+            with self.disk() as d:
+                if d is None:
+                    return chain
+                ns, h = self._ns(d, ns_key, False)
+                if ns is None:
+                    return chain
+                dchain = d.index.lookup(tokens, ns, h, max_blocks)
+                if len(dchain) <= len(chain):
+                    return chain
+                hns, hh = self._ns(self.host, ns_key, True)
+                self.host.index.lease(chain)               # the promotion must not evict our own prefix
+                d.index.lease(dchain)                      # nor a host eviction's write-down the disk's
+                try:
+                    for i in range(len(chain), len(dchain)):
+                        s = dchain[i]
+                        if not d.verify(s):
+                            self.num_disk_corrupt += 1
+                            log.warning("pagedkv connector: disk slot %d failed its CRC-32; dropped (a miss)", s)
+                            d.index.release(dchain[i:])
+                            dchain = dchain[:i]
+                            for x in d.index.descendants(s) + [s]:
+                                d.index.remove(x)
+                            break
+                        parent = chain[-1] if chain else ROOT
+                        slot, created = self.host.index.insert(parent, hns, hh, tokens[i * self.bs:(i + 1) * self.bs])
+                        if slot < 0:
+                            break
+                        if created:
+                            try:
+                                d.read([s], self.host.arenas, [slot])
+                            except BaseException:
+                                self.host.index.release([slot])
+                                self.host.index.remove(slot)
+                                raise
+                            self.host.written(np.asarray([slot]))
+                            self.host.index.release([slot])
+                        d.index.touch(s, hit=True)
+                        self.num_disk_hit_tokens += self.bs
+                        self.host.index.lease([slot])
+                        chain.append(slot)
+                finally:
+                    self.host.index.release(chain)
+                    d.index.release(dchain)
+            return chain
+
+    def lease(self, slots: Sequence[int]) -> None:
+        with self.lock:
+            self.host.index.lease(slots)
+
+    def release(self, slots: Sequence[int]) -> None:
+        with self.lock:
+            self.host.index.release(slots)
+
+    # ---- admission (scheduler side) -----------------------------------------------------------
+    def admit(self, parent: int, tokens: np.ndarray, ns_key: bytes) -> Tuple[int, bool]:
+        """``(slot, created)`` for one full block under host ``parent``; a created slot is
+        pending until :meth:`save` fills it. ``(-1, False)``: not admitted (collision or full)."""
+        with self.lock:
+            ns, h = self._ns(self.host, ns_key, True)
+            slot, created = self.host.index.insert(parent, ns, h, tokens)
+            if created:
+                self.pending.add(slot)
+            return slot, created
+
+    def abandon(self, slots: Sequence[int]) -> None:
+        """Pending slots whose data will never land (the step did not run)."""
+        with self.lock:
+            for s in reversed(list(slots)):
+                if s in self.pending:
+                    self.pending.discard(s)
+                    self.host.index.release([s])
+                    for x in self.host.index.descendants(s) + [s]:
+                        self.host.index.remove(x)
+
+    # ---- copies (worker side) -------------------------------------------------------------
+    def save(self, pairs: Sequence[Tuple[int, int]]) -> None:
+        """Copy vLLM blocks into their pending host slots: ``[(block, slot)]``."""
+        if not pairs or self.kv is None:
+            return
+        with self.lock:
+            blocks = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+            slots = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+            for layer, t in enumerate(self.kv):
+                for a, part in enumerate(self.codec.encode(t.index_select(0, blocks))):
+                    _raw(self.host.arenas[a][layer]).index_copy_(0, slots, _raw(part))
+            landed = [p[1] for p in pairs]
+            self.host.written(np.asarray(landed))
+            for s in landed:
+                self.pending.discard(s)
+            self.host.index.release(landed)
+            if self.cfg.disk_path is not None and self.cfg.disk_write == "through":
+                self.to_disk(landed)
+
+    def load(self, pairs: Sequence[Tuple[int, int]]) -> None:
+        """Copy host slots into vLLM blocks: ``[(slot, block)]``; releases their leases."""
+        if not pairs:
+            return
+        with self.lock:
+            try:
+                slots = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+                blocks = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+                n = len(self.kv)
+                for layer, t in enumerate(self.kv):
+                    src = (layer + 1) % n if self.debug_shuffle_loads else layer
+                    parts = [_raw(arena[src]).index_select(0, slots).view(arena.dtype) for arena in self.host.arenas]
+                    t.index_copy_(0, blocks, self.codec.decode(parts))
+                for s in slots.tolist():
+                    self.host.index.touch(s, hit=True)
+                self.host.num_hit_tokens += self.bs * len(pairs)
+            finally:
+                self.host.index.release([p[0] for p in pairs])
+
+    # ---- host -> disk ------------------------------------------------------------------------
+    def _host_evicting(self, slot: int) -> None:
+        if self.cfg.disk_path is not None and slot not in self.pending:
+            self.to_disk([slot])
+
+    def to_disk(self, slots: Sequence[int]) -> None:
+        """Admit these host slots' chains to the disk tier (ancestors first)."""
+        with self.lock, self.disk() as d:
+            if d is None:
+                return
+            host = self.host
+            done: Dict[int, int] = {}
+            for slot in slots:
+                parent = ROOT
+                for a in host.index.chain(slot):
+                    if a in done:
+                        parent = done[a]
+                        continue
+                    ns, h = self._ns(d, host.ns_keys[int(host.index.rec["ns"][a])], True)
+                    s, created = d.index.insert(parent, ns, h, np.array(host.index.rec["tokens"][a]))
+                    if s < 0:
+                        break
+                    if created:
+                        try:
+                            d.write(host.arenas, [a], [s])
+                            d.written(np.asarray([s]))
+                        finally:
+                            d.index.release([s])
+                        self.num_disk_written += 1
+                    done[a] = parent = s
+
+    # ---- pins, stats, reset -----------------------------------------------------------------
+    def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool = True) -> int:
+        """(Un)pin the host blocks of this prefix (pinned slots are never evicted);
+        returns the tokens covered."""
+        with self.lock:
+            chain = self._host_chain(tokens, ns_key, len(tokens) // self.bs)
+            for s in chain:
+                self.host.index.pin(s) if pin else self.host.index.unpin(s)
+            return len(chain) * self.bs
+
+    def stats(self) -> List[TierStats]:
+        h = self.host
+        out = [TierStats(medium="host", capacity=h.capacity, used_blocks=h.index.num_used,
+                         pinned_blocks=h.index.num_pinned, hit_tokens=h.num_hit_tokens,
+                         written_blocks=h.num_written, eviction_count=h.index.num_evictions, corrupt_blocks=0)]
+        if self.cfg.disk_path is not None:
+            with self.lock, self.disk() as d:
+                used = d.index.num_used if d is not None else -1
+            out.append(TierStats(medium="disk", capacity=self.cfg.disk_blocks, used_blocks=used, pinned_blocks=0,
+                                 hit_tokens=self.num_disk_hit_tokens, written_blocks=self.num_disk_written,
+                                 eviction_count=0, corrupt_blocks=self.num_disk_corrupt))
+        return out
+
+    def clear(self, disk: bool = False) -> None:
+        with self.lock:
+            busy = [s for s in range(self.host.capacity) if self.host.index.busy[s]]
+            if busy:
+                log.info("pagedkv connector: reset skipped, %d host slots in use", len(busy))
+                return
+            self.host.index.clear()
+            self.pending.clear()
+            if disk:
+                with self.disk() as d:
+                    if d is not None:
+                        d.index.clear()
+                        d.cleared()
+
+    def close(self) -> None:
+        self.kv = None
+
+
+_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as bytes: torch's CPU index_copy_/index_select do not take fp8."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_FLOATS else t

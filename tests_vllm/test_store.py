@@ -1,0 +1,179 @@
+"""The connector's store, codecs and settings on fake vLLM KV tensors (no engine)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.integrations.vllm_codec import bytes_per_token, make_codec
+from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
+
+BS, H, D, L, N = 32, 2, 64, 3, 24
+NS = b"model\x00\x00"
+
+
+def make(tmp_path=None, **cfg):
+    base = {"host_blocks": 8}
+    if tmp_path is not None:
+        base.update(disk_dir=str(tmp_path / "tier"), disk_blocks=32)
+    base.update(cfg)
+    store = PrefixStore(ConnectorConfig.from_extra(base), KVSpec(L, H, BS, D, torch.bfloat16), "model")
+    g = torch.Generator().manual_seed(0)
+    store.register([torch.randn(N, H, BS, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)])
+    return store
+
+
+def store_blocks(store, tokens, blocks):
+    """What the connector does for a computed prompt: admit each full block, then save."""
+    parent, saves = -1, []
+    for i, b in enumerate(blocks):
+        slot, created = store.admit(parent, tokens[i * BS:(i + 1) * BS], NS)
+        assert slot >= 0
+        if created:
+            saves.append((b, slot))
+        parent = slot
+    store.save(saves)
+
+
+def load_into(store, chain, blocks):
+    store.lease(chain)
+    store.load(list(zip(chain, blocks)))
+
+
+def toks(n, seed):
+    return np.random.default_rng(seed).integers(0, 50_000, n).astype(np.int32)
+
+
+def test_config_errors_are_typed_and_named():
+    with pytest.raises(InvalidArgumentError, match="unknown key 'hostblocks'"):
+        ConnectorConfig.from_extra({"hostblocks": 4})
+    with pytest.raises(InvalidArgumentError, match=r"\['storage'\].*one of .*got 'int2'"):
+        ConnectorConfig.from_extra({"storage": "int2"})
+    with pytest.raises(InvalidArgumentError, match=r"\['host_blocks'\].*an int >= 0"):
+        ConnectorConfig.from_extra({"host_blocks": -1})
+
+
+@pytest.mark.parametrize("storage,tol,ratio", [("bf16", 0.0, 1.0), ("int8", 0.02, 1.7), ("fp8", 0.08, 1.8),
+                                                ("int4", 0.35, 3.0)])
+def test_codec_round_trip_keeps_vllm_layout(storage, tol, ratio):
+    c = make_codec(storage, H, BS, D, torch.bfloat16, 3)
+    x = torch.randn(5, H, BS, 2 * D).to(torch.bfloat16)
+    k, v = c.split(x)
+    assert k[1, 0, 7, 3] == x[1, 0].reshape(-1)[3 * BS + 7]        # K[t, d] at d * block_size + t
+    assert v[1, 0, 7, 3] == x[1, 0].reshape(-1)[D * BS + 7 * D + 3]
+    assert torch.equal(c.join(k, v), x)
+    y = c.decode(c.encode(x))
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert float((y.float() - x.float()).abs().max()) <= tol * float(x.float().abs().max()) + 1e-6
+    assert bytes_per_token(make_codec("bf16", H, BS, D, torch.bfloat16), L) / bytes_per_token(c, L) >= ratio
+
+
+@pytest.mark.parametrize("storage,tol", [("bf16", 0.0), ("int8", 0.02), ("fp8", 0.08), ("int4", 0.35)])
+def test_verified_hit_copies_the_right_blocks(storage, tol):
+    s = make(storage=storage)
+    t = toks(3 * BS + 5, 1)
+    store_blocks(s, t, [3, 7, 9])
+    chain = s.lookup(t, NS, 3)
+    assert len(chain) == 3
+    load_into(s, chain, [0, 1, 2])
+    for layer in s.kv:
+        got, want = layer[[0, 1, 2]].float(), layer[[3, 7, 9]].float()
+        assert float((got - want).abs().max()) <= tol * float(want.abs().max())
+        assert tol == 0 or not torch.equal(got, want)      # quantized storage really was used
+    assert int(s.host.index.busy.sum()) == 0
+
+
+def test_forced_collision_is_a_miss():
+    from pagedkv.tiers.chain import ROOT_HASH, chain_hash
+
+    s = make(weak_hash=True)                  # a 4-valued tier hash: collisions are easy to make
+    a = toks(BS, 1)
+    store_blocks(s, a, [3])
+    ns_hash = s.host.ns_hashes[0]
+    target = chain_hash(ROOT_HASH, ns_hash, a, True)
+    b = next(b for b in (toks(BS, seed) for seed in range(2, 100)) if chain_hash(ROOT_HASH, ns_hash, b, True) == target)
+    assert s.lookup(b, NS, 1) == []           # same hash, other tokens: a miss
+    assert s.admit(-1, b, NS) == (-1, False)  # and never stored over the other block
+    assert len(s.lookup(a, NS, 1)) == 1
+
+
+def test_disk_crc_failure_is_a_miss_and_drops_the_chain(tmp_path):
+    s = make(tmp_path)
+    t = toks(2 * BS + 1, 4)
+    store_blocks(s, t, [1, 2])
+    s.clear(disk=False)
+    rec = (tmp_path / "tier" / "blocks.bin")
+    raw = bytearray(rec.read_bytes())
+    raw[10] ^= 0xFF                           # slot 0: the root block
+    rec.write_bytes(bytes(raw))
+    assert s.lookup(t, NS, 2) == []
+    assert s.num_disk_corrupt == 1
+    s2 = make(tmp_path)                       # a restart sees a clean tier without them
+    assert s2.lookup(t, NS, 2) == []
+
+
+def test_warm_restart_serves_from_disk(tmp_path):
+    s = make(tmp_path)
+    t = toks(2 * BS + 1, 5)
+    store_blocks(s, t, [4, 5])
+    want = [layer[[4, 5]].clone() for layer in s.kv]
+    s2 = make(tmp_path)                       # new store, same directory, other KV tensors
+    chain = s2.lookup(t, NS, 2)
+    assert len(chain) == 2 and s2.num_disk_hit_tokens == 2 * BS
+    load_into(s2, chain, [10, 11])
+    for layer, w in zip(s2.kv, want):
+        assert torch.equal(layer[[10, 11]], w)
+
+
+def test_other_format_on_the_directory_is_refused(tmp_path):
+    s = make(tmp_path)
+    t = toks(BS + 1, 6)
+    store_blocks(s, t, [1])
+    other = PrefixStore(dataclasses.replace(s.cfg), KVSpec(L, H, BS, D, torch.bfloat16), "other-model")
+    assert other.lookup(t, NS, 1) == [] and "tag" in other.disk_refused
+    q = make(tmp_path, storage="int8")
+    assert q.lookup(t, NS, 1) == [] and "int8" in q.disk_refused     # the storage format differs
+
+
+def test_mismatched_kv_tensors_are_refused():
+    s = make()
+    s.refused = None
+    s.register([torch.zeros(N, H + 1, BS, 2 * D, dtype=torch.bfloat16)] * L)
+    assert not s.serving and "shape" in s.refused
+    s = make()
+    s.refused = None
+    s.register([torch.zeros(N, H, BS, 2 * D, dtype=torch.float16)] * L)
+    assert "dtype" in s.refused
+
+
+def test_held_directory_costs_a_miss_not_an_error(tmp_path):
+    s = make(tmp_path)
+    t = toks(BS + 1, 7)
+    store_blocks(s, t, [1])
+    other = make(tmp_path, lock_timeout_s=0.05)
+    with s.disk():                            # the first engine holds the tier
+        assert other.lookup(t, NS, 1) == []
+    assert other.num_lock_misses == 1
+    assert len(other.lookup(t, NS, 1)) == 1   # its turn came
+
+
+def test_host_evictions_go_to_disk_and_pins_stay(tmp_path):
+    s = make(tmp_path, host_blocks=4, disk_write="back")
+    pinned = toks(2 * BS + 1, 8)
+    store_blocks(s, pinned, [0, 1])
+    assert s.pin(pinned, NS) == 2 * BS
+    for i in range(4):                        # 8 more blocks through a 4-slot host tier
+        store_blocks(s, toks(2 * BS + 1, 20 + i), [2 + 2 * i, 3 + 2 * i])
+    assert s.host.index.num_evictions >= 4
+    assert len(s._host_chain(pinned, NS, 2)) == 2          # pinned: still on the host
+    first = toks(2 * BS + 1, 20)
+    assert s._host_chain(first, NS, 2) == []
+    chain = s.lookup(first, NS, 2)                          # evicted to disk, promoted back
+    assert len(chain) == 2
+    load_into(s, chain, [20, 21])
+    for layer in s.kv:
+        assert torch.equal(layer[[20, 21]], layer[[2, 3]])
