@@ -4,7 +4,7 @@
 works without vLLM (for :class:`ConnectorConfig` and the codecs)."""
 from pagedkv.integrations.vllm_config import STORAGE_FORMATS, ConnectorConfig
 
-__all__ = ["ConnectorConfig", "PagedKVConnector", "PagedKVMetadata", "STORAGE_FORMATS"]
+__all__ = ["ConnectorConfig", "PagedKVConnector", "PagedKVMetadata", "STORAGE_FORMATS"]  # noqa: F822 (lazy: __getattr__)
 
 
 def __getattr__(name):

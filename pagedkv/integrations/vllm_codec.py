@@ -17,8 +17,6 @@ A codec's ``arenas`` are the per-block shapes and dtypes it stores; the tiers ke
 """
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import torch
 
 from pagedkv import quant
@@ -34,18 +32,18 @@ class Codec:
         self.h, self.bs, self.d, self.dtype = kv_heads, block_size, head_size, dtype
 
     @property
-    def arenas(self) -> List[Tuple[tuple, torch.dtype]]:
+    def arenas(self) -> list[tuple[tuple, torch.dtype]]:
         return [((self.h, self.bs, 2 * self.d), self.dtype)]
 
-    def encode(self, x: torch.Tensor) -> List[torch.Tensor]:
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x``: ``[n, H, bs, 2D]`` blocks as vLLM holds them -> one tensor per arena."""
         return [x]
 
-    def decode(self, parts: List[torch.Tensor]) -> torch.Tensor:
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return parts[0]
 
     # ---- vLLM CPU layout -----------------------------------------------------------
-    def split(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K ``[n, H, bs, D]`` and V ``[n, H, bs, D]`` of blocks ``x``."""
         n = x.shape[0]
         flat = x.reshape(n, self.h, 2 * self.d * self.bs)

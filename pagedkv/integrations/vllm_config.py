@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, expected
 
@@ -38,18 +39,18 @@ class ConnectorConfig:
     """
 
     host_blocks: int = 256
-    disk_dir: Optional[str] = None
+    disk_dir: str | None = None
     disk_blocks: int = 1024
     disk_write: str = "through"
     eviction: str = "lru"
     storage: str = "bf16"
-    model_tag: Optional[str] = None
+    model_tag: str | None = None
     lock_timeout_s: float = 5.0
     rotation_seed: int = 0x5EED
     weak_hash: bool = False
 
     @classmethod
-    def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - names)
@@ -89,7 +90,7 @@ class ConnectorConfig:
             bad("weak_hash", "a bool")
 
     @property
-    def disk_path(self) -> Optional[str]:
+    def disk_path(self) -> str | None:
         return None if self.disk_dir is None else os.path.abspath(os.path.expanduser(self.disk_dir))
 
     @property

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 
+from pagedkv.errors import InternalError
 from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.integrations.vllm_store import KVSpec, PrefixStore, get_store, lookup_store
 from pagedkv.tiers.chain import ROOT
@@ -38,11 +38,11 @@ log = logging.getLogger("pagedkv.vllm")
 
 @dataclass
 class PagedKVMetadata(KVConnectorMetadata):
-    loads: List[Tuple[int, int]] = field(default_factory=list)    # (host slot, vLLM block)
-    saves: List[Tuple[int, int]] = field(default_factory=list)    # (vLLM block, host slot)
+    loads: list[tuple[int, int]] = field(default_factory=list)    # (host slot, vLLM block)
+    saves: list[tuple[int, int]] = field(default_factory=list)    # (vLLM block, host slot)
 
 
-def _spec_of(kv_cache_config) -> Tuple[Optional[KVSpec], Optional[str], List[str]]:
+def _spec_of(kv_cache_config) -> tuple[KVSpec | None, str | None, list[str]]:
     """The KV spec of a single full-attention group, or why there is none."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) != 1:
@@ -76,10 +76,10 @@ class PagedKVConnector(KVConnectorBase_V1):
         else:
             get_store(self._key, self.cfg, spec, self._tag)
         # scheduler side
-        self._lookups: Dict[str, Tuple[int, List[int]]] = {}   # req -> (first block, leased slots)
-        self._loads: List[Tuple[int, int]] = []
-        self._reqs: Dict[str, Any] = {}
-        self._chains: Dict[str, List[Tuple[int, int]]] = {}    # req -> host (slot, gen) per stored block
+        self._lookups: dict[str, tuple[int, list[int]]] = {}   # req -> (first block, leased slots)
+        self._loads: list[tuple[int, int]] = []
+        self._reqs: dict[str, Any] = {}
+        self._chains: dict[str, list[tuple[int, int]]] = {}    # req -> host (slot, gen) per stored block
         self._warned_unregistered = False
         # worker side
         self._load_errors: set = set()
@@ -87,18 +87,24 @@ class PagedKVConnector(KVConnectorBase_V1):
         self.num_saved_blocks = 0
 
     @property
-    def store(self) -> Optional[PrefixStore]:
+    def store(self) -> PrefixStore | None:
         # Looked up each time: both sides share the engine's store (and a test may swap it).
         return None if self._why is not None else lookup_store(self._key)
 
     # ---- scheduler side ------------------------------------------------------------------
-    def _ns_key(self, request) -> Optional[bytes]:
+    def _ns_key(self, request) -> bytes | None:
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None                        # tokens do not identify the content
         lora = getattr(request, "lora_request", None)
         salt = getattr(request, "cache_salt", None) or ""
         parts = [self._tag, salt, "" if lora is None else f"lora:{lora.lora_name}:{lora.lora_int_id}"]
         return "\x00".join(parts).encode()
+
+    def _live(self) -> PrefixStore:
+        """The store, once :meth:`_usable` said there is one."""
+        if self.store is None:
+            raise InternalError("pagedkv connector: the store was used before it was opened")
+        return self.store
 
     def _usable(self) -> bool:
         s = self.store
@@ -123,7 +129,7 @@ class PagedKVConnector(KVConnectorBase_V1):
         ns_key = self._ns_key(request)
         if ns_key is None or not self._usable():
             return 0, False
-        s = self.store
+        s = self._live()
         bs = s.bs
         tokens = np.asarray(request.all_token_ids, dtype=np.int32)
         max_blocks = (len(tokens) - 1) // bs        # vLLM must compute at least one token
@@ -141,7 +147,7 @@ class PagedKVConnector(KVConnectorBase_V1):
     def _drop_lookup(self, rid: str) -> None:
         found = self._lookups.pop(rid, None)
         if found is not None:
-            self.store.release(found[1])
+            self._live().release(found[1])
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         rid = request.request_id
@@ -149,10 +155,11 @@ class PagedKVConnector(KVConnectorBase_V1):
         if found is None:
             return
         first, leased = found
-        n = num_external_tokens // self.store.bs if num_external_tokens > 0 else 0
+        s = self._live()
+        n = num_external_tokens // s.bs if num_external_tokens > 0 else 0
         ids = blocks.get_block_ids()[0]
         use = leased[:n]
-        self.store.release(leased[n:])
+        s.release(leased[n:])
         self._loads.extend(zip(use, ids[first:first + n]))
 
     def build_connector_meta(self, scheduler_output) -> PagedKVMetadata:
@@ -164,7 +171,9 @@ class PagedKVConnector(KVConnectorBase_V1):
         rids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         for rid in rids:
             req = self._reqs.get(rid)
-            ns_key = None if req is None else self._ns_key(req)
+            if req is None:
+                continue
+            ns_key = self._ns_key(req)
             if ns_key is None:
                 continue
             end = req.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0)
@@ -172,7 +181,7 @@ class PagedKVConnector(KVConnectorBase_V1):
         return meta
 
     def _plan_saves(self, rid: str, req, ns_key: bytes, known: int, saves: list) -> None:
-        s = self.store
+        s = self._live()
         bs = s.bs
         full = known // bs
         chain = self._chains.setdefault(rid, [])
@@ -208,7 +217,7 @@ class PagedKVConnector(KVConnectorBase_V1):
         return True
 
     # ---- worker side -------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]):
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self.store is None:
             return
         missing = [n for n in self._layer_names if n not in kv_caches]

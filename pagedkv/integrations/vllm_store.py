@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from pagedkv.errors import TierFileError
+from pagedkv.errors import InternalError, TierFileError
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
@@ -40,7 +39,7 @@ __all__ = ["PrefixStore", "KVSpec", "get_store", "lookup_store", "replace_store"
 
 log = logging.getLogger("pagedkv.vllm")
 
-_stores: Dict[str, "PrefixStore"] = {}
+_stores: dict[str, PrefixStore] = {}
 _stores_lock = threading.Lock()
 
 #: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
@@ -62,7 +61,7 @@ class KVSpec:
                 f"head_size={self.head_size}, dtype={self.dtype})")
 
 
-def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> "PrefixStore":
+def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> PrefixStore:
     """The store of engine ``key`` (created by whichever connector side asks first)."""
     with _stores_lock:
         store = _stores.get(key)
@@ -71,11 +70,11 @@ def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> "Prefix
         return store
 
 
-def lookup_store(key: str) -> Optional["PrefixStore"]:
+def lookup_store(key: str) -> PrefixStore | None:
     return _stores.get(key)
 
 
-def replace_store(key: str, store: "PrefixStore") -> "PrefixStore":
+def replace_store(key: str, store: PrefixStore) -> PrefixStore:
     """Swap engine ``key``'s store (tests and benchmarks: another storage format on the
     same engine); the new one takes over the registered KV tensors."""
     with _stores_lock:
@@ -111,11 +110,11 @@ class PrefixStore:
             "arenas": [[str(dt).replace("torch.", ""), list(shape)] for shape, dt in self.codec.arenas],
         }
         self.lock = threading.RLock()
-        self.kv: Optional[List[torch.Tensor]] = None      # the worker's per-layer tensors
-        self.refused: Optional[str] = None                 # why nothing is served, if so
-        self.disk_refused: Optional[str] = None
+        self.kv: list[torch.Tensor] | None = None      # the worker's per-layer tensors
+        self.refused: str | None = None                 # why nothing is served, if so
+        self.disk_refused: str | None = None
         self.pending: set = set()                          # host slots admitted, data not yet landed
-        self._disk: Optional[DiskPrefixTier] = None
+        self._disk: DiskPrefixTier | None = None
         self.num_disk_hit_tokens = 0
         self.num_disk_written = 0
         self.num_disk_corrupt = 0
@@ -131,7 +130,7 @@ class PrefixStore:
             self.refused = reason
             log.warning("pagedkv connector: serving nothing: %s", reason)
 
-    def register(self, kv: List[torch.Tensor]) -> None:
+    def register(self, kv: list[torch.Tensor]) -> None:
         """The worker's per-layer tensors, checked against the spec (refused on mismatch)."""
         want = self.spec.block_shape()
         if len(kv) != self.spec.num_layers:
@@ -188,7 +187,7 @@ class PrefixStore:
         ns = tier.namespace(ns_key, create=create)
         return (None, 0) if ns is None else (ns, tier.ns_hashes[ns])
 
-    def _host_chain(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> List[int]:
+    def _host_chain(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> list[int]:
         ns, h = self._ns(self.host, ns_key, False)
         if ns is None:
             return []
@@ -198,7 +197,7 @@ class PrefixStore:
                 return chain[:i]
         return chain
 
-    def lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> List[int]:
+    def lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> list[int]:
         """Host slots of the longest verified prefix of ``tokens`` (at most ``max_blocks``),
         promoting disk hits into the host tier. The caller leases what it will load."""
         with self.lock:
@@ -259,7 +258,7 @@ class PrefixStore:
             self.host.index.release(slots)
 
     # ---- admission (scheduler side) -----------------------------------------------------------
-    def admit(self, parent: int, tokens: np.ndarray, ns_key: bytes) -> Tuple[int, bool]:
+    def admit(self, parent: int, tokens: np.ndarray, ns_key: bytes) -> tuple[int, bool]:
         """``(slot, created)`` for one full block under host ``parent``; a created slot is
         pending until :meth:`save` fills it. ``(-1, False)``: not admitted (collision or full)."""
         with self.lock:
@@ -280,7 +279,7 @@ class PrefixStore:
                         self.host.index.remove(x)
 
     # ---- copies (worker side) -------------------------------------------------------------
-    def save(self, pairs: Sequence[Tuple[int, int]]) -> None:
+    def save(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy vLLM blocks into their pending host slots: ``[(block, slot)]``."""
         if not pairs or self.kv is None:
             return
@@ -298,7 +297,7 @@ class PrefixStore:
             if self.cfg.disk_path is not None and self.cfg.disk_write == "through":
                 self.to_disk(landed)
 
-    def load(self, pairs: Sequence[Tuple[int, int]]) -> None:
+    def load(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy host slots into vLLM blocks: ``[(slot, block)]``; releases their leases."""
         if not pairs:
             return
@@ -306,8 +305,11 @@ class PrefixStore:
             try:
                 slots = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
                 blocks = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-                n = len(self.kv)
-                for layer, t in enumerate(self.kv):
+                kv = self.kv
+                if kv is None:
+                    raise InternalError("pagedkv connector: a load before the worker registered its KV")
+                n = len(kv)
+                for layer, t in enumerate(kv):
                     src = (layer + 1) % n if self.debug_shuffle_loads else layer
                     parts = [_raw(arena[src]).index_select(0, slots).view(arena.dtype) for arena in self.host.arenas]
                     t.index_copy_(0, blocks, self.codec.decode(parts))
@@ -328,7 +330,7 @@ class PrefixStore:
             if d is None:
                 return
             host = self.host
-            done: Dict[int, int] = {}
+            done: dict[int, int] = {}
             for slot in slots:
                 parent = ROOT
                 for a in host.index.chain(slot):
@@ -358,7 +360,7 @@ class PrefixStore:
                 self.host.index.pin(s) if pin else self.host.index.unpin(s)
             return len(chain) * self.bs
 
-    def stats(self) -> List[TierStats]:
+    def stats(self) -> list[TierStats]:
         h = self.host
         out = [TierStats(medium="host", capacity=h.capacity, used_blocks=h.index.num_used,
                          pinned_blocks=h.index.num_pinned, hit_tokens=h.num_hit_tokens,
