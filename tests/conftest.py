@@ -10,6 +10,16 @@ if HERE not in sys.path:
 
 import pagedkv  # noqa: E402
 
+if "OMP_NUM_THREADS" not in os.environ:
+    # Tests assert behaviour, not speed. torch's OpenMP threads busy-wait at their
+    # barriers, and on a machine loaded by other processes (a CI runner, a serving box)
+    # that made the model tests 13-51x slower (issue 27); one thread each keeps a
+    # loaded run within 2x of a quiet one. Tests of the parallel paths set their own
+    # thread counts (pagedkv.set_num_threads).
+    import torch
+
+    torch.set_num_threads(1)
+
 _SRC = os.path.dirname(HERE)
 if os.environ.get("PAGEDKV_ALLOW_SOURCE_TREE") != "1" and os.path.dirname(
         os.path.dirname(os.path.abspath(pagedkv.__file__))) == _SRC:
