@@ -158,7 +158,7 @@ PKV_HD float pkv_e4m3_to_f32(pkv_u8 q) {
     const pkv_u32 sign = (pkv_u32)(q & 0x80u) << 24, m = q & 0x7fu;
     pkv_u32 u = pkv_sel(m > 7u, (m << 20) + (120u << 23),
                         pkv_bits(PKV_MUL((float)(pkv_i32)(m & 7u), 0.001953125f)));
-    u = pkv_sel(m == 0x7fu, 0x7fc00000u, u);  /* the only NaN (quiet) */
+    u = pkv_sel(m == 0x7fu, 0x7ff00000u, u);  /* the only NaN (quiet; the bits torch gives) */
     return pkv_float(u | sign);
 }
 
