@@ -167,7 +167,8 @@ PKV_HD float pkv_e5m2_to_f32(pkv_u8 q) {
     const pkv_u32 sign = (pkv_u32)(q & 0x80u) << 24, m = q & 0x7fu;
     pkv_u32 u = pkv_sel(m > 3u, (m << 21) + (112u << 23),
                         pkv_bits(PKV_MUL((float)(pkv_i32)(m & 3u), 1.52587890625e-05f)));
-    u = pkv_sel(m >= 0x7cu, 0x7f800000u | ((m & 3u) << 21), u);
+    /* inf, or NaN made quiet (as torch and the hardware do) */
+    u = pkv_sel(m >= 0x7cu, 0x7f800000u | ((m & 3u) << 21) | pkv_sel(m > 0x7cu, 0x400000u, 0u), u);
     return pkv_float(u | sign);
 }
 
