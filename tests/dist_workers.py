@@ -433,8 +433,7 @@ def hostile_sender(cache, seq, case, kind="sequence"):
                 _send_raw(link, wire.DATA, bytes(raw) * 2)
             else:
                 _send_raw(link, wire.DATA, bytes(raw))
-    if kind == "sequence":
-        link.send_window(None, blocks)
+    link.send_window(None, blocks)         # both kinds send window rows after the blocks
     return link.recv_json("hostile: commit")
 
 
