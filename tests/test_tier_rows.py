@@ -224,3 +224,34 @@ def test_a_tier_written_with_other_rows_is_refused_by_name_and_left_as_it_was(tm
     assert _header(tmp_path) == header and sorted(p.name for p in tmp_path.iterdir()) == files
     with make_disk(dict(base, **written), tmp_path) as cache:     # still the tier it was
         assert cache.match_prefix(A) == 16
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import test_tier_rows as t
+from pagedkv.tiers.disk import DiskPrefixTier
+def killed(self, slots):          # the data and the rows are in the file, the records not sealed yet
+    assert self.window is not None and bool(self.window.valid.any())
+    os.kill(os.getpid(), signal.SIGKILL)
+DiskPrefixTier.written = killed
+t.written_to_disk(t.CASES[{case!r}], {path!r})
+"""
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_writer_killed_before_the_seal_leaves_a_miss_not_rows_without_a_block(case, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", _KILLED_WRITER.format(here=here, case=case, path=str(tmp_path))],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    want = in_place_reads(CASES[case], A, SHORT)
+    for toks, (_, rows) in zip((A, SHORT), want):
+        with make_disk(CASES[case], tmp_path) as cache:
+            hit, got = reads(cache, "c", toks)
+            assert hit == 0                         # nothing of A was sealed: a miss
+            assert_reads_equal(got, rows, "a prefix after a killed writer")
