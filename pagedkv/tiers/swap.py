@@ -126,10 +126,12 @@ class HostTier:
         if need > free:
             raise OutOfBlocksError(need, free, "swap_in from the host tier")
         keys = np.array([key], dtype=np.int64)
-        if len(self.groups) == 1:
-            self.tables.add(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority, False)
-        else:
+        # GroupTables (even with a single, sliding group: every layer of a Mistral
+        # slides) restores group by group; plain BlockTables adds with no lookup
+        if hasattr(self.tables, "add_restored"):
             self.tables.add_restored(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority)
+        else:
+            self.tables.add(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority, False)
         try:
             self.tables.reserve(keys, rec.num_computed, internal=True)
         except BaseException:
