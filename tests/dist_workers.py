@@ -645,14 +645,15 @@ def hybrid_generate(rank, out):
     and decodes with the "pagedkv" attention. Then send_prefix of the same prompt when
     the support table allows it with layer groups (rank 1 admits the prompt: its hit and
     greedy tokens), else rank 0 records the refusal."""
-    from test_hybrid_everywhere import BS, FAMILIES, PROMPT, attention, family, prompt
+    from test_hybrid_everywhere import BS, BUILDERS, FAMILIES, PROMPT, WINDOW, attention, prompt
 
     from pagedkv.config import support
     from pagedkv.integrations.transformers import PagedCache
 
-    prefix_ok = support.supported("send_prefix / recv_prefix", support.GROUPS)
+    row = next(c.name for c in support.CAPABILITIES if c.name.startswith("send_prefix"))
+    prefix_ok = support.supported(row, support.GROUPS)
     for name in FAMILIES:
-        model, tok, _ = family(name)
+        model, tok = BUILDERS[name](window=WINDOW)
         ids = prompt(15)
         kv = PagedKVCache(CacheConfig.from_hf_config(model.config, num_blocks=256, block_size=BS, dtype="float32"))
         paged = rank == 1
