@@ -45,9 +45,9 @@ def tiny_gemma2(window: int = 8, seed: int = 0, layers: int = 4, dtype=None, **c
 
     tok = ByteTokenizer()
     types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    config = Gemma2Config(**_common(tok, window, layers, 0.02, dict(layer_types=types, query_pre_attn_scalar=16)
-                                    | config))
-    return _build(Gemma2ForCausalLM, config, seed, dtype), tok
+    hf = Gemma2Config(**_common(tok, window, layers, 0.02, dict(layer_types=types, query_pre_attn_scalar=16)
+                                | config))
+    return _build(Gemma2ForCausalLM, hf, seed, dtype), tok
 
 
 def tiny_gemma2_capped(window: int = 8, seed: int = 0, layers: int = 4, dtype=None, softcap: float = 3.0,
@@ -74,9 +74,9 @@ def tiny_gemma3(window: int = 8, seed: int = 0, layers: int = 6, dtype=None, **c
 
     tok = ByteTokenizer()
     types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
-    config = Gemma3TextConfig(**_common(tok, window, layers, 0.02, dict(layer_types=types, query_pre_attn_scalar=16)
-                                        | config))
-    return _build(Gemma3ForCausalLM, config, seed, dtype), tok
+    hf = Gemma3TextConfig(**_common(tok, window, layers, 0.02, dict(layer_types=types, query_pre_attn_scalar=16)
+                                    | config))
+    return _build(Gemma3ForCausalLM, hf, seed, dtype), tok
 
 
 def tiny_qwen2(window: int = 8, seed: int = 0, layers: int = 4, dtype=None, **config):
@@ -85,6 +85,6 @@ def tiny_qwen2(window: int = 8, seed: int = 0, layers: int = 4, dtype=None, **co
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = ByteTokenizer()
-    config = Qwen2Config(**_common(tok, window, layers, 0.4, dict(use_sliding_window=True, max_window_layers=2)
-                                   | config))
-    return _build(Qwen2ForCausalLM, config, seed, dtype), tok
+    hf = Qwen2Config(**_common(tok, window, layers, 0.4, dict(use_sliding_window=True, max_window_layers=2)
+                               | config))
+    return _build(Qwen2ForCausalLM, hf, seed, dtype), tok
