@@ -61,6 +61,9 @@ class NoHost:
     num_swapped = 0
     num_blocks_in_use = 0
 
+    def __init__(self):
+        self.swapped: dict = {}     # key -> record of what is swapped out: nothing, ever
+
     @staticmethod
     def require() -> None:
         raise InvalidArgumentError(expected("config.host_num_blocks", "> 0 for swapping", 0))

@@ -72,6 +72,10 @@ if TYPE_CHECKING:
 
 __all__ = ["PagedKVCache", "as_token_ids"]
 
+# calls an engine makes every step, bound per instance (see __init__); the class's
+# methods of the same names stay the documented API, with the same signatures
+_PER_STEP = ("add_sequence", "reserve", "advance", "commit", "free")
+
 SeqId = Any
 SeqIds = SeqId | Sequence[SeqId] | np.ndarray
 
@@ -147,6 +151,11 @@ class PagedKVCache:
         self._moves = Moves(self._lock, settle, self._ids, self._pool, self._groups, copies, self._host)
         self._queries = Queries(config, self._lock, settle, self._ids, self._namespaces, self._pool, self._groups,
                                 self._host, self._tiers)
+        # The per-step calls go to the lifecycle with no delegation frame, which would
+        # cost every step measurably (the branch's report); a subclass's override wins.
+        for name in _PER_STEP:
+            if getattr(type(self), name) is getattr(PagedKVCache, name):
+                self.__dict__[name] = getattr(self._life, name)
 
     def _prefix_index(self, config: CacheConfig) -> PrefixIndex:
         """The prefix index (a hook: :func:`pagedkv.testing.weak_hash_cache` overrides it)."""
@@ -168,7 +177,8 @@ class PagedKVCache:
         default: seed 004's prefix > recent > old rule). ``max_cached_tokens`` caps the
         reuse (whole blocks below it).
         """
-        return self._life.add_sequence(seq_id, prompt_token_ids, cache_salt, adapter_id, priority, max_cached_tokens)
+        return self._life.add_sequence(seq_id, prompt_token_ids, cache_salt=cache_salt, adapter_id=adapter_id,
+                                       priority=priority, max_cached_tokens=max_cached_tokens)
 
     def _admit_restored(self, seq_id: SeqId, tokens: np.ndarray, cache_salt, adapter_id, priority) -> None:
         """Admit a sequence of a layer-grouped cache whose KV is about to arrive whole

@@ -20,6 +20,7 @@ from pagedkv.errors import (
     SequenceExistsError,
     expected,
 )
+from pagedkv.manager.absent import NoTiers
 from pagedkv.manager.arguments import as_count, as_counts, as_int, as_token_ids, optional_int
 
 __all__ = ["CallerLock", "Lifecycle"]
@@ -85,14 +86,19 @@ class Lifecycle:
         self.book = groups.book            # the per-step calls' target (see coordinator)
         self.first = groups.tables[0]      # token counts: the same in every group
         self.tiers = tiers
+        # The per-step calls skip the stand-in's no-op calls: a Python call costs a
+        # step measurably more than this test does.
+        self.tiered = type(tiers) is not NoTiers
         self.host = host
+        self.swapped = host.swapped        # key -> what is swapped out (a C-level membership test)
         self.copies = copies
         self.sink_store = sink_store
         self.sink_tokens = config.kv_sink_tokens if sink_store is not None else 0
         self.deferred: collections.deque = collections.deque()   # batches queued by free_deferred
 
     # ---- admission --------------------------------------------------------------------
-    def add_sequence(self, seq_id, prompt_token_ids, cache_salt, adapter_id, priority, max_cached_tokens) -> int:
+    def add_sequence(self, seq_id, prompt_token_ids=None, *, cache_salt=None, adapter_id=None, priority=None,
+                     max_cached_tokens=None) -> int:
         tokens = None if prompt_token_ids is None else as_token_ids(prompt_token_ids, "prompt_token_ids")
         priority = optional_int(priority, "priority", 0, 127)
         cap = None if max_cached_tokens is None else as_count(max_cached_tokens, "max_cached_tokens") // \
@@ -104,7 +110,7 @@ class Lifecycle:
             mark = len(self.namespaces)
             book = self.book
             try:
-                if self.host.holds(key):
+                if key in self.swapped:
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self.namespaces.register(cache_salt, adapter_id)
                 prio = -1 if priority is None else priority
@@ -115,7 +121,7 @@ class Lifecycle:
                     self.ids.forget(key)
                 self.namespaces.rollback(mark)
                 raise
-            if tokens is not None:
+            if tokens is not None and self.tiered:
                 try:
                     hit = self.tiers.promote(key, tokens, ns_id, hit, max_blocks=cap)
                 except BaseException:
@@ -139,7 +145,7 @@ class Lifecycle:
             key, fresh = self.ids.intern(seq_id)
             mark = len(self.namespaces)
             try:
-                if key in self.first or self.host.holds(key):
+                if key in self.first or key in self.swapped:
                     raise SequenceExistsError(seq_id)
                 ns_id, ns_hash = self.namespaces.register(cache_salt, adapter_id)
                 self.groups.add_restored(key, tokens, ns_id, ns_hash, -1 if priority is None else priority)
@@ -159,7 +165,8 @@ class Lifecycle:
             keys, internal = self.ids.batch(seq_ids)
             book = self.book
             slots = book.reserve(keys, num_tokens, internal=internal)
-            self.tiers.sync()      # evicted KV goes down before anything overwrites it
+            if self.tiered:
+                self.tiers.sync()      # evicted KV goes down before anything overwrites it
             if book.num_pending_copies:
                 self.copies.copy(book.take_copies())
             if self.sink_tokens:
@@ -174,14 +181,15 @@ class Lifecycle:
             keys, internal = self.ids.batch(seq_ids)
             book = self.book
             slots = book.advance(keys, token_ids, internal=internal)
-            self.tiers.sync()
+            if self.tiered:
+                self.tiers.sync()
             if book.num_pending_copies:
                 self.copies.copy(book.take_copies())
             if self.sink_tokens:
                 self.pin_sinks(keys, internal, 1)
             return slots
 
-    def commit(self, seq_ids, num_tokens, token_ids) -> None:
+    def commit(self, seq_ids, num_tokens, token_ids=None) -> None:
         if not (type(num_tokens) is int or (type(num_tokens) is np.ndarray and num_tokens.dtype is _I64)):
             num_tokens = as_counts(num_tokens)
         if token_ids is not None:
@@ -189,7 +197,8 @@ class Lifecycle:
         with self.lock:
             keys, internal = self.ids.batch(seq_ids)
             self.book.commit(keys, num_tokens, token_ids, internal=internal)
-            self.tiers.sync()
+            if self.tiered:
+                self.tiers.sync()
 
     def pin_sinks(self, keys, internal: bool, reserved) -> None:
         """Pin the first blocks of the sequences whose reservation just covered one of
@@ -258,7 +267,7 @@ class Lifecycle:
             sk = self.ids.key(src, "src")
             dk, fresh = self.ids.intern(dst, "dst")
             try:
-                if dk in self.first or self.host.holds(dk):
+                if dk in self.first or dk in self.swapped:
                     raise SequenceExistsError(dst, "dst")
                 self.book.fork(sk, dk)
             except BaseException:
@@ -274,15 +283,15 @@ class Lifecycle:
 
     def _free(self, seq_ids) -> None:
         keys, internal = self.ids.batch(seq_ids)
-        host = self.host
-        if not host.num_swapped:
+        if not self.swapped:
             self.book.remove(keys, internal=internal)
             if internal:
                 self._forget(keys)
             return
         arr = np.array([keys], dtype=np.int64) if type(keys) is int else np.asarray(keys, dtype=np.int64)
         listed = arr.tolist()
-        swapped = np.fromiter(((internal or k >= 0) and host.holds(k) for k in listed), dtype=bool,
+        held = self.swapped
+        swapped = np.fromiter(((internal or k >= 0) and k in held for k in listed), dtype=bool,
                               count=len(listed))
         if not swapped.any():
             self.book.remove(keys, internal=internal)
@@ -300,7 +309,7 @@ class Lifecycle:
                 self.first.seq_lens(live, internal=internal)     # raises for an unknown id: nothing freed
                 self.book.remove(live, internal=internal)
             for k in arr[swapped].tolist():
-                host.discard(k)
+                self.host.discard(k)
         if internal:
             self._forget(arr)
 
@@ -326,7 +335,7 @@ class Lifecycle:
                     key = self.ids.key(sid)
                 except PagedKVError:
                     continue
-                if key in self.first or self.host.holds(key):
+                if key in self.first or key in self.swapped:
                     live.append(sid)
             if live:
                 self._free(live)
