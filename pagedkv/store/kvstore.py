@@ -130,6 +130,14 @@ class KVStore:
                             c.kv_window or 0, c.torch_dtype, device, sink=c.kv_sink_tokens or 0,
                             pin_capacity=c.pinned_blocks, lock=lock)
 
+    def tier_window(self, num_blocks: int) -> RecentWindow | None:
+        """A host window arena over ``num_blocks`` prefix-tier slots, shaped like the
+        device's and sharing its lock (None without one): where the host tier keeps its
+        blocks' sink and window rows, so a promoted prefix reads them as in place."""
+        if self.window is None:
+            return None
+        return self._window(num_blocks, torch.device("cpu"), self.window.lock)
+
     def _arena_specs(self, num_blocks: int):
         """``(field, shape, torch dtype)`` of every arena :meth:`_allocate` makes, in its
         order (None where the arena does not exist)."""

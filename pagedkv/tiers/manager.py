@@ -96,6 +96,7 @@ class PrefixTiers:
                                               pin=self.store.device.type == "cuda",
                                               on_evict=lambda s: self._evicting(host, s))
             host.index.on_removed = lambda s: self._removed_slot(host, s)
+            host.window = self.store.tier_window(cfg.prefix_host_blocks)
         if cfg.prefix_disk_blocks:
             disk = self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
                                               kv_format(self.store, cfg.prefix_disk_tag),
@@ -259,6 +260,7 @@ class PrefixTiers:
                 if pairs:
                     src_arenas = self.store.arenas if src == DEVICE else self._tier(src).arenas
                     self._tier(dst).write(src_arenas, [p[0] for p in pairs], [p[1] for p in pairs])
+                    self._copy_rows(src, dst, pairs)
             for t in self.tiers:
                 new = self._new.pop(t.medium, None)
                 if new:
@@ -272,6 +274,24 @@ class PrefixTiers:
                         t.index.remove(s)
             self._copies.clear()
             raise
+
+    def _window(self, medium: str):
+        return self.store.window if medium == DEVICE else self._tier(medium).window
+
+    def _copy_rows(self, src: str, dst: str, pairs) -> None:
+        """The sink and window rows that go with a block copy (model precision, so a
+        promoted prefix reads them as it would have in place): ``(src block or slot,
+        dst block or slot)`` pairs. A medium that keeps no rows gives or takes none (the
+        destination's earlier rows for those blocks are dropped all the same)."""
+        to = self._window(dst)
+        if to is None:
+            return
+        p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        source = self._window(src)
+        if source is None:
+            to.drop(p[:, 1])
+        else:
+            to.copy(p[:, 0], p[:, 1], source=source)
 
     def _tier(self, medium: str) -> Tier:
         tier = self.host if medium == "host" else self.disk
@@ -342,6 +362,7 @@ class PrefixTiers:
                 for medium, pairs in by_tier.items():
                     self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
                     self.store.replaced([p[1] for p in pairs])
+                    self._copy_rows(medium, DEVICE, pairs)
             self.tables.commit(key, n * bs, internal=True)
             reserved = False
         except BaseException:
