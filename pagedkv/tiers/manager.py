@@ -71,9 +71,10 @@ class PrefixTiers:
         namespaces: ``key_of``, ``name``, ``hash_of_key`` and ``name_of_key`` of device
             namespace ids (the cache's registry, or a
             :class:`~pagedkv.groups.tables.GroupNamespaces` over it with layer groups).
-        tables: what admissions promote into: the ``BlockTables``, or the
-            :class:`~pagedkv.groups.tables.GroupTables` (each group's blocks come from
-            its own chain in the tiers, filed under its group's namespace).
+        tables: what admissions promote into: the manager's table coordinator
+            (:mod:`pagedkv.manager.coordinator`), whose ``tables`` lists one
+            ``BlockTables`` per layer group (each group's blocks come from its own
+            chain in the tiers, filed under its group's namespace).
     """
 
     def __init__(self, config, index, store, pool, namespaces, tables):
@@ -83,7 +84,7 @@ class PrefixTiers:
         self.pool = pool
         self.namespaces = namespaces
         self.tables = tables
-        self.groups = list(getattr(tables, "tables", [tables]))     # one BlockTables per layer group
+        self.groups = list(tables.tables)     # one BlockTables per layer group
         self.bs = cfg.block_size
         self.through = cfg.prefix_tier_write == "through"
         self.events = cfg.enable_kv_events
