@@ -1,7 +1,11 @@
-"""Sink and window rows through the host prefix tier: a quantized cache keeps each
+"""Sink and window rows through the prefix tiers: a quantized cache keeps each
 sequence's first sink tokens and its recent window in model precision (a window arena
-beside the codes); a prefix evicted to the host tier and promoted back reads them
-exactly as it would have in place, not quantized."""
+beside the codes); a prefix evicted to the host tier or the disk tier and promoted back,
+or restored by a new cache on the same disk directory, reads them exactly as it would
+have in place, not quantized. Damaged rows are a miss; a disk tier written with other
+rows (or none) is refused by name."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -255,3 +259,15 @@ def test_a_writer_killed_before_the_seal_leaves_a_miss_not_rows_without_a_block(
             hit, got = reads(cache, "c", toks)
             assert hit == 0                         # nothing of A was sealed: a miss
             assert_reads_equal(got, rows, "a prefix after a killed writer")
+
+
+def test_the_tiers_byte_figures_count_the_rows(tmp_path):
+    opts = CASES["int8-window"]
+    with make_disk(opts, tmp_path / "rows") as cache, make_disk(dict(opts, kv_window=0), tmp_path / "none") as plain:
+        cfg, host, disk = cache.config, cache._tiers.host, cache._tiers.disk
+        layers, per_block = cfg.num_layers, cfg.block_size * cfg.kv_heads_per_rank * cfg.head_dim
+        rows = layers * (2 * per_block * 4 + cfg.block_size)          # float32 K and V, a validity byte per token
+        assert host.nbytes == plain._tiers.host.nbytes + cfg.window_blocks * rows
+        assert disk.rows_bytes >= rows and plain._tiers.disk.rows_bytes == 0
+        assert disk.nbytes == plain._tiers.disk.nbytes + disk.capacity * disk.rows_bytes
+        assert disk.nbytes == sum(os.path.getsize(tmp_path / "rows" / n) for n in ("blocks.bin", "index.bin"))

@@ -104,6 +104,7 @@ class DiskPrefixTier(Tier):
             sections.append((offset, a.dtype, (a.shape[0],) + tuple(a.shape[2:])))
             offset = _aligned(offset + per_block)
         rows_meta = rows_format(rows)
+        self.rows_section = None
         if rows_meta is not None:     # the rows' section: model-precision data, then a byte per layer and token
             rshape = tuple(rows_meta["shape"])
             self.rows_section = (offset, rows.data.dtype, rshape, offset + _aligned(
@@ -155,6 +156,16 @@ class DiskPrefixTier(Tier):
             data = base[:, off:off + size].view(dtype).view((capacity,) + shape)
             valid = base[:, voff:voff + int(np.prod(vshape))].view((capacity,) + vshape)
             self.window = DiskRows(data, valid, rows.lock)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tier's files (its blocks' records, their rows included, and the slot index)."""
+        return sum(size for _, size in self._sizes())
+
+    @property
+    def rows_bytes(self) -> int:
+        """Bytes of a record's sink and window rows (0 without rows)."""
+        return self.record_bytes - self.rows_section[0] if self.rows_section is not None else 0
 
     # ---- files ----------------------------------------------------------------------
     def _file(self, name: str) -> str:
