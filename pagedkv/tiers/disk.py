@@ -104,12 +104,15 @@ class DiskPrefixTier(Tier):
             sections.append((offset, a.dtype, (a.shape[0],) + tuple(a.shape[2:])))
             offset = _aligned(offset + per_block)
         rows_meta = rows_format(rows)
-        self.rows_section = None
-        if rows_meta is not None:     # the rows' section: model-precision data, then a byte per layer and token
+        # the rows' section (data offset, dtype, shape, validity offset, shape): model-precision
+        # data, then a byte per layer and token
+        section: tuple[int, torch.dtype, tuple[int, ...], int, tuple[int, int]] | None = None
+        if rows_meta is not None:
             rshape = tuple(rows_meta["shape"])
-            self.rows_section = (offset, rows.data.dtype, rshape, offset + _aligned(
+            section = (offset, rows.data.dtype, rshape, offset + _aligned(
                 int(np.prod(rshape)) * rows.data.element_size()), (rshape[0], rshape[2]))
-            offset = _aligned(self.rows_section[3] + rshape[0] * rshape[2])
+            offset = _aligned(section[3] + rshape[0] * rshape[2])
+        self.rows_section = section
         self.record_bytes = offset
         self.meta: dict[str, Any] = {"magic": _MAGIC, "version": FORMAT_VERSION, "capacity": capacity,
                                      "record_bytes": offset, "block_size": block_size,
@@ -150,8 +153,8 @@ class DiskPrefixTier(Tier):
             view = base[:, off:off + size].view(torch.uint8).view((capacity, size))
             self._records_view.append(view)      # slot -> this arena's bytes of the block, all layers
             self.arenas.append(view.view(dtype).view((capacity,) + shape).transpose(0, 1))
-        if rows_meta is not None:
-            off, dtype, shape, voff, vshape = self.rows_section
+        if section is not None:
+            off, dtype, shape, voff, vshape = section
             size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
             data = base[:, off:off + size].view(dtype).view((capacity,) + shape)
             valid = base[:, voff:voff + int(np.prod(vshape))].view((capacity,) + vshape)
@@ -447,7 +450,7 @@ class DiskPrefixTier(Tier):
                 d.close()
 
 
-def _settings(rows: dict) -> str:
+def _settings(rows: Any) -> str:
     return f"kv_window={shown(rows.get('kv_window'))}, kv_sink_tokens={shown(rows.get('kv_sink_tokens'))}"
 
 
