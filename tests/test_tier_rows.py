@@ -271,3 +271,15 @@ def test_the_tiers_byte_figures_count_the_rows(tmp_path):
         assert disk.rows_bytes >= rows and plain._tiers.disk.rows_bytes == 0
         assert disk.nbytes == plain._tiers.disk.nbytes + disk.capacity * disk.rows_bytes
         assert disk.nbytes == sum(os.path.getsize(tmp_path / "rows" / n) for n in ("blocks.bin", "index.bin"))
+
+
+def test_a_version_2_header_that_names_no_rows_is_refused(tmp_path):
+    import json
+    base = dict(kv_dtype="int8", head_dim=4, kv_window=0)
+    written_to_disk(base, tmp_path)
+    meta = json.loads(_header(tmp_path))
+    assert meta["version"] == 1 and "rows" not in meta
+    meta["version"] = 2
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TierFileError, match=r"meta\.json: expected version=1, got version=2 without rows"):
+        make_disk(base, tmp_path)

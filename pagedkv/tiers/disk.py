@@ -273,6 +273,9 @@ class DiskPrefixTier(Tier):
         mine = self.meta.get("rows")
         theirs = meta.get("rows") if meta["version"] == ROWS_VERSION else None
         if mine is None and theirs is None:
+            if meta["version"] != self.meta["version"]:    # version 2 that names no rows: not ours
+                raise TierFileError(expected(self._file("meta.json"), f"version={self.meta['version']}",
+                                             f"version={meta['version']} without rows"))
             return
         name = self._file("meta.json")
         if theirs is None:
