@@ -41,7 +41,7 @@ import numpy as np
 
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
-from pagedkv._core.tables import BlockTables
+from pagedkv._core.tables import FullAttentionTables
 from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int, tensor_values
 from pagedkv.config import CacheConfig, format_bytes
 from pagedkv.errors import (
@@ -145,7 +145,7 @@ class PagedKVCache:
         self._ids = SequenceIds()
         self._groups = None
         if config.layer_groups is None:
-            self.tables = BlockTables(self._pool, config.block_size, self.index)
+            self.tables = FullAttentionTables(self._pool, config.block_size, self.index)
             self.tables.namer = self._ids.name   # core errors name the caller's id, not the key
         else:   # sliding-window layers: one table per layer group (pagedkv.group_tables)
             from pagedkv.group_tables import GroupTables
