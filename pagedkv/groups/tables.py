@@ -1,4 +1,4 @@
-"""Block tables per layer group, over the one shared pool (see :mod:`pagedkv.layer_groups`).
+"""Block tables per layer group, over the one shared pool (see :mod:`pagedkv.groups.layers`).
 
 A cache whose model mixes full-attention and sliding-window layers keeps one set of
 block tables per layer group, of the class for the group's attention type
@@ -34,7 +34,7 @@ from pagedkv._core.prefix import hash_bytes
 from pagedkv._core.sliding import SlidingWindowTables
 from pagedkv._core.tables import FullAttentionTables
 from pagedkv.errors import InternalError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected
-from pagedkv.layer_groups import GroupPlan, LayerGroup
+from pagedkv.groups.layers import GroupPlan, LayerGroup
 
 __all__ = ["AttentionTables", "TABLES_FOR", "GroupTables", "GroupNamespaces", "GROUP_NS_BITS", "group_key"]
 
