@@ -12,7 +12,7 @@ Counts = int | npt.NDArray[np.int64] | Sequence[int]
 Tokens = npt.NDArray[np.int32] | Sequence[int]
 
 class TablesBase:
-    """The protocol every attention type's tables implement (``pagedkv.group_tables.
+    """The protocol every attention type's tables implement (``pagedkv.groups.tables.
     AttentionTables`` is its runtime form), with the shared machinery. A type that
     releases nothing early has ``window == sinks == sink_blocks == 0``, treats
     ``hold_window``/``slide`` as no-ops (after checking the keys) and reports zero

@@ -52,7 +52,7 @@ class LayerGroup:
     @property
     def attention(self) -> str:
         """The attention type, which picks the group's block tables class
-        (``pagedkv.group_tables.TABLES_FOR``)."""
+        (``pagedkv.groups.tables.TABLES_FOR``)."""
         return "sliding" if self.window else "full"
 
     @property
