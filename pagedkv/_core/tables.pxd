@@ -91,20 +91,7 @@ cdef class FullAttentionTables(TablesBase):
 cdef void release_blocks(TablesBase t, SeqRow* row, int32_t lo, int32_t hi) noexcept nogil
 
 
-cdef inline void copy_on_write(TablesBase t, SeqRow* row) noexcept nogil:
-    # Swap the last (partial) block for a private copy before writing into it; the
-    # caller counted the new block and the pair's room. The old block keeps its other
-    # references, or, if it was registered and ours was the last, becomes
-    # cached-free with its registered content intact.
-    cdef block_id_t fresh
-    cdef block_id_t* last = &row.blocks[row.num_blocks - 1]
-    t.pool.alloc_into(&fresh, 1)
-    t.copies[2 * t.num_copies] = last[0]
-    t.copies[2 * t.num_copies + 1] = fresh
-    t.num_copies += 1
-    t.num_cow += 1
-    t.pool.release_batch(last, 1, NULL, 0)
-    last[0] = fresh
+cdef void copy_on_write(TablesBase t, SeqRow* row) noexcept nogil   # rare: a call, not inlined
 
 
 cdef inline void reserve_one(TablesBase t, SeqRow* row, int64_t* out) noexcept nogil:

@@ -115,6 +115,22 @@ cdef inline void reserve_row(TablesBase t, SeqRow* row, int64_t n, int64_t* out)
     row.num_reserved = end
 
 
+cdef void copy_on_write(TablesBase t, SeqRow* row) noexcept nogil:
+    # Swap the last (partial) block for a private copy before writing into it; the
+    # caller counted the new block and the pair's room. The old block keeps its other
+    # references, or, if it was registered and ours was the last, becomes
+    # cached-free with its registered content intact.
+    cdef block_id_t fresh
+    cdef block_id_t* last = &row.blocks[row.num_blocks - 1]
+    t.pool.alloc_into(&fresh, 1)
+    t.copies[2 * t.num_copies] = last[0]
+    t.copies[2 * t.num_copies + 1] = fresh
+    t.num_copies += 1
+    t.num_cow += 1
+    t.pool.release_batch(last, 1, NULL, 0)
+    last[0] = fresh
+
+
 cdef void release_blocks(TablesBase t, SeqRow* row, int32_t lo, int32_t hi) noexcept nogil:
     # Every block of the row back to the pool, tail first: a sequence's last block
     # enters the eviction order first, so it is evicted before its prefix. Entries
@@ -360,11 +376,16 @@ cdef class TablesBase:
                            int64_t* op) noexcept nogil:
         cdef int64_t i
         cdef SeqRow* row
+        cdef int64_t c
         for i in range(m):
             row = &rows[rp[i]]
-            if row.num_computed < row.num_reserved:
-                commit_row(self, row, row.num_reserved - row.num_computed, NULL)
-            advance_one(self, row, tp[i], op + i)
+            c = row.num_reserved
+            if row.num_computed < c:
+                commit_row(self, row, c - row.num_computed, NULL)
+            if c == row.num_known:
+                row.tokens[c] = tp[i]
+                row.num_known = c + 1
+            reserve_one(self, row, op + i)
 
     cdef void settle_row(self, SeqRow* row) noexcept nogil:
         pass                     # full attention keeps every block
