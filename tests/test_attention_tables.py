@@ -11,11 +11,11 @@ import pytest
 from pagedkv import BlockPool, BlockTables, PrefixIndex
 from pagedkv._core.sliding import SlidingWindowTables
 from pagedkv._core.tables import FullAttentionTables, TablesBase
-from pagedkv.manager.cache import PagedKVCache
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, SequenceNotFoundError
-from pagedkv.groups.tables import TABLES_FOR, AttentionTables, GroupTables
 from pagedkv.groups.layers import GroupPlan, LayerGroup, plan_groups
+from pagedkv.groups.tables import TABLES_FOR, AttentionTables, GroupTables
+from pagedkv.manager.cache import PagedKVCache
 
 
 def pool_and_index(num_blocks=16, bs=4):

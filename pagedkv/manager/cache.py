@@ -60,7 +60,7 @@ from pagedkv.manager.seq_ids import SequenceIds
 from pagedkv.manager.stats import CacheStats, render_block_map
 
 if TYPE_CHECKING:
-    from pagedkv.groups.tables import GroupNamespaces
+    from pagedkv.groups.tables import AttentionTables, GroupNamespaces
 
 __all__ = ["PagedKVCache", "as_token_ids"]
 
@@ -145,7 +145,7 @@ class PagedKVCache:
         self._ids = SequenceIds()
         self._groups = None
         if config.layer_groups is None:
-            self.tables = FullAttentionTables(self._pool, config.block_size, self.index)
+            self.tables: AttentionTables = FullAttentionTables(self._pool, config.block_size, self.index)
             self.tables.namer = self._ids.name   # core errors name the caller's id, not the key
         else:   # sliding-window layers: one table per layer group (pagedkv.groups.tables)
             from pagedkv.groups.tables import GroupTables
