@@ -69,6 +69,7 @@ from pagedkv.manager.stats import CacheStats
 if TYPE_CHECKING:
     from pagedkv.tiers import PrefixTiers
     from pagedkv.tiers.swap import HostTier
+    from pagedkv.groups.tables import AttentionTables
 
 __all__ = ["PagedKVCache", "as_token_ids"]
 
@@ -124,7 +125,7 @@ class PagedKVCache:
         self._ids = SequenceIds()
         # one table per layer group (one group when every layer is full attention)
         self._groups = coordinator(self._pool, self.index, config, self._ids.name)
-        self.tables = self._groups.tables[0]
+        self.tables: AttentionTables = self._groups.tables[0]
         self._namespaces = NamespaceRegistry()
         names = self._groups.names(self._namespaces)
         self._tiers: PrefixTiers | NoTiers = NoTiers(self.index, names, config.block_size)
