@@ -67,9 +67,9 @@ from pagedkv.manager.seq_ids import SequenceIds
 from pagedkv.manager.stats import CacheStats
 
 if TYPE_CHECKING:
-    from pagedkv.tiers import PrefixTiers
-    from pagedkv.tiers.swap import HostTier
     from pagedkv.groups.tables import AttentionTables
+    from pagedkv.tiers import PrefixTiers
+    from pagedkv.tiers.swap import HostSwap
 
 __all__ = ["PagedKVCache", "as_token_ids"]
 
@@ -135,11 +135,11 @@ class PagedKVCache:
             from pagedkv.tiers import PrefixTiers
 
             self._tiers = PrefixTiers(config, self.index, store, self._pool, names, self._groups)
-        self._host: HostTier | NoHost = NoHost()
+        self._host: HostSwap | NoHost = NoHost()
         if config.host_num_blocks:
-            from pagedkv.tiers.swap import HostTier
+            from pagedkv.tiers.swap import HostSwap
 
-            self._host = HostTier(self._groups, store, config.host_num_blocks, self._namespaces.hash_of,
+            self._host = HostSwap(self._groups, store, config.host_num_blocks, self._namespaces.hash_of,
                                   sync=self._tiers.sync)
         copies = OwedCopies() if store is None else StoreCopies(store)
         sinks = store if store is not None and store.window is not None and config.kv_sink_tokens else None
