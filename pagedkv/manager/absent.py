@@ -55,7 +55,7 @@ class NoTiers:
 
 
 class NoHost:
-    """No host tier (:class:`~pagedkv.tiers.swap.HostTier`'s interface): nothing is ever
+    """No host tier (:class:`~pagedkv.tiers.swap.HostSwap`'s interface): nothing is ever
     swapped out, and swapping is refused."""
 
     num_swapped = 0

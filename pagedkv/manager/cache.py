@@ -67,8 +67,9 @@ from pagedkv.manager.seq_ids import SequenceIds
 from pagedkv.manager.stats import CacheStats
 
 if TYPE_CHECKING:
+    from pagedkv.groups.tables import AttentionTables
     from pagedkv.tiers import PrefixTiers
-    from pagedkv.tiers.swap import HostTier
+    from pagedkv.tiers.swap import HostSwap
 
 __all__ = ["PagedKVCache", "as_token_ids"]
 
@@ -124,7 +125,7 @@ class PagedKVCache:
         self._ids = SequenceIds()
         # one table per layer group (one group when every layer is full attention)
         self._groups = coordinator(self._pool, self.index, config, self._ids.name)
-        self.tables = self._groups.tables[0]
+        self.tables: AttentionTables = self._groups.tables[0]
         self._namespaces = NamespaceRegistry()
         names = self._groups.names(self._namespaces)
         self._tiers: PrefixTiers | NoTiers = NoTiers(self.index, names, config.block_size)
@@ -134,11 +135,11 @@ class PagedKVCache:
             from pagedkv.tiers import PrefixTiers
 
             self._tiers = PrefixTiers(config, self.index, store, self._pool, names, self._groups)
-        self._host: HostTier | NoHost = NoHost()
+        self._host: HostSwap | NoHost = NoHost()
         if config.host_num_blocks:
-            from pagedkv.tiers.swap import HostTier
+            from pagedkv.tiers.swap import HostSwap
 
-            self._host = HostTier(self._groups, store, config.host_num_blocks, self._namespaces.hash_of,
+            self._host = HostSwap(self._groups, store, config.host_num_blocks, self._namespaces.hash_of,
                                   sync=self._tiers.sync)
         copies = OwedCopies() if store is None else StoreCopies(store)
         sinks = store if store is not None and store.window is not None and config.kv_sink_tokens else None

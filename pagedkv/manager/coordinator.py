@@ -1,6 +1,6 @@
 """The block tables the manager drives, behind one interface whatever the layer groups.
 
-A model whose layers are all full attention has one :class:`~pagedkv._core.tables.BlockTables`;
+A model whose layers are all full attention has one :class:`~pagedkv._core.tables.FullAttentionTables`;
 one that mixes in sliding-window layers has one per layer group
 (:class:`~pagedkv.groups.tables.GroupTables`). :func:`coordinator` returns either as the
 same protocol, so the manager, the host tier and the prefix tiers fan their calls out
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedkv._core.tables import BlockTables
+from pagedkv._core.tables import FullAttentionTables
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.groups.data import layer_slot, layer_slots
 from pagedkv.groups.tables import GroupNamespaces, GroupTables
@@ -35,10 +35,10 @@ _FORWARDED = ("add", "reserve", "advance", "commit", "unreserve", "truncate", "f
 
 
 class OneGroup:
-    """Every layer is full attention: one ``BlockTables`` as a group of one."""
+    """Every layer is full attention: one ``FullAttentionTables`` as a group of one."""
 
     def __init__(self, pool, index, block_size: int, namer):
-        t = BlockTables(pool, block_size, index)
+        t = FullAttentionTables(pool, block_size, index)
         t.namer = namer      # core errors name the caller's id, not the key
         self.book = t
         self.tables = [t]

@@ -213,7 +213,7 @@ class Lifecycle:
     def first_blocks(self, keys: np.ndarray, internal: bool) -> np.ndarray:
         """The blocks holding the sink tokens of ``keys``, in every layer group's table
         (-1 where a table has none yet)."""
-        width = self.config.sink_blocks
+        width = self.config.precise_sink_blocks
         firsts = [t.block_table(keys, -1, None, internal=internal)[:, :width].reshape(-1) for t in self.groups.tables]
         return np.concatenate(firsts).astype(np.int64)
 

@@ -52,7 +52,7 @@ def _window_option(cfg: CacheConfig):
     """The option to name when the window arena does not fit: whichever of the
     sequences it holds, the window or the sink tokens asks for the most."""
     window, sink = cfg.kv_window or 0, cfg.kv_sink_tokens or 0    # ints once the config is made
-    per_seq = -(-window // cfg.block_size) + 1 + cfg.sink_blocks
+    per_seq = -(-window // cfg.block_size) + 1 + cfg.precise_sink_blocks
     if cfg.kv_window_sequences > per_seq:
         return "kv_window_sequences", cfg.kv_window_sequences
     if window >= sink:

@@ -16,7 +16,7 @@ from pagedkv._core.pool import BYTES_PER_BLOCK, BlockPool
 from pagedkv.config.memory import check_fits
 from pagedkv.errors import InternalError, InvalidArgumentError, OutOfBlocksError, SequenceNotFoundError, expected
 
-__all__ = ["HostTier"]
+__all__ = ["HostSwap", "HostTier"]
 
 _MAX_BLOCKS = 2**31 - 1   # block ids are int32 in the core
 
@@ -36,7 +36,7 @@ def _nothing() -> None:
     pass
 
 
-class HostTier:
+class HostSwap:
     """Host blocks of swapped-out sequences, keyed by core sequence key.
 
     Args:
@@ -166,3 +166,8 @@ class HostTier:
             raise InternalError(f"host tier: swapped sequences hold {held} blocks, pool has "
                                 f"{self.pool.num_in_use_blocks} in use")
         self.pool.check_invariants()
+
+
+#: the 0.1 name (``pagedkv.offload.HostTier``), which read as the host *prefix* tier
+#: (:class:`pagedkv.tiers.host.HostPrefixTier`); kept for one release.
+HostTier = HostSwap
