@@ -49,8 +49,8 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("kv_full_precision_layers (the layers sharing such a layer's arena slot are exact too)", True),
     Capability("relocate / compact (each block moves within its group)", True),
     Capability("send_sequence / recv_sequence (every block is sent; the receiver reuses no prefix)", True),
-    Capability("send_prefix / recv_prefix", False,
-               "a sliding group no longer holds the start of a prefix's chain, which a prefix copy needs"),
+    Capability("send_prefix / recv_prefix (every group's whole cached chain is sent; what every group "
+               "still holds is offered)", True),
 )
 _BY_NAME = {c.name: c for c in CAPABILITIES}
 

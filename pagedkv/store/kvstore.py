@@ -52,7 +52,7 @@ def _window_option(cfg: CacheConfig):
     """The option to name when the window arena does not fit: whichever of the
     sequences it holds, the window or the sink tokens asks for the most."""
     window, sink = cfg.kv_window or 0, cfg.kv_sink_tokens or 0    # ints once the config is made
-    per_seq = -(-window // cfg.block_size) + 1 + cfg.sink_blocks
+    per_seq = -(-window // cfg.block_size) + 1 + cfg.precise_sink_blocks
     if cfg.kv_window_sequences > per_seq:
         return "kv_window_sequences", cfg.kv_window_sequences
     if window >= sink:
@@ -136,6 +136,14 @@ class KVStore:
         return RecentWindow(self._num_main, num_blocks, c.window_blocks, c.block_size, c.kv_heads_per_rank, c.head_dim,
                             c.kv_window or 0, c.torch_dtype, device, sink=c.kv_sink_tokens or 0,
                             pin_capacity=c.pinned_blocks, lock=lock)
+
+    def tier_window(self, num_blocks: int) -> RecentWindow | None:
+        """A host window arena over ``num_blocks`` prefix-tier slots, shaped like the
+        device's and sharing its lock (None without one): where the host tier keeps its
+        blocks' sink and window rows, so a promoted prefix reads them as in place."""
+        if self.window is None:
+            return None
+        return self._window(num_blocks, torch.device("cpu"), self.window.lock)
 
     def _arena_specs(self, num_blocks: int):
         """``(field, shape, torch dtype)`` of every arena :meth:`_allocate` makes, in its

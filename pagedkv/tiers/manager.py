@@ -36,6 +36,7 @@ from pagedkv.errors import TierFileError
 from pagedkv.groups.tables import GROUP_NS_BITS, group_key
 from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.store.format import kv_format
+from pagedkv.store.window import RecentWindow
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT
 from pagedkv.tiers.disk import DiskPrefixTier
@@ -70,9 +71,10 @@ class PrefixTiers:
         namespaces: ``key_of``, ``name``, ``hash_of_key`` and ``name_of_key`` of device
             namespace ids (the cache's registry, or a
             :class:`~pagedkv.groups.tables.GroupNamespaces` over it with layer groups).
-        tables: what admissions promote into: the ``BlockTables``, or the
-            :class:`~pagedkv.groups.tables.GroupTables` (each group's blocks come from
-            its own chain in the tiers, filed under its group's namespace).
+        tables: what admissions promote into: the manager's table coordinator
+            (:mod:`pagedkv.manager.coordinator`), whose ``tables`` lists one
+            ``BlockTables`` per layer group (each group's blocks come from its own
+            chain in the tiers, filed under its group's namespace).
     """
 
     def __init__(self, config, index, store, pool, namespaces, tables):
@@ -82,7 +84,7 @@ class PrefixTiers:
         self.pool = pool
         self.namespaces = namespaces
         self.tables = tables
-        self.groups = list(getattr(tables, "tables", [tables]))     # one BlockTables per layer group
+        self.groups = list(tables.tables)     # one BlockTables per layer group
         self.bs = cfg.block_size
         self.through = cfg.prefix_tier_write == "through"
         self.events = cfg.enable_kv_events
@@ -95,11 +97,12 @@ class PrefixTiers:
                                               pin=self.store.device.type == "cuda",
                                               on_evict=lambda s: self._evicting(host, s))
             host.index.on_removed = lambda s: self._removed_slot(host, s)
+            host.window = self.store.tier_window(cfg.prefix_host_blocks)
         if cfg.prefix_disk_blocks:
             disk = self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
                                               kv_format(self.store, cfg.prefix_disk_tag),
                                               eviction=cfg.prefix_tier_eviction, weak_hash=weak,
-                                              on_evict=lambda s: self._evicting(disk, s))
+                                              on_evict=lambda s: self._evicting(disk, s), rows=self.store.window)
             persist = disk.index.on_removed      # the disk's own record keeping, then ours
 
             def on_removed(s: int) -> None:
@@ -258,6 +261,7 @@ class PrefixTiers:
                 if pairs:
                     src_arenas = self.store.arenas if src == DEVICE else self._tier(src).arenas
                     self._tier(dst).write(src_arenas, [p[0] for p in pairs], [p[1] for p in pairs])
+                    self._copy_rows(src, dst, pairs)
             for t in self.tiers:
                 new = self._new.pop(t.medium, None)
                 if new:
@@ -271,6 +275,29 @@ class PrefixTiers:
                         t.index.remove(s)
             self._copies.clear()
             raise
+
+    def _window(self, medium: str):
+        return self.store.window if medium == DEVICE else self._tier(medium).window
+
+    def _copy_rows(self, src: str, dst: str, pairs) -> None:
+        """The sink and window rows that go with a block copy (model precision, so a
+        promoted prefix reads them as it would have in place): ``(src block or slot,
+        dst block or slot)`` pairs. A medium that keeps no rows gives or takes none (the
+        destination's earlier rows for those blocks are dropped all the same)."""
+        to = self._window(dst)
+        if to is None:
+            return
+        p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        source = self._window(src)
+        if source is None:
+            to.drop(p[:, 1])
+        elif isinstance(to, RecentWindow) and isinstance(source, RecentWindow):
+            to.copy(p[:, 0], p[:, 1], source=source)
+        else:                 # the disk's rows live in its records: moved as a transfer moves them
+            with self.store.window.lock:
+                which, data, valid = source.export_rows(p[:, 0])
+                to.drop(p[:, 1])
+                to.import_rows(p[which, 1], data, valid)
 
     def _tier(self, medium: str) -> Tier:
         tier = self.host if medium == "host" else self.disk
@@ -341,6 +368,7 @@ class PrefixTiers:
                 for medium, pairs in by_tier.items():
                     self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
                     self.store.replaced([p[1] for p in pairs])
+                    self._copy_rows(medium, DEVICE, pairs)
             self.tables.commit(key, n * bs, internal=True)
             reserved = False
         except BaseException:
