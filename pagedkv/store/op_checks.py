@@ -146,11 +146,12 @@ def check_layer(
         fmt.check_data(name, kv_layer)
         row = fmt.row
     else:
-        row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
-        if row is None or (not row.quantized and kv_layer.dtype not in MODEL_DTYPES):
+        found = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
+        if found is None or (not found.quantized and kv_layer.dtype not in MODEL_DTYPES):
             raise DTypeError(
                 expected(name, f"dtype {dtypes.torch_names(dtypes.ALL)}", kv_layer.dtype)
             )
+        row = found
     quantized = row.quantized
     nb = kv_layer.shape[0]
     if layout == "NHD":
