@@ -80,3 +80,60 @@ def test_greedy_after_a_partial_flush_matches_dynamic_cache(name):
             hit = cache.admit(ids)
             assert hit in (28, [28])                     # 7 full blocks, all found somewhere
             assert model.generate(ids, past_key_values=cache, **gen).tolist() == want
+
+
+@pytest.mark.parametrize("squeezed", [11, 12])
+def test_full_attention_head_evicted_first_by_priority_is_hit_whole(squeezed):
+    """Full attention has the same gap when eviction order takes a chain's head first:
+    a shared head freed last in the lowest priority class goes, the tail stays."""
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS, dtype="float32", num_blocks=16,
+                      prefix_host_blocks=16, eviction="priority")
+    a = np.arange(100, 125, dtype=np.int32)
+    with PagedKVCache(cfg) as cache:
+        fill(cache, "a", a)
+        fill(cache, "s", a[:9])                          # shares the head
+        cache.set_priority("a", 2)
+        cache.set_priority("s", 0)
+        cache.free("a")
+        cache.free("s")
+        cache.add_sequence("x")
+        for _ in range(squeezed):
+            cache.reserve("x", BS)
+        cache.free("x")
+        assert cache.match_prefix_groups(a)["tokens"] < 8  # the head left the device
+        assert_nothing_lost(cache)
+        assert cache.match_prefix(a) == 24
+        assert fill(cache, "b", a) == 24
+        assert cache.stats().host_hit_tokens < 24        # the tail came from the device
+        assert_kv(cache, "b", a)
+        cache.free("b")
+        cache.check_invariants()
+
+
+def test_match_from_verifies_the_parent_incarnation_and_checks_its_arguments():
+    from pagedkv.errors import InvalidArgumentError
+
+    cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, block_size=BS, dtype="float32", num_blocks=8)
+    a = np.arange(100, 113, dtype=np.int32)             # 3 full blocks + 1
+    with PagedKVCache(cfg) as cache:
+        fill(cache, "a", a)
+        index = cache.index
+        chain = index.match(a).tolist()
+        assert len(chain) == 3
+        h = index.hash_tokens(a).tolist()
+        g0 = index.generation(chain[0])
+        assert index.match_from(a, 1, h[0], chain[0], g0).tolist() == chain[1:]
+        assert index.match_from(a, 2, h[1], chain[1], index.generation(chain[1])).tolist() == chain[2:]
+        assert len(index.match_from(a, 1, h[0], chain[0], g0 + 1)) == 0     # another incarnation
+        assert len(index.match_from(a, 1, h[0], chain[1], g0)) == 0         # another parent
+        assert len(index.match_from(a, 1, h[0] ^ 1, chain[0], g0)) == 0     # a wrong hash: a miss
+        other = a.copy()
+        other[5] += 1                                     # block 1's tokens differ
+        assert len(index.match_from(other, 1, h[0], chain[0], g0)) == 0
+        with pytest.raises(InvalidArgumentError, match="start"):
+            index.match_from(a, 0, h[0], chain[0], g0)
+        with pytest.raises(InvalidArgumentError, match="parent_block"):
+            index.match_from(a, 1, h[0], 8, g0)
+        with pytest.raises(InvalidArgumentError, match="parent_generation"):
+            index.match_from(a, 1, h[0], chain[0], -1)
+        cache.free("a")

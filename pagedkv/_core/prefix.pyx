@@ -306,7 +306,7 @@ cdef class PrefixIndex:
         cdef int32_t ns_id = <int32_t>check_int(ns, "ns", 0, 2**31 - 1)
         cdef uint64_t nh = check_u64(ns_hash, "ns_hash")
         cdef uint64_t parent_h = check_u64(parent_hash, "parent_hash")
-        cdef block_id_t parent_b = self._check_block(parent_block)
+        cdef block_id_t parent_b = <block_id_t>check_int(parent_block, "parent_block", 0, self.num_blocks - 1)
         cdef uint32_t pgen = <uint32_t>check_int(parent_generation, "parent_generation", 0, 2**32 - 1)
         cdef int64_t n = load_ints(tokens, "tokens", cnp.NPY_INT32, &self.arg)
         cdef int64_t nfull = n // self.block_size
