@@ -7,13 +7,12 @@ and read exactly what was written."""
 import numpy as np
 import pytest
 import torch
+from test_sliding_tiers import BS, LAYOUTS, assert_kv, fill, groups_of, make
 from transformers import DynamicCache
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.integrations.transformers import PagedCache
 from pagedkv.testing.sliding_models import tiny_gemma2, tiny_gemma3
-
-from test_sliding_tiers import BS, LAYOUTS, assert_kv, fill, groups_of, make
 
 
 def squeeze(cache, tokens, extra: int) -> None:

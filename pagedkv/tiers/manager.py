@@ -333,12 +333,12 @@ class PrefixTiers:
         hashes = None
         while len(src) < max_blocks:
             i = len(src)
-            if i and src[-1][0] is not None and dev_ns is not None:
-                t, s = src[-1]
+            last, s = src[-1] if i else (None, -1)
+            if last is not None and dev_ns is not None:
                 if hashes is None:
                     hashes = self.index.hash_tokens(tokens[:max_blocks * self.bs], ns_hash).tolist()
                 run: list[int] = []
-                for b, g in self._incarnations(t, s):
+                for b, g in self._incarnations(last, s):
                     found = self.index.match_from(tokens[:max_blocks * self.bs], i, hashes[i - 1], b, g,
                                                   dev_ns, ns_hash)
                     if len(found) > len(run):
