@@ -60,6 +60,9 @@ cdef extern from "attention_rows.h" nogil:
         pkv_dequantize_row_fn deq
         pkv_key_row_fn key_row
         int64_t row_bytes, param_row, elem_bytes
+        int prefetch
+        int key_cache
+    int PKV_ATTN_PREFETCH_NONE, PKV_ATTN_PREFETCH_ALL, PKV_ATTN_PREFETCH_BLOCKS
     ctypedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
                                       float*, float*, float*) noexcept
     pkv_attn_item_fn pkv_pick_attn_item()
@@ -80,6 +83,28 @@ cdef int64_t _PARALLEL_WORK = 1 << 18
 cdef int64_t _TILE_FLOATS = 32768
 # a decode item's KV heads at most (its tile rows are tile x heads)
 cdef int64_t _ITEM_HEADS = 256
+# what an item prefetches of its next tile (attention_rows.h's PKV_ATTN_PREFETCH_)
+cdef int _PREFETCH = PKV_ATTN_PREFETCH_BLOCKS
+# sealed block keys: widen each block's parameters once per item (else per row)
+cdef int _KEY_CACHE = 1
+
+#: the prefetch modes :func:`tune` takes
+PREFETCH_MODES = {"none": PKV_ATTN_PREFETCH_NONE, "all": PKV_ATTN_PREFETCH_ALL, "blocks": PKV_ATTN_PREFETCH_BLOCKS}
+
+
+def tune(prefetch=None, key_cache=None):
+    """Set the loops' tuning knobs (benchmarks compare them); returns the previous
+    ``(prefetch, key_cache)``. ``prefetch``: a :data:`PREFETCH_MODES` name."""
+    global _PREFETCH, _KEY_CACHE
+    names = {v: k for k, v in PREFETCH_MODES.items()}
+    old = (names[_PREFETCH], bool(_KEY_CACHE))
+    if prefetch is not None:
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch: expected one of {sorted(PREFETCH_MODES)}, got {prefetch!r}")
+        _PREFETCH = PREFETCH_MODES[prefetch]
+    if key_cache is not None:
+        _KEY_CACHE = 1 if key_cache else 0
+    return old
 
 
 def attend(
@@ -137,6 +162,8 @@ def attend(
     a.deq = dequantize_row
     a.key_row = key_row
     a.elem_bytes = elem_bytes
+    a.prefetch = _PREFETCH
+    a.key_cache = _KEY_CACHE
     if kv_type == PKV_INT4 and quantized:
         a.row_bytes = head_dim // 2
     elif kv_type == PKV_INT3 and quantized:
