@@ -83,13 +83,15 @@ cdef int64_t _PARALLEL_WORK = 1 << 18
 cdef int64_t _TILE_FLOATS = 32768
 # a decode item's KV heads at most (its tile rows are tile x heads)
 cdef int64_t _ITEM_HEADS = 256
-# what an item prefetches of its next tile (attention_rows.h's PKV_ATTN_PREFETCH_)
-cdef int _PREFETCH = PKV_ATTN_PREFETCH_BLOCKS
+# what an item prefetches of its next tile (attention_rows.h's PKV_ATTN_PREFETCH_), -1:
+# every line of float rows, each block's first lines of code rows (the measured best)
+cdef int _PREFETCH = -1
 # sealed block keys: widen each block's parameters once per item (else per row)
 cdef int _KEY_CACHE = 1
 
 #: the prefetch modes :func:`tune` takes
-PREFETCH_MODES = {"none": PKV_ATTN_PREFETCH_NONE, "all": PKV_ATTN_PREFETCH_ALL, "blocks": PKV_ATTN_PREFETCH_BLOCKS}
+PREFETCH_MODES = {"auto": -1, "none": PKV_ATTN_PREFETCH_NONE, "all": PKV_ATTN_PREFETCH_ALL,
+                  "blocks": PKV_ATTN_PREFETCH_BLOCKS}
 
 
 def tune(prefetch=None, key_cache=None):
@@ -163,6 +165,8 @@ def attend(
     a.key_row = key_row
     a.elem_bytes = elem_bytes
     a.prefetch = _PREFETCH
+    if _PREFETCH == -1:
+        a.prefetch = PKV_ATTN_PREFETCH_BLOCKS if quantized else PKV_ATTN_PREFETCH_ALL
     a.key_cache = _KEY_CACHE
     if kv_type == PKV_INT4 and quantized:
         a.row_bytes = head_dim // 2
