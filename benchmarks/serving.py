@@ -15,7 +15,8 @@ Two figures, same process:
 - ``decode_step``: one batched decode forward at batch ``--step-batch`` with
   ``--step-context`` tokens of context per row (random K/V written straight into the
   caches, so no prefill is timed), through ``PagedCache(paged_attention=True)`` and
-  through ``DynamicCache`` + SDPA: the median seconds per step over ``--step-reps`` steps.
+  through ``DynamicCache`` + SDPA: the median seconds per step over ``--step-reps`` steps,
+  wall and thread CPU time (with one thread, CPU time stays meaningful on a loaded machine).
 """
 from __future__ import annotations
 
@@ -108,14 +109,16 @@ def decode_step(model, batch: int, context: int, reps: int) -> dict:
     dyn = DynamicCache(config=cfg)
     for i in range(layers):
         dyn.update(keys[i].clone(), values[i].clone(), i)
-    times = []
+    times, cpu = [], []
     with torch.no_grad():
         for s in range(reps):
             pos = torch.full((batch, 1), context + s)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             model(ids, position_ids=pos, past_key_values=dyn)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
     result["dynamic_cache_s"] = sorted(times)[len(times) // 2]
+    result["dynamic_cache_cpu_s"] = sorted(cpu)[len(cpu) // 2]
     del dyn
     # PagedCache with the registered attention
     kv = _kv(model, None, batch * (-(-(context + reps + 1) // 16)) + 8)
@@ -129,20 +132,23 @@ def decode_step(model, batch: int, context: int, reps: int) -> dict:
     kv.commit(sids, context)
     model.set_attn_implementation(hf_attention.register())
     cache = PagedCache(kv, paged_attention=True)
-    times = []
+    times, cpu = [], []
     try:
         with torch.no_grad():
             for _ in range(reps):
                 mask, pos = cache.select(sids, 1)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
     finally:
         cache.release()
         kv.free(sids)
         model.set_attn_implementation("sdpa")
     result["paged_s"] = sorted(times)[len(times) // 2]
+    result["paged_cpu_s"] = sorted(cpu)[len(cpu) // 2]
     result["paged_over_dynamic"] = result["paged_s"] / result["dynamic_cache_s"]
+    result["paged_over_dynamic_cpu"] = result["paged_cpu_s"] / result["dynamic_cache_cpu_s"]
     result.update(batch=batch, context=context, reps=reps)
     return result
 
