@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tier_helpers import assert_clean, assert_kv, expected_kv, fill, make  # noqa: E402
 
-import pagedkv.distributed as pd  # noqa: E402
+import pagedkv.transfer.distributed as pd  # noqa: E402
 from pagedkv import CacheConfig, PagedKVCache  # noqa: E402
 from pagedkv.errors import PagedKVError, TransferError  # noqa: E402
 
@@ -433,8 +433,7 @@ def hostile_sender(cache, seq, case, kind="sequence"):
                 _send_raw(link, wire.DATA, bytes(raw) * 2)
             else:
                 _send_raw(link, wire.DATA, bytes(raw))
-    if kind == "sequence":
-        link.send_window(None, blocks)
+    link.send_window(None, blocks)         # both kinds send window rows after the blocks
     return link.recv_json("hostile: commit")
 
 
@@ -640,7 +639,74 @@ def hybrid(rank, out):
         assert_clean(kv)
 
 
-SCENARIOS = {"hybrid": hybrid, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
+# hybrid layouts, and quantized caches whose sink or window rows must travel with a prefix
+PREFIX_CASES = HYBRID + [dict(kv_dtype="int4", head_dim=8, kv_window=0, kv_key_quant="block", kv_sink_tokens=4),
+                         dict(kv_dtype="int4", head_dim=8, kv_window=4, kv_key_quant="block", kv_sink_tokens=5,
+                              layer_windows=(6, 0, 6, 0)),
+                         dict(kv_dtype="int8", kv_window=6)]
+
+
+def _prefix_reads(cache, req):
+    """What admissions of ``req`` and of a prompt sharing only its first two blocks
+    read (every layer, by position): the full blocks come from the prefix cache."""
+    got = {}
+    for name, toks in (("again", req), ("short", np.append(req[:8], np.int32(7)))):
+        got[name + "_hit"] = fill(cache, name, toks)
+        got[name] = _window_kv(cache, name)
+        cache.free(name)
+    return got
+
+
+def hybrid_prefix(rank, out):
+    """send_prefix with sliding-window layer groups and with sink/window rows: the
+    receiver's admissions read element for element what the sender's read in place.
+    Then tiny Gemma 3 (5 sliding : 1 full) and Qwen2: prefill here, send the prompt's
+    prefix, decode there from a prefix hit; greedy tokens equal DynamicCache's."""
+    from transformers import DynamicCache
+
+    from pagedkv.integrations.transformers import PagedCache
+    from pagedkv.testing.sliding_models import tiny_gemma3, tiny_qwen2
+
+    req = tokens(100, 23)
+    for i, opts in enumerate(PREFIX_CASES):
+        cache = _hybrid_cache(opts)
+        if rank == 0:
+            fill(cache, "req", req)
+            cache.free("req")
+            out[f"sent_{i}"] = pd.send_prefix(cache, req, 1, timeout=TIMEOUT)
+            out[f"again_sent_{i}"] = pd.send_prefix(cache, req, 1, timeout=TIMEOUT)   # nothing new to send
+            out[f"reads_{i}"] = _prefix_reads(cache, req)
+        else:
+            out[f"received_{i}"] = pd.recv_prefix(cache, 0, timeout=TIMEOUT)
+            out[f"again_received_{i}"] = pd.recv_prefix(cache, 0, timeout=TIMEOUT)
+            cache.check_invariants()
+            out[f"reads_{i}"] = _prefix_reads(cache, req)
+            out[f"groups_{i}"] = 1 if cache.config.layer_groups is None else len(cache.config.layer_groups.groups)
+        cache.check_invariants()
+        assert_clean(cache)
+
+    for name, build in (("gemma3", tiny_gemma3), ("qwen2", tiny_qwen2)):
+        model, _ = build(window=8)
+        ids = torch.randint(3, 250, (1, 27), generator=torch.Generator().manual_seed(11))
+        gen = dict(max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
+        kv = PagedKVCache(CacheConfig.from_hf_config(model.config, num_blocks=128, block_size=4, dtype="float32"))
+        if rank == 0:
+            with torch.no_grad(), PagedCache(kv) as pc:      # the prefill (and a local decode)
+                pc.admit(ids)
+                out[f"{name}_local"] = model.generate(ids, past_key_values=pc, **gen).tolist()
+            out[f"{name}_sent"] = pd.send_prefix(kv, ids[0].numpy(), 1, timeout=TIMEOUT)
+        else:
+            pd.recv_prefix(kv, 0, timeout=TIMEOUT)
+            with torch.no_grad(), PagedCache(kv) as pc:
+                out[f"{name}_hit"] = np.asarray(pc.admit(ids)).tolist()
+                out[f"{name}_remote"] = model.generate(ids, past_key_values=pc, **gen).tolist()
+            with torch.no_grad():
+                out[f"{name}_dynamic"] = model.generate(ids, past_key_values=DynamicCache(config=model.config),
+                                                        **gen).tolist()
+        assert_clean(kv)
+
+
+SCENARIOS = {"hybrid": hybrid, "hybrid_prefix": hybrid_prefix, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
 
 
 def main():

@@ -128,6 +128,29 @@ def test_prefill_decode_handoff_on_smollm2_gives_the_same_greedy_tokens(tmp_path
     assert len(set(r1["remote"])) > 1                     # a real continuation, not a stuck token
 
 
+def test_hybrid_and_quantized_prefixes_hand_off_exactly_and_decode_the_same(tmp_path):
+    """send_prefix with sliding-window layer groups (alternating, 5 sliding : 1 full),
+    and with the sink and window rows of int4 block keys and int8: every group's chain
+    travels, admissions on the receiver (the whole prompt, and a prompt sharing only its
+    first two blocks, which a sliding group then reads in its window) read element for
+    element what they read on the sender; tiny Gemma 3 and Qwen2 decode after a
+    send_prefix hand-off exactly as DynamicCache."""
+    (r0, r1), _ = run_ranks("hybrid_prefix", tmp_path, timeout=300)
+    assert_ok(r0)
+    assert_ok(r1)
+    from dist_workers import PREFIX_CASES
+    for i in range(len(PREFIX_CASES)):
+        assert r0[f"sent_{i}"] == r1[f"received_{i}"] == 5 * r1[f"groups_{i}"], i   # 5 full blocks, each group
+        assert r0[f"again_sent_{i}"] == r1[f"again_received_{i}"] == 0
+        assert r1[f"reads_{i}"]["again_hit"] == r0[f"reads_{i}"]["again_hit"] == 20
+        assert r1[f"reads_{i}"]["short_hit"] == r0[f"reads_{i}"]["short_hit"] == 8
+        assert r1[f"reads_{i}"] == r0[f"reads_{i}"], f"case {i}: the receiver reads other KV"
+    for name in ("gemma3", "qwen2"):
+        assert r1[f"{name}_hit"] in (24, [24])
+        assert r1[f"{name}_remote"] == r1[f"{name}_dynamic"] == r0[f"{name}_local"]
+        assert len(set(r1[f"{name}_remote"][0][27:])) > 1
+
+
 def test_hybrid_sequences_hand_off_exactly_and_sliding_models_decode_the_same(tmp_path):
     """Sliding-window layer groups (alternating, 5 sliding : 1 full, int4 with a window):
     every layer reads the same on both sides, decoding continues, and a later prefix hit

@@ -12,7 +12,7 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import InternalError, InvalidArgumentError, TierFileError
-from pagedkv.kvformat import NOT_STORED, STORED, differences, fingerprint, kv_format, unclassified
+from pagedkv.store.format import NOT_STORED, STORED, differences, fingerprint, kv_format, unclassified
 
 from tier_helpers import SHAPE, expected_kv
 
@@ -105,14 +105,14 @@ def test_a_field_added_without_a_classification_is_caught():
     assert unclassified(Grown) == (["kv_new_encoding"], [])
     grown = Grown(**dict(SHAPE, num_blocks=4))
     with pytest.raises(InternalError, match=r"CacheConfig field\(s\) \['kv_new_encoding'\] not classified "
-                                            r"in pagedkv\.kvformat \(STORED or NOT_STORED\)"):
+                                            r"in pagedkv\.store\.format \(STORED or NOT_STORED\)"):
         fingerprint(grown)
 
 
 def test_a_classified_name_that_no_longer_exists_is_caught(monkeypatch):
     monkeypatch.setitem(NOT_STORED, "kv_gone", "removed")
     assert unclassified(CacheConfig) == ([], ["kv_gone"])
-    with pytest.raises(InternalError, match=r"classified in pagedkv\.kvformat but not CacheConfig fields: \['kv_gone'\]"):
+    with pytest.raises(InternalError, match=r"classified in pagedkv\.store\.format but not CacheConfig fields: \['kv_gone'\]"):
         fingerprint(config())
 
 

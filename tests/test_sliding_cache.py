@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
+from pagedkv.manager.cache import PagedKVCache
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 from pagedkv.integrations.transformers import PagedCache
 from pagedkv.testing.sliding_models import tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_qwen2
@@ -467,16 +467,3 @@ def test_pin_prefix_pins_every_group_and_events_name_the_namespace():
     stored = [e for e in kv.drain_events() if type(e).__name__ == "BlockStored"]
     assert sum(len(e.block_hashes) for e in stored) == 6
     assert all(e.namespace == ("s", None) for e in stored)
-
-
-def test_prefix_transfers_refuse_layer_groups():
-    from pagedkv.support import UnsupportedCombinationError
-    from pagedkv.transfer.prefix import send_prefix
-
-    kv = hybrid()
-    kv.add_sequence("a", [1, 2, 3])
-    with pytest.raises(UnsupportedCombinationError, match=r"send_prefix / recv_prefix: expected a cache with full "
-                                                          r"attention in every layer \(a sliding group no longer "
-                                                          r"holds the start of a prefix's chain"):
-        send_prefix(kv, [1, 2, 3], 1)
-    kv.free("a")

@@ -43,6 +43,9 @@ class Tier:
     def __init__(self):
         self.index: ChainIndex
         self.arenas: list[torch.Tensor] = []
+        # the model-precision sink/window rows of the tier's slots (a RecentWindow over
+        # slots), where the tier keeps them; None: its blocks come back codes only
+        self.window = None
         self.ns_ids: dict[bytes, int] = {}
         self.ns_keys: list[bytes] = []
         self.ns_hashes: list[int] = []

@@ -33,9 +33,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pagedkv.errors import TierFileError
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
-from pagedkv.group_tables import GROUP_NS_BITS, group_key
-from pagedkv.kvformat import kv_format
+from pagedkv.groups.tables import GROUP_NS_BITS, group_key
+from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.store.format import kv_format
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT
 from pagedkv.tiers.disk import DiskPrefixTier
@@ -63,15 +63,15 @@ class PrefixTiers:
     """The prefix tiers below one cache's device index.
 
     Args:
-        config: the cache's :class:`~pagedkv.config.CacheConfig`.
+        config: the cache's :class:`~pagedkv.config.options.CacheConfig`.
         index: the device :class:`~pagedkv._core.prefix.PrefixIndex`.
-        store: the :class:`~pagedkv.store.KVStore` (the tiers copy its arenas' blocks).
+        store: the :class:`~pagedkv.store.kvstore.KVStore` (the tiers copy its arenas' blocks).
         pool: the device :class:`~pagedkv._core.pool.BlockPool` (free blocks, pins).
         namespaces: ``key_of``, ``name``, ``hash_of_key`` and ``name_of_key`` of device
             namespace ids (the cache's registry, or a
-            :class:`~pagedkv.group_tables.GroupNamespaces` over it with layer groups).
+            :class:`~pagedkv.groups.tables.GroupNamespaces` over it with layer groups).
         tables: what admissions promote into: the ``BlockTables``, or the
-            :class:`~pagedkv.group_tables.GroupTables` (each group's blocks come from
+            :class:`~pagedkv.groups.tables.GroupTables` (each group's blocks come from
             its own chain in the tiers, filed under its group's namespace).
     """
 
@@ -95,6 +95,7 @@ class PrefixTiers:
                                               pin=self.store.device.type == "cuda",
                                               on_evict=lambda s: self._evicting(host, s))
             host.index.on_removed = lambda s: self._removed_slot(host, s)
+            host.window = self.store.tier_window(cfg.prefix_host_blocks)
         if cfg.prefix_disk_blocks:
             disk = self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
                                               kv_format(self.store, cfg.prefix_disk_tag),
@@ -258,6 +259,7 @@ class PrefixTiers:
                 if pairs:
                     src_arenas = self.store.arenas if src == DEVICE else self._tier(src).arenas
                     self._tier(dst).write(src_arenas, [p[0] for p in pairs], [p[1] for p in pairs])
+                    self._copy_rows(src, dst, pairs)
             for t in self.tiers:
                 new = self._new.pop(t.medium, None)
                 if new:
@@ -271,6 +273,24 @@ class PrefixTiers:
                         t.index.remove(s)
             self._copies.clear()
             raise
+
+    def _window(self, medium: str):
+        return self.store.window if medium == DEVICE else self._tier(medium).window
+
+    def _copy_rows(self, src: str, dst: str, pairs) -> None:
+        """The sink and window rows that go with a block copy (model precision, so a
+        promoted prefix reads them as it would have in place): ``(src block or slot,
+        dst block or slot)`` pairs. A medium that keeps no rows gives or takes none (the
+        destination's earlier rows for those blocks are dropped all the same)."""
+        to = self._window(dst)
+        if to is None:
+            return
+        p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        source = self._window(src)
+        if source is None:
+            to.drop(p[:, 1])
+        else:
+            to.copy(p[:, 0], p[:, 1], source=source)
 
     def _tier(self, medium: str) -> Tier:
         tier = self.host if medium == "host" else self.disk
@@ -341,6 +361,7 @@ class PrefixTiers:
                 for medium, pairs in by_tier.items():
                     self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
                     self.store.replaced([p[1] for p in pairs])
+                    self._copy_rows(medium, DEVICE, pairs)
             self.tables.commit(key, n * bs, internal=True)
             reserved = False
         except BaseException:

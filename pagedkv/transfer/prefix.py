@@ -7,15 +7,29 @@ the tokens it got reproduce those hashes, looks the prefix up in its own cache (
 and tiers) and asks only for the blocks past what it already holds. The blocks it
 receives are committed and registered like computed ones, then left cached-free: the
 next admission with that prefix hits them.
+
+With sliding-window layer groups every group's chain travels, the part that left a
+sliding group's window too (see :mod:`pagedkv.groups.chains`): the receiver registers
+each group's blocks as a prefix, and an admission that shares only the chain's first
+blocks reads them in its window, so a blank block must never register. What is offered
+is the longest prefix *every* group still holds on the sender (a sliding group whose
+chain start was evicted offers less, or nothing: ``num_tokens`` in the header, and the
+count returned on both sides, say how far the receiver can reuse it).
+
+Window and sink rows (a quantized ``kv_dtype`` with ``kv_window`` or
+``kv_sink_tokens``) travel after the blocks, as for a sequence: the receiver reads a
+received prefix's sink and window tokens in model precision exactly where the sender
+would have, and its sink blocks are pinned in its window arena like those of a prefix
+computed here.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
-from pagedkv.cache import as_token_ids, namespace_key
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
-from pagedkv.support import require
+from pagedkv.groups.chains import hold_chains, release_chains
+from pagedkv.manager.cache import as_token_ids, namespace_key
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
 from pagedkv.transfer.protocol import (
     MAX_TOKENS,
@@ -56,10 +70,10 @@ def block_hashes(tokens: np.ndarray, block_size: int, cache_salt=None, adapter_i
 def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None, group=None,
                 timeout: float = 60.0) -> int:
     """Offer rank ``dst`` (calling :func:`recv_prefix`) the cached full blocks of
-    ``token_ids``; returns the blocks it lacked and received."""
+    ``token_ids`` (the longest prefix every layer group holds here); returns the blocks
+    it lacked and received (counted over all layer groups)."""
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
-    require("send_prefix / recv_prefix", cache.config)
     link = Link(dst, group, timeout, cache.store.device)
     bs = cache.config.block_size
     tmp = scratch_id()
@@ -72,8 +86,11 @@ def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None,
     except PagedKVError as e:
         abort(link, KIND, e)
         raise
+    chains: list = []
     try:
-        m = held // bs
+        # every group's chain of the hit (a sliding group's whole chain, not only its window)
+        chains = hold_chains(cache, full[:held // bs * bs], cache_salt, adapter_id)
+        m = len(chains[0])
         offered = full[:m * bs]
         link.send_hello()
         link.send_json(header(KIND, cache, cache_salt=cache_salt, adapter_id=adapter_id, num_tokens=len(offered),
@@ -81,24 +98,26 @@ def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None,
                        "sending the header")
         send_tokens(link, offered)
         start = expect_ok(link, "waiting for the receiver's allocation", {"start_block": integer(0, m)})["start_block"]
-        blocks = cache.block_table(tmp)[start:m].tolist()
+        blocks = np.concatenate([c[start:m] for c in chains]).tolist()      # group by group
         link.send_blocks(cache.store.arenas, blocks)
+        link.send_window(cache.store.window, blocks)
         expect_ok(link, "waiting for the receiver's commit", last=True)
         return len(blocks)
     except TransferError as e:
         link.send_abort(str(e))          # when the receiver still waits for this side
         raise
     finally:
+        release_chains(cache, chains)
         cache.free(tmp)
 
 
 def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
     """Receive the prefix blocks rank ``src`` offers with :func:`send_prefix`; returns
-    the blocks received (0 when this cache already held them all). On failure nothing
+    the blocks received, over all layer groups (0 when this cache already held them all).
+    On failure nothing
     is registered and nothing leaks."""
     if cache.store is None:
         raise InvalidArgumentError(expected("cache", "a PagedKVCache with a KV store", "a bookkeeping-only cache"))
-    require("send_prefix / recv_prefix", cache.config)
     link = Link(src, group, timeout, cache.store.device)
     bs = cache.config.block_size
     link.recv_hello()
@@ -135,11 +154,33 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
         refuse(link, reason)
     try:
         link.send_json({"ok": True, "start_block": min(k, m)}, "sending the allocation")
-        blocks = cache.block_table(tmp)[k:m].tolist() if k < m else []
-        recv_kv(link, cache, blocks, window=False)       # verified before anything is committed
+        # every group's new blocks, group by group (a sliding group's whole chain: its
+        # commit registers them all, then releases what left its window)
+        blocks = np.concatenate([_table(cache, tmp, g)[k:m] for g in range(_num_groups(cache))]).tolist() \
+            if k < m else []
+        recv_kv(link, cache, blocks, window=True)        # verified before anything is committed
         if blocks:
+            _pin_sinks(cache, tmp, k)
             cache.commit(tmp, (m - k) * bs)
         link.send_json({"ok": True}, "confirming the commit")
     finally:
         cache.free(tmp)          # committed blocks stay cached; uncommitted ones go back
     return len(blocks)
+
+
+def _num_groups(cache) -> int:
+    plan = cache.config.layer_groups
+    return 1 if plan is None else len(plan.groups)
+
+
+def _table(cache, seq, g: int) -> np.ndarray:
+    return cache.block_table(seq, group=g) if cache.config.layer_groups is not None else cache.block_table(seq)
+
+
+def _pin_sinks(cache, seq, k: int) -> None:
+    """Pin the received sink blocks' window rows, as a prefix computed here pins them
+    when its tokens are reserved (the received rows would otherwise be the oldest)."""
+    n = cache.config.sink_blocks
+    if n > k and cache.store.window is not None:
+        cache.store.pin_sinks(np.concatenate([_table(cache, seq, g)[k:n] for g in range(_num_groups(cache))])
+                              .astype(np.int64), held_only=True)
