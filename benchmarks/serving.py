@@ -10,8 +10,8 @@ Two figures, same process:
   served by :func:`pagedkv.cli.demo.serve` with fp32/int8/int4 KV, each through pagedkv's
   registered attention (``paged``) and through the gather path (``gather``), and by plain
   ``model.generate`` (one request at a time, ``DynamicCache``, the same budgets):
-  generated tokens per second of wall time, and whether the fp32 answers equal
-  ``generate``'s;
+  generated tokens per second of wall time and of thread CPU time (with one thread, the
+  latter stays meaningful on a loaded machine), and how many answers equal ``generate``'s;
 - ``decode_step``: one batched decode forward at batch ``--step-batch`` with
   ``--step-context`` tokens of context per row (random K/V written straight into the
   caches, so no prefill is timed), through ``PagedCache(paged_attention=True)`` and
@@ -59,19 +59,22 @@ def serving(model, tok, requests: int, max_new_tokens: int, num_blocks: int) -> 
         for paged in (True, False):
             reqs = demo.make_requests(tok, requests, max_new_tokens, 2)
             kv = _kv(model, kv_dtype, num_blocks)
+            c0 = time.thread_time()
             res = demo.serve(model, tok, reqs, kv, max_batch=8, paged=paged)
+            cpu = time.thread_time() - c0
             if paged:
                 model.set_attn_implementation("sdpa")
             name = f"{kv_dtype or 'fp32'} {'paged' if paged else 'gather'}"
             answers[name] = [r.output_ids for r in reqs]
             out.append(dict(system=name, tokens=res.generated_tokens, wall_s=res.wall_s,
-                            tokens_per_s=res.generated_tokens / res.wall_s, decode_steps=res.decode_steps,
+                            tokens_per_s=res.generated_tokens / res.wall_s, cpu_s=cpu,
+                            tokens_per_cpu_s=res.generated_tokens / cpu, decode_steps=res.decode_steps,
                             prefill_forwards=res.prefill_forwards, hit_rate=res.hit_rate,
                             peak_kv_bytes=res.peak_bytes))
             kv.close()
     reqs = demo.make_requests(tok, requests, max_new_tokens, 2)
     tokens = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     with torch.no_grad():
         for r in reqs:
             ids = torch.tensor([r.prompt_ids])
@@ -80,9 +83,10 @@ def serving(model, tok, requests: int, max_new_tokens: int, num_blocks: int) -> 
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
             r.output_ids = g[0, ids.shape[1]:].tolist()
             tokens += len(r.output_ids)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     ref = [r.output_ids for r in reqs]
-    out.append(dict(system="generate", tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall))
+    out.append(dict(system="generate", tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, cpu_s=cpu,
+                    tokens_per_cpu_s=tokens / cpu))
     for row in out[:-1]:
         got = answers[row["system"]]
         row["requests_equal_to_generate"] = sum(a == b for a, b in zip(got, ref))

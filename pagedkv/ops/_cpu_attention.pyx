@@ -18,6 +18,8 @@ from libc.math cimport expf, INFINITY
 from cython.parallel cimport prange
 cimport openmp
 
+from pagedkv.errors import InvalidArgumentError, expected
+
 cdef extern from "attention_rows.h" nogil:
     int PKV_F32, PKV_INT4, PKV_INT3, PKV_INT8, PKV_E4M3
     int PKV_ROW_I8, PKV_ROW_I4, PKV_ROW_I3, PKV_ROW_E4M3, PKV_ROW_E5M2
@@ -102,7 +104,7 @@ def tune(prefetch=None, key_cache=None):
     old = (names[_PREFETCH], bool(_KEY_CACHE))
     if prefetch is not None:
         if prefetch not in PREFETCH_MODES:
-            raise ValueError(f"prefetch: expected one of {sorted(PREFETCH_MODES)}, got {prefetch!r}")
+            raise InvalidArgumentError(expected("prefetch", f"one of {sorted(PREFETCH_MODES)}", prefetch))
         _PREFETCH = PREFETCH_MODES[prefetch]
     if key_cache is not None:
         _KEY_CACHE = 1 if key_cache else 0
