@@ -40,8 +40,8 @@ def _model(name: str):
 
 
 def _kv(model, kv_dtype, num_blocks: int):
-    from pagedkv.manager.cache import PagedKVCache
     from pagedkv.config.options import CacheConfig
+    from pagedkv.manager.cache import PagedKVCache
 
     cfg = CacheConfig.from_hf_config(model.config, num_blocks=num_blocks, block_size=16, dtype=torch.float32,
                                      kv_dtype=kv_dtype, shuffle_free_blocks=0)
