@@ -34,7 +34,9 @@ def extensions():
             Extension(
                 ".".join(rel.parts),
                 [str(pyx.relative_to(ROOT))],
-                include_dirs=[np.get_include(), str(pyx.parent)],
+                # cuda/ holds quant_scalar.h, the scalar quantization helpers the CPU
+                # loops share with the kernels (ops/quant_rows.h includes it)
+                include_dirs=[np.get_include(), str(pyx.parent), str(ROOT / "cuda")],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
                 extra_compile_args=["-O3", "-fno-strict-aliasing"],
             )

@@ -13,10 +13,10 @@
 #include "emulate.h"
 #endif
 
-typedef long long pkv_i64;
-typedef unsigned int pkv_u32;
-typedef unsigned short pkv_u16;
-typedef unsigned char pkv_u8;
+// The scalar number conversions and quantization steps (float16/bfloat16, fp8,
+// directed bfloat16 rounding, the integer codes and their packing) and the pkv_i64..
+// pkv_u8 types: one definition shared with the CPU ops (pagedkv/ops/quant_rows.h).
+#include "quant_scalar.h"
 
 // ---------------------------------------------------------------------------
 // 64-bit grid-stride indices. Every kernel is a 2-D loop nest: "rows" (tokens,
@@ -76,15 +76,6 @@ __device__ __forceinline__ pkv_v16 pkv_zero_chunk<pkv_v16>() {
 // ---------------------------------------------------------------------------
 // float bits
 
-__device__ __forceinline__ bool pkv_isnan(float x) {
-  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u;
-}
-__device__ __forceinline__ bool pkv_isfinite(float x) {
-  return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
-}
-__device__ __forceinline__ float pkv_fabs(float x) {
-  return __uint_as_float(__float_as_uint(x) & 0x7fffffffu);
-}
 // max/min that propagate NaN like torch.amax/amin (fmaxf/fminf would drop it).
 __device__ __forceinline__ float pkv_max_nan(float acc, float x) {
   return (x > acc || pkv_isnan(x)) ? x : acc;
@@ -102,50 +93,6 @@ struct pkv_f16 {
 struct pkv_bf16 {
   pkv_u16 bits;
 };
-
-__device__ __forceinline__ float pkv_f16_to_f32(pkv_u16 h) {
-  const pkv_u32 sign = (pkv_u32)(h & 0x8000u) << 16;
-  const pkv_u32 exp = (h >> 10) & 0x1fu;
-  const pkv_u32 mant = h & 0x3ffu;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float32
-    const float v = (float)mant * 5.9604644775390625e-8f;
-    return __uint_as_float(__float_as_uint(v) | sign);
-  }
-  if (exp == 31) {  // inf, or NaN made quiet (as torch and the hardware do)
-    return __uint_as_float(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
-  }
-  return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-// Round to nearest even. A NaN stays a quiet NaN with its sign and top payload
-// bits (x86 F16C's rule, which torch's CPU cast follows); NaN payloads are not part
-// of pagedkv's contract (torch's own CPU and CUDA casts differ there).
-__device__ __forceinline__ pkv_u16 pkv_f32_to_f16(float f) {
-  const pkv_u32 u = __float_as_uint(f);
-  const pkv_u32 sign = (u >> 16) & 0x8000u;
-  const pkv_u32 a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (pkv_u16)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  if (a >= 0x47800000u) return (pkv_u16)(sign | 0x7c00u);  // >= 65536: inf
-  if (a >= 0x38800000u) {  // normal result (>= 2^-14); a carry may round up to inf
-    const pkv_u32 r = (a + 0xfffu + ((a >> 13) & 1u)) >> 13;
-    return (pkv_u16)(sign | (r - (112u << 10)));
-  }
-  // subnormal result: rint(|f| * 2^24) in [0, 1024]; 1024 encodes 2^-14 exactly.
-  const float scaled = __uint_as_float(a) * 16777216.0f;
-  return (pkv_u16)(sign | (pkv_u32)rintf(scaled));
-}
-
-__device__ __forceinline__ float pkv_bf16_to_f32(pkv_u16 b) {
-  return __uint_as_float((pkv_u32)b << 16);
-}
-
-// Round to nearest even. A NaN is truncated and made quiet (sign and top payload
-// bits kept); see pkv_f32_to_f16 on NaN payloads.
-__device__ __forceinline__ pkv_u16 pkv_f32_to_bf16(float f) {
-  const pkv_u32 u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (pkv_u16)((u >> 16) | 0x0040u);
-  return (pkv_u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 template <typename T>
 struct pkv_dtype;
@@ -179,59 +126,6 @@ struct pkv_dtype<pkv_bf16> {
 // float -> fp8 saturates: it equals torch's cast of clamp(x, -FMAX, FMAX), and
 // cuda_fp8.h's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...): round to nearest
 // even, |x| beyond FMAX (inf included) -> +-FMAX, NaN -> 0x7f with x's sign.
-
-#define PKV_Q_E4M3 0
-#define PKV_Q_E5M2 1
-#define PKV_Q_INT8 2
-#define PKV_Q_INT4 3
-#define PKV_Q_INT3 4
-
-__device__ __forceinline__ pkv_u8 pkv_f32_to_e4m3(float f) {
-  const pkv_u32 u = __float_as_uint(f);
-  const pkv_u32 sign = (u >> 24) & 0x80u;
-  const pkv_u32 a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (pkv_u8)(sign | 0x7fu);
-  if (a >= 0x43e00000u) return (pkv_u8)(sign | 0x7eu);  // >= 448
-  if (a >= 0x3c800000u) {  // normal result (>= 2^-6); rounding stays <= 448
-    const pkv_u32 r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
-    return (pkv_u8)(sign | (r - (120u << 3)));
-  }
-  // subnormal result: rint(|f| * 2^9) in [0, 8]; 8 encodes 2^-6 exactly.
-  const float scaled = __uint_as_float(a) * 512.0f;
-  return (pkv_u8)(sign | (pkv_u32)rintf(scaled));
-}
-
-__device__ __forceinline__ pkv_u8 pkv_f32_to_e5m2(float f) {
-  const pkv_u32 u = __float_as_uint(f);
-  const pkv_u32 sign = (u >> 24) & 0x80u;
-  const pkv_u32 a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (pkv_u8)(sign | 0x7fu);
-  if (a >= 0x47600000u) return (pkv_u8)(sign | 0x7bu);  // >= 57344
-  if (a >= 0x38800000u) {  // normal result (>= 2^-14); rounding stays <= 57344
-    const pkv_u32 r = (a + 0xfffffu + ((a >> 21) & 1u)) >> 21;
-    return (pkv_u8)(sign | (r - (112u << 2)));
-  }
-  // subnormal result: rint(|f| * 2^16) in [0, 4]; 4 encodes 2^-14 exactly.
-  const float scaled = __uint_as_float(a) * 65536.0f;
-  return (pkv_u8)(sign | (pkv_u32)rintf(scaled));
-}
-
-__device__ __forceinline__ float pkv_e4m3_to_f32(pkv_u8 q) {
-  const pkv_u32 sign = (pkv_u32)(q & 0x80u) << 24;
-  const pkv_u32 exp = (q >> 3) & 0xfu;
-  const pkv_u32 mant = q & 0x7u;
-  if (exp == 15 && mant == 7) return __uint_as_float(sign | 0x7ff00000u);  // the only NaN (quiet)
-  if (exp == 0) {  // subnormal: mant * 2^-9
-    const float v = (float)mant * 0.001953125f;
-    return __uint_as_float(__float_as_uint(v) | sign);
-  }
-  return __uint_as_float(sign | ((exp + 120u) << 23) | (mant << 20));
-}
-
-// e5m2 is the upper byte of an IEEE half.
-__device__ __forceinline__ float pkv_e5m2_to_f32(pkv_u8 q) {
-  return pkv_f16_to_f32((pkv_u16)((pkv_u32)q << 8));
-}
 
 template <int Q>
 __device__ __forceinline__ float pkv_fp8_max() {
@@ -278,20 +172,10 @@ __device__ __forceinline__ float pkv_fp8_to_f32(pkv_u8 q) {
 // (explicit _rn operations: no FMA). A group is the run of elements that shares
 // one scale: a whole (token, head) row, or one int4 group of it.
 
-__device__ __forceinline__ float pkv_fix_scale(float s) {
-  return (s == 0.0f || !pkv_isfinite(s)) ? 1.0f : s;
-}
-
-// int3's parameters are bfloat16 rounded outward (pagedkv/quant.py): f rounded to a
-// bfloat16 value toward +inf (up) or -inf, returned as float32. The magnitude is
-// truncated when that moves toward the wanted infinity, else rounded away from zero
-// (overflowing to infinity past bfloat16's range); the sign stays; NaN -> 0x7fc0.
+// int3's parameters: f rounded to a bfloat16 value toward +inf (up) or -inf, as
+// float32 (pagedkv/store/quant.py; quant_scalar.h's pkv_f32_to_bf16_directed).
 __device__ __forceinline__ float pkv_bf16_directed(float f, bool up) {
-  const pkv_u32 u = __float_as_uint(f), a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return __uint_as_float(0x7fc00000u);
-  const bool neg = (u >> 31) != 0u;
-  const pkv_u32 mag = neg != up ? ((a + 0xffffu) & 0xffff0000u) : (a & 0xffff0000u);
-  return __uint_as_float((u & 0x80000000u) | mag);
+  return pkv_bf16_to_f32(pkv_f32_to_bf16_directed(f, up ? 1u : 0u));
 }
 
 // Scale and zero-point arenas: float32, except int3's bfloat16 (the kernels take
@@ -346,8 +230,8 @@ __device__ __forceinline__ void pkv_reduce_merge(float* a, float* b, float a2, f
 template <int Q>
 __device__ __forceinline__ float pkv_group_scale(float a, float b) {
   if (Q == PKV_Q_E4M3 || Q == PKV_Q_E5M2) return pkv_fix_scale(__fdiv_rn(a, pkv_fp8_max<Q>()));
-  if (Q == PKV_Q_INT3) return pkv_fix_scale(pkv_bf16_directed(__fdiv_rn(__fsub_rn(b, a), 7.0f), true));
-  return pkv_fix_scale(__fdiv_rn(__fsub_rn(b, a), Q == PKV_Q_INT8 ? 255.0f : 15.0f));
+  if (Q == PKV_Q_INT3) return pkv_fix_scale(pkv_bf16_directed(__fdiv_rn(__fsub_rn(b, a), PKV_TOP_INT3), true));
+  return pkv_fix_scale(__fdiv_rn(__fsub_rn(b, a), Q == PKV_Q_INT8 ? PKV_TOP_INT8 : PKV_TOP_INT4));
 }
 
 // One element's code: the fp8 byte, the int8 byte, or the int4/int3 code (0..15/0..7).
@@ -358,29 +242,24 @@ __device__ __forceinline__ pkv_u32 pkv_quantize(float x, float scale, float zero
     // NaN), so the code matches torch on the CPU: 0x7f or 0xff.
     return pkv_f32_to_fp8<Q>(pkv_isnan(x) ? x : __fdiv_rn(x, scale));
   }
-  const float top = Q == PKV_Q_INT8 ? 255.0f : (Q == PKV_Q_INT3 ? 7.0f : 15.0f);
-  float v = __fdiv_rn(__fsub_rn(x, zero), scale);
-  if (pkv_isnan(v)) v = 0.0f;  // the defined result for NaN input: code 0
-  v = rintf(v);
-  v = v < 0.0f ? 0.0f : (v > top ? top : v);
-  return Q == PKV_Q_INT8 ? (pkv_u32)(pkv_u8)(signed char)((int)v - 128) : (pkv_u32)v;
+  const float top = Q == PKV_Q_INT8 ? PKV_TOP_INT8 : (Q == PKV_Q_INT3 ? PKV_TOP_INT3 : PKV_TOP_INT4);
+  // NaN -> code 0 (the defined result for NaN input), clamped, rounded half to even
+  const pkv_u32 c = pkv_int_code(__fdiv_rn(__fsub_rn(x, zero), scale), top);
+  return Q == PKV_Q_INT8 ? (pkv_u32)(pkv_u8)(c - 128u) : c;
 }
 
 // Bytes of one quantized (token, head) row: int4 two codes per byte, int3 eight
 // codes per three bytes (head_dim a multiple of 8), else one code per byte.
 template <int Q>
 __device__ __forceinline__ pkv_i64 pkv_row_bytes(pkv_i64 head_dim) {
-  return Q == PKV_Q_INT4 ? head_dim / 2 : (Q == PKV_Q_INT3 ? head_dim / 8 * 3 : head_dim);
+  return pkv_row_bytes_of(Q, head_dim);
 }
 
 // code -> value: fp8 q * s; int8 (q + 128) * s + zero; int4/int3 c * s + zero
 template <int Q>
 __device__ __forceinline__ float pkv_dequantize(pkv_u32 q, float scale, float zero) {
-  if (Q == PKV_Q_INT8) {
-    const float c = (float)((int)(signed char)(pkv_u8)q + 128);
-    return __fadd_rn(__fmul_rn(c, scale), zero);
-  }
-  if (Q == PKV_Q_INT4 || Q == PKV_Q_INT3) return __fadd_rn(__fmul_rn((float)q, scale), zero);
+  if (Q == PKV_Q_INT8) return pkv_affine(pkv_int8_value((pkv_u8)q), scale, zero);
+  if (Q == PKV_Q_INT4 || Q == PKV_Q_INT3) return pkv_affine((float)q, scale, zero);
   return __fmul_rn(pkv_fp8_to_f32<Q>((pkv_u8)q), scale);
 }
 
@@ -431,12 +310,8 @@ __device__ __forceinline__ void pkv_butterflies(float* y, pkv_i64 d, pkv_i64 h, 
 template <int Q>
 __device__ __forceinline__ pkv_u32 pkv_code_at(const pkv_u8* __restrict__ kv, pkv_i64 row,
                                                pkv_i64 head_dim, pkv_i64 d) {
-  if (Q == PKV_Q_INT4) return (kv[row * (head_dim / 2) + d / 2] >> ((pkv_u32)(d & 1) * 4)) & 15u;
-  if (Q == PKV_Q_INT3) {
-    const pkv_u8* p = kv + row * pkv_row_bytes<Q>(head_dim) + d / 8 * 3;
-    const pkv_u32 bits = (pkv_u32)p[0] | ((pkv_u32)p[1] << 8) | ((pkv_u32)p[2] << 16);
-    return (bits >> (3 * (pkv_u32)(d & 7))) & 7u;
-  }
+  if (Q == PKV_Q_INT4) return pkv_int4_code(kv[row * (head_dim / 2) + d / 2], d);
+  if (Q == PKV_Q_INT3) return pkv_int3_code(pkv_int3_load(kv + row * pkv_row_bytes<Q>(head_dim) + d / 8 * 3), d);
   return kv[row * head_dim + d];
 }
 
@@ -453,5 +328,5 @@ __device__ __forceinline__ float pkv_key_channel_value(pkv_u32 code, const pkv_u
                                                  pkv_i64 head, pkv_i64 num_heads, pkv_i64 head_dim,
                                                  pkv_i64 d) {
   const pkv_i64 i = (block * num_heads + head) * head_dim + d;
-  return __fadd_rn(__fmul_rn((float)code, pkv_bf16_to_f32(key_scale[i])), pkv_bf16_to_f32(key_zero[i]));
+  return pkv_affine((float)code, pkv_bf16_to_f32(key_scale[i]), pkv_bf16_to_f32(key_zero[i]));
 }

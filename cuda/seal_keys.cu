@@ -21,7 +21,7 @@ struct pkv_key_channel {
 
   __device__ __forceinline__ pkv_key_channel(float mn, float mx)
       : zero(pkv_bf16_directed(mn, false)),
-        scale(pkv_fix_scale(pkv_bf16_directed(__fdiv_rn(__fsub_rn(mx, zero), 15.0f), true))) {}
+        scale(pkv_fix_scale(pkv_bf16_directed(__fdiv_rn(__fsub_rn(mx, zero), PKV_TOP_INT4), true))) {}
 };
 
 template <typename T, int LAYOUT>
@@ -53,7 +53,7 @@ __device__ __forceinline__ void pkv_seal_keys(
         const pkv_u32 hi =
             pkv_quantize<PKV_Q_INT4>(pkv_dtype<T>::to_f32(x[t * keys_stride_t + 1]), c1.scale, c1.zero);
         const pkv_i64 row = pkv_row_index<LAYOUT>(block, 0, t, h, block_size, num_heads);
-        kv[row * pairs + p] = (pkv_u8)(lo | (hi << 4));
+        kv[row * pairs + p] = pkv_int4_pack(lo, hi);
       }
       // the parameters are bfloat16 values (or NaN), so the narrowing is exact
       const pkv_i64 at = (block * num_heads + h) * head_dim + 2 * p;

@@ -153,9 +153,7 @@ __device__ __forceinline__ void pkv_write_kv_quant(
             for (pkv_i64 p = lo / 8 + threadIdx.x; p < hi / 8; p += bx) {
               pkv_u32 bits = 0;
               for (int i = 0; i < 8; ++i) bits |= pkv_quantize<Q>(PKV_X(8 * p + i), s, mn) << (3 * i);
-              q[3 * p] = (pkv_u8)bits;
-              q[3 * p + 1] = (pkv_u8)(bits >> 8);
-              q[3 * p + 2] = (pkv_u8)(bits >> 16);
+              pkv_int3_store(q + 3 * p, bits);
             }
           } else if (Q == PKV_Q_INT4) {
             // bytes holding the group's codes; one that also holds a neighbouring

@@ -639,6 +639,67 @@ def hybrid(rank, out):
         assert_clean(kv)
 
 
+def hybrid_generate(rank, out):
+    """test_hybrid_everywhere's four families: rank 0 prefills a prompt with PagedCache
+    (gather path) and sends the sequence, then decodes it locally too; rank 1 receives
+    and decodes with the "pagedkv" attention. Then send_prefix of the same prompt when
+    the support table allows it with layer groups (rank 1 admits the prompt: its hit and
+    greedy tokens), else rank 0 records the refusal."""
+    from test_hybrid_everywhere import BS, BUILDERS, FAMILIES, PROMPT, WINDOW, attention, prompt
+
+    from pagedkv.config import support
+    from pagedkv.integrations.transformers import PagedCache
+
+    row = next(c.name for c in support.CAPABILITIES if c.name.startswith("send_prefix"))
+    prefix_ok = support.supported(row, support.GROUPS)
+    for name in FAMILIES:
+        model, tok = BUILDERS[name](window=WINDOW)
+        ids = prompt(15)
+        kv = PagedKVCache(CacheConfig.from_hf_config(model.config, num_blocks=256, block_size=BS, dtype="float32"))
+        paged = rank == 1
+
+        @torch.no_grad()
+        def decode(first, n):
+            toks = [first]
+            pc = PagedCache(kv, paged_attention=paged)
+            with attention(model, paged):
+                for _ in range(n):
+                    mask, pos = pc.select(["req"], 1)
+                    nxt = torch.tensor([[toks[-1]]])
+                    pc.set_input_ids(nxt)
+                    logits = model(nxt, attention_mask=mask, position_ids=pos, past_key_values=pc).logits
+                    toks.append(int(logits[0, -1].argmax()))
+            return toks
+
+        if rank == 0:
+            kv.add_sequence("req", ids[0])
+            with torch.no_grad():
+                pc = PagedCache(kv)
+                mask, pos = pc.select(["req"], PROMPT)
+                pc.set_input_ids(ids)
+                first = int(model(ids, attention_mask=mask, position_ids=pos, past_key_values=pc).logits[0, -1].argmax())
+            out[f"{name}_sent"] = pd.send_sequence(kv, "req", 1, metadata={"first_token": first}, timeout=TIMEOUT)
+            out[f"{name}_local"] = decode(first, 11)
+        else:
+            got = pd.recv_sequence(kv, 0, timeout=TIMEOUT)
+            out[f"{name}_remote"] = decode(got.metadata["first_token"], 11)
+        kv.free("req")
+        if rank == 0:
+            try:
+                pd.send_prefix(kv, ids[0], 1, timeout=TIMEOUT)
+            except support.UnsupportedCombinationError as e:
+                out[f"{name}_prefix_refused"] = f"{type(e).__name__}: {e}"
+        elif prefix_ok:
+            kv.reset_prefix_cache()
+            pd.recv_prefix(kv, 0, timeout=TIMEOUT)
+            with attention(model, True), PagedCache(kv, paged_attention=True) as cache:
+                out[f"{name}_prefix_hit"] = int(cache.admit(ids)[0])
+                gen = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+                                     attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id)
+            out[f"{name}_prefix_tokens"] = gen[0, PROMPT:].tolist()
+        assert_clean(kv)
+
+
 # hybrid layouts, and quantized caches whose sink or window rows must travel with a prefix
 PREFIX_CASES = HYBRID + [dict(kv_dtype="int4", head_dim=8, kv_window=0, kv_key_quant="block", kv_sink_tokens=4),
                          dict(kv_dtype="int4", head_dim=8, kv_window=4, kv_key_quant="block", kv_sink_tokens=5,
@@ -706,7 +767,7 @@ def hybrid_prefix(rank, out):
         assert_clean(kv)
 
 
-SCENARIOS = {"hybrid": hybrid, "hybrid_prefix": hybrid_prefix, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
+SCENARIOS = {"hybrid_generate": hybrid_generate, "hybrid": hybrid, "hybrid_prefix": hybrid_prefix, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
 
 
 def main():

@@ -82,3 +82,17 @@ def test_old_path_in_a_fresh_interpreter():
     assert out.returncode == 0, out.stderr
     assert "warned pagedkv.window moved to pagedkv.store.window" in out.stdout
     assert out.stdout.strip().endswith("True")
+
+
+def test_renamed_names_keep_their_old_spelling():
+    """Names that collided were renamed (docs/names.md); the 0.1 spellings still work."""
+    from pagedkv import CacheConfig
+    from pagedkv.tiers.swap import HostSwap
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from pagedkv.offload import HostTier
+    assert HostTier is HostSwap
+    cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=8, block_size=4,
+                      kv_dtype="int8", kv_sink_tokens=5)
+    assert cfg.precise_sink_blocks == cfg.sink_blocks == 2

@@ -44,7 +44,7 @@ def check_read(kv, twin, seq, exact_k, exact_v, sink):
     s = min(sink, n)
     pinned = 0
     if kv.config.block_keys:
-        pinned = min(n // BS, kv.config.sink_blocks) * BS     # the pinned blocks that are full
+        pinned = min(n // BS, kv.config.precise_sink_blocks) * BS     # the pinned blocks that are full
     for layer in range(L):
         k, v = kv.gather(seq, layer)
         tk, tv = twin.gather(seq, layer)
@@ -69,7 +69,7 @@ def test_defaults_sizes_and_typed_errors():
     assert config().kv_sink_tokens == 0
     # ceil(sink / block_size) pinned blocks per kv_window_sequences, counted in the bytes
     c = config(kv_dtype="int4", kv_window=8, kv_sink_tokens=5, kv_window_sequences=3)
-    assert c.sink_blocks == 2 and c.window_blocks == 3 * (8 // BS + 1 + 2)
+    assert c.precise_sink_blocks == c.sink_blocks == 2 and c.window_blocks == 3 * (8 // BS + 1 + 2)
     assert c.total_bytes == 24 * c.bytes_per_block + c.window_bytes
     assert KVStore(c).nbytes == c.total_bytes
     # a sink alone (no recent window, per-token keys) still gets its arena

@@ -11,21 +11,26 @@ Keys = int | npt.NDArray[np.int64] | Sequence[int]   # one int key, or a batch
 Counts = int | npt.NDArray[np.int64] | Sequence[int]
 Tokens = npt.NDArray[np.int32] | Sequence[int]
 
-class BlockTables:
+class TablesBase:
+    """The protocol every attention type's tables implement (``pagedkv.groups.tables.
+    AttentionTables`` is its runtime form), with the shared machinery. A type that
+    releases nothing early has ``window == sinks == sink_blocks == 0``, treats
+    ``hold_window``/``slide`` as no-ops (after checking the keys) and reports zero
+    ``released_tokens``."""
     pool: BlockPool
     index: PrefixIndex | None
     block_size: int
     recent_blocks: int
-    window: int
-    sinks: int
     sink_blocks: int
     num_seqs: int
     num_query_tokens: int
     num_hit_tokens: int
     num_cow: int
     namer: Callable[[int], Any]
-    def __init__(self, pool: BlockPool, block_size: int, index: PrefixIndex | None = None,
-                 recent_blocks: int = 4, window: int = 0, sinks: int = 0) -> None: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def sinks(self) -> int: ...
     def add(self, key: int, tokens: Tokens | None = None, ns: int = 0, ns_hash: int = 0,
             priority: int = -1, lookup: bool = True, max_hit_blocks: int | None = None) -> int: ...
     def remove(self, keys: Keys, internal: bool = False) -> None: ...
@@ -58,3 +63,14 @@ class BlockTables:
     def keys(self) -> npt.NDArray[np.int64]: ...
     def total_tokens(self) -> tuple[int, int]: ...
     def check_invariants(self, pool_refs: bool = True) -> None: ...
+
+class FullAttentionTables(TablesBase):
+    """Every block kept; ``window`` and ``sinks`` must be 0 (refused otherwise)."""
+    def __init__(self, pool: BlockPool, block_size: int, index: PrefixIndex | None = None,
+                 recent_blocks: int = 4, window: int = 0, sinks: int = 0) -> None: ...
+
+class BlockTables(TablesBase):
+    """Factory: ``BlockTables(...)`` returns a ``FullAttentionTables`` (``window=0``) or a
+    ``pagedkv._core.sliding.SlidingWindowTables``; both are instances of ``BlockTables``."""
+    def __init__(self, pool: BlockPool, block_size: int, index: PrefixIndex | None = None,
+                 recent_blocks: int = 4, window: int = 0, sinks: int = 0) -> None: ...

@@ -1,5 +1,13 @@
 # cython: language_level=3
-"""BlockTables: every live sequence's block table, token counts and token ids.
+"""Block tables: every live sequence's block table, token counts and token ids.
+
+One class per attention type, behind one protocol (the Python API below, typed in
+``tables.pyi``): ``FullAttentionTables`` keeps every block of a sequence;
+``SlidingWindowTables`` (:mod:`pagedkv._core.sliding`) releases the blocks that left
+its window. Both derive from ``TablesBase``, which holds the shared machinery and full
+attention's behaviour; a kind overrides the few cdef steps marked "per attention type"
+in ``tables.pxd``. ``BlockTables(pool, block_size, index, window=, sinks=)`` builds the
+kind its arguments name (``window=0``: full attention).
 
 A sequence's life: ``add`` (with its prompt: the longest verified cached prefix of
 full blocks is reused, never the whole prompt), then per step ``reserve`` (slots for
@@ -19,16 +27,9 @@ copy-on-write swaps a shared (or registered), partially filled last block for a 
 copy before the first write into it (``take_copies`` hands the (src, dst) pairs to the
 KV store), and ``unreserve`` drops blocks that cover only reserved, uncommitted tokens.
 
-Sliding window (``window=W``, optional ``sinks=S``): a query at position p attends to
-positions (p - W, p], plus the first S positions. Every call that advances the committed
-tokens (commit, advance, a prefix hit at add, fork) then releases the leading blocks
-whose tokens are all outside the window of the next query, except the blocks holding
-the sinks, through the pool's normal release (a shared block loses one reference; a
-registered one becomes cached-free). Their table entries read -1 and ``num_dropped``
-counts them, so positions stay absolute: position p is still in entry p // block_size.
-A sequence of any length then holds at most ceil(S / bs) + ceil((W - 1) / bs) + 1
-blocks plus its reserved tail. ``window=0`` (the default) is full attention and takes
-none of these paths.
+A kind that releases blocks early (sliding window) marks their table entries -1 and
+counts them in ``num_dropped`` after the first ``sink_blocks`` entries, so positions
+stay absolute: position p is still in entry p // block_size.
 
 Negative keys are reserved for the manager's interned (non-int) ids: batch calls reject
 them unless ``internal=True``. Not thread-safe: callers serialise (PagedKVCache does).
@@ -46,6 +47,9 @@ from pagedkv._core.rows cimport (rs_init, rs_dealloc, rs_find, rs_add, rs_remove
 from pagedkv._core.pool cimport must_copy_at
 from pagedkv._core.evict cimport default_class, POLICY_PRIORITY
 from pagedkv._core.export cimport padded_table, csr_table, slots_of, lengths
+
+import operator
+from abc import ABCMeta
 
 import numpy as np
 from pagedkv.errors import (ArgumentTypeError, HostMemoryError, InternalError, InvalidArgumentError,
@@ -82,43 +86,98 @@ cdef inline bint row_needs_copy(const SeqRow* row, int64_t n, int32_t bs, int32_
     return n and off_of(row.num_reserved, bs, sh) and must_copy_at(ref, cached, row.blocks[row.num_blocks - 1])
 
 
-cdef inline void reserve_one(BlockTables t, SeqRow* row, int64_t* out) noexcept nogil:
-    # The decode step's reserve: one slot; a new block at a boundary, else copy-on-write
-    # of a shared tail. The caller checked capacity and room.
-    cdef int32_t bs = t.block_size
-    cdef int64_t p = row.num_reserved
-    cdef int64_t off = off_of(p, bs, t.bs_shift)
-    if off == 0:
-        t.pool.alloc_into(row.blocks + row.num_blocks, 1)
-        row.num_blocks += 1
-    elif must_copy_at(t.ref, t.cached, row.blocks[row.num_blocks - 1]):
-        t.copy_on_write(row)
-    out[0] = <int64_t>row.blocks[row.num_blocks - 1] * bs + off
-    row.num_reserved = p + 1
+cdef inline void reserve_row(TablesBase t, SeqRow* row, int64_t n, int64_t* out) noexcept nogil:
+    # Slots for the next n tokens (the caller checked capacity and room).
+    cdef int32_t bs = t.block_size, sh = t.bs_shift
+    cdef int64_t p, end, newb, base, off, k, i
+    if n <= 1:
+        if n == 1:
+            reserve_one(t, row, out)
+        return
+    p = row.num_reserved
+    if off_of(p, bs, sh) and must_copy_at(t.ref, t.cached, row.blocks[row.num_blocks - 1]):
+        copy_on_write(t, row)
+    newb = nblocks_for(p + n, bs, sh) - row.num_blocks
+    if newb:
+        t.pool.alloc_into(row.blocks + row.num_blocks, <int32_t>newb)
+        row.num_blocks += <int32_t>newb
+    end = p + n
+    while p < end:           # one block at a time: no division per token
+        off = off_of(p, bs, sh)
+        base = <int64_t>row.blocks[blk_of(p, bs, sh)] * bs + off
+        k = bs - off
+        if k > end - p:
+            k = end - p
+        for i in range(k):
+            out[i] = base + i
+        out += k
+        p += k
+    row.num_reserved = end
 
 
-cdef inline void commit_row(BlockTables t, SeqRow* row, int64_t n, const token_t* tp) noexcept nogil:
-    # The KV of the next n reserved tokens is written; tp (or NULL) names them. The
-    # caller checked n and made room for the ids. Newly full blocks are offered to the
-    # prefix index (through the pool) while every committed id is known.
-    cdef int64_t c = row.num_computed
-    if tp != NULL and c + n > row.num_known and row.num_known >= c:
-        memcpy(row.tokens + row.num_known, tp + (row.num_known - c),
-               <size_t>(c + n - row.num_known) * sizeof(token_t))
-        row.num_known = c + n
-    c += n
-    row.num_computed = c
-    if c > row.num_known:
-        row.cur.track = 0
-    elif row.cur.track and t.indexed and <int64_t>(row.cur.num_hashed + 1) * t.block_size <= c:
-        t.register_row(row)
-    if t.window and not row.hold:   # after registration: a released block is already in the index
-        t.slide_row(row)
+cdef void copy_on_write(TablesBase t, SeqRow* row) noexcept nogil:
+    # Swap the last (partial) block for a private copy before writing into it; the
+    # caller counted the new block and the pair's room. The old block keeps its other
+    # references, or, if it was registered and ours was the last, becomes
+    # cached-free with its registered content intact.
+    cdef block_id_t fresh
+    cdef block_id_t* last = &row.blocks[row.num_blocks - 1]
+    t.pool.alloc_into(&fresh, 1)
+    t.copies[2 * t.num_copies] = last[0]
+    t.copies[2 * t.num_copies + 1] = fresh
+    t.num_copies += 1
+    t.num_cow += 1
+    t.pool.release_batch(last, 1, NULL, 0)
+    last[0] = fresh
 
 
-@cython.final
-cdef class BlockTables:
-    def __cinit__(self, pool, block_size, index=None, recent_blocks=4, window=0, sinks=0):
+cdef void release_blocks(TablesBase t, SeqRow* row, int32_t lo, int32_t hi) noexcept nogil:
+    # Every block of the row back to the pool, tail first: a sequence's last block
+    # enters the eviction order first, so it is evicted before its prefix. Entries
+    # [lo, hi) were released already (lo == hi: none); the kept blocks close up first.
+    # Under the priority policy each block carries its class (cls_buf was sized by the
+    # caller) by its logical index.
+    cdef int32_t n = row.num_blocks, i, k = 0
+    cdef block_id_t b
+    cdef int32_t* classes = NULL
+    if t.pool.policy.kind == POLICY_PRIORITY:
+        classes = <int32_t*>t.cls_buf.data
+        for i in range(n):
+            if lo <= i < hi:
+                continue
+            if row.block_cls != NULL and row.block_cls[i] >= 0:
+                classes[k] = row.block_cls[i]
+            elif row.priority >= 0:
+                classes[k] = row.priority
+            else:
+                classes[k] = default_class(&t.pool.policy, i, n, t.block_size,
+                                           row.prompt_len, t.recent_blocks)
+            k += 1
+        for i in range(k // 2):
+            b = classes[i]
+            classes[i] = classes[k - 1 - i]
+            classes[k - 1 - i] = b
+    if hi > lo:
+        for i in range(hi, n):
+            row.blocks[i - (hi - lo)] = row.blocks[i]
+        n -= hi - lo
+        row.num_dropped = 0
+    for i in range(n // 2):
+        b = row.blocks[i]
+        row.blocks[i] = row.blocks[n - 1 - i]
+        row.blocks[n - 1 - i] = b
+    t.pool.release_batch(row.blocks, n, classes, 0)
+    row.num_blocks = 0
+
+
+cdef class TablesBase:
+    """The shared machinery of every attention type's tables, with full attention's
+    behaviour; build ``FullAttentionTables`` or ``SlidingWindowTables`` (or
+    ``BlockTables(...)``, which picks one)."""
+
+    def __cinit__(self, pool, block_size, index=None, recent_blocks=4, *args, **kwargs):
+        # A kind's own __cinit__ runs after this one with the same arguments and checks
+        # its own (window, sinks); this one checks what every kind shares.
         if not isinstance(pool, BlockPool):
             raise ArgumentTypeError(expected("pool", "a BlockPool", type(pool).__name__))
         if index is not None and not isinstance(index, PrefixIndex):
@@ -138,16 +197,6 @@ cdef class BlockTables:
         self.ref = self.pool.ref_cnt
         self.cached = self.pool.cached
         self.recent_blocks = <int32_t>check_int(recent_blocks, "recent_blocks", 0, 2**31 - 1)
-        self.window = check_int(window, "window", 0, 2**62, "an int >= 1 (tokens), or 0 for full attention")
-        self.sinks = check_int(sinks, "sinks", 0, 2**62, "an int >= 0")
-        if self.sinks and not self.sinks < self.window:
-            raise InvalidArgumentError(expected("sinks", f"fewer sink tokens than the window ({self.window})"
-                                                if self.window else "0 for full attention (window=0)", self.sinks))
-        self.sink_blocks = <int32_t>min(nblocks_for(self.sinks, bs, self.bs_shift), 2**31 - 1)
-        if self.window:
-            # A sliding sequence holds O(window) blocks, so its length is bounded by the
-            # table's int32 block index, not by the pool.
-            self.max_tokens = <int64_t>(2**31 - 1) * bs
         self.namer = _same
         rs_init(&self.store)
 
@@ -162,6 +211,7 @@ cdef class BlockTables:
         c_free(self.copies)
 
     # ---- arguments ------------------------------------------------------------------
+    @cython.final
     cdef int64_t load_keys(self, object keys) except -1:
         # One int key needs no array; anything else is snapshot into keys_buf.
         if type(keys) is int:
@@ -174,6 +224,7 @@ cdef class BlockTables:
         self.kp = <const int64_t*>self.keys_buf.data
         return m
 
+    @cython.final
     cdef int64_t load_counts(self, object counts, int64_t m, str name, int64_t* scalar) except -1:
         # Counts into counts_buf (a scalar is repeated m times), each in [0, 2**63).
         # Per-row limits (capacity, reserved tokens) are the caller's.
@@ -200,9 +251,11 @@ cdef class BlockTables:
         scalar[0] = -1
         return m
 
+    @cython.final
     cdef int64_t load_tokens(self, object token_ids) except -1:
         return load_ints(token_ids, "token_ids", cnp.NPY_INT32, &self.tokens_buf)
 
+    @cython.final
     cdef int32_t* rows_for(self, int64_t m, bint internal) except NULL:
         # Resolve the call's keys to rows; unknown and repeated keys raise, and so do
         # negative keys unless internal (the manager keys non-int ids below 0).
@@ -258,6 +311,7 @@ cdef class BlockTables:
                                                 f"{self.namer(bad_key)!r} repeated at index {bad}"))
         return out
 
+    @cython.final
     cdef SeqRow* row_of(self, object key, str name) except NULL:
         cdef int64_t k = check_int(key, name, INT64_MIN, INT64_MAX, "an int64 key")
         cdef int32_t r = rs_find(&self.store, k)
@@ -265,11 +319,13 @@ cdef class BlockTables:
             raise SequenceNotFoundError(self.namer(k), name)
         return &self.store.rows[r]
 
+    @cython.final
     cdef int check_room(self, int64_t need, str what) except -1:
         if need > self.pool.num_free():
             raise OutOfBlocksError(need, self.pool.num_free(), what)
         return 0
 
+    @cython.final
     cdef int reserve_copies(self, int64_t n) except -1:
         # Room for n more copy-on-write pairs, taken before a batch applies, so the
         # apply phase cannot fail half-way.
@@ -288,8 +344,9 @@ cdef class BlockTables:
         self.cap_copies = cap
         return 0
 
-    # ---- per-row steps (the shared helpers are module-level inline functions below) --
-    cdef inline int prepare_reserve(self, SeqRow* row, int64_t n) except -1:
+    # ---- shared per-row checks ------------------------------------------------------
+    @cython.final
+    cdef int prepare_reserve(self, SeqRow* row, int64_t n) except -1:
         # Per-row limit and table capacity for reserving n tokens; changes nothing visible.
         if n > self.max_tokens - row.num_reserved:
             return self.raise_too_long(row, n)
@@ -301,111 +358,52 @@ cdef class BlockTables:
             return self.raise_too_long(row, n)
         return row_room_blocks(row, end)
 
+    @cython.final
     cdef int raise_too_long(self, SeqRow* row, int64_t n) except -1:
         # n may exceed the pool; the count it would need is exact all the same.
         raise OutOfBlocksError(nblocks_for(row.num_reserved + n, self.block_size, self.bs_shift) - row.num_blocks,
                                self.pool.num_free(), "reserve")
 
-    cdef void reserve_row(self, SeqRow* row, int64_t n, int64_t* out) noexcept nogil:
-        # Slots for the next n tokens (the caller checked capacity and room).
-        cdef int32_t bs = self.block_size, sh = self.bs_shift
-        cdef int64_t p, end, newb, base, off, k, t
-        if n <= 1:
-            if n == 1:
-                reserve_one(self, row, out)
-            return
-        p = row.num_reserved
-        if off_of(p, bs, sh) and must_copy_at(self.ref, self.cached, row.blocks[row.num_blocks - 1]):
-            self.copy_on_write(row)
-        newb = nblocks_for(p + n, bs, sh) - row.num_blocks
-        if newb:
-            self.pool.alloc_into(row.blocks + row.num_blocks, <int32_t>newb)
-            row.num_blocks += <int32_t>newb
-        end = p + n
-        while p < end:           # one block at a time: no division per token
-            off = off_of(p, bs, sh)
-            base = <int64_t>row.blocks[blk_of(p, bs, sh)] * bs + off
-            k = bs - off
-            if k > end - p:
-                k = end - p
-            for t in range(k):
-                out[t] = base + t
-            out += k
-            p += k
-        row.num_reserved = end
+    # ---- per attention type: full attention's steps (a kind overrides them) ---------
+    cdef void commit_rows(self, SeqRow* rows, const int32_t* rp, int64_t m, const int64_t* cp,
+                          const token_t* tp) noexcept nogil:
+        cdef int64_t i, off = 0
+        for i in range(m):
+            commit_row(self, &rows[rp[i]], cp[i], tp + off if tp != NULL else NULL)
+            off += cp[i]
 
-    cdef void register_row(self, SeqRow* row) noexcept nogil:
-        self.pool.cache_full_blocks(&row.cur, row.blocks, row.tokens, row.num_computed)
+    cdef void advance_rows(self, SeqRow* rows, const int32_t* rp, int64_t m, const token_t* tp,
+                           int64_t* op) noexcept nogil:
+        cdef int64_t i
+        cdef SeqRow* row
+        cdef int64_t c
+        for i in range(m):
+            row = &rows[rp[i]]
+            c = row.num_reserved
+            if row.num_computed < c:
+                commit_row(self, row, c - row.num_computed, NULL)
+            if c == row.num_known:
+                row.tokens[c] = tp[i]
+                row.num_known = c + 1
+            reserve_one(self, row, op + i)
 
-    cdef void copy_on_write(self, SeqRow* row) noexcept nogil:
-        # Swap the last (partial) block for a private copy before writing into it; the
-        # caller counted the new block and the pair's room. The old block keeps its other
-        # references, or, if it was registered and ours was the last, becomes
-        # cached-free with its registered content intact.
-        cdef block_id_t fresh
-        cdef block_id_t* last = &row.blocks[row.num_blocks - 1]
-        self.pool.alloc_into(&fresh, 1)
-        self.copies[2 * self.num_copies] = last[0]
-        self.copies[2 * self.num_copies + 1] = fresh
-        self.num_copies += 1
-        self.num_cow += 1
-        self.pool.release_batch(last, 1, NULL, 0)
-        last[0] = fresh
-
-    cdef void slide_row(self, SeqRow* row) noexcept nogil:
-        # Release the blocks wholly before the next query's window (position
-        # num_computed - window + 1 is the first it sees), oldest first, sinks kept.
-        cdef int64_t first = <int64_t>self.sink_blocks + row.num_dropped, upto, i
-        cdef int64_t keep_from = row.num_computed - self.window + 1
-        if keep_from <= 0:
-            return
-        upto = blk_of(keep_from, self.block_size, self.bs_shift)
-        if upto <= first:
-            return
-        self.pool.release_batch(row.blocks + first, upto - first, NULL, 0)
-        for i in range(first, upto):
-            row.blocks[i] = -1
-        row.num_dropped = <int32_t>(upto - self.sink_blocks)
+    cdef void settle_row(self, SeqRow* row) noexcept nogil:
+        pass                     # full attention keeps every block
 
     cdef void release_row(self, SeqRow* row) noexcept nogil:
-        # Tail first: a sequence's last block enters the eviction order first, so it is
-        # evicted before its prefix. Under the priority policy each block carries its
-        # class (cls_buf was sized by the caller) by its logical index. A sliding row's
-        # released run is skipped: the kept blocks close up first.
-        cdef int32_t n = row.num_blocks, i, k = 0
-        cdef int32_t lo = self.sink_blocks, hi = self.sink_blocks + row.num_dropped
-        cdef block_id_t t
-        cdef int32_t* classes = NULL
-        if row.num_dropped == 0:
-            lo = hi = n
-        if self.pool.policy.kind == POLICY_PRIORITY:
-            classes = <int32_t*>self.cls_buf.data
-            for i in range(n):
-                if lo <= i < hi:
-                    continue
-                if row.block_cls != NULL and row.block_cls[i] >= 0:
-                    classes[k] = row.block_cls[i]
-                elif row.priority >= 0:
-                    classes[k] = row.priority
-                else:
-                    classes[k] = default_class(&self.pool.policy, i, n, self.block_size,
-                                               row.prompt_len, self.recent_blocks)
-                k += 1
-            for i in range(k // 2):
-                t = classes[i]
-                classes[i] = classes[k - 1 - i]
-                classes[k - 1 - i] = t
-        if hi > lo:
-            for i in range(hi, n):
-                row.blocks[i - (hi - lo)] = row.blocks[i]
-            n -= hi - lo
-            row.num_dropped = 0
-        for i in range(n // 2):
-            t = row.blocks[i]
-            row.blocks[i] = row.blocks[n - 1 - i]
-            row.blocks[n - 1 - i] = t
-        self.pool.release_batch(row.blocks, n, classes, 0)
-        row.num_blocks = 0
+        release_blocks(self, row, row.num_blocks, row.num_blocks)
+
+    cdef int check_truncate(self, SeqRow* row, int64_t n, int64_t i) except -1:
+        if n > row.num_computed:
+            raise InvalidArgumentError(expected(
+                "num_tokens", f"at most {row.num_computed} (the committed tokens) for sequence "
+                f"{self.namer(row.key)!r}", f"{n} at index {i}"))
+        return 0
+
+    cdef int check_row(self, SeqRow* row) except -1:
+        if row.num_dropped:
+            raise InternalError(f"sequence {row.key}: released blocks in a full-attention table")
+        return 0
 
     # ---- Python API: lifecycle ------------------------------------------------------
     def add(self, key, tokens=None, ns=0, ns_hash=0, priority=-1, bint lookup=True, max_hit_blocks=None):
@@ -457,8 +455,7 @@ cdef class BlockTables:
                 row.num_computed = row.num_reserved = <int64_t>nhit * self.block_size
                 self.num_query_tokens += ntok
                 self.num_hit_tokens += <int64_t>nhit * self.block_size
-                if self.window:
-                    self.slide_row(row)
+                self.settle_row(row)
         return <int64_t>nhit * self.block_size
 
     def remove(self, keys, bint internal=False):
@@ -539,7 +536,7 @@ cdef class BlockTables:
         cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
         with nogil:
             for i in range(m):
-                self.reserve_row(&rows[rp[i]], cp[i], op)
+                reserve_row(self, &rows[rp[i]], cp[i], op)
                 op += cp[i]
         return out
 
@@ -600,10 +597,7 @@ cdef class BlockTables:
                 row_room_tokens(row, c + n)
                 off += n
         with nogil:
-            off = 0
-            for i in range(m):
-                commit_row(self, &rows[rp[i]], cp[i], tp + off if tp != NULL else NULL)
-                off += cp[i]
+            self.commit_rows(rows, rp, m, cp, tp)
 
     def advance(self, keys, token_ids, bint internal=False):
         """One decode step in one crossing: commit every reserved token of each sequence
@@ -643,15 +637,7 @@ cdef class BlockTables:
         cdef cnp.ndarray out = new_i64(m)
         cdef int64_t* op = <int64_t*>cnp.PyArray_DATA(out)
         with nogil:
-            for i in range(m):
-                row = &rows[rp[i]]
-                c = row.num_reserved
-                if row.num_computed < c:
-                    commit_row(self, row, c - row.num_computed, NULL)
-                if c == row.num_known:
-                    row.tokens[c] = tp[i]
-                    row.num_known = c + 1
-                reserve_one(self, row, op + i)
+            self.advance_rows(rows, rp, m, tp, op)
         return out
 
     def unreserve(self, keys, counts=None, bint internal=False):
@@ -702,16 +688,7 @@ cdef class BlockTables:
         cdef block_id_t* scratch
         for i in range(m):
             row = &rows[rp[i]]
-            if cp[i] > row.num_computed:
-                raise InvalidArgumentError(expected(
-                    "num_tokens", f"at most {row.num_computed} (the committed tokens) for sequence "
-                    f"{self.namer(row.key)!r}", f"{cp[i]} at index {i}"))
-            if row.num_dropped and row.num_computed - cp[i] - self.window + 1 < \
-                    <int64_t>(self.sink_blocks + row.num_dropped) * bs:
-                raise InvalidArgumentError(expected(
-                    "num_tokens", f"at most {row.num_computed - self.window + 1 - (self.sink_blocks + row.num_dropped) * bs} "
-                    f"for sequence {self.namer(row.key)!r} (the window of the tokens left must still be held; "
-                    f"{row.num_dropped} blocks left it already)", f"{cp[i]} at index {i}"))
+            self.check_truncate(row, cp[i], i)
             nh = blk_of(row.num_computed - cp[i], bs, sh)
             if nh > most:
                 most = nh
@@ -827,28 +804,14 @@ cdef class BlockTables:
     def hold_window(self, keys, bint hold=True, bint internal=False):
         """Hold (or stop holding) blocks that leave a sliding window, per sequence.
 
-        While held, commits release nothing, so ``truncate`` can roll back speculative
-        tokens past the window; ``slide`` releases what left the window meanwhile, and
-        ending the hold does too. A fork inherits the hold. No-op for full attention."""
-        cdef int64_t m = self.load_keys(keys), i
-        cdef int32_t* rp = self.rows_for(m, internal)
-        cdef SeqRow* row
-        if not self.window:
-            return
-        for i in range(m):
-            row = &self.store.rows[rp[i]]
-            row.hold = hold
-            if not hold:
-                self.slide_row(row)
+        Full attention releases nothing, so there is nothing to hold: the keys are
+        checked and nothing changes."""
+        self.rows_for(self.load_keys(keys), internal)
 
     def slide(self, keys, bint internal=False):
-        """Release the blocks that left each sequence's sliding window now (held or not)."""
-        cdef int64_t m = self.load_keys(keys), i
-        cdef int32_t* rp = self.rows_for(m, internal)
-        if not self.window:
-            return
-        for i in range(m):
-            self.slide_row(&self.store.rows[rp[i]])
+        """Release the blocks that left each sequence's sliding window now: none under
+        full attention (the keys are checked)."""
+        self.rows_for(self.load_keys(keys), internal)
 
     def released_tokens(self, keys, bint internal=False):
         """Per sequence (int64), the tokens a sliding-window table released: positions
@@ -1012,13 +975,7 @@ cdef class BlockTables:
                 raise InternalError(f"sequence {row.key}: hashed past its computed tokens")
             if row.num_blocks > row.cap_blocks or row.num_known > row.cap_tokens:
                 raise InternalError(f"sequence {row.key}: table or token list over capacity")
-            due = max(0, blk_of(max(row.num_computed - self.window + 1, 0), self.block_size, self.bs_shift)
-                      - self.sink_blocks)
-            if self.window and (row.num_dropped > due or (row.num_dropped < due and not row.hold)):
-                raise InternalError(f"sequence {row.key}: {row.num_dropped} blocks released for {row.num_computed} "
-                                    f"committed tokens (window {self.window}, {self.sinks} sinks)")
-            if not self.window and row.num_dropped:
-                raise InternalError(f"sequence {row.key}: released blocks in a full-attention table")
+            self.check_row(row)
             for i in range(row.num_blocks):
                 if self.sink_blocks <= i < self.sink_blocks + row.num_dropped:
                     if row.blocks[i] != -1:
@@ -1036,3 +993,58 @@ cdef class BlockTables:
             bad = int(np.flatnonzero(held != ref)[0])
             raise InternalError(f"block {bad}: ref_cnt {ref[bad]} but sequences hold {held[bad]} references")
         self.pool.check_invariants()
+
+
+@cython.final
+cdef class FullAttentionTables(TablesBase):
+    """Full attention: a sequence keeps every block until it is removed (or truncated).
+
+    ``window`` and ``sinks`` are accepted only as 0, so that a caller that meant a
+    sliding window is told, not silently given full attention."""
+
+    def __cinit__(self, pool, block_size, index=None, recent_blocks=4, window=0, sinks=0):
+        cdef int64_t w = check_int(window, "window", 0, 2**62, "an int >= 1 (tokens), or 0 for full attention")
+        if w:
+            raise InvalidArgumentError(expected("window", "0 (FullAttentionTables keeps every block; "
+                                                "SlidingWindowTables releases those that left a window)", w))
+        cdef int64_t s = check_int(sinks, "sinks", 0, 2**62, "an int >= 0")
+        if s:
+            raise InvalidArgumentError(expected("sinks", "0 for full attention (window=0)", s))
+
+    @property
+    def window(self):
+        """0: every query sees every earlier position."""
+        return 0
+
+    @property
+    def sinks(self):
+        return 0
+
+
+def _is_window(window):
+    # The factory's choice only: anything but a positive int goes to full attention,
+    # whose checks name what is wrong with it.
+    try:
+        return not isinstance(window, bool) and operator.index(window) > 0
+    except TypeError:
+        return False
+
+
+class BlockTables(metaclass=ABCMeta):
+    """The tables of one attention type, picked from ``window`` and ``sinks``:
+    ``FullAttentionTables`` for ``window=0`` (the default), else
+    ``SlidingWindowTables`` (:mod:`pagedkv._core.sliding`).
+
+    ``BlockTables(pool, block_size, index=None, recent_blocks=4, window=0, sinks=0)``
+    returns an instance of that class; every instance of either is an instance of
+    ``BlockTables``. A new attention type is a new ``TablesBase`` subclass, not a flag
+    here."""
+
+    def __new__(cls, pool, block_size, index=None, recent_blocks=4, window=0, sinks=0):
+        if _is_window(window):
+            from pagedkv._core.sliding import SlidingWindowTables
+            return SlidingWindowTables(pool, block_size, index, recent_blocks, window, sinks)
+        return FullAttentionTables(pool, block_size, index, recent_blocks, window, sinks)
+
+
+BlockTables.register(TablesBase)

@@ -576,7 +576,7 @@ class CacheConfig:
     def window_blocks(self) -> int:
         """Blocks in the window arena: ``kv_window_sequences * (ceil(kv_window / block_size) + 1)``
         (block keys stage each sequence's newest block there, so it exists with
-        ``kv_window=0`` too), plus :attr:`sink_blocks` per sequence; with layer groups,
+        ``kv_window=0`` too), plus :attr:`precise_sink_blocks` per sequence; with layer groups,
         that many per group (a sequence has a block table per group)."""
         recent = 0
         if self.kv_window or self.block_keys:
@@ -585,9 +585,9 @@ class CacheConfig:
 
     @property
     def pinned_blocks(self) -> int:
-        """Window arena blocks that sink tokens may pin: :attr:`sink_blocks` per table of
+        """Window arena blocks that sink tokens may pin: :attr:`precise_sink_blocks` per table of
         ``kv_window_sequences`` sequences."""
-        return self.kv_window_sequences * self.table_groups * self.sink_blocks
+        return self.kv_window_sequences * self.table_groups * self.precise_sink_blocks
 
     @property
     def table_groups(self) -> int:
@@ -595,9 +595,16 @@ class CacheConfig:
         return 1 if self._groups is None else len(self._groups.groups)
 
     @property
-    def sink_blocks(self) -> int:
-        """Leading blocks of a sequence pinned in the window arena for ``kv_sink_tokens``."""
+    def precise_sink_blocks(self) -> int:
+        """Leading blocks of a sequence pinned in the window arena for ``kv_sink_tokens``
+        (kept in model precision). Not the sliding-window tables' ``sink_blocks``, which are
+        the blocks of ``attention_sinks`` a window never releases."""
         return -(-(self.kv_sink_tokens or 0) // self.block_size)
+
+    @property
+    def sink_blocks(self) -> int:
+        """Deprecated 0.1 name of :attr:`precise_sink_blocks`."""
+        return self.precise_sink_blocks
 
     @property
     def window_bytes(self) -> int:

@@ -24,12 +24,10 @@ def hold_chains(cache, tokens: np.ndarray, cache_salt, adapter_id) -> list[np.nd
     with cache._lock:
         ns = cache._namespaces.find(cache_salt, adapter_id)
         if ns is None or cache.index is None:
-            return [np.empty(0, dtype=np.int32) for _ in range(1 if groups is None else len(groups.tables))]
+            return [np.empty(0, dtype=np.int32) for _ in groups.tables]
         tokens = tokens[:len(tokens) // bs * bs]
-        if groups is None:
-            chains = [cache.index.match(tokens, ns[0], ns[1])]
-        else:
-            chains = [cache.index.match(tokens, *groups.namespace(g, ns[0], ns[1])) for g in range(len(groups.tables))]
+        # the coordinator names each group's namespace (a full-attention cache: one group)
+        chains = [cache.index.match(tokens, *groups.namespace(g, ns[0], ns[1])) for g in range(len(groups.tables))]
         m = min(len(c) for c in chains)
         chains = [np.asarray(c[:m], dtype=np.int32) for c in chains]
         if m:

@@ -50,6 +50,12 @@ class LayerGroup:
         return self.window > 0
 
     @property
+    def attention(self) -> str:
+        """The attention type, which picks the group's block tables class
+        (``pagedkv.groups.tables.TABLES_FOR``)."""
+        return "sliding" if self.window else "full"
+
+    @property
     def kind(self) -> str:
         if not self.window:
             return "full"

@@ -1,10 +1,15 @@
 """Block tables per layer group, over the one shared pool (see :mod:`pagedkv.groups.layers`).
 
-A cache whose model mixes full-attention and sliding-window layers keeps one
-:class:`~pagedkv._core.tables.BlockTables` per layer group: a full group keeps every
-block, a sliding group releases the blocks that left its window. Every sequence lives
-in all groups with the same token counts; only the blocks differ. Each call here
-applies one manager operation to every group, all or nothing:
+A cache whose model mixes full-attention and sliding-window layers keeps one set of
+block tables per layer group, of the class for the group's attention type
+(:data:`TABLES_FOR`): :class:`~pagedkv._core.tables.FullAttentionTables` keeps every
+block, :class:`~pagedkv._core.sliding.SlidingWindowTables` releases the blocks that
+left its window. Both implement :class:`AttentionTables`, the one protocol this
+coordinator drives; the mix of types is checked once, when the groups are built. A new
+attention type is a new class (a ``TablesBase`` subclass in ``pagedkv/_core``) and one
+entry in :data:`TABLES_FOR`. Every sequence lives in all groups with the same token
+counts; only the blocks differ. Each call here applies one manager operation to every
+group, all or nothing:
 
 - capacity is counted over all groups before any reserves (``blocks_needed``), so a
   reserve that fails changes nothing;
@@ -20,15 +25,101 @@ held the least is reported as the limit.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
-from pagedkv._core.tables import BlockTables
+from pagedkv._core.sliding import SlidingWindowTables
+from pagedkv._core.tables import FullAttentionTables
 from pagedkv.errors import InternalError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected
-from pagedkv.groups.layers import GroupPlan
+from pagedkv.groups.layers import GroupPlan, LayerGroup
 
-__all__ = ["GroupTables", "GroupNamespaces", "GROUP_NS_BITS", "group_key"]
+__all__ = ["AttentionTables", "TABLES_FOR", "GroupTables", "GroupNamespaces", "GROUP_NS_BITS", "group_key"]
+
+
+@runtime_checkable
+class AttentionTables(Protocol):
+    """What every attention type's block tables implement (see ``_core/tables.pyi`` for
+    the signatures): the lifecycle calls (``add``, ``reserve``, ``commit``, ``advance``,
+    ``unreserve``, ``truncate``, ``fork``, ``remove``), the window calls (``hold_window``,
+    ``slide``, ``released_tokens``: no-ops and zeros for a type that releases nothing
+    early), the exports and the per-sequence queries. ``window`` is 0 for a type
+    whose queries see every earlier position."""
+
+    namer: Callable[[int], Any]
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def sinks(self) -> int: ...
+    @property
+    def sink_blocks(self) -> int: ...
+    @property
+    def num_pending_copies(self) -> int: ...
+    @property
+    def num_cow(self) -> int: ...
+    @property
+    def num_query_tokens(self) -> int: ...
+    @property
+    def num_hit_tokens(self) -> int: ...
+
+    def add(self, key: int, tokens: Any = None, ns: int = 0, ns_hash: int = 0, priority: int = -1,
+            lookup: bool = True, max_hit_blocks: int | None = None) -> int: ...
+    def remove(self, keys: Any, internal: bool = False) -> None: ...
+    def fork(self, src: int, dst: int) -> None: ...
+    def reserve(self, keys: Any, counts: Any, internal: bool = False) -> np.ndarray: ...
+    def advance(self, keys: Any, token_ids: Any, internal: bool = False) -> np.ndarray: ...
+    def commit(self, keys: Any, counts: Any, token_ids: Any = None, internal: bool = False) -> None: ...
+    def unreserve(self, keys: Any, counts: Any = None, internal: bool = False) -> None: ...
+    def truncate(self, keys: Any, counts: Any, internal: bool = False, check_only: bool = False) -> None: ...
+    def blocks_needed(self, keys: Any, counts: Any, internal: bool = False) -> int: ...
+    def hold_window(self, keys: Any, hold: bool = True, internal: bool = False) -> None: ...
+    def slide(self, keys: Any, internal: bool = False) -> None: ...
+    def released_tokens(self, keys: Any, internal: bool = False) -> np.ndarray: ...
+    def take_copies(self) -> np.ndarray: ...
+    def set_priority(self, key: int, priority: int, start_token: int = 0, end_token: int | None = None) -> None: ...
+    def block_table(self, keys: Any, pad: int = -1, width: int | None = None, internal: bool = False) -> np.ndarray: ...
+    def csr(self, keys: Any, internal: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+    def slot_mapping(self, keys: Any, starts: Any, counts: Any, internal: bool = False) -> np.ndarray: ...
+    def seq_lens(self, keys: Any, computed: bool = False, internal: bool = False) -> np.ndarray: ...
+    def relocate(self, key: int, moves: Any) -> np.ndarray: ...
+    def blocks(self, key: int) -> np.ndarray: ...
+    def tokens(self, key: int) -> np.ndarray: ...
+    def num_computed(self, key: int) -> int: ...
+    def num_reserved(self, key: int) -> int: ...
+    def info(self, key: int) -> dict[str, Any]: ...
+    def keys(self) -> np.ndarray: ...
+    def total_tokens(self) -> tuple[int, int]: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __len__(self) -> int: ...
+    def check_invariants(self, pool_refs: bool = True) -> None: ...
+
+
+def _full(pool, block_size: int, index, group: LayerGroup) -> AttentionTables:
+    return FullAttentionTables(pool, block_size, index)
+
+
+def _sliding(pool, block_size: int, index, group: LayerGroup) -> AttentionTables:
+    return SlidingWindowTables(pool, block_size, index, window=group.window, sinks=group.sinks)
+
+
+# A layer group's attention type -> how its tables are built over the shared pool.
+TABLES_FOR: dict[str, Callable[..., AttentionTables]] = {"full": _full, "sliding": _sliding}
+
+
+def check_mix(plan: GroupPlan) -> list[str]:
+    """The attention type of every group, once all are known to have a tables class
+    (refused otherwise, naming the group and its type)."""
+    types = [g.attention for g in plan.groups]
+    for i, a in enumerate(types):
+        if a not in TABLES_FOR:
+            raise InvalidArgumentError(expected("layer_groups", f"attention types with block tables "
+                                                f"({', '.join(sorted(TABLES_FOR))})", f"{a!r} in group {i}"))
+    return types
 
 GROUP_NS_BITS = 24     # namespace ids below 2**24; the group index goes above them
 
@@ -75,17 +166,18 @@ class GroupNamespaces:
 class GroupTables:
     """The tables of every layer group; ``tables[0]`` is the manager's own ``tables``.
 
-    The lifecycle calls take the arguments of the same ``BlockTables`` calls, so the
-    manager drives either through one code path."""
+    The lifecycle calls take the arguments of the same :class:`AttentionTables` calls,
+    so the manager drives either through one code path."""
 
     def __init__(self, pool, index, block_size: int, plan: GroupPlan, namer):
+        types = check_mix(plan)
         self.plan = plan
         self.pool = pool
         self.index = index
         self.block_size = block_size
-        self.tables: list[BlockTables] = []
-        for g in plan.groups:
-            t = BlockTables(pool, block_size, index, window=g.window, sinks=g.sinks)
+        self.tables: list[AttentionTables] = []
+        for g, a in zip(plan.groups, types):
+            t = TABLES_FOR[a](pool, block_size, index, g)
             t.namer = namer
             self.tables.append(t)
         self.limited_by = [0] * len(plan.groups)   # admissions whose hit each group limited
@@ -313,7 +405,7 @@ class GroupTables:
             n += t.num_pending_copies
         return n
 
-    def group_for(self, group: int | None) -> BlockTables:
+    def group_for(self, group: int | None) -> AttentionTables:
         if group is None:
             return self.tables[0]
         if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or not 0 <= group < len(self.tables):

@@ -13,8 +13,9 @@ A :class:`~pagedkv.integrations.transformers.PagedCache` made with
 *ticket* (the cache, the layer and the pass's page table); :func:`attention_forward`
 then runs :meth:`pagedkv.manager.cache.PagedKVCache.attention` over the pages, with no gather
 and no padded K/V tensor. Any call without a ticket (another cache, a layer the cache
-still serves by gathering) runs transformers' SDPA attention unchanged, so the
-registered name is safe to use everywhere. The cache checks that every ticket was
+still serves by gathering) runs transformers' SDPA attention unchanged, or, for a
+model with attention logit soft-capping (Gemma 2), which SDPA refuses, the same
+attention written out, so the registered name is safe to use everywhere. The cache checks that every ticket was
 taken (a model whose attention is not "pagedkv" would otherwise attend only to the
 new tokens) and raises otherwise.
 """
@@ -45,6 +46,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention signature: ``query`` ``[B, Hq, q, D]``; returns
     ``([B, q, Hq, D], None)``."""
     ticket = getattr(key, "_pagedkv_ticket", None)
+    if ticket is None and softcap:     # torch's SDPA has no soft-capping (Gemma 2): the plain math
+        return _softcap_attention(query, key, value, attention_mask, scaling, softcap), None
     if ticket is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -53,6 +56,33 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     ticket.taken = True
     out = ticket.cache.paged_attend(ticket, query, scaling, softcap)
     return out, None
+
+
+def _softcap_attention(query, key, value, attention_mask, scaling, softcap):
+    """Attention with logit soft-capping for a call without a ticket (e.g. the same model
+    run with a ``DynamicCache``): ``[B, Hq, q, D]`` -> ``[B, q, Hq, D]``. The mask is
+    what transformers' SDPA mask gives: boolean (True attends), additive, or None for
+    plain causal attention over the last ``q`` keys."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    q, k = scores.shape[-2], scores.shape[-1]
+    if attention_mask is None:
+        attention_mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
+    else:
+        attention_mask = attention_mask[..., :k]
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    weights = torch.nan_to_num(weights)   # a fully masked (padding) query row attends to nothing
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
 
 
 def register(name: str = NAME) -> str:

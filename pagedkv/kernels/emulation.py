@@ -199,33 +199,33 @@ def conversion(name: str, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
 
 
 def write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None, rotation_signs=None,
-             grid: Dims = None, block: Dims = None) -> None:
+             layer_format=None, grid: Dims = None, block: Dims = None) -> None:
     _check_cpu("kv_layer", kv_layer)
     launches = plans.plan_write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
-                                   rotation_signs=rotation_signs)
+                                   rotation_signs=rotation_signs, layer_format=layer_format)
     run(launches, grid=grid, block=block)
 
 
 def gather_kv(kv_layer, indptr, indices, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None, kv_zero=None,
-              out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None, grid: Dims = None,
-              block: Dims = None):
+              out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None, layer_format=None,
+              grid: Dims = None, block: Dims = None):
     _check_cpu("kv_layer", kv_layer)
     launches, k, v = plans.plan_gather(kv_layer, seq_lens, indptr=indptr, indices=indices, layout=layout,
                                        out_dtype=out_dtype, kv_scale=kv_scale, kv_zero=kv_zero,
                                        out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
-                                       key_scale=key_scale, key_zero=key_zero)
+                                       key_scale=key_scale, key_zero=key_zero, layer_format=layer_format)
     run(launches, grid=grid, block=block)
     return k, v
 
 
 def gather_kv_padded(kv_layer, block_table, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None, kv_zero=None,
                      out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None,
-                     grid: Dims = None, block: Dims = None):
+                     layer_format=None, grid: Dims = None, block: Dims = None):
     _check_cpu("kv_layer", kv_layer)
     launches, k, v = plans.plan_gather(kv_layer, seq_lens, block_table=block_table, layout=layout,
                                        out_dtype=out_dtype, kv_scale=kv_scale, kv_zero=kv_zero,
                                        out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
-                                       key_scale=key_scale, key_zero=key_zero)
+                                       key_scale=key_scale, key_zero=key_zero, layer_format=layer_format)
     run(launches, grid=grid, block=block)
     return k, v
 
@@ -250,10 +250,11 @@ def convert_layout(arena, src_layout, dst_layout, *, scale=False, grid: Dims = N
     return out
 
 
-def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD", grid: Dims = None,
-                    block: Dims = None) -> None:
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD", layer_format=None,
+                    grid: Dims = None, block: Dims = None) -> None:
     _check_cpu("kv_layer", kv_layer)
-    launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+    launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout,
+                                          layer_format=layer_format)
     run(launches, grid=grid, block=block)
 
 

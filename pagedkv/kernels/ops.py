@@ -99,6 +99,7 @@ def write_kv(
     kv_scale=None,
     kv_zero=None,
     rotation_signs=None,
+    layer_format=None,
     stream=None,
 ) -> None:
     """Store one layer's new K/V tokens into their slots (reshape-and-cache).
@@ -111,6 +112,8 @@ def write_kv(
         kv_scale, kv_zero: quantized storage only, contiguous float32 views.
         rotation_signs: quantized storage only: float32 ``[D]`` signs; each row is
             rotated (:mod:`pagedkv.store.rotation`) in the kernel before it is quantized.
+        layer_format: the layer's :class:`~pagedkv.store.layer_format.LayerFormat`
+            (None: the one the tensors imply); see :func:`pagedkv.ops.reference.write_kv`.
         stream: see the module docstring.
     """
     device = _cuda_device("kv_layer", kv_layer)
@@ -120,7 +123,7 @@ def write_kv(
         )
         launches = plans.plan_write_kv(
             kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
-            rotation_signs=rotation_signs,
+            rotation_signs=rotation_signs, layer_format=layer_format,
         )
         _run(launches, ts, device)
 
@@ -128,7 +131,7 @@ def write_kv(
 def _gather(kv_layer, seq_lens, stream, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     device = _cuda_device("kv_layer", kv_layer)
     with _on_stream(device, stream) as ts:
-        kw = {k: v if k in ("layout", "out_dtype") else as_tensor(v) for k, v in kw.items()}
+        kw = {k: v if k in ("layout", "out_dtype", "layer_format") else as_tensor(v) for k, v in kw.items()}
         launches, out_key, out_value = plans.plan_gather(as_tensor(kv_layer), as_tensor(seq_lens), **kw)
         _run(launches, ts, device)
     return out_key, out_value
@@ -149,6 +152,7 @@ def gather_kv(
     rotation_signs=None,
     key_scale=None,
     key_zero=None,
+    layer_format=None,
     stream=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of a batch of sequences as contiguous ``[sum(seq_lens), H, D]`` tensors in
@@ -163,7 +167,8 @@ def gather_kv(
     """
     return _gather(kv_layer, seq_lens, stream, indptr=indptr, indices=indices, layout=layout, out_dtype=out_dtype,
                    kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                   rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
+                   rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero,
+                   layer_format=layer_format)
 
 
 def gather_kv_padded(
@@ -180,12 +185,14 @@ def gather_kv_padded(
     rotation_signs=None,
     key_scale=None,
     key_zero=None,
+    layer_format=None,
     stream=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table."""
     return _gather(kv_layer, seq_lens, stream, block_table=block_table, layout=layout, out_dtype=out_dtype,
                    kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                   rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
+                   rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero,
+                   layer_format=layer_format)
 
 
 def _listed(arenas) -> list:
@@ -233,7 +240,8 @@ def convert_layout(arena, src_layout: str, dst_layout: str, *, scale: bool = Fal
     return out
 
 
-def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD", stream=None) -> None:
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD", layer_format=None,
+                    stream=None) -> None:
     """Requantize whole blocks' keys per channel (int4 block keys): block ``blocks[i]``
     gets :func:`pagedkv.store.quant.quantize_key_block` of ``keys[i]`` in its K plane's codes
     and its rows of ``key_scale``/``key_zero``; nothing else changes.
@@ -251,7 +259,8 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str 
     device = _cuda_device("kv_layer", kv_layer)
     with _on_stream(device, stream) as ts:
         kv_layer, blocks, keys, key_scale, key_zero = map(as_tensor, (kv_layer, blocks, keys, key_scale, key_zero))
-        launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+        launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout,
+                                              layer_format=layer_format)
         _run(launches, ts, device)
 
 

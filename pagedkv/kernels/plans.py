@@ -131,7 +131,8 @@ def _check_kernel_dtype(geo: checks.LayerGeometry) -> None:
 
 
 def _groups(kv_layer: torch.Tensor, kv_scale: torch.Tensor) -> int:
-    """Scale groups per (token, head) row: 1, or the trailing dim of a grouped (int4) scale view."""
+    """Scale groups per (token, head) row read off the scale view (the attention plans'
+    compatibility path; the data-op plans read ``LayerGeometry.groups``)."""
     return kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
 
 
@@ -173,10 +174,10 @@ def _i64(v: int) -> Arg:
     return ("i64", int(v))
 
 
-def _check_signs(rotation_signs, geo, device) -> torch.Tensor | None:
+def _check_signs(rotation_signs, geo, device, write: bool = False, explicit: bool = False) -> torch.Tensor | None:
     """The rotation signs a kernel reads (contiguous), after the shared checks and the
     kernels' own bound: a CTA row holds a whole head_dim row in shared memory."""
-    checks.check_rotation(rotation_signs, geo, device)
+    checks.check_rotation(rotation_signs, geo, device, write=write, explicit=explicit)
     if rotation_signs is None:
         return None
     if geo.head_dim > ROT_FLOATS:
@@ -200,10 +201,10 @@ def _rot_dims(rows: int, cols: int, head_dim: int):
 
 
 def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None,
-                  rotation_signs=None) -> list[Launch]:
+                  rotation_signs=None, layer_format=None) -> list[Launch]:
     """Plan :func:`pagedkv.ops.reference.write_kv` (same arguments)."""
-    geo = checks.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
-    signs = _check_signs(rotation_signs, geo, kv_layer.device)
+    geo = checks.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero, layer_format)
+    signs = _check_signs(rotation_signs, geo, kv_layer.device, write=True, explicit=layer_format is not None)
     _check_kernel_dtype(geo)
     _check_contiguous("kv_layer", kv_layer)
     if geo.quantized:
@@ -224,7 +225,7 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
     if geo.quantized:
         name = sources.write_kv_name(lo, in_type=_MODEL_NAMES[key.dtype], quant=_QUANT_NAMES[geo.kv_dtype],  # type: ignore[index]
                                      rotated=signs is not None)
-        groups = _groups(kv_layer, kv_scale)
+        groups = geo.groups
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key), _ptr(value), _ptr(slots)]
         args += tail + [_i64(dim), _i64(groups)]
         args += [_i64(key.stride(0)), _i64(key.stride(1)), _i64(value.stride(0)), _i64(value.stride(1))]
@@ -250,7 +251,8 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
 # seal_key_blocks
 
 
-def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> list[Launch]:
+def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD",
+                         layer_format=None) -> list[Launch]:
     """Plan :func:`pagedkv.ops.reference.seal_key_blocks` (same arguments).
 
     The ids are read once, from a copy the kernel then reads too: on the CPU they are
@@ -258,7 +260,7 @@ def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout=
     not read (no sync), and the kernel skips an id outside the layer. A repeated id
     leaves each of its bytes from one of its rows (unspecified which).
     """
-    geo = checks.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout)
+    geo = checks.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format)
     ids = blocks.clone(memory_format=torch.contiguous_format)  # the one read of the caller's tensor
     if ids.device.type == "cpu":
         checks.check_block_ids("blocks", ids.tolist(), geo.num_blocks)
@@ -296,6 +298,7 @@ def plan_gather(
     rotation_signs=None,
     key_scale=None,
     key_zero=None,
+    layer_format=None,
 ):
     """Plan a CSR (``indptr``/``indices``) or padded (``block_table``) gather.
 
@@ -305,9 +308,10 @@ def plan_gather(
     avoid that. ``key_scale``/``key_zero`` (int4 block keys) are passed to the
     dequantizing kernels as two more pointers; null pointers mean no block keys.
     """
-    geo, out_dtype = checks.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
-    signs = _check_signs(rotation_signs, geo, kv_layer.device)
-    if checks.check_key_channels(key_scale, key_zero, geo, kv_layer.device):  # int4 block keys
+    geo, out_dtype = checks.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero, layer_format)
+    explicit = layer_format is not None
+    signs = _check_signs(rotation_signs, geo, kv_layer.device, explicit=explicit)
+    if checks.check_key_channels(key_scale, key_zero, geo, kv_layer.device, explicit):  # int4 block keys
         _check_aligned("key_scale", key_scale)
         _check_aligned("key_zero", key_zero)
     _check_kernel_dtype(geo)
@@ -350,7 +354,7 @@ def plan_gather(
         name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[geo.kv_dtype], out_type=_MODEL_NAMES[out_dtype],  # type: ignore[index]
                                    rotated=signs is not None)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
-        args += table_args + [_i64(dim), _i64(_groups(kv_layer, kv_scale))]
+        args += table_args + [_i64(dim), _i64(geo.groups)]
         block_keys = [_ptr(key_scale), _ptr(key_zero)]  # null: no block keys
         if signs is not None:
             grid, block = _rot_dims(total * 2 * heads, max(1, dim // 2), dim)

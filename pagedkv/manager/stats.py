@@ -63,7 +63,7 @@ class CacheStats:
     @classmethod
     def collect(cls, pool, tables, config, host=None, tiers=None, groups=None) -> CacheStats:
         """Read the figures from the core objects (``BlockPool``, ``BlockTables``), the
-        ``CacheConfig``, the host tier (``HostTier`` or None), the prefix tiers
+        ``CacheConfig``, the host tier (``HostSwap`` or None), the prefix tiers
         (:class:`~pagedkv.tiers.PrefixTiers` or None) and the layer groups
         (:class:`~pagedkv.groups.tables.GroupTables` or None, whose ``tables[0]`` is
         ``tables``), under the caller's lock. With groups, waste and copy-on-write

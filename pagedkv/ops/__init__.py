@@ -20,11 +20,13 @@ import torch
 from pagedkv.ops import backends
 from pagedkv.ops.backends import BACKENDS, resolve_backend
 from pagedkv.ops.paged_attention import ExactRows, paged_attention
+from pagedkv.store.layer_format import LayerFormat
 
 __all__ = [
     "BACKENDS",
     "write_kv",
     "seal_key_blocks",
+    "unseal_key_blocks",
     "gather_kv",
     "gather_kv_padded",
     "copy_blocks",
@@ -70,24 +72,37 @@ def write_kv(
     kv_scale: torch.Tensor | None = None,
     kv_zero: torch.Tensor | None = None,
     rotation_signs: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
     backend: str = "auto",
 ) -> None:
     """Store new K/V tokens at their slots; see :func:`pagedkv.ops.reference.write_kv`."""
     cpu = _cpu_fast(backend, kv_layer)
     if cpu is not None:
         cpu.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
-                     rotation_signs=rotation_signs)
+                     rotation_signs=rotation_signs, layer_format=layer_format)
         return
     fn = _impl("write_kv", backend, _device(kv_layer))
     fn(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
-       rotation_signs=rotation_signs)
+       rotation_signs=rotation_signs, layer_format=layer_format)
 
 
 def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD",
-                    backend: str = "auto") -> None:
+                    layer_format: LayerFormat | None = None, backend: str = "auto") -> None:
     """Requantize whole blocks' keys per channel; see :func:`pagedkv.ops.reference.seal_key_blocks`."""
     fn = _impl("seal_key_blocks", backend, _device(kv_layer))
-    fn(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+    fn(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format)
+
+
+def unseal_key_blocks(kv_layer, blocks, live, kv_scale, kv_zero, key_scale, key_zero, *, exact=None,
+                      exact_valid=None, layout: str = "NHD", rotation_signs=None,
+                      layer_format: LayerFormat | None = None) -> None:
+    """Put sealed blocks' live keys back per token; see :func:`pagedkv.ops.reference.unseal_key_blocks`
+    (the torch definition on every device: a rare path, no backend of its own)."""
+    from pagedkv.ops import reference
+
+    reference.unseal_key_blocks(kv_layer, blocks, live, kv_scale, kv_zero, key_scale, key_zero, exact=exact,
+                                exact_valid=exact_valid, layout=layout, rotation_signs=rotation_signs,
+                                layer_format=layer_format)
 
 
 def gather_kv(
@@ -105,6 +120,7 @@ def gather_kv(
     rotation_signs: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     key_zero: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (CSR block tables); see :func:`pagedkv.ops.reference.gather_kv`."""
@@ -112,7 +128,7 @@ def gather_kv(
     fn = cpu.gather_kv if cpu is not None else _impl("gather_kv", backend, _device(kv_layer))
     return fn(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
               kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
-              key_scale=key_scale, key_zero=key_zero)
+              key_scale=key_scale, key_zero=key_zero, layer_format=layer_format)
 
 
 def gather_kv_padded(
@@ -129,6 +145,7 @@ def gather_kv_padded(
     rotation_signs: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     key_zero: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch (padded block table); see :func:`pagedkv.ops.reference.gather_kv_padded`."""
@@ -139,7 +156,7 @@ def gather_kv_padded(
         fn = _impl("gather_kv_padded", backend, _device(kv_layer))
     return fn(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,
               kv_zero=kv_zero, out_key=out_key, out_value=out_value, rotation_signs=rotation_signs,
-              key_scale=key_scale, key_zero=key_zero)
+              key_scale=key_scale, key_zero=key_zero, layer_format=layer_format)
 
 
 def _as_list(arenas: object) -> object:

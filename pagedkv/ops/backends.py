@@ -3,7 +3,11 @@
 A backend is any object (in practice a module) with the six data ops of
 :class:`DataOpsBackend`, each taking the arguments of its
 :mod:`pagedkv.ops.reference` twin; a backend may add keyword-only options of its own
-(the CUDA launchers take ``stream``, the emulation ``grid``/``block``). The backends:
+(the CUDA launchers take ``stream``, the emulation ``grid``/``block``). Every op that
+reads or writes a layer's K/V takes ``layer_format``
+(:class:`~pagedkv.store.layer_format.LayerFormat`): the store passes the format it
+built, and the backend verifies the tensors against it instead of reading the format
+off them (None: the compatibility path, :meth:`LayerFormat.infer`). The backends:
 
 - ``"reference"``: :mod:`pagedkv.ops.reference`, plain torch on any device;
 - ``"cpu"``: :mod:`pagedkv.ops.cpu`, the Cython loops for CPU tensors;
@@ -49,15 +53,18 @@ class DataOpsBackend(Protocol):
     """The six KV data ops; see :mod:`pagedkv.ops.reference` for their arguments."""
 
     def write_kv(self, kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=None, kv_zero=None,
-                 rotation_signs=None) -> None: ...
+                 rotation_signs=None, layer_format=None) -> None: ...
 
-    def seal_key_blocks(self, kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None: ...
+    def seal_key_blocks(self, kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD",
+                        layer_format=None) -> None: ...
 
     def gather_kv(self, kv_layer, indptr, indices, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None,
-                  kv_zero=None, out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None): ...
+                  kv_zero=None, out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None,
+                  layer_format=None): ...
 
     def gather_kv_padded(self, kv_layer, block_table, seq_lens, *, layout="NHD", out_dtype=None, kv_scale=None,
-                         kv_zero=None, out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None): ...
+                         kv_zero=None, out_key=None, out_value=None, rotation_signs=None, key_scale=None, key_zero=None,
+                         layer_format=None): ...
 
     def copy_blocks(self, arenas, pairs) -> None: ...
 

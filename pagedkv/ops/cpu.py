@@ -17,6 +17,7 @@ import torch
 from pagedkv.errors import DeviceError, KernelUnavailableError, expected
 from pagedkv.ops import reference as _ref
 from pagedkv.store import dtypes
+from pagedkv.store.layer_format import LayerFormat
 
 try:
     from pagedkv.ops import _cpu_copy as _c
@@ -66,15 +67,16 @@ def write_kv(
     kv_scale: torch.Tensor | None = None,
     kv_zero: torch.Tensor | None = None,
     rotation_signs: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
 ) -> None:
     """:func:`pagedkv.ops.reference.write_kv` on CPU tensors."""
-    if _c is not None and kv_scale is None and kv_zero is None and rotation_signs is None and _sparse_safe(
-        _fast_write, kv_layer, slot_mapping, key, value, layout
-    ):
+    if (_c is not None and kv_scale is None and kv_zero is None and rotation_signs is None
+            and (layer_format is None or _plain_format(layer_format, kv_layer))
+            and _sparse_safe(_fast_write, kv_layer, slot_mapping, key, value, layout)):
         return
     c = _loops()
-    geo = _ref.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
-    _ref.check_rotation(rotation_signs, geo, kv_layer.device)
+    geo = _ref.check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero, layer_format)
+    _ref.check_rotation(rotation_signs, geo, kv_layer.device, write=True, explicit=layer_format is not None)
     _require_cpu("kv_layer", kv_layer)
     if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
         _write_quant(kv_layer, _c_contig(slot_mapping), key, value, kv_scale, kv_zero, geo, layout == "HND",
@@ -82,7 +84,7 @@ def write_kv(
         return
     if geo.quantized or not kv_layer.is_contiguous() or key.stride(2) != 1 or value.stride(2) != 1:
         _ref.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
-                      rotation_signs=rotation_signs)
+                      rotation_signs=rotation_signs, layer_format=layer_format)
         return
     _write_rows(c, kv_layer, _c_contig(slot_mapping), key, value, geo.num_blocks, geo.block_size,
                 geo.num_heads, geo.head_dim, layout == "HND")
@@ -160,8 +162,10 @@ def _quant_ok(geo, kv_layer, kv_scale, kv_zero) -> bool:
             and kv_scale.is_contiguous() and (kv_zero is None or kv_zero.is_contiguous()))
 
 
-def _groups(kv_layer, kv_scale) -> int:
-    return kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
+def _plain_format(layer_format, kv_layer) -> bool:
+    """Whether an unquantized fast path may serve ``layer_format``: the arena is in its
+    dtype (anything else goes through the checks, which name the mismatch)."""
+    return type(layer_format) is LayerFormat and layer_format.data_dtype == kv_layer.dtype
 
 
 def _quant_code(geo) -> int:
@@ -191,7 +195,7 @@ def _write_quant(kv_layer, slots, key, value, kv_scale, kv_zero, geo, hnd: bool,
         kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(), key.data_ptr(),
         value.data_ptr(), slots.data_ptr(), key.shape[0], ks[0] * es, ks[1] * es, vs[0] * es, vs[1] * es,
         _model_code(key.dtype), _quant_code(geo), geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim,
-        _groups(kv_layer, kv_scale), hnd, signs_ptr,
+        geo.groups, hnd, signs_ptr,
     )
     if bad >= 0:
         raise _ref.slot_error(bad_slot, bad, geo.num_blocks * geo.block_size)
@@ -208,7 +212,7 @@ def _gather_quant(kv_layer, kv_scale, kv_zero, indptr, width, table, seq_lens, b
         kv_layer.data_ptr(), kv_scale.data_ptr(), 0 if kv_zero is None else kv_zero.data_ptr(),
         0 if indptr is None else indptr.data_ptr(), width, table.data_ptr(), seq_lens.data_ptr(), batch, total,
         ok.data_ptr(), ov.data_ptr(), _quant_code(geo), _model_code(out_dtype), geo.block_size,
-        geo.num_heads, geo.head_dim, _groups(kv_layer, kv_scale), hnd, signs_ptr, ks_ptr, kz_ptr,
+        geo.num_heads, geo.head_dim, geo.groups, hnd, signs_ptr, ks_ptr, kz_ptr,
     )
     return ok, ov
 
@@ -327,17 +331,19 @@ def gather_kv(
     rotation_signs: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     key_zero: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv` on CPU tensors."""
-    if _c is not None and rotation_signs is None and key_scale is None and key_zero is None:
+    if (_c is not None and rotation_signs is None and key_scale is None and key_zero is None
+            and (layer_format is None or _plain_format(layer_format, kv_layer))):
         outs = _sparse_safe(_fast_gather_csr, kv_layer, indptr, indices, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                 out_key, out_value)
         if outs is not None:
             return outs
     c = _loops()
-    geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
-    _ref.check_rotation(rotation_signs, geo, kv_layer.device)
-    _ref.check_key_channels(key_scale, key_zero, geo, kv_layer.device)
+    geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero, layer_format)
+    _ref.check_rotation(rotation_signs, geo, kv_layer.device, explicit=layer_format is not None)
+    _ref.check_key_channels(key_scale, key_zero, geo, kv_layer.device, explicit=layer_format is not None)
     batch = _ref.check_csr(indptr, indices, seq_lens, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
     if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
@@ -353,7 +359,8 @@ def gather_kv(
     if geo.quantized or not kv_layer.is_contiguous():
         return _ref.gather_kv(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype,
                               kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                              rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
+                              rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero,
+                              layer_format=layer_format)
     indptr, indices, seq_lens = _c_contig(indptr), _c_contig(indices), _c_contig(seq_lens)
     nnz = indices.shape[0]
     code, b, a, z = c.validate_csr(indptr.data_ptr(), indices.data_ptr(), seq_lens.data_ptr(), batch, nnz,
@@ -381,17 +388,19 @@ def gather_kv_padded(
     rotation_signs: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     key_zero: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagedkv.ops.reference.gather_kv_padded` on CPU tensors."""
-    if _c is not None and rotation_signs is None and key_scale is None and key_zero is None:
+    if (_c is not None and rotation_signs is None and key_scale is None and key_zero is None
+            and (layer_format is None or _plain_format(layer_format, kv_layer))):
         outs = _sparse_safe(_fast_gather_padded, kv_layer, block_table, seq_lens, layout, out_dtype, kv_scale, kv_zero,
                                    out_key, out_value)
         if outs is not None:
             return outs
     c = _loops()
-    geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
-    _ref.check_rotation(rotation_signs, geo, kv_layer.device)
-    _ref.check_key_channels(key_scale, key_zero, geo, kv_layer.device)
+    geo, out_dtype = _ref.check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero, layer_format)
+    _ref.check_rotation(rotation_signs, geo, kv_layer.device, explicit=layer_format is not None)
+    _ref.check_key_channels(key_scale, key_zero, geo, kv_layer.device, explicit=layer_format is not None)
     batch = _ref.check_padded(block_table, seq_lens, kv_layer.device)
     _require_cpu("kv_layer", kv_layer)
     if _quant_ok(geo, kv_layer, kv_scale, kv_zero):
@@ -407,7 +416,8 @@ def gather_kv_padded(
     if geo.quantized or not kv_layer.is_contiguous():
         return _ref.gather_kv_padded(kv_layer, block_table, seq_lens, layout=layout, out_dtype=out_dtype,
                                      kv_scale=kv_scale, kv_zero=kv_zero, out_key=out_key, out_value=out_value,
-                                     rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
+                                     rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero,
+                                     layer_format=layer_format)
     block_table, seq_lens = _c_contig(block_table), _c_contig(seq_lens)
     width = block_table.shape[1]
     code, b, a, z = c.validate_padded(block_table.data_ptr(), seq_lens.data_ptr(), batch, width,
@@ -471,6 +481,10 @@ _SEAL_IN = {} if _q is None else {
 }
 
 
+def _block_keys_format(layer_format) -> bool:
+    return type(layer_format) is LayerFormat and layer_format.key_quant == "block"
+
+
 def _fast_seal(kv_layer, blocks, keys, key_scale, key_zero, layout) -> bool:
     """Seal inputs that plainly pass every check (each attribute read once; a decode step
     seals one block per sequence and layer); False hands them to the checked path."""
@@ -512,17 +526,19 @@ def _seal(kv_layer, lst, blocks, m, keys, kst, key_scale, key_zero, in_code, nb,
         raise _ref.block_id_error("blocks", value, nb, f"row {bad}")
 
 
-def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD") -> None:
+def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD",
+                    layer_format: LayerFormat | None = None) -> None:
     """:func:`pagedkv.ops.reference.seal_key_blocks` on CPU tensors: the reference's checks,
     then one C loop over the blocks (``key_seal.h``); the block ids are read once, by the
     loop, which refuses a bad one before any write."""
-    if _q is not None and _sparse_safe(_fast_seal, kv_layer, blocks, keys, key_scale, key_zero, layout):
+    if (_q is not None and (layer_format is None or _block_keys_format(layer_format))
+            and _sparse_safe(_fast_seal, kv_layer, blocks, keys, key_scale, key_zero, layout)):
         return
-    geo = _ref.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout)
+    geo = _ref.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format)
     _require_cpu("kv_layer", kv_layer)
     # strided code bytes: the torch definition (the check refused empty dims)
     if _q is None or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1):
-        _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout)
+        _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format)
         return
     blocks = _c_contig(blocks)
     keys = keys if keys.stride(3) == 1 else keys.contiguous()   # each (token, head) row read as one run

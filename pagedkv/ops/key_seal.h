@@ -58,10 +58,7 @@ static inline void pkv_seal_channel_params(const char* x, int in_type, int64_t x
 }
 
 static inline uint32_t pkv_seal_code(float x, float s, float z) {
-    float v = (x - z) / s;
-    v = v != v ? 0.0f : v;
-    v = v < 0.0f ? 0.0f : (v > 15.0f ? 15.0f : v); /* clamp then round == round then clamp here */
-    return (uint32_t)(int32_t)pkv_rint_small(v);
+    return pkv_int_code((x - z) / s, PKV_TOP_INT4);
 }
 
 /* channels [d0, head_dim) (d0 even), a pair (one code byte) at a time */
@@ -76,7 +73,7 @@ static inline void pkv_seal_channels_base(PKV_SEAL_ARGS, int64_t d0) {
         for (int64_t t = 0; t < bs; ++t) {
             const uint32_t c0 = pkv_seal_code(pkv_load_one(x0 + t * x_tok, in_type), s0, z0);
             const uint32_t c1 = pkv_seal_code(pkv_load_one(x1 + t * x_tok, in_type), s1, z1);
-            q[t * q_tok + d / 2] = (uint8_t)(c0 | (c1 << 4));
+            q[t * q_tok + d / 2] = pkv_int4_pack(c0, c1);
         }
     }
 }

@@ -23,105 +23,21 @@
 #define PKV_F16 1
 #define PKV_BF16 2
 /* storage formats */
-#define PKV_E4M3 0
-#define PKV_E5M2 1
-#define PKV_INT8 2
-#define PKV_INT4 3
-#define PKV_INT3 4
+#define PKV_E4M3 PKV_Q_E4M3
+#define PKV_E5M2 PKV_Q_E5M2
+#define PKV_INT8 PKV_Q_INT8
+#define PKV_INT4 PKV_Q_INT4
+#define PKV_INT3 PKV_Q_INT3
 
-static inline uint32_t pkv_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float pkv_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline int pkv_isfinite(float x) { return (pkv_bits(x) & 0x7f800000u) != 0x7f800000u; }
+/* The scalar conversions (float16/bfloat16, fp8 encode and decode, directed bfloat16
+ * rounding, fix_scale, pkv_rint_small, pkv_sel...) are cuda/quant_scalar.h, shared with
+ * the CUDA kernels (setup.py puts cuda/ on this module's include path). */
+#include "quant_scalar.h"
 
-/* round half to even for 0 <= x < 2^23 (adding 2^23 leaves no fraction bits) */
-static inline float pkv_rint_small(float x) { return (x + 8388608.0f) - 8388608.0f; }
-
-/* ---- model dtypes ---------------------------------------------------------- */
-
-/* c ? a : b for c in {0, 1}, as bit masks: gather loops stay branch-free and vectorize */
-static inline uint32_t pkv_sel(uint32_t c, uint32_t a, uint32_t b) {
-    const uint32_t m = 0u - c;
-    return (a & m) | (b & ~m);
-}
-
-static inline float pkv_f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, m = h & 0x7fffu, mant = h & 0x3ffu;
-    const uint32_t normal = (m << 13) + (112u << 23);
-    const uint32_t sub = pkv_bits((float)(int32_t)mant * 5.9604644775390625e-8f);  /* exact */
-    const uint32_t special = 0x7f800000u | (mant << 13) | pkv_sel(mant != 0u, 0x400000u, 0u);  /* inf, quiet NaN */
-    uint32_t u = pkv_sel(m >= 0x400u, normal, sub);
-    u = pkv_sel(m >= 0x7c00u, special, u);
-    return pkv_float(sign | u);
-}
-
-/* round to nearest even; every case computed, one selected (NaN: quiet, top payload bits) */
-static inline uint16_t pkv_f32_to_f16(float f) {
-    const uint32_t u = pkv_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    const int32_t ai = (int32_t)a;
-    const uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
-    const uint32_t normal = ((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10);
-    /* subnormal result: rint(|f| * 2^24) in [0, 1024] (a capped so the product stays small) */
-    const float small = pkv_float((uint32_t)(ai < 0x38800000 ? ai : 0x38800000));
-    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 16777216.0f);
-    uint32_t r = pkv_sel(ai >= 0x38800000, normal, sub);
-    r = pkv_sel(ai >= 0x47800000, 0x7c00u, r);
-    r = pkv_sel(ai > 0x7f800000, nan, r);
-    return (uint16_t)(sign | r);
-}
-
-static inline float pkv_bf16_to_f32(uint16_t b) { return pkv_float((uint32_t)b << 16); }
-
-static inline uint16_t pkv_f32_to_bf16(float f) {
-    const uint32_t u = pkv_bits(f);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)pkv_sel((int32_t)(u & 0x7fffffffu) > 0x7f800000, (u >> 16) | 0x0040u, rounded);
-}
-
-/* ---- fp8 (saturating: torch's cast of clamp(x, -FMAX, FMAX); NaN keeps its sign) ---- */
-
-static inline uint8_t pkv_f32_to_e4m3(float f) {
-    const uint32_t u = pkv_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    const int32_t ai = (int32_t)a;
-    const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);  /* >= 2^-6 */
-    const float small = pkv_float((uint32_t)(ai < 0x3c800000 ? ai : 0x3c800000));
-    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 512.0f);  /* rint(|f| * 2^9) in [0, 8] */
-    uint32_t r = pkv_sel(ai >= 0x3c800000, normal, sub);
-    r = pkv_sel(ai >= 0x43e00000, 0x7eu, r);  /* >= 448 */
-    r = pkv_sel(ai > 0x7f800000, 0x7fu, r);
-    return (uint8_t)(sign | r);
-}
-
-static inline uint8_t pkv_f32_to_e5m2(float f) {
-    const uint32_t u = pkv_bits(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    const int32_t ai = (int32_t)a;
-    const uint32_t normal = ((a + 0xfffffu + ((a >> 21) & 1u)) >> 21) - (112u << 2);  /* >= 2^-14 */
-    const float small = pkv_float((uint32_t)(ai < 0x38800000 ? ai : 0x38800000));
-    const uint32_t sub = (uint32_t)(int32_t)pkv_rint_small(small * 65536.0f);  /* rint(|f| * 2^16) in [0, 4] */
-    uint32_t r = pkv_sel(ai >= 0x38800000, normal, sub);
-    r = pkv_sel(ai >= 0x47600000, 0x7bu, r);  /* >= 57344 */
-    r = pkv_sel(ai > 0x7f800000, 0x7fu, r);
-    return (uint8_t)(sign | r);
-}
-
-/* fp8 code -> float32 (exact), without branches on the code's class so loops of it vectorize.
- * Subnormal codes go through an exact int -> float conversion, never through a
- * float32 subnormal (which a thread with denormals-are-zero set would read as 0). */
+/* fp8 code -> float32 (exact) of either fp8 format */
 static inline float pkv_fp8_decode(uint8_t q, int qtype) {
-    const uint32_t sign = (uint32_t)(q & 0x80u) << 24, m = q & 0x7fu;
-    uint32_t u;
-    if (qtype == PKV_E4M3) {
-        u = pkv_sel(m > 7u, (m << 20) + (120u << 23), pkv_bits((float)(int32_t)(m & 7u) * 0.001953125f));
-        u = pkv_sel(m == 0x7fu, 0x7fc00000u, u);
-    } else {
-        u = pkv_sel(m > 3u, (m << 21) + (112u << 23), pkv_bits((float)(int32_t)(m & 3u) * 1.52587890625e-05f));
-        u = pkv_sel(m >= 0x7cu, 0x7f800000u | ((m & 3u) << 21), u);
-    }
-    return pkv_float(u | sign);
+    return qtype == PKV_E4M3 ? pkv_e4m3_to_f32(q) : pkv_e5m2_to_f32(q);
 }
-
-/* ---- quantize -------------------------------------------------------------- */
-
-static inline float pkv_fix_scale(float s) { return (s == 0.0f || !pkv_isfinite(s)) ? 1.0f : s; }
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -170,15 +86,6 @@ static inline __attribute__((always_inline)) void pkv_reduce(const float* y, int
 
 /* ---- int3: bfloat16 params rounded outward, eight 3-bit codes in three bytes ---- */
 
-/* float32 -> bfloat16 rounded toward +inf (up = 1) or -inf (up = 0): the magnitude is
- * truncated when that moves toward the wanted infinity, else rounded away from zero
- * (overflowing to infinity past bfloat16's range); the sign stays; NaN -> 0x7fc0 */
-static inline uint16_t pkv_f32_to_bf16_directed(float f, uint32_t up) {
-    const uint32_t u = pkv_bits(f), a = u & 0x7fffffffu, neg = u >> 31;
-    const uint32_t mag = pkv_sel(neg != up, (a + 0xffffu) & 0xffff0000u, a & 0xffff0000u);
-    return (uint16_t)pkv_sel(a > 0x7f800000u, 0x7fc0u, ((u & 0x80000000u) | mag) >> 16);
-}
-
 /* int3 works a pack (8 codes, 3 bytes) at a time as one 8-lane vector (GCC/Clang vector
  * extensions): the AVX2 build runs each operation as one 256-bit instruction (vpsrlvd
  * for the per-lane shifts), the baseline build lowers the same operations to SSE2. A
@@ -218,9 +125,7 @@ static inline __attribute__((always_inline)) void pkv_quantize_int3_values(
         const float s = pkv_fix_scale(pkv_bf16_to_f32(pkv_f32_to_bf16_directed((mx - z) / 7.0f, 1)));
         for (int64_t j = g * g_len / 8; j < (g + 1) * g_len / 8; ++j) {
             const uint32_t bits = pkv_int3_pack_codes(y + 8 * j, s, z);
-            q[3 * j] = (uint8_t)bits;
-            q[3 * j + 1] = (uint8_t)(bits >> 8);
-            q[3 * j + 2] = (uint8_t)(bits >> 16);
+            pkv_int3_store(q + 3 * j, bits);
         }
         scale[g] = pkv_f32_to_bf16(s);  /* exact: s is a bfloat16 value (or 1) */
         zero[g] = zb;
@@ -243,7 +148,7 @@ static inline __attribute__((always_inline)) void pkv_dequantize_int3_f32(
     for (int64_t g = 0; g < groups; ++g) {
         const float s = pkv_bf16_to_f32(scale[g]), z = pkv_bf16_to_f32(zero[g]);
         for (int64_t j = g * packs; j < (g + 1) * packs; ++j) {
-            const uint32_t bits = (uint32_t)q[3 * j] | ((uint32_t)q[3 * j + 1] << 8) | ((uint32_t)q[3 * j + 2] << 16);
+            const uint32_t bits = pkv_int3_load(q + 3 * j);
             pkv_int3_pack_f32(bits, s, z, o + 8 * j);
         }
     }
@@ -279,7 +184,7 @@ static inline __attribute__((always_inline)) void pkv_quantize_values(
         *scale = s;
         return;
     }
-    const float top = qtype == PKV_INT8 ? 255.0f : 15.0f;
+    const float top = qtype == PKV_INT8 ? PKV_TOP_INT8 : PKV_TOP_INT4;
     const uint32_t offset = qtype == PKV_INT8 ? 128u : 0u;
     uint8_t* out = qtype == PKV_INT8 ? q : codes;
     const int64_t g_len = head_dim / groups;
@@ -290,16 +195,13 @@ static inline __attribute__((always_inline)) void pkv_quantize_values(
         pkv_reduce(yg, g_len, 0, &mn, &mx);
         const float s = pkv_fix_scale((mx - mn) / top);
         for (int64_t d = 0; d < g_len; ++d) {
-            float v = (yg[d] - mn) / s;
-            v = v != v ? 0.0f : v;
-            v = v < 0.0f ? 0.0f : (v > top ? top : v);  /* clamp then round == round then clamp here */
-            og[d] = (uint8_t)((uint32_t)(int32_t)pkv_rint_small(v) - offset);
+            og[d] = (uint8_t)(pkv_int_code((yg[d] - mn) / s, top) - offset);
         }
         scale[g] = s;
         zero[g] = mn;
     }
     if (qtype == PKV_INT4)
-        for (int64_t i = 0; i < head_dim / 2; ++i) q[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+        for (int64_t i = 0; i < head_dim / 2; ++i) q[i] = pkv_int4_pack(codes[2 * i], codes[2 * i + 1]);
 }
 
 static inline __attribute__((always_inline)) void pkv_widen_row(const char* x, int in_type, int64_t n, float* y) {
@@ -469,17 +371,17 @@ static void pkv_quantize_row_base(PKV_QUANTIZE_ROW_ARGS) {
             const int64_t lo = g * g_len, hi = lo + g_len;                                  \
             if ((lo | hi) & 1) { /* odd groups: a byte spans two groups */                  \
                 for (int64_t d = lo; d < hi; ++d)                                           \
-                    STORE(d, (float)((q[d >> 1] >> ((d & 1) * 4)) & 15u) * s + z);          \
+                    STORE(d, pkv_affine((float)pkv_int4_code(q[d >> 1], d), s, z));          \
             } else {                                                                        \
                 for (int64_t i = lo >> 1; i < hi >> 1; ++i) {                               \
-                    STORE(2 * i, (float)(q[i] & 15u) * s + z);                              \
-                    STORE(2 * i + 1, (float)(q[i] >> 4) * s + z);                           \
+                    STORE(2 * i, pkv_affine((float)(q[i] & 15u), s, z));                   \
+                    STORE(2 * i + 1, pkv_affine((float)(q[i] >> 4), s, z));                \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
     } else if (qtype == PKV_INT8) {                                                         \
         const float s = scale[0], z = zero[0];                                              \
-        for (int64_t d = 0; d < head_dim; ++d) STORE(d, ((float)(int8_t)q[d] + 128.0f) * s + z); \
+        for (int64_t d = 0; d < head_dim; ++d) STORE(d, pkv_affine(pkv_int8_value(q[d]), s, z)); \
     } else if (qtype == PKV_E4M3) {                                                         \
         const float s = scale[0];                                                           \
         for (int64_t d = 0; d < head_dim; ++d) STORE(d, pkv_fp8_decode(q[d], PKV_E4M3) * s);    \

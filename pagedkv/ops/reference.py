@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.errors import ShapeError, expected
+from pagedkv.errors import InvalidArgumentError, ShapeError, expected
 from pagedkv.store import dtypes
 from pagedkv.store import op_checks as _op_checks
 from pagedkv.store.op_checks import (  # re-exported: the checks were first published here
     LAYOUTS,
     Arenas,
+    LayerFormat,
     LayerGeometry,
     block_id_error,
     check_arenas,
     check_block_ids,
     check_csr,
+    check_format,
     check_gather,
     check_key_channels,
     check_layer,
@@ -71,6 +73,7 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "convert_layout",
+    "unseal_key_blocks",
 ] + _op_checks.__all__     # the shared checks, re-exported
 
 def _csr_token_index(indptr, indices, seq_lens, bs: int, nb: int):
@@ -145,6 +148,7 @@ def write_kv(
     kv_scale: torch.Tensor | None = None,
     kv_zero: torch.Tensor | None = None,
     rotation_signs: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
 ) -> None:
     """Store one layer's new K/V tokens into their slots.
 
@@ -158,12 +162,15 @@ def write_kv(
         kv_zero: int8 only: float32, shaped like ``kv_scale``.
         rotation_signs: quantized only: float32 ``[D]`` signs; the rows stored are
             :func:`pagedkv.store.rotation.rotate` of the float32 K/V (then quantized).
+        layer_format: the layer's :class:`~pagedkv.store.layer_format.LayerFormat`; the
+            tensors are verified against it (a rotated format's write needs its signs).
+            None: the format the tensors imply (the compatibility path).
 
     Raises:
         InvalidArgumentError: a slot is ``>= NB * bs`` (checked before any write).
     """
-    geo = check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero)
-    check_rotation(rotation_signs, geo, kv_layer.device)
+    geo = check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero, layer_format)
+    check_rotation(rotation_signs, geo, kv_layer.device, write=True, explicit=layer_format is not None)
     check_slot_values(slot_mapping, geo.num_blocks * geo.block_size)
     if rotation_signs is not None:
         key, value = rotate(key.float(), rotation_signs), rotate(value.float(), rotation_signs)
@@ -173,8 +180,8 @@ def write_kv(
     off = slots - blk * geo.block_size
     for kv, src in ((0, key[valid]), (1, value[valid])):
         if geo.quantized:   # check_write_kv has required kv_scale, and kv_zero where the format has one
-            group = geo.head_dim // kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else None  # type: ignore[union-attr]
-            q, s, z = quantize(src, geo.kv_dtype, group_size=group)  # type: ignore[arg-type]
+            fmt = geo.format    # check_layer returns the format (the caller's, or the one implied)
+            q, s, z = quantize(src, fmt.kv_dtype, group_size=fmt.group_size)  # type: ignore[union-attr]
             _assign(kv_layer, layout, kv, blk, off, q)
             _assign(kv_scale, layout, kv, blk, off, s)  # type: ignore[arg-type]
             if z is not None:
@@ -191,6 +198,7 @@ def seal_key_blocks(
     key_zero: torch.Tensor,
     *,
     layout: str = "NHD",
+    layer_format: LayerFormat | None = None,
 ) -> None:
     """Requantize whole blocks' keys per channel (int4 block keys).
 
@@ -206,7 +214,7 @@ def seal_key_blocks(
     Raises:
         InvalidBlockError: a block id outside ``[0, NB)`` (checked before any write).
     """
-    geo = check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout)
+    geo = check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format)
     check_block_ids("blocks", blocks.tolist(), geo.num_blocks)
     if not blocks.numel():
         return
@@ -256,6 +264,7 @@ def gather_kv(
     rotation_signs: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     key_zero: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read K/V of a batch of sequences into contiguous tensors, in token order.
 
@@ -276,14 +285,16 @@ def gather_kv(
             ``key_scale[block, head, 0]`` is nonzero is dequantized from them
             (:func:`pagedkv.store.quant.dequantize_key_channels`; no unrotation), every
             other K row from ``kv_scale``/``kv_zero`` as usual. V rows are unaffected.
+        layer_format: see :func:`write_kv` (a ``key_quant="block"`` format needs
+            ``key_scale``/``key_zero``, any other refuses them).
 
     Returns:
         ``(key, value)``, each ``[sum(seq_lens), H, D]`` in ``out_dtype``: sequence 0's
         tokens first, then sequence 1's, and so on.
     """
-    geo, out_dtype = check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
-    check_rotation(rotation_signs, geo, kv_layer.device)
-    check_key_channels(key_scale, key_zero, geo, kv_layer.device)
+    geo, out_dtype = check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero, layer_format)
+    check_rotation(rotation_signs, geo, kv_layer.device, explicit=layer_format is not None)
+    check_key_channels(key_scale, key_zero, geo, kv_layer.device, explicit=layer_format is not None)
     check_csr(indptr, indices, seq_lens, kv_layer.device)
     blk, off = _csr_token_index(indptr, indices, seq_lens, geo.block_size, geo.num_blocks)
     check_out(out_key, out_value, blk.numel(), geo, out_dtype, kv_layer.device)
@@ -306,15 +317,16 @@ def gather_kv_padded(
     rotation_signs: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     key_zero: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gather_kv` with a padded ``[B, max_blocks]`` int32 block table.
 
     Row ``b`` lists sequence ``b``'s blocks; entries past ``ceil(seq_lens[b] / bs)``
     are padding (conventionally -1) and are neither read nor checked.
     """
-    geo, out_dtype = check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero)
-    check_rotation(rotation_signs, geo, kv_layer.device)
-    check_key_channels(key_scale, key_zero, geo, kv_layer.device)
+    geo, out_dtype = check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero, layer_format)
+    check_rotation(rotation_signs, geo, kv_layer.device, explicit=layer_format is not None)
+    check_key_channels(key_scale, key_zero, geo, kv_layer.device, explicit=layer_format is not None)
     check_padded(block_table, seq_lens, kv_layer.device)
     blk, off = _padded_token_index(block_table, seq_lens, geo.block_size, geo.num_blocks)
     check_out(out_key, out_value, blk.numel(), geo, out_dtype, kv_layer.device)
@@ -395,3 +407,97 @@ def convert_layout(arena: torch.Tensor, src_layout: str, dst_layout: str, *, sca
         return arena.clone(memory_format=torch.contiguous_format)
     dims = (-2, -1) if scale else (-3, -2)
     return arena.transpose(*dims).contiguous()
+
+
+def unseal_key_blocks(
+    kv_layer: torch.Tensor,
+    blocks: torch.Tensor,
+    live: torch.Tensor,
+    kv_scale: torch.Tensor,
+    kv_zero: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    *,
+    exact: torch.Tensor | None = None,
+    exact_valid: torch.Tensor | None = None,
+    layout: str = "NHD",
+    rotation_signs: torch.Tensor | None = None,
+    layer_format: LayerFormat | None = None,
+) -> None:
+    """Undo :func:`seal_key_blocks` (int4 block keys): block ``blocks[i]``'s first
+    ``live[i]`` K rows go back to per-token codes, and its seal is cleared.
+
+    Each live row is the block's per-channel key (:func:`pagedkv.store.quant.dequantize_key_channels`),
+    or ``exact[i, row]`` where ``exact_valid[i, row]`` (the model-precision copy, when the
+    caller holds one: the row then gets exactly what a per-token write stored), rotated
+    by ``rotation_signs`` when given, then quantized per token in ``layer_format``'s groups
+    (:func:`write_kv`'s arithmetic). Rows from ``live[i]`` on are left as they are (a
+    write is about to replace them); ``live[i] == 0`` only clears the seal.
+
+    Args:
+        kv_layer, kv_scale, kv_zero: an int4 layer and its per-token parameter views.
+        blocks: ``[M]`` int64 distinct block ids.
+        live: ``[M]`` int64 rows to requantize per block, in ``[0, block_size]``.
+        key_scale, key_zero: bfloat16 ``[NB, H, D]`` (see :func:`gather_kv`).
+        exact, exact_valid: None, or ``[M, bs, H, D]`` model-dtype keys and a
+            ``[M, bs]`` bool mask of the rows they hold.
+        layer_format: an int4 ``key_quant="block"`` format (None: int4 in the groups the
+            scale view implies).
+
+    This op runs the torch definition on every device: it serves a write into a block
+    that is already sealed (a rollback, or a freed block reused), never a step's hot path.
+    """
+    fmt = check_format(layer_format)
+    if fmt is not None and fmt.key_quant != "block":
+        raise InvalidArgumentError(expected("layer_format", "an int4 format with key_quant='block'", fmt.describe()))
+    geo = check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=fmt)
+    if geo.kv_dtype != "int4":
+        raise InvalidArgumentError(expected("kv_layer", "an int4 layer (block keys)", geo.kv_dtype or kv_layer.dtype))
+    device = kv_layer.device
+    check_rotation(rotation_signs, geo, device)
+    if not check_key_channels(key_scale, key_zero, geo, device):
+        raise InvalidArgumentError(expected("key_scale", "a bfloat16 [num_blocks, H, head_dim] tensor", None))
+    for name, t in (("blocks", blocks), ("live", live)):
+        t = check_tensor(name, t)
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise ShapeError(expected(name, "a 1-D int64 tensor", f"{t.dtype} {tuple(t.shape)}"))
+    if live.shape != blocks.shape:
+        raise ShapeError(expected("live", f"shape {tuple(blocks.shape)} (as blocks)", tuple(live.shape)))
+    ids, counts = blocks.tolist(), live.tolist()
+    check_block_ids("blocks", ids, geo.num_blocks)
+    for i, n in enumerate(counts):
+        if not 0 <= n <= geo.block_size:
+            raise InvalidArgumentError(expected("live", f"row counts in [0, {geo.block_size}] (block_size)",
+                                                f"{n} at row {i}"))
+    shape = (len(ids), geo.block_size, geo.num_heads, geo.head_dim)
+    if (exact is None) != (exact_valid is None):
+        raise InvalidArgumentError(expected("exact_valid" if exact_valid is None else "exact",
+                                            "a tensor when the other is given", None))
+    if exact is not None:
+        exact, exact_valid = check_tensor("exact", exact), check_tensor("exact_valid", exact_valid)
+        if tuple(exact.shape) != shape:
+            raise ShapeError(expected("exact", f"shape {shape} [len(blocks), block_size, H, head_dim]",
+                                      tuple(exact.shape)))
+        if exact_valid.dtype != torch.bool or tuple(exact_valid.shape) != shape[:2]:
+            raise ShapeError(expected("exact_valid", f"bool {shape[:2]}", f"{exact_valid.dtype} "
+                                      f"{tuple(exact_valid.shape)}"))
+    group = geo.format.group_size   # type: ignore[union-attr]  # check_layer returns the format
+    for i, (block, n) in enumerate(zip(ids, counts)):
+        if n:
+            blk = torch.full((n,), block, dtype=torch.int64, device=device)
+            off = torch.arange(n, device=device)
+            keys = dequantize_key_channels(_plane(kv_layer, layout, 0, blk, off), key_scale[block],
+                                           key_zero[block], torch.float32)
+            if exact is not None:
+                ok = exact_valid[i, :n].to(device)     # type: ignore[index]
+                keys[ok] = exact[i, :n].to(device=device, dtype=torch.float32)[ok]
+            if rotation_signs is not None:
+                keys = rotate(keys, rotation_signs)
+            q, s, z = quantize(keys, "int4", group_size=group)
+            _assign(kv_layer, layout, 0, blk, off, q)
+            _assign(kv_scale, layout, 0, blk, off, s)
+            _assign(kv_zero, layout, 0, blk, off, z)  # type: ignore[arg-type]  # int4 has a zero point
+    if ids:
+        idx = torch.tensor(ids, dtype=torch.int64, device=key_scale.device)
+        key_scale[idx] = 0
+        key_zero[idx] = 0

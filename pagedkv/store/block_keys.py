@@ -31,9 +31,6 @@ import numpy as np
 import torch
 
 from pagedkv import ops
-from pagedkv.ops.reference import _assign, _plane
-from pagedkv.store.quant import dequantize_key_channels, quantize
-from pagedkv.store.rotation import rotate
 
 __all__ = ["BlockKeys"]
 
@@ -44,7 +41,7 @@ class BlockKeys:
     def __init__(self, store) -> None:
         self.store = store
         self.bs = store.config.block_size
-        self.group = store.config.kv_group_size
+        self.format = store.format     # int4 with key_quant="block": what the ops verify against
         ks = store.key_scale
         self._bits = ks.view(torch.int16).numpy() if ks.device.type == "cpu" else None
 
@@ -70,14 +67,8 @@ class BlockKeys:
         ids = b[start]
         sealed = self._sealed(layer, ids)
         if sealed.any():
-            first = o[start]
-            reused = ids[sealed & (first == 0)]     # nothing live before the write: only the seal goes
-            if len(reused):
-                idx = torch.from_numpy(reused).to(view.device)
-                self.store.key_scale[layer, idx] = 0
-                self.store.key_zero[layer, idx] = 0
-            for blk, m in zip(ids[sealed & (first > 0)].tolist(), first[sealed & (first > 0)].tolist()):
-                self._unseal(layer, view, scale, zero, blk, m)
+            # rows before the write's first are live: they go back per token (none: only the seal goes)
+            self._unseal(layer, view, scale, zero, ids[sealed], o[start][sealed])
         finished = o[end - 1] == self.bs - 1
         if not finished.any():
             return
@@ -112,27 +103,23 @@ class BlockKeys:
     def _seal(self, layer: int, view: torch.Tensor, blocks: np.ndarray, keys: torch.Tensor) -> None:
         """Requantize ``blocks``' keys per channel from their exact ``keys`` ``[n, bs, H, D]``."""
         ops.seal_key_blocks(view, torch.from_numpy(blocks).to(view.device), keys, self.store.key_scale[layer],
-                            self.store.key_zero[layer], layout=self.store.layout)
+                            self.store.key_zero[layer], layout=self.store.layout, layer_format=self.format)
 
-    def _unseal(self, layer: int, view, scale, zero, block: int, live: int) -> None:
-        """Requantize rows ``[0, live)`` (``live >= 1``) of ``block``'s keys per token, then
-        clear its seal."""
-        kscale, kzero = self.store.key_scale[layer], self.store.key_zero[layer]
+    def _unseal(self, layer: int, view, scale, zero, blocks: np.ndarray, live: np.ndarray) -> None:
+        """Requantize rows ``[0, live[i])`` of ``blocks[i]``'s keys per token (from their
+        window copies where held), then clear the seals (one op call for the write)."""
         dev = view.device
-        blk = torch.full((live,), block, dtype=torch.int64, device=dev)
-        off = torch.arange(live, device=dev)
-        keys = dequantize_key_channels(_plane(view, self.store.layout, 0, blk, off), kscale[block], kzero[block],
-                                       torch.float32)
+        exact = valid = None
         window = self.store.window
-        if window.held(block) is not None:
-            exact, valid = window.rows(layer, np.array([block]))
-            ok = valid[0, :live].to(dev)
-            keys[ok] = exact[0, :live][ok].to(device=dev, dtype=torch.float32)
-        if self.store.rotation_signs is not None:
-            keys = rotate(keys, self.store.rotation_signs)
-        q, s, z = quantize(keys, "int4", group_size=self.group)
-        _assign(view, self.store.layout, 0, blk, off, q)
-        _assign(scale, self.store.layout, 0, blk, off, s)
-        _assign(zero, self.store.layout, 0, blk, off, z)  # type: ignore[arg-type]  # int4 has a zero point
-        kscale[block] = 0
-        kzero[block] = 0
+        held = window.slot_of[blocks] >= 0
+        if held.any() and live.any():
+            data, ok = window.rows(layer, blocks[held])
+            exact = torch.zeros((len(blocks),) + tuple(data.shape[1:]), dtype=data.dtype, device=data.device)
+            valid = torch.zeros((len(blocks), self.bs), dtype=torch.bool, device=ok.device)
+            where = torch.from_numpy(np.flatnonzero(held)).to(data.device)
+            exact[where] = data
+            valid[where.to(ok.device)] = ok
+        kscale, kzero = self.store.key_scale[layer], self.store.key_zero[layer]
+        ops.unseal_key_blocks(view, torch.from_numpy(blocks).to(dev), torch.from_numpy(live.astype(np.int64)).to(dev),
+                              scale, zero, kscale, kzero, exact=exact, exact_valid=valid, layout=self.store.layout,
+                              rotation_signs=self.store.rotation_signs, layer_format=self.format)

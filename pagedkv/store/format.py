@@ -82,9 +82,11 @@ NOT_STORED: dict[str, str] = {
     "enable_kv_events": "bookkeeping policy",
     "hash_seed": "the device index's hashes; tiers and transfers hash with a fixed seed and compare tokens",
     "host_num_blocks": "capacity of the host swap arena",
-    "kv_window": "model-precision copies kept beside the blocks (window arena); a block's codes are the same",
+    "kv_window": "model-precision copies kept beside the blocks (window arena); a block's codes are the same "
+                 "(the disk tier checks it for the rows its records carry: meta.json's rows)",
     "kv_window_sequences": "capacity of the window arena",
-    "kv_sink_tokens": "model-precision copies kept beside the blocks (window arena); a block's codes are the same",
+    "kv_sink_tokens": "model-precision copies kept beside the blocks (window arena); a block's codes are the same "
+                 "(the disk tier checks it for the rows its records carry: meta.json's rows)",
     "prefix_host_blocks": "tier capacity",
     "prefix_disk_dir": "where the disk tier lives",
     "prefix_disk_blocks": "tier capacity (the disk tier checks its own capacity)",

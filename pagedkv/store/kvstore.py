@@ -27,9 +27,9 @@ from pagedkv import ops
 from pagedkv.config.memory import arena_bytes, check_device, check_fits
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.ops import reference
-from pagedkv.store import dtypes
+from pagedkv.store import dtypes, op_checks
 from pagedkv.store.block_keys import BlockKeys
+from pagedkv.store.layer_format import LayerFormat
 from pagedkv.store.rotation import rotate, rotation_signs
 from pagedkv.store.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
@@ -52,7 +52,7 @@ def _window_option(cfg: CacheConfig):
     """The option to name when the window arena does not fit: whichever of the
     sequences it holds, the window or the sink tokens asks for the most."""
     window, sink = cfg.kv_window or 0, cfg.kv_sink_tokens or 0    # ints once the config is made
-    per_seq = -(-window // cfg.block_size) + 1 + cfg.sink_blocks
+    per_seq = -(-window // cfg.block_size) + 1 + cfg.precise_sink_blocks
     if cfg.kv_window_sequences > per_seq:
         return "kv_window_sequences", cfg.kv_window_sequences
     if window >= sink:
@@ -74,6 +74,9 @@ class KVStore:
             bfloat16), or None.
         kv_full: model-dtype arena of ``kv_full_precision_layers``, or None.
         window: the :class:`~pagedkv.store.window.RecentWindow`, or None.
+        format, full_format: the :class:`~pagedkv.store.layer_format.LayerFormat` of the
+            main arena's layers (``kv_dtype``; the model dtype when not quantized) and of
+            the model-precision layers (``kv_full_precision_layers``).
         rotation_signs: float32 ``[head_dim]`` signs of the rotation, or None.
         host_kv, host_kv_scale, host_kv_zero, host_kv_full: the host tier
             (``host_num_blocks`` blocks; pinned when the device is CUDA), or None.
@@ -95,6 +98,10 @@ class KVStore:
             _log.warning(msg)
             config = dataclasses.replace(config, kv_dtype="int8")
         self.config = config
+        # The layer formats, built once and passed to every data op, which verify the
+        # arenas against them instead of reading the format off the tensors.
+        self.format = LayerFormat.of_config(config)
+        self.full_format = LayerFormat.of_config(config, quantized=False)
         # With layer groups the "layers" here are a block's layer slots (pagedkv.groups.layers).
         full = config.full_precision_slots
         quant = config.quantized_slots if config.quantized else tuple(range(config.arena_layers))
@@ -219,6 +226,11 @@ class KVStore:
         main, i = self._where[self._layer_index(layer)]
         return self.kv_full[i] if (self.config.quantized and not main) else self.kv[i]
 
+    def layer_format(self, layer: int) -> LayerFormat:
+        """The format of ``layer`` (what the data ops are told about its views)."""
+        main, _ = self._where[self._layer_index(layer)]
+        return self.format if main else self.full_format
+
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4/int3 ``[NB, 2, bs, H, groups]``);
         None where not stored."""
@@ -283,11 +295,11 @@ class KVStore:
         scale, zero = self.layer_scales(layer)
         main, i = self._where[layer]
         if not main:
-            ops.write_kv(view, slot_mapping, key, value, layout=self.layout)
+            ops.write_kv(view, slot_mapping, key, value, layout=self.layout, layer_format=self.full_format)
             return
         # a rotated cache's rows are rotated inside the quantizing write (every backend)
         ops.write_kv(view, slot_mapping, key, value, layout=self.layout, kv_scale=scale, kv_zero=zero,
-                     rotation_signs=self.rotation_signs)
+                     rotation_signs=self.rotation_signs, layer_format=self.format)
         if self.window is not None:
             slots = slot_mapping.cpu().numpy()
             with self.window.lock:      # a seal reads window rows: no other claim may move them between
@@ -323,9 +335,9 @@ class KVStore:
         if main and (window is None or not (window.window or window.sink)):   # nothing to overlay
             return read(self._out_dtype(main), signs, out_key, out_value)
         model = self.config.torch_dtype
-        geo, _ = reference.check_gather(view, self.layout, model, scale, zero)
+        geo, _ = op_checks.check_gather(view, self.layout, model, scale, zero, self.layer_format(layer))
         total = int(seq_lens.sum()) if isinstance(seq_lens, torch.Tensor) and seq_lens.numel() else 0
-        reference.check_out(out_key, out_value, total, geo, model, view.device)
+        op_checks.check_out(out_key, out_value, total, geo, model, view.device)
         k, v = read(model, signs, None, None)
         if main and window is not None:     # main: the early return above left only a window to overlay
             window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated)
@@ -356,11 +368,12 @@ class KVStore:
         scale, zero = self.layer_scales(layer)
 
         kscale, kzero = self.layer_key_params(layer)
+        fmt = self.layer_format(layer)
 
         def read(out_dtype, signs, ok, ov):
             return ops.gather_kv(view, indptr, indices, seq_lens, layout=self.layout, out_dtype=out_dtype,
                                  kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov, rotation_signs=signs,
-                                 key_scale=kscale, key_zero=kzero)
+                                 key_scale=kscale, key_zero=kzero, layer_format=fmt)
 
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
@@ -381,11 +394,12 @@ class KVStore:
         scale, zero = self.layer_scales(layer)
 
         kscale, kzero = self.layer_key_params(layer)
+        fmt = self.layer_format(layer)
 
         def read(out_dtype, signs, ok, ov):
             return ops.gather_kv_padded(view, block_table, seq_lens, layout=self.layout, out_dtype=out_dtype,
                                         kv_scale=scale, kv_zero=zero, out_key=ok, out_value=ov,
-                                        rotation_signs=signs, key_scale=kscale, key_zero=kzero)
+                                        rotation_signs=signs, key_scale=kscale, key_zero=kzero, layer_format=fmt)
 
         def blocks():
             return blocks_of_padded(block_table.cpu().numpy())
@@ -406,7 +420,7 @@ class KVStore:
         """Copy block ``src`` to ``dst`` for each ``[P, 2]`` row, all layers (copy-on-write):
         codes, scales, model-precision layers and window copies."""
         groups = self._groups()
-        reference.validate_copy_blocks(groups[0], pairs)  # all checks before any copy
+        op_checks.validate_copy_blocks(groups[0], pairs)  # all checks before any copy
         for g in groups:
             ops.copy_blocks(g, pairs)
         if self.window is not None and pairs.shape[0]:
@@ -422,7 +436,7 @@ class KVStore:
         scales, model-precision layers and window copies (to the host window)."""
         self._require_host()
         src, dst = self._groups(), self._groups(host=True)
-        reference.validate_swap_blocks(src[0], dst[0], pairs)
+        op_checks.validate_swap_blocks(src[0], dst[0], pairs)
         for s, d in zip(src, dst):
             ops.swap_blocks(s, d, pairs)
         if self.window is not None and self.host_window is not None and pairs.shape[0]:   # one exists with the other
@@ -434,7 +448,7 @@ class KVStore:
         their window copies (a device block's previous window copy is dropped)."""
         self._require_host()
         src, dst = self._groups(host=True), self._groups()
-        reference.validate_swap_blocks(src[0], dst[0], pairs)
+        op_checks.validate_swap_blocks(src[0], dst[0], pairs)
         for s, d in zip(src, dst):
             ops.swap_blocks(s, d, pairs)
         if self.window is not None and pairs.shape[0]:

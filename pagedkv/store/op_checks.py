@@ -25,12 +25,15 @@ from pagedkv.errors import (
     expected,
 )
 from pagedkv.store import dtypes
-from pagedkv.store.quant import MODEL_DTYPES, is_quantized
+from pagedkv.store.layer_format import LayerFormat
+from pagedkv.store.quant import MODEL_DTYPES
 
 __all__ = [
     "LAYOUTS",
     "Arenas",
     "LayerGeometry",
+    "LayerFormat",
+    "check_format",
     "check_tensor",
     "check_layout",
     "check_layer",
@@ -70,9 +73,12 @@ class LayerGeometry(NamedTuple):
     num_heads: int
     head_dim: int
     quantized: bool
-    #: the storage format's name (``"int4"``, ``"int3"``...; None unquantized): int4 and
-    #: int3 share the uint8 data dtype and differ in their params' dtype
+    #: the storage format's name (``"int4"``, ``"int3"``...; None unquantized)
     kv_dtype: str | None = None
+    #: scale groups per (token, head) row (1 unless the format is grouped)
+    groups: int = 1
+    #: the layer's format: the caller's ``layer_format``, or the one its tensors imply
+    format: LayerFormat | None = None
 
 
 # ----------------------------------------------------------------------------------
@@ -110,25 +116,43 @@ def check_layout(layout: object, name: str = "layout") -> str:
     return layout
 
 
+def check_format(layer_format: object) -> LayerFormat | None:
+    """``layer_format`` if it is None or a :class:`LayerFormat`."""
+    if layer_format is not None and not isinstance(layer_format, LayerFormat):
+        raise InvalidArgumentError(expected("layer_format", "None or a pagedkv.store.layer_format.LayerFormat",
+                                            type(layer_format).__name__))
+    return layer_format
+
+
 def check_layer(
     kv_layer: object,
     layout: str,
     kv_scale: object = None,
     kv_zero: object = None,
     name: str = "kv_layer",
+    layer_format: LayerFormat | None = None,
 ) -> LayerGeometry:
-    """Validate a per-layer view (and its scale/zero views when quantized)."""
+    """Validate a per-layer view (and its scale/zero views when quantized).
+
+    ``layer_format``: the layer's format; the tensors are verified against it. None (the
+    compatibility path): the format the tensors imply (:meth:`LayerFormat.infer`)."""
     layout = check_layout(layout)
+    fmt = check_format(layer_format)
     kv_layer = check_tensor(name, kv_layer)
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
         want = "[num_blocks, 2, block_size, H, D]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D]"
         raise ShapeError(expected(name, f"a {layout} layer view {want}", tuple(kv_layer.shape)))
-    quantized = is_quantized(kv_layer.dtype)
-    row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
-    if row is None or (not quantized and kv_layer.dtype not in MODEL_DTYPES):
-        raise DTypeError(
-            expected(name, f"dtype {dtypes.torch_names(dtypes.ALL)}", kv_layer.dtype)
-        )
+    if fmt is not None:
+        fmt.check_data(name, kv_layer)
+        row = fmt.row
+    else:
+        found = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
+        if found is None or (not found.quantized and kv_layer.dtype not in MODEL_DTYPES):
+            raise DTypeError(
+                expected(name, f"dtype {dtypes.torch_names(dtypes.ALL)}", kv_layer.dtype)
+            )
+        row = found
+    quantized = row.quantized
     nb = kv_layer.shape[0]
     if layout == "NHD":
         bs, h = kv_layer.shape[2], kv_layer.shape[3]
@@ -138,10 +162,16 @@ def check_layer(
         raise ShapeError(expected(name, f"a last dim that is a multiple of {row.stored_dim(row.pack)} for "
                                   f"{row.name} ({row.pack} codes per {row.stored_dim(row.pack)} bytes)",
                                   tuple(kv_layer.shape)))
-    geo = LayerGeometry(nb, bs, h, row.head_dim_of(kv_layer.shape[4]), quantized, row.name if quantized else None)
+    head_dim = row.head_dim_of(kv_layer.shape[4])
     want_shape = tuple(kv_layer.shape[:-1])
+    groups = 1
     if quantized and row.grouped:
-        want_shape += (_groups(kv_scale, want_shape, geo.head_dim, row),)
+        if fmt is not None:
+            fmt.check_head_dim(name, head_dim, tuple(kv_layer.shape))
+            groups = fmt.groups(head_dim)
+        else:
+            groups = _groups(kv_scale, want_shape, head_dim, row)
+        want_shape += (groups,)
     if quantized:
         _check_param_view("kv_scale", kv_scale, want_shape, kv_layer.device, row)
         if row.zero_point:
@@ -154,12 +184,15 @@ def check_layer(
                 raise InvalidArgumentError(
                     expected(pname, f"None for an unquantized {kv_layer.dtype} kv_layer", "a tensor")
                 )
-    return geo
+    if fmt is None:
+        group_size = (head_dim // groups if head_dim else row.group_multiple) if row.grouped else None
+        fmt = LayerFormat(row.name, group_size)
+    return LayerGeometry(nb, bs, h, head_dim, quantized, row.name if quantized else None, groups, fmt)
 
 
 def _groups(kv_scale: object, lead: tuple, head_dim: int, row: dtypes.DTypeInfo) -> int:
-    """Scale groups per head of a grouped (int4, int3) layer, read from its scale view
-    ``lead + (groups,)`` (int3: groups of a multiple of 8 elements)."""
+    """Scale groups per head of a grouped (int4, int3) layer whose caller gave no format,
+    read from its scale view ``lead + (groups,)`` (int3: groups of a multiple of 8 elements)."""
     if isinstance(kv_scale, torch.Tensor) and kv_scale.dim() == len(lead) + 1:
         ng = kv_scale.shape[-1]
         if ng >= 1 and head_dim % ng == 0 and (head_dim // ng) % row.group_multiple == 0:
@@ -182,9 +215,10 @@ def _check_param_view(name: str, t: object, shape: tuple, device: torch.device, 
     _same_device(name, t, device)
 
 
-def check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero) -> LayerGeometry:
+def check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero,
+                   layer_format: LayerFormat | None = None) -> LayerGeometry:
     """Structural checks of :func:`write_kv` (not the slot values)."""
-    geo = check_layer(kv_layer, layout, kv_scale, kv_zero)
+    geo = check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=layer_format)
     device = kv_layer.device
     key = check_tensor("key", key)
     value = check_tensor("value", value)
@@ -209,9 +243,10 @@ def check_write_kv(kv_layer, slot_mapping, key, value, layout, kv_scale, kv_zero
     return geo
 
 
-def check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero) -> tuple[LayerGeometry, torch.dtype]:
+def check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero,
+                 layer_format: LayerFormat | None = None) -> tuple[LayerGeometry, torch.dtype]:
     """Structural checks of a gather's arena side; returns the resolved out dtype."""
-    geo = check_layer(kv_layer, layout, kv_scale, kv_zero)
+    geo = check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=layer_format)
     if geo.quantized:
         if out_dtype is None:
             raise DTypeError(
@@ -225,10 +260,23 @@ def check_gather(kv_layer, layout, out_dtype, kv_scale, kv_zero) -> tuple[LayerG
     return geo, kv_layer.dtype
 
 
-def check_rotation(rotation_signs: object, geo: LayerGeometry, device: torch.device) -> None:
+def check_rotation(rotation_signs: object, geo: LayerGeometry, device: torch.device, write: bool = False,
+                   explicit: bool = False) -> None:
     """Structural checks of a write's or a gather's ``rotation_signs``: None, or the
     float32 ``[head_dim]`` sign vector of a quantized layer, on its device. The values
-    are not read (on a GPU that would sync); every backend applies them alike."""
+    are not read (on a GPU that would sync); every backend applies them alike.
+
+    ``explicit`` (the caller passed a ``layer_format``): the signs must agree with its
+    ``rotation``: none for an unrotated format, and a write to a rotated one needs them
+    (a gather without them reads the rotated domain, as stored)."""
+    fmt = geo.format
+    if explicit and fmt is not None:
+        if rotation_signs is not None and not fmt.rotation:
+            raise InvalidArgumentError(expected("rotation_signs", f"None for layer_format {fmt.describe()} "
+                                                "(not rotated)", "a tensor"))
+        if rotation_signs is None and fmt.rotation and write:
+            raise InvalidArgumentError(expected("rotation_signs", f"the float32 [{geo.head_dim}] signs for a write "
+                                                f"to layer_format {fmt.describe()}", None))
     if rotation_signs is None:
         return
     if not isinstance(rotation_signs, torch.Tensor):
@@ -245,12 +293,23 @@ def check_rotation(rotation_signs: object, geo: LayerGeometry, device: torch.dev
     _same_device("rotation_signs", rotation_signs, device)
 
 
-def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, device: torch.device) -> bool:
+def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, device: torch.device,
+                       explicit: bool = False) -> bool:
     """Structural checks of a gather's per-channel key parameters (int4 block keys,
     :func:`pagedkv.store.quant.quantize_key_block`): both None, or both contiguous bfloat16
     ``[num_blocks, H, head_dim]`` on the arena's device, for an int4 layer. Returns
     whether they were given. The values are not read (a zero scale is data: that
-    (block, head) still holds per-token keys)."""
+    (block, head) still holds per-token keys). ``explicit`` (the caller passed a
+    ``layer_format``): they are given exactly when its ``key_quant`` is ``"block"``."""
+    fmt = geo.format
+    if explicit and fmt is not None:
+        given = key_scale is not None or key_zero is not None
+        if fmt.key_quant == "block" and not given:
+            raise InvalidArgumentError(expected("key_scale", f"the block-key parameters for layer_format "
+                                                f"{fmt.describe()}", None))
+        if fmt.key_quant != "block" and given:
+            raise InvalidArgumentError(expected("key_scale", f"None for layer_format {fmt.describe()} "
+                                                "(keys per token)", "a tensor"))
     if key_scale is None and key_zero is None:
         return False
     if key_scale is None or key_zero is None:
@@ -272,10 +331,16 @@ def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, 
     return True
 
 
-def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout) -> LayerGeometry:
+def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout,
+                          layer_format: LayerFormat | None = None) -> LayerGeometry:
     """Structural checks of :func:`pagedkv.ops.reference.seal_key_blocks` (the block ids'
-    values are checked by the caller, from one read of them)."""
+    values are checked by the caller, from one read of them). ``layer_format``, when
+    given, must be an int4 format with block keys."""
     layout = check_layout(layout)
+    fmt = check_format(layer_format)
+    if fmt is not None and fmt.key_quant != "block":
+        raise InvalidArgumentError(expected("layer_format", "an int4 format with key_quant='block'",
+                                            fmt.describe()))
     kv_layer = check_tensor("kv_layer", kv_layer)
     if kv_layer.dtype != torch.uint8 or kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
         want = "[num_blocks, 2, block_size, H, D / 2]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D / 2]"
@@ -286,7 +351,10 @@ def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout) -
     if 0 in (bs, h, kv_layer.shape[4]):
         raise ShapeError(expected("kv_layer", "a non-empty block_size, H and head_dim",
                                   f"{layout} {tuple(kv_layer.shape)}"))
-    geo = LayerGeometry(nb, bs, h, 2 * kv_layer.shape[4], True, "int4")
+    head_dim = 2 * kv_layer.shape[4]
+    if fmt is None:     # the compatibility path: int4 in groups of the whole row
+        fmt = LayerFormat("int4", head_dim, "block")
+    geo = LayerGeometry(nb, bs, h, head_dim, True, "int4", fmt.groups(head_dim), fmt)
     device = kv_layer.device
     _index_vector("blocks", blocks, (torch.int64,), device)
     keys = check_tensor("keys", keys)

@@ -43,8 +43,9 @@ class Tier:
     def __init__(self):
         self.index: ChainIndex
         self.arenas: list[torch.Tensor] = []
-        # the model-precision sink/window rows of the tier's slots (a RecentWindow over
-        # slots), where the tier keeps them; None: its blocks come back codes only
+        # the model-precision sink/window rows of the tier's slots, where the tier keeps
+        # them (host: a RecentWindow over its slots; disk: DiskRows, in its records);
+        # None: its blocks come back codes only
         self.window = None
         self.ns_ids: dict[bytes, int] = {}
         self.ns_keys: list[bytes] = []

@@ -4,9 +4,12 @@ small JSON header, in one directory that a later process can reopen.
 Files (``dir/``):
 
 - ``meta.json``: format version, capacity, record size, and the KV format this tier
-  was written for (model shape, dtypes, layout, tensor-parallel heads, tag);
+  was written for (model shape, dtypes, layout, tensor-parallel heads, tag); with sink
+  and window rows (version 2), their format too (``kv_window``, ``kv_sink_tokens``);
 - ``blocks.bin``: ``capacity`` records, one per slot. A record holds every arena's
-  bytes of one block (all layers), so a block is one contiguous read;
+  bytes of one block (all layers), so a block is one contiguous read, and, for a
+  quantized cache with ``kv_window``/``kv_sink_tokens``, the block's model-precision
+  sink and window rows (:mod:`pagedkv.tiers.disk_rows`), under the same CRC;
 - ``index.bin``: ``capacity`` slot records (:func:`~pagedkv.tiers.chain.slot_dtype`):
   tokens, namespace, parent link, tier hash, the block's CRC-32 and a CRC-32 of the
   record itself;
@@ -50,6 +53,7 @@ from pagedkv.errors import HostMemoryError, InvalidArgumentError, TierFileError,
 from pagedkv.store.format import differences, shown
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ROOT_HASH, ChainIndex, chain_hash, slot_dtype
+from pagedkv.tiers.disk_rows import DiskRows, rows_format
 from pagedkv.tiers.tierdir import TierDir, storage_error
 
 try:
@@ -60,6 +64,7 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = ["DiskPrefixTier", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
+ROWS_VERSION = 2          # records carry sink and window rows (meta.json names their format)
 _MAGIC = "pagedkv-prefix-tier"
 _ALIGN = 64
 MAX_SLOTS = 2**31 - 1          # slot ids and parent links are int32
@@ -86,7 +91,7 @@ class DiskPrefixTier(Tier):
 
     def __init__(self, path: str, store_arenas: list[torch.Tensor], capacity: int, block_size: int,
                  kv_format: dict, *, eviction: str, weak_hash: bool, verify_blocks: bool = True,
-                 on_evict: Callable[[int], None] | None = None):
+                 on_evict: Callable[[int], None] | None = None, rows=None):
         super().__init__()
         self.block_size = block_size
         self.weak_hash = weak_hash
@@ -98,10 +103,22 @@ class DiskPrefixTier(Tier):
             per_block = a[:, 0].numel() * a.element_size()
             sections.append((offset, a.dtype, (a.shape[0],) + tuple(a.shape[2:])))
             offset = _aligned(offset + per_block)
+        rows_meta = rows_format(rows)
+        # the rows' section (data offset, dtype, shape, validity offset, shape): model-precision
+        # data, then a byte per layer and token
+        section: tuple[int, torch.dtype, tuple[int, ...], int, tuple[int, int]] | None = None
+        if rows_meta is not None:
+            rshape = tuple(rows_meta["shape"])
+            section = (offset, rows.data.dtype, rshape, offset + _aligned(
+                int(np.prod(rshape)) * rows.data.element_size()), (rshape[0], rshape[2]))
+            offset = _aligned(section[3] + rshape[0] * rshape[2])
+        self.rows_section = section
         self.record_bytes = offset
         self.meta: dict[str, Any] = {"magic": _MAGIC, "version": FORMAT_VERSION, "capacity": capacity,
                                      "record_bytes": offset, "block_size": block_size,
                                      "weak_hash": bool(weak_hash), "kv_format": kv_format}
+        if rows_meta is not None:
+            self.meta.update(version=ROWS_VERSION, rows=rows_meta)
         if not 0 < capacity <= MAX_SLOTS:               # before anything is created or allocated
             raise InvalidArgumentError(expected("prefix_disk_blocks", f"an int in [1, {MAX_SLOTS}] (tier slot "
                                                 "ids are int32)", capacity))
@@ -136,6 +153,22 @@ class DiskPrefixTier(Tier):
             view = base[:, off:off + size].view(torch.uint8).view((capacity, size))
             self._records_view.append(view)      # slot -> this arena's bytes of the block, all layers
             self.arenas.append(view.view(dtype).view((capacity,) + shape).transpose(0, 1))
+        if section is not None:
+            off, dtype, shape, voff, vshape = section
+            size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+            data = base[:, off:off + size].view(dtype).view((capacity,) + shape)
+            valid = base[:, voff:voff + int(np.prod(vshape))].view((capacity,) + vshape)
+            self.window = DiskRows(data, valid, rows.lock)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tier's files (its blocks' records, their rows included, and the slot index)."""
+        return sum(size for _, size in self._sizes())
+
+    @property
+    def rows_bytes(self) -> int:
+        """Bytes of a record's sink and window rows (0 without rows)."""
+        return self.record_bytes - self.rows_section[0] if self.rows_section is not None else 0
 
     # ---- files ----------------------------------------------------------------------
     def _file(self, name: str) -> str:
@@ -216,8 +249,8 @@ class DiskPrefixTier(Tier):
         if not isinstance(meta, dict) or meta.get("magic") != _MAGIC:
             raise TierFileError(expected(self._file("meta.json"), "a pagedkv prefix-tier header",
                                          f"magic {meta.get('magic') if isinstance(meta, dict) else meta!r}"))
-        if meta.get("version") != self.meta["version"]:
-            raise TierFileError(expected(self._file("meta.json"), f"version={FORMAT_VERSION}",
+        if meta.get("version") not in (FORMAT_VERSION, ROWS_VERSION):
+            raise TierFileError(expected(self._file("meta.json"), f"version={self.meta['version']}",
                                          f"version={meta.get('version')!r}"))
         self._check_meta_types(meta)
         diff = differences(self.meta["kv_format"], meta.get("kv_format"))
@@ -226,10 +259,38 @@ class DiskPrefixTier(Tier):
                 self._file("meta.json"), "a tier written for this model shape and settings ("
                 + ", ".join(f"{k}={shown(m)}" for k, _, m in diff) + ")",
                 ", ".join(f"{k}={shown(t)}" for k, t, _ in diff)))
+        self._check_rows(meta)
         for key in ("capacity", "record_bytes", "block_size", "weak_hash"):
             if meta.get(key) != self.meta[key]:
                 raise TierFileError(expected(self._file("meta.json"), f"{key}={self.meta[key]!r} (this cache)",
                                              f"{key}={meta.get(key)!r}"))
+
+    def _check_rows(self, meta: dict) -> None:
+        """The sink and window rows: a tier is used only with the rows this cache keeps,
+        for the same ``kv_window`` and ``kv_sink_tokens``. A tier without rows (version 1:
+        an older pagedkv, or a cache that kept none) would serve a prefix without them,
+        and one with rows to a cache without them would keep them stale: both refused."""
+        mine = self.meta.get("rows")
+        theirs = meta.get("rows") if meta["version"] == ROWS_VERSION else None
+        if mine is None and theirs is None:
+            if meta["version"] != self.meta["version"]:    # version 2 that names no rows: not ours
+                raise TierFileError(expected(self._file("meta.json"), f"version={self.meta['version']}",
+                                             f"version={meta['version']} without rows"))
+            return
+        name = self._file("meta.json")
+        if theirs is None:
+            raise TierFileError(expected(name, "a tier whose records carry sink and window rows (" + _settings(mine)
+                                         + ": this cache keeps them in model precision)",
+                                         f"version={meta['version']}, no rows (written by an older pagedkv or by "
+                                         "a cache without kv_window/kv_sink_tokens)"))
+        if mine is None:
+            raise TierFileError(expected(name, "a tier without sink and window rows (this cache keeps none)",
+                                         "rows for " + (_settings(theirs) if isinstance(theirs, dict) else shown(theirs))))
+        diff = differences(mine, theirs) if isinstance(theirs, dict) else [("rows", theirs, mine)]
+        if diff:
+            raise TierFileError(expected(name, "a tier whose rows were written for this cache ("
+                                         + ", ".join(f"{k}={shown(m)}" for k, _, m in diff) + ")",
+                                         ", ".join(f"{k}={shown(t)}" for k, t, _ in diff)))
 
     def _load_namespaces(self) -> None:
         keys = self._read_json("namespaces.json")
@@ -376,7 +437,7 @@ class DiskPrefixTier(Tier):
             if getattr(self, "index", None) is not None:
                 self.flush()
         finally:
-            self.arenas, self._records_view = [], []
+            self.arenas, self._records_view, self.window = [], [], None
             self.blocks = self._disk = self._disk_raw = None  # type: ignore[assignment]  # closed
             for m in getattr(self, "_maps", ()):
                 try:
@@ -390,6 +451,10 @@ class DiskPrefixTier(Tier):
             d = getattr(self, "dir", None)
             if d is not None:
                 d.close()
+
+
+def _settings(rows: Any) -> str:
+    return f"kv_window={shown(rows.get('kv_window'))}, kv_sink_tokens={shown(rows.get('kv_sink_tokens'))}"
 
 
 def _unlock(fd: int) -> None:

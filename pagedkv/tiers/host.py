@@ -31,4 +31,6 @@ class HostPrefixTier(Tier):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.arenas)
+        """Bytes of the tier's arenas and of its sink/window row arena (if it keeps one)."""
+        rows = self.window.nbytes if self.window is not None else 0
+        return sum(t.numel() * t.element_size() for t in self.arenas) + rows

@@ -36,6 +36,7 @@ from pagedkv.errors import TierFileError
 from pagedkv.groups.tables import GROUP_NS_BITS, group_key
 from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.store.format import kv_format
+from pagedkv.store.window import RecentWindow
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT
 from pagedkv.tiers.disk import DiskPrefixTier
@@ -70,9 +71,10 @@ class PrefixTiers:
         namespaces: ``key_of``, ``name``, ``hash_of_key`` and ``name_of_key`` of device
             namespace ids (the cache's registry, or a
             :class:`~pagedkv.groups.tables.GroupNamespaces` over it with layer groups).
-        tables: what admissions promote into: the ``BlockTables``, or the
-            :class:`~pagedkv.groups.tables.GroupTables` (each group's blocks come from
-            its own chain in the tiers, filed under its group's namespace).
+        tables: what admissions promote into: the manager's table coordinator
+            (:mod:`pagedkv.manager.coordinator`), whose ``tables`` lists one
+            ``BlockTables`` per layer group (each group's blocks come from its own
+            chain in the tiers, filed under its group's namespace).
     """
 
     def __init__(self, config, index, store, pool, namespaces, tables):
@@ -82,7 +84,7 @@ class PrefixTiers:
         self.pool = pool
         self.namespaces = namespaces
         self.tables = tables
-        self.groups = list(getattr(tables, "tables", [tables]))     # one BlockTables per layer group
+        self.groups = list(tables.tables)     # one BlockTables per layer group
         self.bs = cfg.block_size
         self.through = cfg.prefix_tier_write == "through"
         self.events = cfg.enable_kv_events
@@ -100,7 +102,7 @@ class PrefixTiers:
             disk = self.disk = DiskPrefixTier(cfg.prefix_disk_dir, self.store.arenas, cfg.prefix_disk_blocks, self.bs,
                                               kv_format(self.store, cfg.prefix_disk_tag),
                                               eviction=cfg.prefix_tier_eviction, weak_hash=weak,
-                                              on_evict=lambda s: self._evicting(disk, s))
+                                              on_evict=lambda s: self._evicting(disk, s), rows=self.store.window)
             persist = disk.index.on_removed      # the disk's own record keeping, then ours
 
             def on_removed(s: int) -> None:
@@ -289,8 +291,13 @@ class PrefixTiers:
         source = self._window(src)
         if source is None:
             to.drop(p[:, 1])
-        else:
+        elif isinstance(to, RecentWindow) and isinstance(source, RecentWindow):
             to.copy(p[:, 0], p[:, 1], source=source)
+        else:                 # the disk's rows live in its records: moved as a transfer moves them
+            with self.store.window.lock:
+                which, data, valid = source.export_rows(p[:, 0])
+                to.drop(p[:, 1])
+                to.import_rows(p[which, 1], data, valid)
 
     def _tier(self, medium: str) -> Tier:
         tier = self.host if medium == "host" else self.disk

@@ -16,7 +16,7 @@ from pagedkv._core.pool import BYTES_PER_BLOCK, BlockPool
 from pagedkv.config.memory import check_fits
 from pagedkv.errors import InternalError, InvalidArgumentError, OutOfBlocksError, SequenceNotFoundError, expected
 
-__all__ = ["HostTier"]
+__all__ = ["HostSwap", "HostTier"]
 
 _MAX_BLOCKS = 2**31 - 1   # block ids are int32 in the core
 
@@ -32,18 +32,26 @@ class _Swapped:
     priority: int
 
 
-class HostTier:
+def _nothing() -> None:
+    pass
+
+
+class HostSwap:
     """Host blocks of swapped-out sequences, keyed by core sequence key.
 
     Args:
-        tables: the device :class:`~pagedkv._core.tables.BlockTables`, or the
-            :class:`~pagedkv.groups.tables.GroupTables` of a cache with sliding-window
-            layer groups (and through it the device pool).
+        tables: the device tables as the manager's coordinator
+            (:mod:`pagedkv.manager.coordinator`): ``tables`` lists one ``BlockTables``
+            per layer group (one without sliding-window groups); ``add_restored``,
+            ``reserve``, ``commit`` and ``remove`` apply to every group.
         store: the :class:`~pagedkv.store.kvstore.KVStore` holding both arenas, or None for
             bookkeeping only (no bytes move).
         num_blocks: host blocks.
         namespace_hash: ``ns_id -> ns_hash`` of the manager's namespace registry, to
             re-register a swapped-in sequence's blocks under its namespace.
+        sync: what moves the prefix blocks an allocation evicted down to the prefix
+            tiers (``PrefixTiers.sync``) before a load overwrites their KV; None without
+            prefix tiers.
 
     With layer groups every group's held blocks are saved (a sliding group holds only
     its window and sinks). Swapping in reserves every position in every group, loads
@@ -58,7 +66,7 @@ class HostTier:
     def __init__(self, tables, store, num_blocks: int, namespace_hash: Callable[[int], int],
                  sync: Callable[[], None] | None = None):
         self.tables = tables
-        self.groups = list(getattr(tables, "tables", [tables]))   # one BlockTables per layer group
+        self.groups = list(tables.tables)   # one BlockTables per layer group
         self.store = store
         # the host pool's bookkeeping, sized under the option's own name (the store's
         # host arenas, when there is a store, were checked with it)
@@ -69,9 +77,7 @@ class HostTier:
         self.pool = BlockPool(num_blocks)
         self._namespace_hash = namespace_hash
         self.swapped: dict[int, _Swapped] = {}
-        # A cache with prefix tiers passes theirs: it moves the prefix blocks an
-        # allocation evicted down to the tiers before anything overwrites their KV.
-        self.sync = sync
+        self.sync = sync if sync is not None else _nothing
 
     @property
     def num_swapped(self) -> int:
@@ -81,6 +87,10 @@ class HostTier:
     def num_blocks_in_use(self) -> int:
         """Host blocks holding swapped-out KV."""
         return self.pool.num_in_use_blocks
+
+    @staticmethod
+    def require() -> None:
+        """Swapping is available (:class:`~pagedkv.manager.absent.NoHost` refuses it)."""
 
     def holds(self, key: int) -> bool:
         return key in self.swapped
@@ -126,17 +136,13 @@ class HostTier:
         if need > free:
             raise OutOfBlocksError(need, free, "swap_in from the host tier")
         keys = np.array([key], dtype=np.int64)
-        if len(self.groups) == 1:
-            self.tables.add(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority, False)
-        else:
-            self.tables.add_restored(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority)
+        self.tables.add_restored(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority)
         try:
             self.tables.reserve(keys, rec.num_computed, internal=True)
         except BaseException:
             self.tables.remove(keys, internal=True)
             raise
-        if self.sync is not None:
-            self.sync()     # prefix blocks it evicted go down before the load overwrites them
+        self.sync()     # prefix blocks it evicted go down before the load overwrites them
         if self.store is not None and len(rec.host_blocks):
             import torch
 
@@ -144,8 +150,7 @@ class HostTier:
             pairs = np.stack([rec.host_blocks, device], axis=1).astype(np.int64)
             self.store.load(torch.from_numpy(pairs))
         self.tables.commit(keys, rec.num_computed, internal=True)
-        if self.sync is not None:
-            self.sync()
+        self.sync()
         self.pool.free(rec.host_blocks)
         del self.swapped[key]
         return len(rec.host_blocks)
@@ -161,3 +166,8 @@ class HostTier:
             raise InternalError(f"host tier: swapped sequences hold {held} blocks, pool has "
                                 f"{self.pool.num_in_use_blocks} in use")
         self.pool.check_invariants()
+
+
+#: the 0.1 name (``pagedkv.offload.HostTier``), which read as the host *prefix* tier
+#: (:class:`pagedkv.tiers.host.HostPrefixTier`); kept for one release.
+HostTier = HostSwap

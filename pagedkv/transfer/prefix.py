@@ -180,7 +180,7 @@ def _table(cache, seq, g: int) -> np.ndarray:
 def _pin_sinks(cache, seq, k: int) -> None:
     """Pin the received sink blocks' window rows, as a prefix computed here pins them
     when its tokens are reserved (the received rows would otherwise be the oldest)."""
-    n = cache.config.sink_blocks
+    n = cache.config.precise_sink_blocks
     if n > k and cache.store.window is not None:
         cache.store.pin_sinks(np.concatenate([_table(cache, seq, g)[k:n] for g in range(_num_groups(cache))])
                               .astype(np.int64), held_only=True)

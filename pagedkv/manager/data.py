@@ -1,0 +1,221 @@
+"""The manager's data path: writes into the KV arena, gathers (by sequence or through
+a page table), attention over the pages, block copies.
+
+:class:`DataPath` maps a model layer to its layer group's table and layer slot through
+the table coordinator (:mod:`pagedkv.manager.coordinator`), the same way for one group
+or many. The data calls run outside the manager's lock, except the table reads of a
+gather (see ``PagedKVCache``'s thread-safety note).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError, expected
+from pagedkv.manager.arguments import as_counts, tensor_values
+
+__all__ = ["DataPath"]
+
+
+class DataPath:
+    """KV data calls (see ``PagedKVCache``).
+
+    Args:
+        config: the cache's ``CacheConfig``.
+        store: the ``KVStore``, or None for a bookkeeping-only cache (every data call
+            is then refused).
+        groups: the table coordinator.
+        ids: the ``SequenceIds`` map; ``lock``: the manager's lock.
+    """
+
+    def __init__(self, config, store, groups, ids, lock):
+        self.config = config
+        self.store = store
+        self.groups = groups
+        self.ids = ids
+        self.lock = lock
+
+    def require_store(self):
+        if self.store is None:
+            raise InvalidArgumentError(expected("allocate_store", "True for KV data operations", False))
+        return self.store
+
+    def write(self, layer: int, slot_mapping, key, value) -> None:
+        store = self.require_store()
+        layer, slot_mapping = self.groups.layer_slots(layer, slot_mapping)
+        store.write(layer, _slots_tensor(slot_mapping, store.device), key, value)
+
+    def gather(self, seq_ids, layer: int, num_tokens, with_positions: bool):
+        import torch
+
+        store = self.require_store()
+        want = None if num_tokens is None else as_counts(num_tokens)
+        with self.lock:
+            keys, internal = self.ids.batch(seq_ids)
+            g, slot = self.groups.layer_slot(layer)
+            tables = self.groups.tables[g]
+            indptr, indices, _ = tables.csr(keys, internal=internal)
+            lens = tables.seq_lens(keys, internal=internal)
+            gone = tables.released_tokens(keys, internal=internal) if tables.window else None
+        if gone is not None and gone.any():
+            if want is not None:
+                raise InvalidArgumentError(expected("num_tokens", "None for a sliding-window layer whose "
+                                                    "sequences released tokens", want.tolist()))
+            want = lens - gone
+        if want is not None:
+            if want.shape != lens.shape or (want > lens).any():
+                raise InvalidArgumentError(expected(
+                    "num_tokens", f"{len(lens)} counts within the reserved lengths {lens.tolist()}", want.tolist()))
+            lens = want
+        dev = store.device
+        k, v = store.gather(slot, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
+                            torch.from_numpy(lens.astype(np.int32)).to(dev))
+        cu = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        if not with_positions:
+            return k, v, torch.from_numpy(cu)
+        from pagedkv.groups.data import kept_positions
+
+        positions = kept_positions(tables, lens, np.zeros_like(lens) if gone is None else gone)
+        return k, v, torch.from_numpy(cu), torch.from_numpy(positions)
+
+    def gather_pages(self, layer: int, indptr, indices, seq_lens, *, pending=None, rotated=False):
+        if rotated is not False and rotated is not True:
+            raise ArgumentTypeError(expected("rotated", "True or False", repr(rotated)))
+        if rotated and not self.config.kv_rotation:
+            raise InvalidArgumentError(expected("rotated", "False for a cache without kv_rotation", True))
+        if rotated and self.config.block_keys:   # full blocks' keys are stored unrotated, per channel
+            raise InvalidArgumentError(expected("rotated", "False for a cache with kv_key_quant='block'", True))
+        layer = self.groups.layer_slot(layer)[1]
+        indptr, indices, seq_lens = (self.table_tensor(a, n) for a, n in
+                                     ((indptr, "indptr"), (indices, "indices"), (seq_lens, "seq_lens")))
+        if pending is not None:
+            pending = self.pending_rows(pending, seq_lens)
+        return self.require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
+
+    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
+        from pagedkv.ops import ExactRows, paged_attention
+
+        store = self.require_store()
+        layer = self.groups.layer_slot(layer)[1]
+        view = store.layer(layer)
+        scale, zero = store.layer_scales(layer)
+        kscale, kzero = store.layer_key_params(layer)
+        main, i = store._where[layer]
+        w, exact = store.window, None
+        if main and w is not None and (w.window or w.sink):
+            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
+        if exact is None:
+            return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout,
+                                   kv_scale=scale, kv_zero=zero, key_scale=kscale, key_zero=kzero,
+                                   rotation_signs=store.rotation_signs if main else None, **options)
+        with w.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
+            return self._attention_exact(w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale,
+                                         kzero, exact, options)
+
+    def _attention_exact(self, w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale, kzero,
+                         exact, options):
+        from pagedkv.ops import paged_attention
+
+        store = self.require_store()
+        out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
+                              kv_zero=zero, key_scale=kscale, key_zero=kzero, rotation_signs=store.rotation_signs,
+                              exact_rows=exact, **options)
+        if i == 0 and w.sink:     # the sinks' pins stay most recently used, as a gather's
+            ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
+                indices.cpu() if hasattr(indices, "cpu") else indices)
+            lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
+            heads = np.minimum(w.sink, np.maximum(lens - w.window, 0))
+            first = [idx[ptr[b]:ptr[b] + (n - 1) // w.block_size + 1] for b, n in enumerate(heads.tolist()) if n]
+            if first:
+                ws = w.slot_of[np.concatenate(first).astype(np.int64)]
+                ws = ws[ws >= 0]
+                w.clock += 1
+                w.stamp[ws[w.pinned[ws]]] = w.clock
+        return out
+
+    def table_tensor(self, a, name: str):
+        """A NumPy integer page-table array as an int32 tensor on the cache's device;
+        anything else unchanged (the store checks and refuses it)."""
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu":
+            return a
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise InvalidArgumentError(expected(name, "values within int32", f"{a.min()}..{a.max()}"))
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(self.require_store().device)
+
+    def rotation_signs(self):
+        if not self.config.kv_rotation:
+            return None
+        if self.store is not None and self.store.rotation_signs is not None:   # a kv_rotation store has them
+            return self.store.rotation_signs.clone()
+
+        from pagedkv.store.rotation import rotation_signs
+
+        return rotation_signs(self.config.head_dim, self.config.kv_rotation_seed)
+
+    @staticmethod
+    def pending_rows(pending, seq_lens) -> np.ndarray:
+        import torch
+
+        want = "ints [B], 0 <= pending[b] <= seq_lens[b]"
+        try:
+            p = np.array(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArgumentTypeError(expected("pending", want, type(pending).__name__)) from None
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise ArgumentTypeError(expected("pending", want, f"{p.dtype} array of shape {p.shape}"))
+        lens = seq_lens.cpu().numpy() if isinstance(seq_lens, torch.Tensor) else np.asarray(seq_lens)
+        p = p.astype(np.int64)
+        if p.shape != lens.shape or (p < 0).any() or (p > lens).any():
+            raise InvalidArgumentError(expected("pending", want + f" with B = {lens.shape[0]}", p.tolist()))
+        return p
+
+    def copy_blocks(self, pairs) -> None:
+        import torch
+
+        store = self.require_store()
+        if isinstance(pairs, np.ndarray):
+            pairs = torch.from_numpy(pairs)
+        elif not isinstance(pairs, torch.Tensor):
+            if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__len__"):
+                raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
+                                                 type(pairs).__name__))
+            _check_pair_values(pairs, self.config.resolved_num_blocks)
+            try:
+                pairs = torch.as_tensor(pairs, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
+                                                 f"a {type(pairs).__name__} of other values")) from None
+        store.copy_blocks(pairs)
+
+
+def _slots_tensor(slot_mapping, device):
+    import torch
+
+    if isinstance(slot_mapping, np.ndarray):
+        if slot_mapping.dtype != np.int64:
+            from pagedkv.errors import DTypeError
+
+            raise DTypeError(expected("slot_mapping", "an int64 array", f"{slot_mapping.dtype} array"))
+        slot_mapping = torch.from_numpy(slot_mapping)
+    if isinstance(slot_mapping, torch.Tensor) and slot_mapping.device != device:
+        if slot_mapping.layout != torch.strided or slot_mapping.device.type == "meta":
+            tensor_values(slot_mapping, "slot_mapping")      # raises the typed error
+        slot_mapping = slot_mapping.to(device, non_blocking=True)
+    return slot_mapping
+
+
+def _check_pair_values(pairs, num_blocks: int) -> None:
+    """copy_blocks' list input, value by value, before torch converts it: a float or
+    bool is a wrong type (torch would truncate 1.5 to 1), an int past int64 is an
+    out-of-range block id (torch would fail with an overflow)."""
+    want = "an int [P, 2] array of (src, dst) block ids"
+    for i, row in enumerate(pairs):
+        items = row if hasattr(row, "__len__") and not isinstance(row, (str, bytes)) else (row,)
+        for j, v in enumerate(items):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ArgumentTypeError(expected("pairs", want, f"{type(v).__name__} {v!r} at row {i}"))
+            if not -2**63 <= v < 2**63:
+                where = f"{('src', 'dst')[j]} row {i}" if j < 2 else f"row {i}"   # op_checks.block_id_error's words
+                raise InvalidBlockError(expected("pairs", f"block ids in [0, {num_blocks})", f"{int(v)} at {where}"))

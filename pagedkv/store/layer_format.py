@@ -1,0 +1,182 @@
+"""The format of one layer's stored K/V: what the data ops need to know about its bytes.
+
+A :class:`LayerFormat` names the storage dtype, the scale group size, the parameter
+(scale/zero) layout that follows from them, the key quantization mode and whether rows
+are stored rotated. The store builds one per kind of layer it holds
+(:meth:`LayerFormat.of_config`: its quantized layers, and its model-precision layers)
+and passes it to every data op (``layer_format=``). The ops read the format from it
+and only *verify* the tensors against it (typed errors naming the tensor), instead of
+rediscovering the format from tensor dtypes and shapes (int4 and int3 share the uint8
+data dtype; the group size is not in the data tensor at all).
+
+A caller that passes no format gets :meth:`LayerFormat.infer`, the one place that still
+reads a format off the tensors: the compatibility path of the public ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.store import dtypes
+
+__all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS"]
+
+#: ``key_quant`` values: keys per token (as values), or per channel over each full block.
+KEY_QUANT_MODES = ("token", "block")
+#: :attr:`LayerFormat.param_layout` values.
+PARAM_LAYOUTS = ("none", "row", "group")
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    """The stored format of a layer.
+
+    Attributes:
+        kv_dtype: canonical dtype name (:mod:`pagedkv.store.dtypes`): a model dtype
+            (``"float16"``: stored as is) or a storage format (``"int4"``).
+        group_size: elements of ``head_dim`` per scale/zero group for the grouped
+            formats (int4, int3); None for every other format.
+        key_quant: ``"token"``, or ``"block"`` (int4 only): full blocks' keys are
+            requantized per channel (:mod:`pagedkv.store.block_keys`).
+        rotation: rows are stored rotated (:mod:`pagedkv.store.rotation`; quantized only).
+    """
+
+    kv_dtype: str
+    group_size: int | None = None
+    key_quant: str = "token"
+    rotation: bool = False
+
+    def __post_init__(self) -> None:
+        row = dtypes.BY_NAME.get(self.kv_dtype) if isinstance(self.kv_dtype, str) else None
+        if row is None:
+            names = ", ".join(repr(d.name) for d in dtypes.ALL)
+            raise InvalidArgumentError(expected("kv_dtype", f"one of {names}", repr(self.kv_dtype)))
+        if row.grouped:
+            g = self.group_size
+            if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g % row.group_multiple:
+                what = f"a positive multiple of {row.group_multiple}" if row.group_multiple > 1 else "a positive int"
+                raise InvalidArgumentError(expected("group_size", f"{what} for {row.name}", repr(g)))
+        elif self.group_size is not None:
+            raise InvalidArgumentError(expected("group_size", f"None for {row.name} (not grouped)",
+                                                repr(self.group_size)))
+        if self.key_quant not in KEY_QUANT_MODES:
+            raise InvalidArgumentError(expected("key_quant", "'token' or 'block'", repr(self.key_quant)))
+        if self.key_quant == "block" and row.name != "int4":
+            raise InvalidArgumentError(expected("key_quant", f"'token' for {row.name} ('block' is int4 only)",
+                                                repr(self.key_quant)))
+        if not isinstance(self.rotation, bool):
+            raise InvalidArgumentError(expected("rotation", "a bool", repr(self.rotation)))
+        if self.rotation and not row.quantized:
+            raise InvalidArgumentError(expected("rotation", f"False for unquantized {row.name}", True))
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def of_config(cls, config, quantized: bool = True) -> LayerFormat:
+        """The format of ``config``'s quantized layers (``quantized``; the model dtype
+        when the cache is not quantized), or of its model-precision layers."""
+        if not (quantized and config.quantized):
+            return cls(config.dtype)
+        return cls(config.kv_dtype, config.kv_group_size if dtypes.info(config.kv_dtype).grouped else None,
+                   config.kv_key_quant or "token", bool(config.kv_rotation))
+
+    @classmethod
+    def infer(cls, kv_layer: Any, kv_scale: Any = None, key_scale: Any = None) -> LayerFormat | None:
+        """The format a caller that passes none means, read off the tensors (the
+        compatibility path of the public ops): the data dtype, and for the packed formats
+        that share one (uint8) the scale's dtype (bfloat16: int3); the group size from
+        the scale view's trailing dim; block keys when ``key_scale`` is given. None when
+        the tensors name no format (the caller's checks then say what is wrong)."""
+        import torch
+
+        if not isinstance(kv_layer, torch.Tensor):
+            return None
+        row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
+        if row is None:
+            return None
+        group = None
+        if row.grouped:
+            if not (isinstance(kv_scale, torch.Tensor) and kv_scale.dim() == kv_layer.dim() and kv_layer.dim()
+                    and kv_layer.shape[-1] % row.stored_dim(row.pack) == 0):
+                return None
+            head_dim, ng = row.head_dim_of(kv_layer.shape[-1]), kv_scale.shape[-1]
+            if ng < 1 or head_dim % ng or (head_dim // ng) % row.group_multiple or head_dim == 0:
+                return None
+            group = head_dim // ng
+        key_quant = "block" if (key_scale is not None and row.name == "int4") else "token"
+        return cls(row.name, group, key_quant, False)
+
+    # -- what the format implies ------------------------------------------------------------
+
+    @property
+    def row(self) -> dtypes.DTypeInfo:
+        """The dtype table's row of :attr:`kv_dtype`."""
+        return dtypes.BY_NAME[self.kv_dtype]
+
+    @property
+    def quantized(self) -> bool:
+        return self.row.quantized
+
+    @property
+    def zero_point(self) -> bool:
+        """Whether a zero-point arena goes with the scale arena."""
+        return self.row.zero_point
+
+    @property
+    def param_layout(self) -> str:
+        """``"none"`` (unquantized), ``"row"`` (one scale per (token, head)) or
+        ``"group"`` (a trailing groups dim: ``head_dim / group_size`` per (token, head))."""
+        if not self.quantized:
+            return "none"
+        return "group" if self.row.grouped else "row"
+
+    @cached_property
+    def data_dtype(self) -> Any:
+        """The torch dtype of the data arena (imports torch; cached: the ops compare it per call)."""
+        return self.row.torch_dtype
+
+    @property
+    def param_dtype(self) -> Any:
+        """The torch dtype of the scale/zero arenas, None unquantized (imports torch)."""
+        return self.row.param_dtype if self.quantized else None
+
+    def groups(self, head_dim: int) -> int:
+        """Scale groups per (token, head) row (1 unless grouped)."""
+        return head_dim // self.group_size if self.group_size else 1
+
+    def stored_dim(self, head_dim: int) -> int:
+        """Storage elements of one ``head_dim`` row."""
+        return self.row.stored_dim(head_dim)
+
+    def head_dim_of(self, stored: int) -> int:
+        return self.row.head_dim_of(stored)
+
+    def param_shape(self, lead: tuple, head_dim: int) -> tuple:
+        """The scale (and zero) view's shape for data rows ``lead`` (the data view's shape
+        without its last dim)."""
+        return tuple(lead) + ((self.groups(head_dim),) if self.param_layout == "group" else ())
+
+    # -- verification -------------------------------------------------------------------
+
+    def check_data(self, name: str, t: Any) -> None:
+        """``t`` (a data view) is stored in this format's dtype."""
+        if t.dtype != self.data_dtype:
+            raise DTypeError(expected(name, f"dtype {self.row.torch_name} (layer_format {self.kv_dtype})", t.dtype))
+
+    def check_head_dim(self, name: str, head_dim: int, shape: tuple) -> None:
+        """``head_dim`` suits this format: whole packs, whole groups."""
+        if self.group_size and head_dim % self.group_size:
+            raise ShapeError(expected(name, f"a head_dim that is a multiple of group_size {self.group_size} "
+                                      f"(layer_format {self.kv_dtype})", shape))
+
+    def describe(self) -> str:
+        parts = [self.kv_dtype]
+        if self.group_size:
+            parts.append(f"group_size={self.group_size}")
+        if self.key_quant != "token":
+            parts.append(f"key_quant={self.key_quant}")
+        if self.rotation:
+            parts.append("rotated")
+        return ", ".join(parts)
