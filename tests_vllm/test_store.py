@@ -245,3 +245,16 @@ def test_host_evictions_go_to_disk_and_pins_stay(tmp_path):
     load_into(s, chain, [20, 21])
     for layer in s.kv:
         assert torch.equal(layer[[20, 21]], layer[[2, 3]])
+
+
+def test_an_unclosed_store_leaves_no_segment_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom pagedkv.integrations.vllm_config import ConnectorConfig\n"
+            "from pagedkv.integrations.vllm_store import KVSpec, PrefixStore\n"
+            "s = PrefixStore(ConnectorConfig.from_extra({'host_blocks': 4}), KVSpec(1, 1, 32, 64, torch.bfloat16), 't')\n"
+            "print(s.arena.path)\n")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
+    path = out.stdout.strip().splitlines()[-1]
+    assert path.startswith(str(vllm_shm.shm_dir())) and not __import__("os").path.exists(path)

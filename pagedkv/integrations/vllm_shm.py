@@ -14,12 +14,14 @@ sweeps names whose creating process is gone, so a crash leaves nothing for long.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import mmap
 import os
 import re
 import secrets
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -35,6 +37,15 @@ PREFIX = "pagedkv-vllm-"
 _NAME = re.compile(r"^pagedkv-vllm-(\d+)-[0-9a-f]{16}$")
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.int8,
                                                       torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+_owned: weakref.WeakSet = weakref.WeakSet()      # arenas this process created, still named
+
+
+@atexit.register
+def _unlink_owned() -> None:
+    for a in list(_owned):
+        a.unlink()
 
 
 def shm_dir() -> Path:
@@ -125,7 +136,9 @@ class SharedArena:
         mm[:len(MAGIC)] = MAGIC
         mm[len(MAGIC):len(MAGIC) + 8] = len(blob).to_bytes(8, "little")
         mm[len(MAGIC) + 8:len(MAGIC) + 8 + len(blob)] = blob
-        return cls(name, path, mm, layout, owner=True)
+        arena = cls(name, path, mm, layout, owner=True)
+        _owned.add(arena)
+        return arena
 
     @classmethod
     def open(cls, name: str) -> SharedArena:

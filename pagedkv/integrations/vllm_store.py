@@ -27,6 +27,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -47,7 +48,7 @@ __all__ = ["PrefixStore", "KVSpec", "get_store", "lookup_store", "store_of_arena
 log = logging.getLogger("pagedkv.vllm")
 
 _stores: dict[str, PrefixStore] = {}
-_by_arena: dict[str, PrefixStore] = {}
+_by_arena: weakref.WeakValueDictionary[str, PrefixStore] = weakref.WeakValueDictionary()
 _stores_lock = threading.Lock()
 
 #: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
