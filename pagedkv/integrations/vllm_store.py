@@ -49,7 +49,7 @@ log = logging.getLogger("pagedkv.vllm")
 
 _stores: dict[str, PrefixStore] = {}
 _by_arena: weakref.WeakValueDictionary[str, PrefixStore] = weakref.WeakValueDictionary()
-_stores_lock = threading.Lock()
+_stores_lock = threading.RLock()      # get_store holds it while PrefixStore registers its arena
 
 #: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
 LAYOUT = "vllm-cpu-kT-v"
