@@ -46,6 +46,11 @@ setup(
     packages=[
         "pagedkv",
         "pagedkv._core",
+        "pagedkv.config",
+        "pagedkv.manager",
+        "pagedkv.groups",
+        "pagedkv.store",
+        "pagedkv.sched",
         "pagedkv.ops",
         "pagedkv.kernels",
         "pagedkv.integrations",

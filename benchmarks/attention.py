@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedkv import dtypes
+from pagedkv.store import dtypes
 from pagedkv.ops import gather_kv, paged_attention
 from pagedkv.ops import reference as ref
 

@@ -4,7 +4,7 @@ Both allocators start from the same fragmented state: runs of 1-64 blocks fill t
 pool, then every other run is freed. Each op allocates a run of ``--run`` blocks and
 frees it again. The baseline, run in the same process, is seed 002's first-fit bitmap
 (:class:`pagedkv.compat.cortex.KVBlockAllocator`, a scan of the whole bitmap per
-allocation); the buddy allocator is :class:`pagedkv.buddy.BuddyAllocator` over a
+allocation); the buddy allocator is :class:`pagedkv.manager.buddy.BuddyAllocator` over a
 :class:`~pagedkv._core.pool.BlockPool` (the pool's reference counts included).
 
 Prints one JSON line per figure (ns per allocate+free, median of ``--repeats``).
@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from pagedkv._core.pool import BlockPool
-from pagedkv.buddy import BuddyAllocator
+from pagedkv.manager.buddy import BuddyAllocator
 from pagedkv.compat.cortex import KVBlockAllocator
 
 

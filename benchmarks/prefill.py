@@ -26,9 +26,9 @@ from typing import Callable, Dict, List
 import numpy as np
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.chunking import ChunkPolicy
-from pagedkv.planner import plan_config
-from pagedkv.prefill import ChunkedPrefill
+from pagedkv.sched.chunking import ChunkPolicy
+from pagedkv.config.planner import plan_config
+from pagedkv.sched.prefill import ChunkedPrefill
 
 # Qwen3-0.6B (seed 004's example): 28 layers, 8 KV heads, head_dim 128.
 SHAPE = dict(num_layers=28, num_kv_heads=8, head_dim=128, dtype="bfloat16")

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.namespaces import namespace_key
+from pagedkv.manager.namespaces import namespace_key
 
 SHAPE = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
 

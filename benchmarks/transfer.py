@@ -35,7 +35,7 @@ def rank_main(rank: int, port: int, tokens: int, repeats: int, smoke: bool) -> N
     import torch
     import torch.distributed as dist
 
-    import pagedkv.distributed as pd
+    import pagedkv.transfer.distributed as pd
     from pagedkv import CacheConfig, PagedKVCache
 
     torch.set_num_threads(1)

@@ -3,7 +3,10 @@
 The bookkeeping core (``pagedkv._core``) is Cython and needs only NumPy; the KV store,
 the data ops and the model integrations need torch (``pip install pagedkv[torch]``).
 """
+from pagedkv._moved import install as _install_moved_paths
 from pagedkv.errors import *  # noqa: F401,F403
+
+_install_moved_paths()
 
 __version__ = "0.1.0"
 
@@ -23,12 +26,12 @@ except ImportError as exc:  # pragma: no cover - depends on how pagedkv was impo
 
 from pagedkv._core.prefix import PrefixIndex  # noqa: E402
 from pagedkv._core.tables import BlockTables  # noqa: E402
-from pagedkv.cache import PagedKVCache  # noqa: E402
-from pagedkv.config import CacheConfig  # noqa: E402
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
-from pagedkv.stats import CacheStats  # noqa: E402
-from pagedkv.threads import _from_env as _threads_from_env  # noqa: E402
-from pagedkv.threads import get_num_threads, set_num_threads  # noqa: E402
+from pagedkv.config.options import CacheConfig  # noqa: E402
+from pagedkv.manager.cache import PagedKVCache  # noqa: E402
+from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pagedkv.manager.stats import CacheStats  # noqa: E402
+from pagedkv.manager.threads import _from_env as _threads_from_env  # noqa: E402
+from pagedkv.manager.threads import get_num_threads, set_num_threads  # noqa: E402
 
 _threads_from_env()
 

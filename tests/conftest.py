@@ -70,7 +70,7 @@ def _every_cache_ends_empty(request, monkeypatch):
     takes. Objects it dropped count as freed once collected (PagedCache frees its rows
     on finalization), so the check collects garbage before it reports. Skipped when the
     test itself failed (its own error says more)."""
-    from pagedkv.cache import PagedKVCache
+    from pagedkv.manager.cache import PagedKVCache
 
     made = []
     real_init = PagedKVCache.__init__

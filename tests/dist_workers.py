@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tier_helpers import assert_clean, assert_kv, expected_kv, fill, make  # noqa: E402
 
-import pagedkv.distributed as pd  # noqa: E402
+import pagedkv.transfer.distributed as pd  # noqa: E402
 from pagedkv import CacheConfig, PagedKVCache  # noqa: E402
 from pagedkv.errors import PagedKVError, TransferError  # noqa: E402
 

@@ -54,10 +54,10 @@ from backend_cases import (
     tables,
     tokens,
 )
-from pagedkv import dtypes
+from pagedkv.store import dtypes
 from pagedkv.errors import DTypeError, InvalidArgumentError, InvalidBlockError, KernelUnavailableError, ShapeError
 from pagedkv.kernels import plans, sources
-from pagedkv.rotation import rotation_signs
+from pagedkv.store.rotation import rotation_signs
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
 

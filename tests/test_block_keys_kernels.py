@@ -1,4 +1,4 @@
-"""int4 block keys (pagedkv/quant.py, "block keys") in the CUDA gather kernels: the
+"""int4 block keys (pagedkv/store/quant.py, "block keys") in the CUDA gather kernels: the
 kernels read a K row per channel from ``key_scale``/``key_zero`` where
 ``key_scale[block, head, 0]`` is nonzero, and never unrotate it; every other row
 takes the per-token path. Compared bit for bit with the torch reference on the host
@@ -34,8 +34,8 @@ from backend_cases import (
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError
 from pagedkv.kernels import plans
 from pagedkv.ops import reference as ref
-from pagedkv.quant import quantize_key_block
-from pagedkv.rotation import rotation_signs
+from pagedkv.store.quant import quantize_key_block
+from pagedkv.store.rotation import rotation_signs
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 NB, BS, H = 7, 5, 3  # odd sizes: partial blocks everywhere; head 0 sealed, head 1 not, head 2 either

@@ -1,4 +1,4 @@
-"""int4 block keys on the fast CPU gathers: ``key_scale``/``key_zero`` (pagedkv/quant.py,
+"""int4 block keys on the fast CPU gathers: ``key_scale``/``key_zero`` (pagedkv/store/quant.py,
 "block keys") give each sealed (block, head) per-channel bfloat16 parameters for its K
 rows. The Cython loops must equal pagedkv.ops.reference bit for bit (NaN positions
 equal) with sealed and unsealed blocks and heads mixed in one gather, rotation on
@@ -34,8 +34,8 @@ from backend_cases import (
 from pagedkv.errors import DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
-from pagedkv.quant import dequantize_key_channels, quantize_key_block
-from pagedkv.rotation import rotation_signs
+from pagedkv.store.quant import dequantize_key_channels, quantize_key_block
+from pagedkv.store.rotation import rotation_signs
 
 cpu = pytest.importorskip("pagedkv.ops.cpu")
 if not backends.cpu_ops_built():

@@ -7,7 +7,7 @@ from pagedkv import ops
 from pagedkv.errors import DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
 
 from backend_cases import make_backend
-from pagedkv.quant import quantize_key_block
+from pagedkv.store.quant import quantize_key_block
 
 NB, BS, H, D = 6, 4, 2, 8
 

@@ -1,15 +1,15 @@
 """Block keys (``kv_key_quant="block"``): full blocks' keys requantized per channel,
-through the store and the manager, against the reference definition in pagedkv.quant."""
+through the store and the manager, against the reference definition in pagedkv.store.quant."""
 import numpy as np
 import pytest
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.kvformat import kv_format
-from pagedkv.planner import plan
-from pagedkv.quant import dequantize_key_channels, quantize_key_block
-from pagedkv.store import KVStore
+from pagedkv.store.format import kv_format
+from pagedkv.config.planner import plan
+from pagedkv.store.quant import dequantize_key_channels, quantize_key_block
+from pagedkv.store.kvstore import KVStore
 
 from test_lowbit_store import BS, D, H, L, config, expected_quantized, fill, kv_data
 

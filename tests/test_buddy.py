@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagedkv._core.pool import BlockPool
-from pagedkv.buddy import BuddyAllocator, order_for
+from pagedkv.manager.buddy import BuddyAllocator, order_for
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError, OutOfBlocksError
 
 

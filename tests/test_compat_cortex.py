@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedkv.compat.cortex import INVALID_HANDLE, BuddyBlockAllocator, KVBlockAllocator, KVCache, KVHandle
-from pagedkv.config import CacheConfig
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError, SequenceExistsError, SequenceNotFoundError
 
 L, H, D, BS = 2, 3, 4, 4

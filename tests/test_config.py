@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pagedkv.config import CacheConfig, format_bytes, parse_bytes
+from pagedkv.config.options import CacheConfig, format_bytes, parse_bytes
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError
 
 SHAPE = dict(num_layers=4, num_kv_heads=2, head_dim=64)
@@ -157,7 +157,7 @@ def test_frozen_and_replace_revalidates():
 def test_config_import_does_not_need_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any `import torch` now fails
-        "from pagedkv.config import CacheConfig\n"
+        "from pagedkv.config.options import CacheConfig\n"
         "c = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=4, dtype='bf16', kv_dtype='fp8')\n"
         "print(c.bytes_per_token)\n"
     )

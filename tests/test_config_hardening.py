@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from model_fixtures import tiny  # noqa: F401
-from pagedkv import CacheConfig, PagedKVCache, memory_check
-from pagedkv.calibration import choose_full_precision_layers, layer_sensitivity
-from pagedkv.config import parse_bytes, show
+from pagedkv import CacheConfig, PagedKVCache
+from pagedkv.config import memory as memory_check
+from pagedkv.store.calibration import choose_full_precision_layers, layer_sensitivity
+from pagedkv.config.options import parse_bytes, show
 from pagedkv.errors import (ArgumentTypeError, DeviceError, InvalidArgumentError, OutOfMemoryError,
                             PagedKVError)
 

@@ -22,7 +22,7 @@ from backend_cases import (
     quant_views,
     storage,
 )
-from pagedkv import dtypes
+from pagedkv.store import dtypes
 from pagedkv.errors import InvalidBlockError
 from pagedkv.ops import cpu as cpu_ops
 from pagedkv.ops import reference as ref
@@ -240,8 +240,8 @@ def test_every_float_narrows_like_the_reference(out_dtype):
 _BASELINE_SCRIPT = r"""
 import torch
 from pagedkv.ops import _cpu_quant, cpu, reference as ref
-from pagedkv.rotation import rotation_signs
-from pagedkv.quant import storage_dtype
+from pagedkv.store.rotation import rotation_signs
+from pagedkv.store.quant import storage_dtype
 assert _cpu_quant.ROW_ISA == "baseline", _cpu_quant.ROW_ISA
 gen = torch.Generator().manual_seed(0)
 cases = 0

@@ -1,9 +1,11 @@
-"""The dtype table (pagedkv.dtypes) and every module that reads it agree."""
+"""The dtype table (pagedkv.store.dtypes) and every module that reads it agree."""
 import pytest
 import torch
 
-from pagedkv import dtypes, quant
-from pagedkv.config import KV_DTYPE_NAMES, MODEL_DTYPE_NAMES, CacheConfig, dtype_name, kv_dtype_name
+from pagedkv.store import dtypes
+
+from pagedkv.store import quant
+from pagedkv.config.options import KV_DTYPE_NAMES, MODEL_DTYPE_NAMES, CacheConfig, dtype_name, kv_dtype_name
 from pagedkv.errors import DTypeError
 from pagedkv.kernels import plans, sources
 from pagedkv.ops import reference as ref

@@ -9,7 +9,7 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.support import CAPABILITIES, UnsupportedCombinationError, markdown_table, require
+from pagedkv.config.support import CAPABILITIES, UnsupportedCombinationError, markdown_table, require
 
 BS = 4
 WINDOWS = (6, 0, 6, 0)          # group 0: full attention (layers 1, 3); group 1: window 6 (layers 0, 2)
@@ -369,5 +369,5 @@ def test_one_refusal_wording_for_every_unsupported_row():
             with pytest.raises(UnsupportedCombinationError) as err:
                 require(cap.name, cfg)
             assert str(err.value) == (f"{cap.name}: expected a cache with full attention in every layer ({cap.why}), "
-                                      "got sliding-window layer groups; see pagedkv.support.CAPABILITIES")
+                                      "got sliding-window layer groups; see pagedkv.config.support.CAPABILITIES")
             assert isinstance(err.value, ValueError)

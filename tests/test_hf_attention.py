@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
+from pagedkv.manager.cache import PagedKVCache
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations import hf_attention
 from pagedkv.integrations.transformers import PagedCache

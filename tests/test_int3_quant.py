@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from backend_cases import make_backend
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError
 from pagedkv.ops import reference
-from pagedkv.quant import bf16_down, bf16_up, dequantize, quantize, unpack_int3
+from pagedkv.store.quant import bf16_down, bf16_up, dequantize, quantize, unpack_int3
 
 INF, NAN = float("inf"), float("nan")
 

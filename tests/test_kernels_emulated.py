@@ -342,7 +342,7 @@ def test_address_sanitizer_catches_an_out_of_bounds_launch(tmp_path):
 def test_quantizing_write_shares_each_scale_group_among_a_cta_row(kv_dtype, d, groups, block):
     # A CTA row of threads reduces one scale group together; the grid's CTAs stride
     # over the (token, K/V, head) rows, so its x is 1.
-    from pagedkv import dtypes
+    from pagedkv.store import dtypes
 
     row = dtypes.info(kv_dtype)
     shape = layer_shape("NHD", NB, BS, H, row.stored_dim(d))

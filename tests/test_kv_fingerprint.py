@@ -12,7 +12,7 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import InternalError, InvalidArgumentError, TierFileError
-from pagedkv.kvformat import NOT_STORED, STORED, differences, fingerprint, kv_format, unclassified
+from pagedkv.store.format import NOT_STORED, STORED, differences, fingerprint, kv_format, unclassified
 
 from tier_helpers import SHAPE, expected_kv
 

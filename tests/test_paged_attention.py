@@ -17,12 +17,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedkv import dtypes
+from pagedkv.store import dtypes
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
 from pagedkv.ops import ExactRows, paged_attention
 from pagedkv.ops import reference as ref
 from pagedkv.ops.paged_attention import CPU_AVAILABLE
-from pagedkv.rotation import rotation_signs
+from pagedkv.store.rotation import rotation_signs
 
 MODEL_FMTS = ("float32", "float16", "bfloat16")
 QUANT_FMTS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int3")

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.chunking import ChunkPolicy, ChunkState, PrefillMemoryError, cuda_memory_probe
+from pagedkv.sched.chunking import ChunkPolicy, ChunkState, PrefillMemoryError, cuda_memory_probe
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PrefillCancelledError
 from pagedkv.testing.models import load_smollm2, tiny_llama
-from pagedkv.planner import plan_config
-from pagedkv.prefill import ChunkedPrefill, PrefillChunk, chunked_prefill
+from pagedkv.config.planner import plan_config
+from pagedkv.sched.prefill import ChunkedPrefill, PrefillChunk, chunked_prefill
 
 # Qwen3-0.6B: 28 layers, 8 KV heads, head_dim 128 (seed 004's 200k example).
 QWEN3_SHAPE = dict(num_layers=28, num_kv_heads=8, head_dim=128, dtype="bfloat16")

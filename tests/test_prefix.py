@@ -5,7 +5,7 @@ import pytest
 from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, CacheConfig, PagedKVCache, PrefixIndex
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import CacheBusyError, InvalidArgumentError
-from pagedkv.namespaces import namespace_hash
+from pagedkv.manager.namespaces import namespace_hash
 from pagedkv.testing import weak_hash_cache
 
 

@@ -9,8 +9,8 @@ from transformers import DynamicCache
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
-from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
+from pagedkv.manager.cache import PagedKVCache
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, SequenceNotFoundError
 from pagedkv.integrations.transformers import PagedCache
 from pagedkv.testing.models import tiny_llama

@@ -140,7 +140,7 @@ def test_the_loop_runs_without_the_reference(no_fallback):
 
 def test_every_fix_up_reads_back_as_the_reference_defines():
     # one block, one head, channels chosen by hand: the codes and parameters of each
-    # fix-up path, checked against values worked out from pagedkv/quant.py's definition
+    # fix-up path, checked against values worked out from pagedkv/store/quant.py's definition
     nan, inf = float("nan"), float("inf")
     cols = [
         [1.5, 1.5, 1.5, 1.5],            # all equal: s = 0 -> 1, z = 1.5, codes 0

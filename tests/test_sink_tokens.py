@@ -9,8 +9,8 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
-from pagedkv.quant import dequantize_key_channels, quantize_key_block
-from pagedkv.store import KVStore
+from pagedkv.store.quant import dequantize_key_channels, quantize_key_block
+from pagedkv.store.kvstore import KVStore
 
 from test_lowbit_store import BS, D, H, L, config, kv_data
 
@@ -304,7 +304,7 @@ def test_plan_and_the_cli_count_the_pinned_blocks(capsys):
     import json
 
     from pagedkv.cli import main
-    from pagedkv.planner import plan
+    from pagedkv.config.planner import plan
 
     hf = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     with_sink = plan(hf, "1GiB", 4096, dtype="float16", kv_dtype="int4")

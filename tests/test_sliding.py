@@ -8,9 +8,9 @@ import pytest
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
-from pagedkv.config import CacheConfig
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
-from pagedkv.layer_groups import layer_windows_from_hf, plan_groups
+from pagedkv.groups.layers import layer_windows_from_hf, plan_groups
 
 SHAPE = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
@@ -273,7 +273,7 @@ PLAN_MODEL = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_head
 
 
 def test_plan_alternating_layers_counts_context_and_window_separately():
-    from pagedkv.planner import plan
+    from pagedkv.config.planner import plan
 
     full = plan(PLAN_MODEL, "1GiB", max_seq_len=1_000_000)
     mixed = plan(dict(PLAN_MODEL, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4096),
@@ -289,7 +289,7 @@ def test_plan_alternating_layers_counts_context_and_window_separately():
 
 
 def test_plan_all_sliding_sequence_cost_is_constant():
-    from pagedkv.planner import plan
+    from pagedkv.config.planner import plan
 
     model = dict(PLAN_MODEL, sliding_window=4096)
     long, short = (plan(model, "1GiB", max_seq_len=n) for n in (10_000_000, 100_000))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
+from pagedkv.manager.cache import PagedKVCache
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 from pagedkv.integrations.transformers import PagedCache
 from pagedkv.testing.sliding_models import tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_qwen2
@@ -470,7 +470,7 @@ def test_pin_prefix_pins_every_group_and_events_name_the_namespace():
 
 
 def test_prefix_transfers_refuse_layer_groups():
-    from pagedkv.support import UnsupportedCombinationError
+    from pagedkv.config.support import UnsupportedCombinationError
     from pagedkv.transfer.prefix import send_prefix
 
     kv = hybrid()

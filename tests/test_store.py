@@ -4,10 +4,10 @@ import logging
 import pytest
 import torch
 
-from pagedkv.config import CacheConfig
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError
-from pagedkv.quant import dequantize, quantize
-from pagedkv.store import KVStore, fp8_supported
+from pagedkv.store.quant import dequantize, quantize
+from pagedkv.store.kvstore import KVStore, fp8_supported
 
 
 def make(**kw):
@@ -131,7 +131,7 @@ def test_fp8_falls_back_to_int8_without_fp8_support(caplog):
         seen.append(device)
         return False
 
-    with caplog.at_level(logging.WARNING, logger="pagedkv.store"):
+    with caplog.at_level(logging.WARNING, logger="pagedkv.store.kvstore"):
         with pytest.warns(RuntimeWarning, match=r"kv_dtype=fp8_e4m3 needs fp8 support .* falling back to int8"):
             s = KVStore(cfg, fp8_check=no_fp8)
     assert seen == [torch.device("cpu")]

@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.planner import plan_config
+from pagedkv.config.planner import plan_config
 
 SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 

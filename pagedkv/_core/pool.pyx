@@ -44,7 +44,7 @@ import numpy as np
 from pagedkv._core.evict import POLICY_NAMES
 from pagedkv.errors import (ArgumentTypeError, CacheBusyError, HostMemoryError, InternalError,
                             InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected)
-from pagedkv.memory_check import check_fits
+from pagedkv.config.memory import check_fits
 
 cnp.import_array()
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError, expected
 
 if TYPE_CHECKING:   # the demo imports torch-backed modules lazily, so `--help` stays fast
-    from pagedkv.cache import PagedKVCache
+    from pagedkv.manager.cache import PagedKVCache
 
 HELP = "serve concurrent chat requests with continuous batching over a paged KV cache"
 
@@ -275,8 +275,8 @@ def _load(name: str):
 def build_kv(model, args):
     import torch
 
-    from pagedkv.cache import PagedKVCache
-    from pagedkv.config import CacheConfig
+    from pagedkv.config.options import CacheConfig
+    from pagedkv.manager.cache import PagedKVCache
 
     cfg = CacheConfig.from_hf_config(model.config, num_blocks=args.num_blocks, block_size=args.block_size,
                                      dtype=torch.float32, kv_dtype=args.kv_dtype, kv_key_quant=args.kv_key_quant,
@@ -285,7 +285,7 @@ def build_kv(model, args):
 
 
 def report(result: DemoResult, tokenizer, out=None) -> None:
-    from pagedkv.config import format_bytes
+    from pagedkv.config.options import format_bytes
 
     out = sys.stdout if out is None else out  # looked up late, so captured stdout works
 

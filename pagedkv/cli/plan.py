@@ -1,13 +1,13 @@
-"""``pagedkv plan``: size a KV cache for a model and a memory budget (see :mod:`pagedkv.planner`)."""
+"""``pagedkv plan``: size a KV cache for a model and a memory budget (see :mod:`pagedkv.config.planner`)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from pagedkv.config import CacheConfig
+from pagedkv.config.options import CacheConfig
+from pagedkv.config.planner import plan_config
 from pagedkv.errors import InvalidArgumentError, PagedKVError, expected
-from pagedkv.planner import plan_config
 
 HELP = "size a KV cache: blocks, tokens and full-length sequences that fit a memory budget"
 

@@ -21,7 +21,7 @@ imported on first use, so ``import pagedkv.compat`` needs no torch.
 
 Core calls the adapters use in place of their own machinery: seed 000's compaction is
 ``PagedKVCache.compact`` (``relocate`` underneath), and seed 002's contiguous runs come
-from :class:`pagedkv.buddy.BuddyAllocator` over the cache's one ``BlockPool``.
+from :class:`pagedkv.manager.buddy.BuddyAllocator` over the cache's one ``BlockPool``.
 """
 from __future__ import annotations
 

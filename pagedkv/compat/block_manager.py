@@ -2,9 +2,9 @@
 
 Blocks are allocated one at a time or in atomic batches for integer sequence ids, and
 any single block can be freed again, so a sequence's blocks are an unordered set, not
-an append-only table. That rules out :class:`~pagedkv.cache.PagedKVCache`'s block
+an append-only table. That rules out :class:`~pagedkv.manager.cache.PagedKVCache`'s block
 tables; the manager sits directly on a :class:`~pagedkv._core.pool.BlockPool` (the
-allocator: ref counts, free queue, counters) and a :class:`~pagedkv.store.KVStore`
+allocator: ref counts, free queue, counters) and a :class:`~pagedkv.store.kvstore.KVStore`
 (the tensors), and keeps only the sequence -> blocks map itself.
 
 No tensor is allocated per block. The seed created two ``[num_layers, num_heads,
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv._core.pool import BlockPool
-from pagedkv.config import CacheConfig
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InternalError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected
 
 __all__ = ["BlockAllocationResult", "BlockManagerStats", "MemoryBlock", "KVCacheBlockManager"]
@@ -154,7 +154,7 @@ class KVCacheBlockManager:
         self.pool = BlockPool(self.config.resolved_num_blocks)
         self._store = None
         if allocate_tensors:
-            from pagedkv.store import KVStore
+            from pagedkv.store.kvstore import KVStore
 
             self._store = KVStore(self.config)
         self._lock = threading.RLock()

@@ -1,4 +1,4 @@
-"""Seed 000 (``ContinuousBatchKVCacheManager``) on a :class:`~pagedkv.cache.PagedKVCache`.
+"""Seed 000 (``ContinuousBatchKVCacheManager``) on a :class:`~pagedkv.manager.cache.PagedKVCache`.
 
 A request is a sequence of the cache; a page is a block (``page_size_tokens`` must
 equal the cache's ``block_size``). Allocating reserves whole pages for the request
@@ -35,8 +35,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pagedkv.cache import PagedKVCache
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, SequenceExistsError, expected
+from pagedkv.manager.cache import PagedKVCache
 
 __all__ = ["KVCacheConfiguration", "CachePage", "CacheAllocation", "ContinuousBatchKVCacheManager"]
 
@@ -266,7 +266,7 @@ class ContinuousBatchKVCacheManager:
         int32 (src, dst) moves; with a bookkeeping-only cache (no store) nothing is
         copied, and the caller must copy these pairs before the cache allocates again.
 
-        Done by the cache's :meth:`~pagedkv.cache.PagedKVCache.compact` over this
+        Done by the cache's :meth:`~pagedkv.manager.cache.PagedKVCache.compact` over this
         manager's device-resident requests: any of them moves (prefix-registered,
         namespaced, with token ids), but only the blocks it holds alone; blocks shared
         by forks or prefix hits, and other users' sequences, stay where they are.

@@ -5,7 +5,7 @@ sequence owns ONE contiguous run of blocks, so its K (or V) for a layer is a sin
 zero-copy tensor view. Two allocators of runs:
 
 - ``allocator="buddy"``: :class:`BuddyBlockAllocator`, pagedkv's
-  :class:`~pagedkv.buddy.BuddyAllocator` over a :class:`~pagedkv._core.pool.BlockPool`:
+  :class:`~pagedkv.manager.buddy.BuddyAllocator` over a :class:`~pagedkv._core.pool.BlockPool`:
   power-of-two runs, ``O(log n)`` allocate and free, and :meth:`KVCache.grow_for`
   grows a run by merging its free buddies in place, or by moving it (the K/V copied).
   A request's run is its block count rounded up to a power of two.
@@ -46,8 +46,7 @@ import numpy as np
 import torch
 
 from pagedkv._core.pool import BlockPool
-from pagedkv.buddy import BuddyAllocator
-from pagedkv.config import CacheConfig
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import (
     InvalidArgumentError,
     InvalidBlockError,
@@ -56,6 +55,7 @@ from pagedkv.errors import (
     SequenceNotFoundError,
     expected,
 )
+from pagedkv.manager.buddy import BuddyAllocator
 
 __all__ = ["KVHandle", "INVALID_HANDLE", "KVBlockAllocator", "BuddyBlockAllocator", "KVCache"]
 

@@ -3,7 +3,7 @@
 ``CacheConfig``, ``BlockAllocator``, ``BlockTable`` and ``KVCacheManager`` keep the
 seed's names and behaviour, but own no allocator of their own: a ``BlockAllocator``
 is a :class:`~pagedkv._core.pool.BlockPool`, and a ``KVCacheManager`` is a
-:class:`~pagedkv.cache.PagedKVCache` (its pool, block tables and KV store).
+:class:`~pagedkv.manager.cache.PagedKVCache` (its pool, block tables and KV store).
 
 Where the seed raises ``RuntimeError`` (allocation failure, freeing or sharing a block
 that is not allocated) the adapter raises pagedkv's typed error, in a subclass that is
@@ -41,8 +41,7 @@ import numpy as np
 import torch
 
 from pagedkv._core.pool import BlockPool
-from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig as _PagedKVConfig
+from pagedkv.config.options import CacheConfig as _PagedKVConfig
 from pagedkv.errors import (
     DeviceError,
     InvalidArgumentError,
@@ -51,7 +50,8 @@ from pagedkv.errors import (
     SequenceNotFoundError,
     expected,
 )
-from pagedkv.pool_view import PoolView
+from pagedkv.manager.cache import PagedKVCache
+from pagedkv.manager.pool_view import PoolView
 
 __all__ = [
     "AllocatorOutOfBlocksError",

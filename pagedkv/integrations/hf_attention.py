@@ -11,7 +11,7 @@ Usage::
 A :class:`~pagedkv.integrations.transformers.PagedCache` made with
 ``paged_attention=True`` writes each layer's new K/V and returns them tagged with a
 *ticket* (the cache, the layer and the pass's page table); :func:`attention_forward`
-then runs :meth:`pagedkv.cache.PagedKVCache.attention` over the pages, with no gather
+then runs :meth:`pagedkv.manager.cache.PagedKVCache.attention` over the pages, with no gather
 and no padded K/V tensor. Any call without a ticket (another cache, a layer the cache
 still serves by gathering) runs transformers' SDPA attention unchanged, so the
 registered name is safe to use everywhere. The cache checks that every ticket was

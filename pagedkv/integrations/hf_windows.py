@@ -1,7 +1,7 @@
 """Per-layer-group step plans for :class:`~pagedkv.integrations.transformers.PagedCache`.
 
 With sliding-window layers the paged cache keeps one set of block tables per layer
-group (see :mod:`pagedkv.layer_groups`), so every group needs its own page table for
+group (see :mod:`pagedkv.groups.layers`), so every group needs its own page table for
 the gathers, and a sliding layer must return what transformers'
 ``DynamicSlidingWindowLayer`` returns: the last ``min(cached, W - 1)`` cached columns,
 then this pass's ``q`` columns, ``[B, H, min(cached, W - 1) + q, D]``. Its mask sizes

@@ -1,4 +1,4 @@
-"""A transformers ``Cache`` whose keys and values live in a :class:`~pagedkv.cache.PagedKVCache`.
+"""A transformers ``Cache`` whose keys and values live in a :class:`~pagedkv.manager.cache.PagedKVCache`.
 
 Usage with ``generate``::
 
@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedkv.cache import PagedKVCache
 from pagedkv.errors import InternalError, InvalidArgumentError, ShapeError, expected
 from pagedkv.integrations import hf_attention, hf_windows
+from pagedkv.manager.cache import PagedKVCache
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin

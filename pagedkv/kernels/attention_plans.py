@@ -30,7 +30,6 @@ import math
 import numpy as np
 import torch
 
-from pagedkv import op_checks as checks
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.kernels import sources
 from pagedkv.kernels.plans import (
@@ -49,7 +48,8 @@ from pagedkv.kernels.plans import (
     _ptr,
     _rot_dims,
 )
-from pagedkv.quant import MODEL_DTYPES
+from pagedkv.store import op_checks as checks
+from pagedkv.store.quant import MODEL_DTYPES
 
 __all__ = ["ATTN_FLOATS", "ATTN_MAX_TILE", "ATTN_MAX_ROWS", "ATTN_THREADS", "DEFAULT_SMS", "Tiling",
            "tiling", "auto_splits", "plan_paged_attention"]

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv import dtypes
-from pagedkv import op_checks as checks
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.kernels import sources
+from pagedkv.store import dtypes
+from pagedkv.store import op_checks as checks
 
 __all__ = [
     "Launch",

@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedkv import dtypes
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.store import dtypes
 
 __all__ = [
     "KernelSource",

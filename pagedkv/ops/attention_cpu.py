@@ -14,7 +14,7 @@ import torch
 from pagedkv.ops import _cpu_attention as _ca
 from pagedkv.ops import _cpu_quant as _q
 from pagedkv.ops.attention_reference import AttentionPlan, attend_reference
-from pagedkv.rotation import rotate, unrotate
+from pagedkv.store.rotation import rotate, unrotate
 
 __all__ = ["attend"]
 

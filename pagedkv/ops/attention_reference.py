@@ -25,7 +25,7 @@ reads from a store with ``kv_window``/``kv_sink_tokens``: for sequence ``b`` wit
 ``lo = max(0, L - recent)`` and ``head = min(sink, lo)``, a key at position ``p`` with
 ``p < head`` or ``p >= lo`` whose page ``blk`` has a slot ``s = slot_of[blk] >= 0`` and
 ``valid[s, p % bs]`` is read from ``data[s, :, p % bs]`` (model precision, unrotated)
-instead of from the (quantized) arena. This is :meth:`pagedkv.window.RecentWindow.overlay`
+instead of from the (quantized) arena. This is :meth:`pagedkv.store.window.RecentWindow.overlay`
 with no pending tokens.
 
 Rotation (``rotation_signs`` of a rotated arena): the definition is in the unrotated
@@ -41,7 +41,6 @@ from typing import NamedTuple, cast
 import numpy as np
 import torch
 
-from pagedkv import op_checks
 from pagedkv.errors import (
     DeviceError,
     DTypeError,
@@ -49,7 +48,8 @@ from pagedkv.errors import (
     ShapeError,
     expected,
 )
-from pagedkv.quant import MODEL_DTYPES
+from pagedkv.store import op_checks
+from pagedkv.store.quant import MODEL_DTYPES
 
 __all__ = ["ExactRows", "AttentionPlan", "check_attention", "paged_attention", "index_array"]
 

@@ -13,7 +13,7 @@ A backend is any object (in practice a module) with the six data ops of
 
 Backends load on first use, so importing :mod:`pagedkv.ops` needs neither
 cuda-python nor a compiler. ``pagedkv.kernels`` does not import ``pagedkv.ops``
-(both validate through :mod:`pagedkv.op_checks`), so the dependency runs one way.
+(both validate through :mod:`pagedkv.store.op_checks`), so the dependency runs one way.
 """
 from __future__ import annotations
 

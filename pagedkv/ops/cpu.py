@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv import dtypes
 from pagedkv.errors import DeviceError, KernelUnavailableError, expected
 from pagedkv.ops import reference as _ref
+from pagedkv.store import dtypes
 
 try:
     from pagedkv.ops import _cpu_copy as _c

@@ -19,7 +19,7 @@ Shapes (``NB`` blocks, ``bs`` tokens per block, ``H`` kv heads, ``D`` head dim):
 Every function validates all its inputs before touching any tensor, so a call that
 raises leaves every arena unchanged. Nothing is cast silently: a dtype mismatch is a
 :class:`~pagedkv.errors.DTypeError`. The checks (``check_*``) live in
-:mod:`pagedkv.op_checks`, shared by every backend (and re-exported here).
+:mod:`pagedkv.store.op_checks`, shared by every backend (and re-exported here).
 
 Duplicate non-negative slots in one :func:`write_kv` call are the caller's bug:
 which of the tokens lands is unspecified (as in every GPU implementation).
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv import dtypes
-from pagedkv import op_checks as _op_checks
 from pagedkv.errors import ShapeError, expected
-from pagedkv.op_checks import (  # re-exported: the checks were first published here
+from pagedkv.store import dtypes
+from pagedkv.store import op_checks as _op_checks
+from pagedkv.store.op_checks import (  # re-exported: the checks were first published here
     LAYOUTS,
     Arenas,
     LayerGeometry,
@@ -60,8 +60,8 @@ from pagedkv.op_checks import (  # re-exported: the checks were first published 
     validate_copy_blocks,
     validate_swap_blocks,
 )
-from pagedkv.quant import dequantize, dequantize_key_channels, is_quantized, quantize, quantize_key_block
-from pagedkv.rotation import rotate, unrotate
+from pagedkv.store.quant import dequantize, dequantize_key_channels, is_quantized, quantize, quantize_key_block
+from pagedkv.store.rotation import rotate, unrotate
 
 __all__ = [
     "write_kv",
@@ -157,7 +157,7 @@ def write_kv(
         kv_scale: quantized only: float32 NHD ``[NB, 2, bs, H]`` / HND ``[NB, 2, H, bs]``.
         kv_zero: int8 only: float32, shaped like ``kv_scale``.
         rotation_signs: quantized only: float32 ``[D]`` signs; the rows stored are
-            :func:`pagedkv.rotation.rotate` of the float32 K/V (then quantized).
+            :func:`pagedkv.store.rotation.rotate` of the float32 K/V (then quantized).
 
     Raises:
         InvalidArgumentError: a slot is ``>= NB * bs`` (checked before any write).
@@ -200,7 +200,7 @@ def seal_key_blocks(
         keys: ``[M, bs, H, D]`` the blocks' exact keys, float32/float16/bfloat16.
         key_scale, key_zero: bfloat16 ``[NB, H, D]`` (see :func:`gather_kv`).
 
-    Block ``blocks[i]`` gets :func:`pagedkv.quant.quantize_key_block` of ``keys[i]``: its K
+    Block ``blocks[i]`` gets :func:`pagedkv.store.quant.quantize_key_block` of ``keys[i]``: its K
     plane's codes, and its rows of ``key_scale``/``key_zero``. Nothing else changes.
 
     Raises:
@@ -269,12 +269,12 @@ def gather_kv(
         kv_scale, kv_zero: quantized only (see :func:`write_kv`).
         out_key, out_value: optional contiguous ``[sum(seq_lens), H, D]`` outputs.
         rotation_signs: quantized only: float32 ``[D]`` signs of a rotated arena; each
-            row is dequantized to float32, :func:`pagedkv.rotation.unrotate`-d, then
+            row is dequantized to float32, :func:`pagedkv.store.rotation.unrotate`-d, then
             converted to ``out_dtype``.
         key_scale, key_zero: int4 only: bfloat16 ``[NB, H, D]`` per-channel parameters
-            of block keys (:func:`pagedkv.quant.quantize_key_block`). A K row whose
+            of block keys (:func:`pagedkv.store.quant.quantize_key_block`). A K row whose
             ``key_scale[block, head, 0]`` is nonzero is dequantized from them
-            (:func:`pagedkv.quant.dequantize_key_channels`; no unrotation), every
+            (:func:`pagedkv.store.quant.dequantize_key_channels`; no unrotation), every
             other K row from ``kv_scale``/``kv_zero`` as usual. V rows are unaffected.
 
     Returns:

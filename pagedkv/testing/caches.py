@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from pagedkv._core.prefix import PrefixIndex
-from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
+from pagedkv.config.options import CacheConfig
+from pagedkv.manager.cache import PagedKVCache
 
 __all__ = ["weak_hash_cache"]
 
@@ -16,7 +16,7 @@ class _WeakHashCache(PagedKVCache):
 
 
 def weak_hash_cache(config: CacheConfig, *, allocate_store: bool = True) -> PagedKVCache:
-    """A :class:`~pagedkv.cache.PagedKVCache` whose prefix index uses the core's 4-valued
+    """A :class:`~pagedkv.manager.cache.PagedKVCache` whose prefix index uses the core's 4-valued
     block hash (``PrefixIndex(weak_hash=True)``): distinct prefixes collide constantly,
     so tests can prove that a collision costs a miss and never serves wrong KV.
     Never use it outside tests: every lookup degrades to token comparisons."""

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import HostMemoryError, InvalidArgumentError, TierFileError, TierStorageError, expected
-from pagedkv.kvformat import differences, shown
+from pagedkv.store.format import differences, shown
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ROOT_HASH, ChainIndex, chain_hash, slot_dtype
 from pagedkv.tiers.tierdir import TierDir, storage_error
@@ -78,7 +78,7 @@ class DiskPrefixTier(Tier):
 
     Args:
         kv_format: what the files must have been written for (see
-            :func:`pagedkv.kvformat.kv_format`); any difference refuses the directory.
+            :func:`pagedkv.store.format.kv_format`); any difference refuses the directory.
         verify_blocks: check every block's CRC when opening (a full read).
     """
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagedkv.memory_check import arena_bytes, check_fits
+from pagedkv.config.memory import arena_bytes, check_fits
 from pagedkv.tiers.base import Tier, mirror_arenas
 from pagedkv.tiers.chain import ChainIndex, slot_dtype
 

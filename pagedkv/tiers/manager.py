@@ -33,9 +33,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pagedkv.errors import TierFileError
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
-from pagedkv.group_tables import GROUP_NS_BITS, group_key
-from pagedkv.kvformat import kv_format
+from pagedkv.groups.tables import GROUP_NS_BITS, group_key
+from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.store.format import kv_format
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT
 from pagedkv.tiers.disk import DiskPrefixTier
@@ -63,15 +63,15 @@ class PrefixTiers:
     """The prefix tiers below one cache's device index.
 
     Args:
-        config: the cache's :class:`~pagedkv.config.CacheConfig`.
+        config: the cache's :class:`~pagedkv.config.options.CacheConfig`.
         index: the device :class:`~pagedkv._core.prefix.PrefixIndex`.
-        store: the :class:`~pagedkv.store.KVStore` (the tiers copy its arenas' blocks).
+        store: the :class:`~pagedkv.store.kvstore.KVStore` (the tiers copy its arenas' blocks).
         pool: the device :class:`~pagedkv._core.pool.BlockPool` (free blocks, pins).
         namespaces: ``key_of``, ``name``, ``hash_of_key`` and ``name_of_key`` of device
             namespace ids (the cache's registry, or a
-            :class:`~pagedkv.group_tables.GroupNamespaces` over it with layer groups).
+            :class:`~pagedkv.groups.tables.GroupNamespaces` over it with layer groups).
         tables: what admissions promote into: the ``BlockTables``, or the
-            :class:`~pagedkv.group_tables.GroupTables` (each group's blocks come from
+            :class:`~pagedkv.groups.tables.GroupTables` (each group's blocks come from
             its own chain in the tiers, filed under its group's namespace).
     """
 

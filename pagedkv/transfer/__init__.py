@@ -1,1 +1,1 @@
-"""KV transfer between processes; the public entry points are in :mod:`pagedkv.distributed`."""
+"""KV transfer between processes; the public entry points are in :mod:`pagedkv.transfer.distributed`."""

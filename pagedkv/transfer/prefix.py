@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
-from pagedkv.cache import as_token_ids, namespace_key
+from pagedkv.config.support import require
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
-from pagedkv.support import require
+from pagedkv.manager.cache import as_token_ids, namespace_key
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
 from pagedkv.transfer.protocol import (
     MAX_TOKENS,

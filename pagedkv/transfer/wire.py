@@ -342,7 +342,7 @@ class Link:
     # ---- recent-window rows -------------------------------------------------------------------
     def send_window(self, window, blocks: Sequence[int]) -> None:
         """After :meth:`send_blocks`: the model-precision window rows that ``window`` (a
-        :class:`~pagedkv.window.RecentWindow`, or None) holds for ``blocks``, so the
+        :class:`~pagedkv.store.window.RecentWindow`, or None) holds for ``blocks``, so the
         receiver reads the sequence's newest tokens exactly as this side does."""
         if window is None or not len(blocks):
             self.send_json({"window": []}, "sending the window rows")

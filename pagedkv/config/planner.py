@@ -6,7 +6,7 @@ KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x element bytes,
 for quantized storage, one float32 scale (and for int8 one float32 zero point) per
 (K/V, layer, kv head).
 
-Sliding-window layers (see :mod:`pagedkv.layer_groups`): a block holds one layer
+Sliding-window layers (see :mod:`pagedkv.groups.layers`): a block holds one layer
 group's layer slots, and a sequence holds blocks in every group. A full-attention group
 grows with the context; a sliding one stops at its window (plus sinks). So a sequence
 of L tokens costs ``context_bytes_per_token * L`` (full groups) plus at most
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pagedkv.config import CacheConfig, format_bytes, show
+from pagedkv.config.options import CacheConfig, format_bytes, show
 from pagedkv.errors import InvalidArgumentError, expected
 
 __all__ = ["PlanResult", "plan", "plan_config"]

@@ -1,4 +1,4 @@
-"""Block tables per layer group, over the one shared pool (see :mod:`pagedkv.layer_groups`).
+"""Block tables per layer group, over the one shared pool (see :mod:`pagedkv.groups.layers`).
 
 A cache whose model mixes full-attention and sliding-window layers keeps one
 :class:`~pagedkv._core.tables.BlockTables` per layer group: a full group keeps every
@@ -26,7 +26,7 @@ import numpy as np
 from pagedkv._core.prefix import hash_bytes
 from pagedkv._core.tables import BlockTables
 from pagedkv.errors import InternalError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected
-from pagedkv.layer_groups import GroupPlan
+from pagedkv.groups.layers import GroupPlan
 
 __all__ = ["GroupTables", "GroupNamespaces", "GROUP_NS_BITS", "group_key"]
 

@@ -39,7 +39,7 @@ import threading
 import numpy as np
 import torch
 
-from pagedkv.memory_check import arena_bytes, check_fits
+from pagedkv.config.memory import arena_bytes, check_fits
 
 __all__ = ["RecentWindow", "blocks_of_csr", "blocks_of_padded"]
 
@@ -93,7 +93,7 @@ class RecentWindow:
     @staticmethod
     def needs(option: str, value, num_layers: int, num_blocks: int, capacity: int, block_size: int,
               num_heads: int, head_dim: int, dtype: torch.dtype):
-        """Size-check entries (:mod:`pagedkv.memory_check`) of the arenas ``__init__``
+        """Size-check entries (:mod:`pagedkv.config.memory`) of the arenas ``__init__``
         allocates: the data and validity arenas, and the slot maps (host arrays, counted
         with the device arenas: they are a small fraction of them)."""
         data = arena_bytes(option, value, (num_layers, capacity, 2, block_size, num_heads, head_dim), dtype.itemsize)

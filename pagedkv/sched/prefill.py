@@ -1,7 +1,7 @@
-"""Chunked prefill over a :class:`~pagedkv.cache.PagedKVCache` (seed 004).
+"""Chunked prefill over a :class:`~pagedkv.manager.cache.PagedKVCache` (seed 004).
 
 A long prompt is computed in chunks (512-2048 tokens by default, see
-:mod:`pagedkv.chunking`), one after the other. For each chunk the driver reserves
+:mod:`pagedkv.sched.chunking`), one after the other. For each chunk the driver reserves
 slots, calls the caller's forward step, and commits the chunk, so blocks are taken
 chunk by chunk (never for the whole prompt up front) and a cancelled or failed
 prefill leaves every finished chunk in the cache::
@@ -43,9 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.cache import PagedKVCache, as_token_ids
-from pagedkv.chunking import ChunkPolicy, ChunkState
 from pagedkv.errors import InvalidArgumentError, PrefillCancelledError, expected
+from pagedkv.manager.cache import PagedKVCache, as_token_ids
+from pagedkv.sched.chunking import ChunkPolicy, ChunkState
 
 __all__ = ["PrefillChunk", "PrefillProgress", "PrefillResult", "ChunkedPrefill", "chunked_prefill"]
 

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pagedkv.config import format_bytes
+from pagedkv.config.options import format_bytes
 
 __all__ = ["CacheStats", "GroupStats", "render_block_map"]
 
@@ -65,7 +65,7 @@ class CacheStats:
         """Read the figures from the core objects (``BlockPool``, ``BlockTables``), the
         ``CacheConfig``, the host tier (``HostTier`` or None), the prefix tiers
         (:class:`~pagedkv.tiers.PrefixTiers` or None) and the layer groups
-        (:class:`~pagedkv.group_tables.GroupTables` or None, whose ``tables[0]`` is
+        (:class:`~pagedkv.groups.tables.GroupTables` or None, whose ``tables[0]`` is
         ``tables``), under the caller's lock. With groups, waste and copy-on-write
         copies add up every group's; tokens and prefix hits are per sequence (every
         group holds the same tokens and admits the same hit)."""

@@ -6,12 +6,12 @@ host-tier copy of the same arenas with ``host_num_blocks`` blocks for offload. T
 store allocates once, at construction; nothing is allocated per block at run time.
 The store moves bytes; which block goes where is the caller's decision.
 
-Low-bit options (see :class:`~pagedkv.config.CacheConfig`): layers named in
+Low-bit options (see :class:`~pagedkv.config.options.CacheConfig`): layers named in
 ``kv_full_precision_layers`` live in a second, model-dtype arena; a rotated cache
-stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.rotation`) and unrotates on read,
+stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.store.rotation`) and unrotates on read,
 both inside the data ops (``rotation_signs``, fused into the CPU loops and kernels); a
 cache with ``kv_window`` also keeps each sequence's newest tokens in model precision
-(:mod:`pagedkv.window`).
+(:mod:`pagedkv.store.window`).
 """
 from __future__ import annotations
 
@@ -23,18 +23,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagedkv import dtypes, ops
-from pagedkv.block_keys import BlockKeys
-from pagedkv.config import CacheConfig
+from pagedkv import ops
+from pagedkv.config.memory import arena_bytes, check_device, check_fits
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.memory_check import arena_bytes, check_device, check_fits
 from pagedkv.ops import reference
-from pagedkv.rotation import rotate, rotation_signs
-from pagedkv.window import RecentWindow, blocks_of_csr, blocks_of_padded
+from pagedkv.store import dtypes
+from pagedkv.store.block_keys import BlockKeys
+from pagedkv.store.rotation import rotate, rotation_signs
+from pagedkv.store.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
 
-_log = logging.getLogger("pagedkv.store")
+_log = logging.getLogger("pagedkv.store.kvstore")
 
 #: First CUDA compute capability with fp8 support (Ada, sm_89).
 FP8_MIN_CAPABILITY = (8, 9)
@@ -72,7 +73,7 @@ class KVStore:
         kv_scale, kv_zero: ``config.scale_arena_shape``-like arenas (float32; int3
             bfloat16), or None.
         kv_full: model-dtype arena of ``kv_full_precision_layers``, or None.
-        window: the :class:`~pagedkv.window.RecentWindow`, or None.
+        window: the :class:`~pagedkv.store.window.RecentWindow`, or None.
         rotation_signs: float32 ``[head_dim]`` signs of the rotation, or None.
         host_kv, host_kv_scale, host_kv_zero, host_kv_full: the host tier
             (``host_num_blocks`` blocks; pinned when the device is CUDA), or None.
@@ -94,7 +95,7 @@ class KVStore:
             _log.warning(msg)
             config = dataclasses.replace(config, kv_dtype="int8")
         self.config = config
-        # With layer groups the "layers" here are a block's layer slots (pagedkv.layer_groups).
+        # With layer groups the "layers" here are a block's layer slots (pagedkv.groups.layers).
         full = config.full_precision_slots
         quant = config.quantized_slots if config.quantized else tuple(range(config.arena_layers))
         # layer slot -> (quantized?, index in its arena)
@@ -147,7 +148,7 @@ class KVStore:
         return [(shape, cfg.torch_cache_dtype), scale, zero, kscale, kzero, full]
 
     def _arena_needs(self, option: str, value, num_blocks: int):
-        """Size-check entries (see :mod:`pagedkv.memory_check`) of the arenas for ``num_blocks``."""
+        """Size-check entries (see :mod:`pagedkv.config.memory`) of the arenas for ``num_blocks``."""
         return [(option, value, arena_bytes(option, value, spec[0], spec[1].itemsize))
                 for spec in self._arena_specs(num_blocks) if spec is not None]
 
@@ -222,7 +223,7 @@ class KVStore:
 
     def layer_key_params(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer block-key ``(scale, zero)`` views ``[NB, H, D]`` (bfloat16; see
-        :func:`pagedkv.quant.quantize_key_block`), or ``(None, None)``."""
+        :func:`pagedkv.store.quant.quantize_key_block`), or ``(None, None)``."""
         main, i = self._where[self._layer_index(layer)]
         if not main or self.key_scale is None:
             return None, None

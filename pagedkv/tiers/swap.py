@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv._core.pool import BYTES_PER_BLOCK, BlockPool
+from pagedkv.config.memory import check_fits
 from pagedkv.errors import InternalError, InvalidArgumentError, OutOfBlocksError, SequenceNotFoundError, expected
-from pagedkv.memory_check import check_fits
 
 __all__ = ["HostTier"]
 
@@ -37,9 +37,9 @@ class HostTier:
 
     Args:
         tables: the device :class:`~pagedkv._core.tables.BlockTables`, or the
-            :class:`~pagedkv.group_tables.GroupTables` of a cache with sliding-window
+            :class:`~pagedkv.groups.tables.GroupTables` of a cache with sliding-window
             layer groups (and through it the device pool).
-        store: the :class:`~pagedkv.store.KVStore` holding both arenas, or None for
+        store: the :class:`~pagedkv.store.kvstore.KVStore` holding both arenas, or None for
             bookkeeping only (no bytes move).
         num_blocks: host blocks.
         namespace_hash: ``ns_id -> ns_hash`` of the manager's namespace registry, to

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.arguments import tensor_values
 from pagedkv.errors import InvalidArgumentError, SequenceNotFoundError, ShapeError, expected
+from pagedkv.manager.arguments import tensor_values
 
 __all__ = ["SequenceIds", "strict_key", "BATCH_TYPES"]
 

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pagedkv import dtypes
+from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
-from pagedkv.gguf_metadata import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
-from pagedkv.layer_groups import GroupPlan, layer_windows_from_hf, plan_groups
+from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
+from pagedkv.store import dtypes
 
 __all__ = [
     "CacheConfig",
@@ -217,7 +217,7 @@ class CacheConfig:
     - ``kv_key_quant``: int4 only: ``"token"`` (default: keys quantized per token, as
       values) or ``"block"``: once a block's ``block_size`` keys are all written, they
       are requantized per channel over the block (KIVI's per-channel keys, aligned to
-      blocks; :func:`pagedkv.quant.quantize_key_block`), from the model-precision
+      blocks; :func:`pagedkv.store.quant.quantize_key_block`), from the model-precision
       copies the window arena holds. A block that never fills, or whose copies left the
       window arena first (more than ``kv_window_sequences`` sequences writing at once),
       keeps its per-token keys. The window arena exists even with ``kv_window=0``.
@@ -237,7 +237,7 @@ class CacheConfig:
     down when the device evicts it) or ``"through"`` (also when it is registered);
     ``prefix_tier_eviction`` is ``"lru"`` or ``"frequency"``.
 
-    Sliding-window layers (see :mod:`pagedkv.layer_groups`): ``layer_windows`` gives
+    Sliding-window layers (see :mod:`pagedkv.groups.layers`): ``layer_windows`` gives
     each layer's window in tokens (0 = full attention; ``from_hf_config`` reads it from
     the model), ``attention_sinks`` the leading tokens every sliding layer keeps. Layers
     then form groups, a block holds :attr:`arena_layers` layer slots of one group, and
@@ -769,7 +769,7 @@ class CacheConfig:
         Args:
             config: a ``transformers`` config object, a plain dict, or a path to a
                 ``config.json`` (or to a directory holding one), or to a GGUF model
-                file (its metadata header is read, see :mod:`pagedkv.gguf_metadata`;
+                file (its metadata header is read, see :mod:`pagedkv.config.gguf`;
                 no ``gguf`` package needed). Multimodal configs use
                 their language model's ``text_config`` (also ``llm_config``,
                 ``language_config``).
@@ -780,7 +780,7 @@ class CacheConfig:
         Reads ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``
         (absent or None: MHA, so ``num_attention_heads``) and ``head_dim`` (absent or
         None: ``hidden_size // num_attention_heads``), and each layer's attention window
-        (see :func:`pagedkv.layer_groups.layer_windows_from_hf`).
+        (see :func:`pagedkv.groups.layers.layer_windows_from_hf`).
         """
         src = _text_config(_as_mapping(config))
         get = lambda *names: _first(src, names)  # noqa: E731

@@ -87,8 +87,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv import dtypes
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.store import dtypes
 
 __all__ = [
     "FP8_E4M3_MAX",

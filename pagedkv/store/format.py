@@ -1,7 +1,7 @@
 """The KV format of a cache: what two caches (two processes, or a process and a disk
 tier written by another) must agree on for a block's bytes to mean the same thing.
 
-The format is derived here, in one place, from the :class:`~pagedkv.config.CacheConfig`:
+The format is derived here, in one place, from the :class:`~pagedkv.config.options.CacheConfig`:
 every dataclass field of CacheConfig is classified below, either in :data:`STORED`
 (it changes what a stored block's bytes mean, and enters the fingerprint) or in
 :data:`NOT_STORED` (with the reason it does not). A field in neither table is a bug
@@ -112,10 +112,10 @@ def fingerprint(config) -> dict[str, Any]:
     when a field of ``config`` is not classified (or a classified name is gone)."""
     missing, gone = unclassified(type(config))
     if missing:
-        raise InternalError(f"CacheConfig field(s) {missing} not classified in pagedkv.kvformat "
+        raise InternalError(f"CacheConfig field(s) {missing} not classified in pagedkv.store.format "
                             "(STORED or NOT_STORED)")
     if gone:
-        raise InternalError(f"classified in pagedkv.kvformat but not CacheConfig fields: {gone}")
+        raise InternalError(f"classified in pagedkv.store.format but not CacheConfig fields: {gone}")
     out: dict[str, Any] = {"format": FORMAT}
     for derive in STORED.values():
         out.update(derive(config))

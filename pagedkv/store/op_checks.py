@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import torch
 
-from pagedkv import dtypes
 from pagedkv.errors import (
     DeviceError,
     DTypeError,
@@ -25,7 +24,8 @@ from pagedkv.errors import (
     ShapeError,
     expected,
 )
-from pagedkv.quant import MODEL_DTYPES, is_quantized
+from pagedkv.store import dtypes
+from pagedkv.store.quant import MODEL_DTYPES, is_quantized
 
 __all__ = [
     "LAYOUTS",
@@ -247,7 +247,7 @@ def check_rotation(rotation_signs: object, geo: LayerGeometry, device: torch.dev
 
 def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, device: torch.device) -> bool:
     """Structural checks of a gather's per-channel key parameters (int4 block keys,
-    :func:`pagedkv.quant.quantize_key_block`): both None, or both contiguous bfloat16
+    :func:`pagedkv.store.quant.quantize_key_block`): both None, or both contiguous bfloat16
     ``[num_blocks, H, head_dim]`` on the arena's device, for an int4 layer. Returns
     whether they were given. The values are not read (a zero scale is data: that
     (block, head) still holds per-token keys)."""

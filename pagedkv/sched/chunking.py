@@ -34,7 +34,7 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedkv.config import parse_bytes
+from pagedkv.config.options import parse_bytes
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PrefillMemoryError, expected
 
 __all__ = [

@@ -17,17 +17,17 @@ included, because the core's batch loops release the GIL while they mutate. The 
 calls (:meth:`write`, the read of :meth:`gather`, :meth:`gather_pages`) run outside it,
 so that sequences' KV moves in parallel; the one store state they share between
 sequences, the window arena's slot map (``kv_window``, ``kv_sink_tokens``), has its own
-lock (:mod:`pagedkv.window`). The core classes used directly are not thread-safe. Reads of the store that race with writes of
+lock (:mod:`pagedkv.store.window`). The core classes used directly are not thread-safe. Reads of the store that race with writes of
 the same slots are the caller's business, as with any KV cache.
 
-Sequence ids may be any hashable (see :mod:`pagedkv.seq_ids` for the rule: a list, a
+Sequence ids may be any hashable (see :mod:`pagedkv.manager.seq_ids` for the rule: a list, a
 ``range`` or a 1-D array is a batch, anything else, tuples included, is one id).
 Non-negative ints address the core directly, so a batch call given an int64 NumPy
 array crosses into Cython once with no per-id Python work; other ids are interned to
 private negative keys, and errors always name the caller's id.
 
 Bad input raises a typed :mod:`pagedkv.errors` error (checks in
-:mod:`pagedkv.arguments`), and a call that raises changes nothing.
+:mod:`pagedkv.manager.arguments`), and a call that raises changes nothing.
 """
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ import numpy as np
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
-from pagedkv.arguments import as_count, as_counts, as_int, as_token_ids, optional_int, tensor_values
-from pagedkv.config import CacheConfig, format_bytes
+from pagedkv.config.options import CacheConfig, format_bytes
 from pagedkv.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -53,14 +52,15 @@ from pagedkv.errors import (
     SequenceNotFoundError,
     expected,
 )
-from pagedkv.events import KVEvent, events_from_records
-from pagedkv.namespaces import NamespaceRegistry, namespace_key
-from pagedkv.pool_view import PoolView
-from pagedkv.seq_ids import SequenceIds
-from pagedkv.stats import CacheStats, render_block_map
+from pagedkv.manager.arguments import as_count, as_counts, as_int, as_token_ids, optional_int, tensor_values
+from pagedkv.manager.events import KVEvent, events_from_records
+from pagedkv.manager.namespaces import NamespaceRegistry, namespace_key
+from pagedkv.manager.pool_view import PoolView
+from pagedkv.manager.seq_ids import SequenceIds
+from pagedkv.manager.stats import CacheStats, render_block_map
 
 if TYPE_CHECKING:
-    from pagedkv.group_tables import GroupNamespaces
+    from pagedkv.groups.tables import GroupNamespaces
 
 __all__ = ["PagedKVCache", "as_token_ids"]
 
@@ -105,7 +105,7 @@ class PagedKVCache:
     """A paged KV cache for one model (see the module docstring for the call order).
 
     Args:
-        config: the :class:`~pagedkv.config.CacheConfig`.
+        config: the :class:`~pagedkv.config.options.CacheConfig`.
         allocate_store: allocate the KV arenas (torch). ``False`` gives a
             bookkeeping-only cache (no torch needed), e.g. for a scheduler or tests.
 
@@ -125,7 +125,7 @@ class PagedKVCache:
             raise ArgumentTypeError(expected("allocate_store", "True or False", repr(allocate_store)))
         self.store = None
         if allocate_store:
-            from pagedkv.store import KVStore
+            from pagedkv.store.kvstore import KVStore
 
             self.store = KVStore(config)
             config = self.store.config  # may differ: fp8 -> int8 fallback
@@ -147,8 +147,8 @@ class PagedKVCache:
         if config.layer_groups is None:
             self.tables = BlockTables(self._pool, config.block_size, self.index)
             self.tables.namer = self._ids.name   # core errors name the caller's id, not the key
-        else:   # sliding-window layers: one table per layer group (pagedkv.group_tables)
-            from pagedkv.group_tables import GroupTables
+        else:   # sliding-window layers: one table per layer group (pagedkv.groups.tables)
+            from pagedkv.groups.tables import GroupTables
 
             self._groups = GroupTables(self._pool, self.index, config.block_size, config.layer_groups, self._ids.name)
             self.tables = self._groups.tables[0]
@@ -165,13 +165,13 @@ class PagedKVCache:
 
             names: NamespaceRegistry | GroupNamespaces = self._namespaces
             if self._groups is not None:
-                from pagedkv.group_tables import GroupNamespaces
+                from pagedkv.groups.tables import GroupNamespaces
 
                 names = GroupNamespaces(self._namespaces)
             self._tiers = PrefixTiers(config, self.index, self.store, self._pool, names, self._book)
         self._host = None
         if config.host_num_blocks:
-            from pagedkv.offload import HostTier
+            from pagedkv.tiers.swap import HostTier
 
             self._host = HostTier(self._book, self.store, config.host_num_blocks, self._namespaces.hash_of,
                                   sync=self._tiers.sync if self._tiers is not None else None)
@@ -191,7 +191,7 @@ class PagedKVCache:
         reserve and compute the rest. Never the whole prompt: the last prompt token is
         always computed, so a fully cached, block-aligned prompt reuses one block less.
         ``cache_salt`` / ``adapter_id`` select a namespace; different namespaces never
-        share blocks (see :mod:`pagedkv.namespaces`). ``priority`` is the eviction
+        share blocks (see :mod:`pagedkv.manager.namespaces`). ``priority`` is the eviction
         class of its blocks under the ``priority`` policy (0 is evicted first;
         default: seed 004's prefix > recent > old rule). ``max_cached_tokens`` caps the
         reuse (whole blocks below it).
@@ -232,7 +232,7 @@ class PagedKVCache:
     def _admit_restored(self, seq_id: SeqId, tokens: np.ndarray, cache_salt, adapter_id, priority) -> None:
         """Admit a sequence of a layer-grouped cache whose KV is about to arrive whole
         from elsewhere (a transfer): no prefix lookup, sliding groups untracked (see
-        :meth:`~pagedkv.group_tables.GroupTables.add_restored`)."""
+        :meth:`~pagedkv.groups.tables.GroupTables.add_restored`)."""
         groups = self._groups
         if groups is None:     # the transfer takes this path only for a layer-grouped cache
             raise InvalidArgumentError(expected("config.layer_groups", "a layer-grouped cache", None))
@@ -357,14 +357,14 @@ class PagedKVCache:
 
     def compact(self, seq_ids: SeqIds | None = None) -> np.ndarray:
         """Move blocks into the lowest empty blocks, highest first (see
-        :mod:`pagedkv.compaction`), so the blocks in use sit at the bottom of the pool.
+        :mod:`pagedkv.manager.compaction`), so the blocks in use sit at the bottom of the pool.
 
         ``seq_ids``: the sequences whose blocks may move (all device-resident ones by
         default). Only blocks a sequence holds alone move (as :meth:`relocate`); shared
         blocks, pinned blocks and cached prefixes stay where they are, and no cached
         prefix is evicted to make room. Returns the int32 ``[P, 2]`` (old, new) pairs,
         highest old block first; KV is copied as by :meth:`relocate`."""
-        from pagedkv.compaction import plan_compaction
+        from pagedkv.manager.compaction import plan_compaction
 
         with self._lock:
             if self._deferred:
@@ -391,7 +391,7 @@ class PagedKVCache:
             return pairs[np.argsort(-pairs[:, 0].astype(np.int64), kind="stable")]
 
     def _no_groups(self, what: str) -> None:
-        from pagedkv.support import require
+        from pagedkv.config.support import require
 
         require(what, self.config)
 
@@ -856,7 +856,7 @@ class PagedKVCache:
             records = self.index.drain_events()
             name: Callable[[int], tuple[Any, Any]] = self._namespaces.name
             if self._groups is not None:     # every group registers under its own id (group_tables)
-                from pagedkv.group_tables import GROUP_NS_BITS
+                from pagedkv.groups.tables import GROUP_NS_BITS
 
                 low = (1 << GROUP_NS_BITS) - 1
                 name = lambda ns: self._namespaces.name(ns & low)  # noqa: E731
@@ -878,7 +878,7 @@ class PagedKVCache:
         (from :meth:`reserve`; negative slots are skipped)."""
         store = self._require_store()
         if self._groups is not None:
-            from pagedkv.group_data import layer_slots
+            from pagedkv.groups.data import layer_slots
 
             layer, slot_mapping = layer_slots(self._groups.plan, layer, slot_mapping)
         store.write(layer, _slots_tensor(slot_mapping, store.device), key, value)
@@ -914,7 +914,7 @@ class PagedKVCache:
             keys, internal = self._ids.batch(seq_ids)
             tables, slot = self.tables, layer
             if self._groups is not None:
-                from pagedkv.group_data import layer_slot
+                from pagedkv.groups.data import layer_slot
 
                 g, slot = layer_slot(self._groups.plan, layer)
                 tables = self._groups.tables[g]
@@ -938,7 +938,7 @@ class PagedKVCache:
         np.cumsum(lens, out=cu[1:])
         if not with_positions:
             return k, v, torch.from_numpy(cu)
-        from pagedkv.group_data import kept_positions
+        from pagedkv.groups.data import kept_positions
 
         positions = kept_positions(tables, lens, np.zeros_like(lens) if gone is None else gone)
         return k, v, torch.from_numpy(cu), torch.from_numpy(positions)
@@ -965,7 +965,7 @@ class PagedKVCache:
         ``rotated=True`` (a cache with ``kv_rotation``): K/V in the rotated domain, as
         stored, without the per-row unrotation, which costs more than the dequantization.
         The rotation is orthonormal, so an attention that rotates its queries
-        (``pagedkv.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
+        (``pagedkv.store.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
         its output is unrotated once per query (``unrotate(out, signs)``) instead of once
         per cached token."""
         if rotated is not False and rotated is not True:
@@ -975,7 +975,7 @@ class PagedKVCache:
         if rotated and self.config.block_keys:   # full blocks' keys are stored unrotated, per channel
             raise InvalidArgumentError(expected("rotated", "False for a cache with kv_key_quant='block'", True))
         if self._groups is not None:
-            from pagedkv.group_data import layer_slot
+            from pagedkv.groups.data import layer_slot
 
             layer = layer_slot(self._groups.plan, layer)[1]
         indptr, indices, seq_lens = (self._table_tensor(a, n) for a, n in
@@ -996,7 +996,7 @@ class PagedKVCache:
 
         store = self._require_store()
         if self._groups is not None:
-            from pagedkv.group_data import layer_slot
+            from pagedkv.groups.data import layer_slot
 
             layer = layer_slot(self._groups.plan, layer)[1]
         view = store.layer(layer)
@@ -1010,7 +1010,7 @@ class PagedKVCache:
             return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout,
                                    kv_scale=scale, kv_zero=zero, key_scale=kscale, key_zero=kzero,
                                    rotation_signs=store.rotation_signs if main else None, **options)
-        with w.lock:     # the window's slot map is shared by every sequence (see pagedkv.window)
+        with w.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
             return self._attention_exact(w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale,
                                          kzero, exact, options)
 
@@ -1049,14 +1049,14 @@ class PagedKVCache:
     @property
     def rotation_signs(self):
         """The float32 ``[head_dim]`` signs of the cache's rotation (a copy), or None
-        without ``kv_rotation``: what :func:`pagedkv.rotation.rotate` takes."""
+        without ``kv_rotation``: what :func:`pagedkv.store.rotation.rotate` takes."""
         if not self.config.kv_rotation:
             return None
         if self.store is not None and self.store.rotation_signs is not None:   # a kv_rotation store has them
             return self.store.rotation_signs.clone()
 
 
-        from pagedkv.rotation import rotation_signs
+        from pagedkv.store.rotation import rotation_signs
 
         return rotation_signs(self.config.head_dim, self.config.kv_rotation_seed)
 

@@ -16,7 +16,7 @@ namespace must find them. Only admissions register a namespace; lookups
 (``match_prefix``, ``pin_prefix``...) of an unknown namespace register nothing.
 
 Ids are per process. What leaves the process (a prefix tier's disk files, a peer over
-:mod:`pagedkv.distributed`) names a namespace by its *key*, the bytes its hash is
+:mod:`pagedkv.transfer.distributed`) names a namespace by its *key*, the bytes its hash is
 computed from (:func:`namespace_key`).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
-from pagedkv.seq_ids import strict_key
+from pagedkv.manager.seq_ids import strict_key
 
 __all__ = ["NamespaceRegistry", "DEFAULT", "namespace_key", "namespace_hash"]
 

@@ -1,7 +1,7 @@
 """Compaction plans: which in-use blocks move into which free blocks.
 
 A plan pairs the highest movable blocks with the lowest empty blocks while that lowers
-them, so after :meth:`~pagedkv.cache.PagedKVCache.compact` the blocks in use sit at
+them, so after :meth:`~pagedkv.manager.cache.PagedKVCache.compact` the blocks in use sit at
 the bottom of the pool and the free ones form one run at the top (what a contiguous
 allocator, or a pool that shrinks, wants).
 

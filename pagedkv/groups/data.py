@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, ShapeError, expected
-from pagedkv.layer_groups import GroupPlan
+from pagedkv.groups.layers import GroupPlan
 
 __all__ = ["layer_slot", "layer_slots", "kept_lengths", "kept_positions"]
 

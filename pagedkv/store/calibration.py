@@ -7,7 +7,7 @@ quantized ``kv_dtype`` (every other layer in model precision) and reports the me
 divergence of the next-token distributions from those of a model-precision cache.
 :func:`choose_full_precision_layers` picks the most sensitive layers; passing them as
 ``kv_full_precision_layers`` keeps them in model precision. Every pass goes through a
-real :class:`~pagedkv.cache.PagedKVCache` via the transformers
+real :class:`~pagedkv.manager.cache.PagedKVCache` via the transformers
 :class:`~pagedkv.integrations.transformers.PagedCache`, fed in chunks so that most
 tokens attend to KV read back from the arena, as in serving.
 
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from pagedkv import dtypes
-from pagedkv.config import CacheConfig
+from pagedkv.config.options import CacheConfig
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.store import dtypes
 
 __all__ = ["layer_sensitivity", "choose_full_precision_layers"]
 
@@ -81,8 +81,8 @@ def _check_vocab(ids: torch.Tensor, vocab: Any) -> None:
 
 @torch.no_grad()
 def _log_probs(model, input_ids: torch.Tensor, config: CacheConfig, chunk: int) -> torch.Tensor:
-    from pagedkv.cache import PagedKVCache
     from pagedkv.integrations.transformers import PagedCache
+    from pagedkv.manager.cache import PagedKVCache
 
     kv = PagedKVCache(config)
     with PagedCache(kv) as cache:
