@@ -33,12 +33,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pagedkv.config.memory import arena_bytes, check_fits
 from pagedkv.errors import TierFileError
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.integrations.vllm_shm import SharedArena
 from pagedkv.integrations.vllm_worker import KVSpec
-from pagedkv.config.memory import arena_bytes, check_fits
 from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ChainIndex, slot_dtype
