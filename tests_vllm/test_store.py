@@ -258,3 +258,19 @@ def test_an_unclosed_store_leaves_no_segment_at_exit(tmp_path):
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     path = out.stdout.strip().splitlines()[-1]
     assert path.startswith(str(vllm_shm.shm_dir())) and not __import__("os").path.exists(path)
+
+
+def test_replace_store_checks_the_engines_shape_not_the_replaced_ones():
+    from pagedkv.integrations.vllm_store import drop_store, get_store, replace_store
+
+    cfg = ConnectorConfig.from_extra({"host_blocks": 4})
+    spec = KVSpec(L, H, BS, D, torch.bfloat16)
+    first = get_store("engine-x", cfg, spec, "m")
+    try:
+        shaped = PrefixStore(cfg, KVSpec(L, H + 1, BS, D, torch.bfloat16), "m")
+        replace_store("engine-x", shaped)
+        assert "differs from the engine's" in shaped.refused
+        replace_store("engine-x", first)          # back to the engine's own shape: still served
+        assert first.refused is None
+    finally:
+        drop_store("engine-x")

@@ -48,6 +48,7 @@ __all__ = ["PrefixStore", "KVSpec", "get_store", "lookup_store", "store_of_arena
 log = logging.getLogger("pagedkv.vllm")
 
 _stores: dict[str, PrefixStore] = {}
+_engine_specs: dict[str, KVSpec] = {}     # the KV shape each engine's connector was built for
 _by_arena: weakref.WeakValueDictionary[str, PrefixStore] = weakref.WeakValueDictionary()
 _stores_lock = threading.RLock()      # get_store holds it while PrefixStore registers its arena
 
@@ -61,6 +62,7 @@ def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> PrefixS
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = PrefixStore(cfg, spec, tag)
+            _engine_specs[key] = spec
         return store
 
 
@@ -79,8 +81,9 @@ def replace_store(key: str, store: PrefixStore) -> PrefixStore:
     (and again by the worker, against vLLM's tensors, before any copy)."""
     with _stores_lock:
         old = _stores[key]
-        if store.spec != old.spec:
-            store.refuse(f"the store's KV shape {store.spec} differs from the engine's {old.spec}")
+        want = _engine_specs.get(key, old.spec)
+        if store.spec != want:
+            store.refuse(f"the store's KV shape {store.spec} differs from the engine's {want}")
         store.worker_ready = store.worker_ready or old.worker_ready
         _stores[key] = store
         return old
