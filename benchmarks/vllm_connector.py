@@ -11,6 +11,7 @@ vLLM it prints ``{"skipped": ...}`` and exits 0 (CI runs every benchmark with
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -27,13 +28,17 @@ MODEL_DIR = Path(os.environ.get("PAGEDKV_VLLM_MODEL", str(Path.home() / ".cache/
 BLOCK = 128
 
 
-def tokens(n: int, offset: int = 0) -> list:
+@functools.lru_cache(maxsize=1)
+def _text_ids() -> tuple:
     from pydoc_data.topics import topics
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    ids = tok("\n\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
-    return [int(i) for i in ids[offset:offset + n]]
+    return tuple(int(i) for i in tok("\n\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"])
+
+
+def tokens(n: int, offset: int = 0) -> list:
+    return list(_text_ids()[offset:offset + n])
 
 
 def make_llm(extra=None):
@@ -56,8 +61,12 @@ def gen(llm, prompts, max_tokens):
 
 
 def batch(rep: int, n_req: int) -> list:
-    """``n_req`` distinct 200-token prompts, new for every ``rep``: nothing to hit."""
-    return [tokens(200, 5000 + 300 * (rep * n_req + i)) for i in range(n_req)]
+    """``n_req`` distinct 200-token prompts, new for every ``rep`` (and apart from the
+    TTFT prompts, which start below 30,000): nothing to hit."""
+    out = [tokens(200, 30_000 + 200 * (rep * n_req + i)) for i in range(n_req)]
+    if min(map(len, out)) < 200:
+        raise SystemExit(f"batch {rep}: the text has too few tokens for {n_req} requests per batch")
+    return out
 
 
 def tok_s(llm, prompts, max_tokens) -> float:
@@ -79,7 +88,7 @@ def main() -> None:
         return
     n_req, max_tok = (4, 16) if args.smoke else (16, 32)
     reps = 1 if args.smoke else 3
-    tput_reps = 1 if args.smoke else 7
+    tput_reps = 1 if args.smoke else 7           # 2 * 7 * 16 prompts of 200 tokens: the text has ~113k
 
     import torch
 
@@ -123,7 +132,7 @@ def main() -> None:
     for r in range(tput_reps):
         order = [("connector", llm), ("no_connector", base)]
         for name, engine in (order if r % 2 == 0 else order[::-1]):
-            tput[name].append(tok_s(engine, batch(10 + 2 * r + (name == "connector"), n_req), max_tok))
+            tput[name].append(tok_s(engine, batch(2 * r + (name == "connector"), n_req), max_tok))
     med = {k: statistics.median(v) for k, v in tput.items()}
     ratios = sorted(c / b for c, b in zip(tput["connector"], tput["no_connector"]))
     print(json.dumps({

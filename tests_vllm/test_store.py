@@ -212,8 +212,10 @@ def test_shared_arena_survives_unlink_and_stale_segments_are_swept():
         SharedArena.open("../x")
     dead = vllm_shm.shm_dir() / f"{vllm_shm.PREFIX}999999999-{'0' * 16}"   # no such pid
     dead.write_bytes(b"x")
+    verdict = vllm_shm.shm_dir() / f"{vllm_shm.PREFIX}worker-test{__import__('os').getpid()}.json"
+    verdict.write_text('{"pid": 999999999, "refused": null}')
     live = make()
-    assert not dead.exists() and live.arena.path.exists()
+    assert not dead.exists() and not verdict.exists() and live.arena.path.exists()
     live.close()
     assert not live.arena.path.exists()
 

@@ -75,6 +75,13 @@ def sweep_stale(directory: Path | None = None) -> list[str]:
                 gone.append(p.name)
             except OSError:
                 pass
+    for p in directory.glob(PREFIX + "worker-*.json"):    # a worker's verdict no scheduler read (a crash)
+        try:
+            if not _alive(int(json.loads(p.read_text()).get("pid", 0))):
+                p.unlink()
+                gone.append(p.name)
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
     return gone
 
 
