@@ -1,20 +1,27 @@
 """The vLLM connector tests: run by ``.ci/vllm_tests.sh`` in the vLLM venv
 (``.ci/vllm_venv.sh`` builds it); the main ``pytest -q`` does not collect this folder.
 
-One engine (with the connector, engine core in this process) serves most cases; a
-reference engine without the connector and two peer engines (warm restart, a shared
-directory) run as subprocesses."""
+One engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so a test reaches the
+connector's store) serves the cases that swap or inspect the store; a reference engine
+without the connector and two peer engines with vLLM's default multiprocessing (engine
+core and worker in processes of their own: warm restart, a shared directory, hits,
+negative control, a corrupted block) run as subprocesses."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+# This process's engine only; the subprocesses get vLLM's default (see Proc).
+_ENV = dict(os.environ)
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 try:
     import vllm_env as ve   # sets the environment before vllm is imported
@@ -39,7 +46,7 @@ class Proc:
     def __init__(self, args: dict, out: Path):
         self.out = out
         self.p = subprocess.Popen([sys.executable, str(HERE / "run_engine.py"), json.dumps(args), str(out)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ENV)
 
     def result(self, timeout: float = 900) -> dict:
         log, _ = self.p.communicate(timeout=timeout)
@@ -57,7 +64,7 @@ def workdir(tmp_path_factory):
 def reference_proc(workdir):
     if not ve.MODEL_DIR.exists():
         pytest.fail(f"{ve.MODEL_DIR} is missing: run .ci/vllm_venv.sh")
-    return Proc({"mode": "reference", "sets": ["A", "B", "C"]}, workdir / "reference.json")
+    return Proc({"mode": "reference", "sets": ["A", "B", "C", "D"]}, workdir / "reference.json")
 
 
 @pytest.fixture(scope="session")
@@ -66,10 +73,30 @@ def engine(workdir, reference_proc):
     disk = workdir / "tier"
     llm = ve.make_llm({"disk_dir": str(disk), "host_blocks": 64, "disk_blocks": 256})
     key, store = ve.engine_store(llm)
-    assert store is not None and store.serving, "the connector did not register vLLM's KV"
+    assert store is not None and store.serving, "the worker side did not report vLLM's KV usable"
     return llm, key, store, disk
 
 
 @pytest.fixture(scope="session")
 def reference(reference_proc):
     return {k: [tuple(r) for r in v] for k, v in reference_proc.result().items()}
+
+
+def root_slot(disk, tokens):
+    """The disk slot holding the first block of ``tokens``."""
+    from pagedkv.tiers.chain import slot_dtype
+
+    recs = np.fromfile(disk / "index.bin", dtype=slot_dtype(ve.BLOCK))
+    hit = [s for s in np.flatnonzero(recs["valid"] == 1).tolist()
+           if recs["parent"][s] == -1 and np.array_equal(recs["tokens"][s], tokens[:ve.BLOCK])]
+    assert len(hit) == 1, hit
+    return hit[0]
+
+
+def corrupt_block(disk, slot):
+    record = json.loads((disk / "meta.json").read_text())["record_bytes"]
+    with open(disk / "blocks.bin", "r+b") as f:
+        f.seek(slot * record + 100)
+        b = f.read(4)
+        f.seek(slot * record + 100)
+        f.write(bytes(x ^ 0xFF for x in b))

@@ -1,6 +1,8 @@
-"""A vLLM engine in its own process, for the tests that need one: ``reference`` (no
-connector) and ``peer`` (a warm restart on a shared directory, then an exchange with a
-second peer). Usage: ``python run_engine.py ARGS_JSON OUT_JSON``."""
+"""A vLLM engine in its own process, with vLLM's default multiprocessing (engine core and
+worker in processes of their own), for the tests that need one: ``reference`` (no
+connector) and ``peer`` (a warm restart on a shared directory, an exchange with a second
+peer, hits after a reset, optionally a corrupted block first and the negative control
+last). Usage: ``python run_engine.py ARGS_JSON OUT_JSON``."""
 from __future__ import annotations
 
 import json
@@ -29,22 +31,27 @@ def main() -> None:
         llm = ve.make_llm(connector=False)
         for name in args["sets"]:
             res[name] = ve.generate(llm, ve.prompt_set(name), logprobs=True)
-    else:  # peer
+    else:  # peer: only what a client sees (outputs, cached tokens): the store is in another process
         llm = ve.make_llm({"disk_dir": args["disk_dir"], "host_blocks": 64, "disk_blocks": 256})
-        key, store = ve.engine_store(llm)
+        if args.get("corrupt_set"):              # first: its root block on disk was corrupted
+            res["corrupt"] = ve.generate(llm, ve.prompt_set(args["corrupt_set"]))
         res["warm"] = ve.generate(llm, ve.prompt_set(args["warm_set"]))
         res["own"] = ve.generate(llm, ve.prompt_set(args["own_set"]))
         done = Path(args["barrier"]) / f"{args['own_set']}.done"
         done.write_text("1")
         ok = wait_for(Path(args["barrier"]) / f"{args['other_set']}.done", 600)
         res["barrier_ok"] = ok
-        store.clear(disk=False)            # host empty: the other's blocks can only come from disk
-        llm.reset_prefix_cache()
+        llm.reset_prefix_cache()                # never computed here: only the other's disk writes can hit
         res["other"] = ve.generate(llm, ve.prompt_set(args["other_set"]))
-        res["stats"] = [s.describe() for s in store.stats()]
-        res["lock_misses"] = store.num_lock_misses
-        res["disk_refused"] = store.disk_refused
-        res["disk_hit_tokens"] = store.num_disk_hit_tokens
+        llm.reset_prefix_cache()
+        res["own_again"] = ve.generate(llm, ve.prompt_set(args["own_set"]))
+        if args.get("negative"):
+            ve.set_shuffle(llm, True)
+            llm.reset_prefix_cache()
+            res["shuffled"] = ve.generate(llm, ve.prompt_set(args["own_set"]))
+            ve.set_shuffle(llm, False)
+            llm.reset_prefix_cache()
+            res["unshuffled"] = ve.generate(llm, ve.prompt_set(args["own_set"]))
     out_path.write_text(json.dumps(res))
 
 

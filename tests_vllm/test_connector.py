@@ -1,4 +1,6 @@
-"""PagedKVConnector under a real vLLM engine on SmolLM2 (CPU, bf16, block 128).
+"""PagedKVConnector under a real vLLM engine on SmolLM2 (CPU, bf16, block 128), engine
+core and worker in this process (the cases that swap or inspect the store; the default
+multiprocessing mode: test_multiprocess.py).
 
 Each set's prompts share a 4-block (512-token) prefix; greedy outputs are compared with
 a reference engine that has no connector."""
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 import vllm_env as ve
-from conftest import Proc
+from conftest import corrupt_block, root_slot
 
 PREFIX = 4 * ve.BLOCK
 
@@ -43,37 +45,21 @@ def test_hits_after_reset_match_reference(engine, reference):
 
 def test_negative_control_shuffled_loads_change_outputs(engine, reference):
     llm, _, store, _ = engine
-    store.debug_shuffle_loads = True
+    ve.set_shuffle(llm, True)
     try:
         res = fresh_run(llm, "A")
     finally:
-        store.debug_shuffle_loads = False
+        ve.set_shuffle(llm, False)
     assert all(c >= PREFIX for c in cached_of(res))
     # The identity check of the previous test would fail: the loaded KV is really read.
     assert tokens_of(res) != tokens_of(reference["A"])
     assert tokens_of(fresh_run(llm, "A")) == tokens_of(reference["A"])
 
 
-def _root_slot(disk, tokens):
-    from pagedkv.tiers.chain import slot_dtype
-
-    recs = np.fromfile(disk / "index.bin", dtype=slot_dtype(ve.BLOCK))
-    hit = [s for s in np.flatnonzero(recs["valid"] == 1).tolist()
-           if recs["parent"][s] == -1 and np.array_equal(recs["tokens"][s], tokens[:ve.BLOCK])]
-    assert len(hit) == 1, hit
-    return hit[0]
-
-
 def test_corrupted_disk_block_is_a_miss(engine, reference):
     llm, _, store, disk = engine
     store.clear(disk=False)                       # host empty: hits could only come from disk
-    slot = _root_slot(disk, ve.prompt_set("A")[0])
-    record = json.loads((disk / "meta.json").read_text())["record_bytes"]
-    with open(disk / "blocks.bin", "r+b") as f:
-        f.seek(slot * record + 100)
-        b = f.read(4)
-        f.seek(slot * record + 100)
-        f.write(bytes(x ^ 0xFF for x in b))
+    corrupt_block(disk, root_slot(disk, ve.prompt_set("A")[0]))
     before, disk_hits = store.num_disk_corrupt, store.num_disk_hit_tokens
     res = fresh_run(llm, "A")
     assert store.num_disk_corrupt == before + 1
@@ -159,21 +145,3 @@ def test_other_model_or_shape_is_refused(engine, reference, caplog):
         assert cached_of(res)[0] == 0 and tokens_of(res) == tokens_of(reference["A"])
     finally:
         replace_store(key, store)
-
-
-def test_warm_restart_and_two_engines_share_a_directory(engine, reference, workdir):
-    _, _, _, disk = engine                         # A is on disk (the tests above wrote it through)
-    barrier = workdir / "barrier"
-    barrier.mkdir()
-    common = {"mode": "peer", "disk_dir": str(disk), "barrier": str(barrier), "warm_set": "A"}
-    p1 = Proc(dict(common, own_set="B", other_set="C"), workdir / "peer1.json")
-    p2 = Proc(dict(common, own_set="C", other_set="B"), workdir / "peer2.json")
-    for p, own, other in ((p1, "B", "C"), (p2, "C", "B")):
-        r = p.result()
-        assert r["barrier_ok"] and r["disk_refused"] is None, r
-        assert r["disk_hit_tokens"] >= 2 * PREFIX, r["stats"]
-        assert all(c >= PREFIX for c in cached_of(r["warm"])), r["warm"]       # a new process: from disk
-        assert tokens_of(r["warm"]) == tokens_of(reference["A"])
-        assert tokens_of(r["own"]) == tokens_of(reference[own])
-        assert all(c >= PREFIX for c in cached_of(r["other"])), r["other"]     # the other engine's writes
-        assert tokens_of(r["other"]) == tokens_of(reference[other])

@@ -1,4 +1,7 @@
-"""The connector's store, codecs and settings on fake vLLM KV tensors (no engine)."""
+"""The connector's store, codecs, settings and shared arena on fake vLLM KV tensors (no
+engine): the scheduler side's store and the worker side's mover wired as the connector
+wires them (the mover maps the store's arena by name, the store commits what the mover
+reports)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,10 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError, TierFileError
+from pagedkv.integrations import vllm_shm
 from pagedkv.integrations.vllm_codec import bytes_per_token, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.integrations.vllm_shm import SharedArena
 from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
+from pagedkv.integrations.vllm_worker import BlockMover
 
 BS, H, D, L, N = 32, 2, 64, 3, 24
 NS = b"model\x00\x00"
@@ -23,12 +29,21 @@ def make(tmp_path=None, **cfg):
     base.update(cfg)
     store = PrefixStore(ConnectorConfig.from_extra(base), KVSpec(L, H, BS, D, torch.bfloat16), "model")
     g = torch.Generator().manual_seed(0)
-    store.register([torch.randn(N, H, BS, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)])
+    store.kv = [torch.randn(N, H, BS, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    store.mover = BlockMover()                       # the worker side (here: same process)
+    assert store.mover.register(store.spec, store.kv) is None
+    store.worker_ready = True
     return store
 
 
-def store_blocks(store, tokens, blocks):
-    """What the connector does for a computed prompt: admit each full block, then save."""
+def mapped(store):
+    got, why, _ = store.mover.arena(store.arena.name)
+    assert why is None, why
+    return got
+
+
+def admit_blocks(store, tokens, blocks):
+    """The scheduler side for a computed prompt: admit each full block -> the step's saves."""
     parent, saves = -1, []
     for i, b in enumerate(blocks):
         slot, created = store.admit(parent, tokens[i * BS:(i + 1) * BS], NS)
@@ -36,12 +51,20 @@ def store_blocks(store, tokens, blocks):
         if created:
             saves.append((b, slot))
         parent = slot
-    store.save(saves)
+    return saves
+
+
+def store_blocks(store, tokens, blocks):
+    """Admit, the worker's copy, then the commit its report triggers."""
+    saves = admit_blocks(store, tokens, blocks)
+    store.mover.save(*mapped(store), saves)
+    store.committed([slot for _, slot in saves])
 
 
 def load_into(store, chain, blocks):
     store.lease(chain)
-    store.load(list(zip(chain, blocks)))
+    store.mover.load(*mapped(store), list(zip(chain, blocks)))
+    store.loaded(chain, ok=True)
 
 
 def toks(n, seed):
@@ -140,14 +163,61 @@ def test_other_format_on_the_directory_is_refused(tmp_path):
 
 
 def test_mismatched_kv_tensors_are_refused():
+    m = BlockMover()
+    assert "shape" in m.register(KVSpec(L, H, BS, D, torch.bfloat16),
+                                 [torch.zeros(N, H + 1, BS, 2 * D, dtype=torch.bfloat16)] * L)
+    assert m.kv is None
+    m = BlockMover()
+    assert "dtype" in m.register(KVSpec(L, H, BS, D, torch.bfloat16),
+                                 [torch.zeros(N, H, BS, 2 * D, dtype=torch.float16)] * L)
+
+
+def test_arena_of_another_shape_is_refused_by_the_worker():
     s = make()
-    s.refused = None
-    s.register([torch.zeros(N, H + 1, BS, 2 * D, dtype=torch.bfloat16)] * L)
-    assert not s.serving and "shape" in s.refused
+    other = PrefixStore(s.cfg, KVSpec(L, H + 1, BS, D, torch.bfloat16), "model")
+    got, why, new = s.mover.arena(other.arena.name)
+    assert got is None and new and "differs" in why
+    assert s.mover.arena(other.arena.name)[1] == why         # refused once, remembered
+
+
+def test_pending_slots_are_never_hits_until_the_worker_reports():
     s = make()
-    s.refused = None
-    s.register([torch.zeros(N, H, BS, 2 * D, dtype=torch.float16)] * L)
-    assert "dtype" in s.refused
+    t = toks(2 * BS + 1, 11)
+    saves = admit_blocks(s, t, [3, 4])
+    assert s.lookup(t, NS, 2) == []                   # admitted, bytes not yet written
+    s.mover.save(*mapped(s), saves)
+    assert s.lookup(t, NS, 2) == []                   # written, not yet reported
+    s.committed([slot for _, slot in saves])
+    assert len(s.lookup(t, NS, 2)) == 2
+    u = toks(BS + 1, 12)
+    failed = admit_blocks(s, u, [5])
+    s.abandon([slot for _, slot in failed])           # the worker reported the save failed
+    assert s.lookup(u, NS, 1) == [] and s.pending == set()
+    assert int(s.host.index.busy.sum()) == 0
+
+
+def test_shared_arena_survives_unlink_and_stale_segments_are_swept():
+    s = make()
+    t = toks(BS + 1, 13)
+    store_blocks(s, t, [6])
+    s.arena.unlink()                                  # what the scheduler does once the worker mapped it
+    assert not s.arena.path.exists()
+    chain = s.lookup(t, NS, 1)
+    load_into(s, chain, [12])
+    for layer in s.kv:
+        assert torch.equal(layer[12], layer[6])
+    with pytest.raises(TierFileError, match="shared arena: expected .* readable"):
+        SharedArena.open(s.arena.name)
+    with pytest.raises(TierFileError, match="arena name: expected pagedkv-vllm-<pid>-<16 hex>, got '../x'"):
+        SharedArena.open("../x")
+    dead = vllm_shm.shm_dir() / f"{vllm_shm.PREFIX}999999999-{'0' * 16}"   # no such pid
+    dead.write_bytes(b"x")
+    verdict = vllm_shm.shm_dir() / f"{vllm_shm.PREFIX}worker-test{__import__('os').getpid()}.json"
+    verdict.write_text('{"pid": 999999999, "refused": null}')
+    live = make()
+    assert not dead.exists() and not verdict.exists() and live.arena.path.exists()
+    live.close()
+    assert not live.arena.path.exists()
 
 
 def test_held_directory_costs_a_miss_not_an_error(tmp_path):
@@ -177,3 +247,32 @@ def test_host_evictions_go_to_disk_and_pins_stay(tmp_path):
     load_into(s, chain, [20, 21])
     for layer in s.kv:
         assert torch.equal(layer[[20, 21]], layer[[2, 3]])
+
+
+def test_an_unclosed_store_leaves_no_segment_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom pagedkv.integrations.vllm_config import ConnectorConfig\n"
+            "from pagedkv.integrations.vllm_store import KVSpec, PrefixStore\n"
+            "s = PrefixStore(ConnectorConfig.from_extra({'host_blocks': 4}), KVSpec(1, 1, 32, 64, torch.bfloat16), 't')\n"
+            "print(s.arena.path)\n")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
+    path = out.stdout.strip().splitlines()[-1]
+    assert path.startswith(str(vllm_shm.shm_dir())) and not __import__("os").path.exists(path)
+
+
+def test_replace_store_checks_the_engines_shape_not_the_replaced_ones():
+    from pagedkv.integrations.vllm_store import drop_store, get_store, replace_store
+
+    cfg = ConnectorConfig.from_extra({"host_blocks": 4})
+    spec = KVSpec(L, H, BS, D, torch.bfloat16)
+    first = get_store("engine-x", cfg, spec, "m")
+    try:
+        shaped = PrefixStore(cfg, KVSpec(L, H + 1, BS, D, torch.bfloat16), "m")
+        replace_store("engine-x", shaped)
+        assert "differs from the engine's" in shaped.refused
+        replace_store("engine-x", first)          # back to the engine's own shape: still served
+        assert first.refused is None
+    finally:
+        drop_store("engine-x")

@@ -6,10 +6,12 @@ import os
 from pathlib import Path
 
 # Offline, a small CPU KV space, OMP bound to core 0 (with a connector vLLM reserves a
-# second core; on 2 cores binding avoids a 3-4x slowdown), and the engine core in this
-# process so a test can reach the connector's store.
+# second core; on 2 cores binding avoids a 3-4x slowdown), and callables allowed through
+# collective_rpc (the negative control flips a switch on the worker side). vLLM's
+# multiprocessing is left at its default; the test process's own engine turns it off
+# (conftest) so a test can reach the connector's store.
 for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
-             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}.items():
+             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(k, v)
 
 MODEL_DIR = Path(os.environ.get("PAGEDKV_VLLM_MODEL", str(Path.home() / ".cache/pagedkv/smollm2-hf"))).expanduser()
@@ -59,6 +61,13 @@ def generate(llm, prompts, max_tokens: int = 12, logprobs: bool = False):
         lp = [float(d[t].logprob) for d, t in zip(c.logprobs, c.token_ids)] if logprobs else None
         res.append((list(c.token_ids), int(o.num_cached_tokens or 0), lp))
     return res
+
+
+def set_shuffle(llm, on: bool) -> None:
+    """The negative control's switch, on the worker side wherever it runs."""
+    from pagedkv.integrations.vllm_connector import set_debug_shuffle_loads
+
+    assert sum(llm.collective_rpc(set_debug_shuffle_loads, args=(on,))) >= 1, "no worker side to switch"
 
 
 def engine_store(llm):

@@ -4,17 +4,30 @@ Load it with ``kv_transfer_config={"kv_connector": "PagedKVConnector",
 "kv_connector_module_path": "pagedkv.integrations.vllm", "kv_role": "kv_both",
 "kv_connector_extra_config": {...}}`` (keys: :class:`.vllm_config.ConnectorConfig`).
 
-Scheduler side: ``get_num_new_matched_tokens`` answers from the tiers with the
-request's tokens verified (:meth:`.vllm_store.PrefixStore.lookup`) and leases the slots it
-will load; ``build_connector_meta`` admits every block that this step completes (prompt
-or output) under its parent's host slot. Worker side: ``start_load_kv`` copies the
-leased slots into the request's blocks before the forward (vLLM runs it first whenever
-a step has synchronous loads), ``wait_for_save`` copies the completed blocks out after
-it. Only vLLM's public connector API is used.
+vLLM builds two instances: the scheduler side (in the engine core) and the worker side
+(in the worker process, by default another process). The scheduler side owns the
+:class:`~.vllm_store.PrefixStore` (verified index, disk tier, the host tier's shared
+arena); ``get_num_new_matched_tokens`` answers from it with the request's tokens
+verified and leases the slots it will load; ``build_connector_meta`` admits every block
+the step completes as pending and sends the arena's name with ``(slot, block)`` loads and
+``(block, slot)`` saves. The worker side (:class:`~.vllm_worker.BlockMover`) maps the
+arena, copies before the forward (``start_load_kv``, which vLLM runs first whenever a
+step has synchronous loads) and after it (``wait_for_save``), and reports what it did
+(``build_connector_worker_meta``); the scheduler side commits saved slots and releases
+loaded ones in ``update_connector_output``. Only vLLM's public connector API is used.
+
+Before the first step the scheduler side must know the worker can copy (a failed load
+fails the request under vLLM's default ``kv_load_failure_policy``): the worker, which
+vLLM sets up first, leaves its verdict on its KV tensors in a small status file keyed by
+the engine id; without one, the scheduler serves loads only after the worker's first
+report.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,22 +37,68 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from pagedkv.errors import InternalError
 from pagedkv.integrations.vllm_config import ConnectorConfig
-from pagedkv.integrations.vllm_store import KVSpec, PrefixStore, get_store, lookup_store
+from pagedkv.integrations.vllm_shm import _alive, shm_dir
+from pagedkv.integrations.vllm_store import PrefixStore, get_store, lookup_store, store_of_arena
+from pagedkv.integrations.vllm_worker import BlockMover, KVSpec
 from pagedkv.tiers.chain import ROOT
 
-__all__ = ["PagedKVConnector", "PagedKVMetadata"]
+__all__ = ["PagedKVConnector", "PagedKVMetadata", "PagedKVWorkerMetadata", "set_debug_shuffle_loads"]
 
 log = logging.getLogger("pagedkv.vllm")
+
+_movers: dict[str, BlockMover] = {}      # this process's worker sides, by engine id
 
 
 @dataclass
 class PagedKVMetadata(KVConnectorMetadata):
+    arena: str | None = None                                      # the shared arena's name
     loads: list[tuple[int, int]] = field(default_factory=list)    # (host slot, vLLM block)
     saves: list[tuple[int, int]] = field(default_factory=list)    # (vLLM block, host slot)
+
+
+@dataclass
+class ArenaReport:
+    opened: bool = False
+    refused: str | None = None
+    loaded: list[int] = field(default_factory=list)        # slots copied into vLLM blocks
+    load_failed: list[int] = field(default_factory=list)
+    saved: list[int] = field(default_factory=list)         # slots written from vLLM blocks
+    save_failed: list[int] = field(default_factory=list)
+
+    def merge(self, o: ArenaReport) -> None:
+        self.opened = self.opened or o.opened
+        self.refused = self.refused or o.refused
+        for k in ("loaded", "load_failed", "saved", "save_failed"):
+            getattr(self, k).extend(getattr(o, k))
+
+
+@dataclass
+class PagedKVWorkerMetadata(KVConnectorWorkerMetadata):
+    reports: dict[str, ArenaReport] = field(default_factory=dict)   # arena name -> this step's report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, PagedKVWorkerMetadata):
+            for name, r in other.reports.items():
+                self.reports.setdefault(name, ArenaReport()).merge(r)
+        return self
+
+
+def set_debug_shuffle_loads(worker: Any, on: bool) -> int:
+    """Tests only (``llm.collective_rpc(set_debug_shuffle_loads, args=(True,))``): load
+    each layer's blocks into the next layer, so a test proves loaded KV is really read.
+    Returns how many worker sides in this process it set."""
+    for m in _movers.values():
+        m.debug_shuffle_loads = bool(on)
+    return len(_movers)
+
+
+def _status_path(engine_id: str):
+    return shm_dir() / f"pagedkv-vllm-worker-{hashlib.sha1(engine_id.encode()).hexdigest()[:16]}.json"
 
 
 def _spec_of(kv_cache_config) -> tuple[KVSpec | None, str | None, list[str]]:
@@ -67,29 +126,48 @@ class PagedKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(getattr(ktc, "kv_connector_extra_config", None))
-        spec, why, self._layer_names = _spec_of(kv_cache_config)
+        self._spec, why, self._layer_names = _spec_of(kv_cache_config)
         self._tag = self.cfg.model_tag or str(vllm_config.model_config.model)
         self._key = str(ktc.engine_id)
         self._why = why
-        if spec is None:
+        self._scheduler = role == KVConnectorRole.SCHEDULER
+        if self._spec is None:
             log.warning("pagedkv connector: serving nothing: %s", why)
-        else:
-            get_store(self._key, self.cfg, spec, self._tag)
+        elif self._scheduler:
+            store = get_store(self._key, self.cfg, self._spec, self._tag)
+            self._read_worker_status(store)
         # scheduler side
         self._lookups: dict[str, tuple[int, list[int]]] = {}   # req -> (first block, leased slots)
         self._loads: list[tuple[int, int]] = []
         self._reqs: dict[str, Any] = {}
         self._chains: dict[str, list[tuple[int, int]]] = {}    # req -> host (slot, gen) per stored block
-        self._warned_unregistered = False
         # worker side
+        self.mover: BlockMover | None = None
+        self._report: dict[str, ArenaReport] = {}
         self._load_errors: set = set()
         self.num_loaded_tokens = 0
         self.num_saved_blocks = 0
 
     @property
     def store(self) -> PrefixStore | None:
-        # Looked up each time: both sides share the engine's store (and a test may swap it).
+        # Looked up each time: a test or benchmark may swap the engine's store.
         return None if self._why is not None else lookup_store(self._key)
+
+    def _read_worker_status(self, store: PrefixStore) -> None:
+        path = _status_path(self._key)
+        try:
+            status = json.loads(path.read_text())
+            path.unlink(missing_ok=True)
+        except (OSError, ValueError):
+            log.info("pagedkv connector: no worker status at %s; loads start after the worker's first report",
+                     path)
+            return
+        if not isinstance(status, dict) or not _alive(int(status.get("pid", 0) or 0)):
+            log.info("pagedkv connector: stale worker status at %s ignored", path)
+        elif status.get("refused"):
+            store.refuse(f"the worker refused vLLM's KV: {status['refused']}")
+        else:
+            store.worker_ready = True
 
     # ---- scheduler side ------------------------------------------------------------------
     def _ns_key(self, request) -> bytes | None:
@@ -102,22 +180,14 @@ class PagedKVConnector(KVConnectorBase_V1):
 
     def _live(self) -> PrefixStore:
         """The store, once :meth:`_usable` said there is one."""
-        if self.store is None:
-            raise InternalError("pagedkv connector: the store was used before it was opened")
-        return self.store
-
-    def _usable(self) -> bool:
         s = self.store
-        if s is None or s.refused is not None:
-            return False
-        if s.kv is None:
-            if not self._warned_unregistered:
-                self._warned_unregistered = True
-                log.warning("pagedkv connector: no worker registered its KV in this process: vLLM's CPU "
-                            "worker runs in its own process unless VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                            "(the connector's scheduler and worker sides share one store); serving nothing")
-            return False
-        return True
+        if s is None:
+            raise InternalError("pagedkv connector: the store was used before it was opened")
+        return s
+
+    def _usable(self, loads: bool = True) -> bool:
+        s = self.store
+        return s is not None and s.refused is None and (s.worker_ready or not loads)
 
     def on_new_request(self, request) -> None:
         self._reqs[request.request_id] = request
@@ -126,16 +196,19 @@ class PagedKVConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._reqs[rid] = request
         self._drop_lookup(rid)
-        ns_key = self._ns_key(request)
-        if ns_key is None or not self._usable():
+        if not self._usable():
             return 0, False
         s = self._live()
         bs = s.bs
-        tokens = np.asarray(request.all_token_ids, dtype=np.int32)
-        max_blocks = (len(tokens) - 1) // bs        # vLLM must compute at least one token
+        n_tok = request.num_tokens
+        max_blocks = (n_tok - 1) // bs        # vLLM must compute at least one token
         first = num_computed_tokens // bs
         if max_blocks <= first:
             return 0, False
+        ns_key = self._ns_key(request)
+        if ns_key is None:
+            return 0, False
+        tokens = np.asarray(request.all_token_ids, dtype=np.int32)
         chain = s.lookup(tokens, ns_key, max_blocks)
         if len(chain) <= first:
             return 0, False
@@ -165,20 +238,38 @@ class PagedKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> PagedKVMetadata:
         meta = PagedKVMetadata(loads=self._loads)
         self._loads = []
-        if not self._usable() or self._kv_cache_manager is None:
+        if not self._usable(loads=False) or self._kv_cache_manager is None:
+            if meta.loads:                         # the store was swapped or refused since the lookup
+                self._live().release([p[0] for p in meta.loads])
+                meta.loads = []
             return meta
         so = scheduler_output
-        rids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
-        for rid in rids:
-            req = self._reqs.get(rid)
-            if req is None:
-                continue
-            ns_key = self._ns_key(req)
-            if ns_key is None:
-                continue
-            end = req.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0)
-            self._plan_saves(rid, req, ns_key, min(end, req.num_tokens), meta.saves)
+        s = self._live()
+        bs = s.bs
+        for new in so.scheduled_new_reqs:
+            self._maybe_save(new.req_id, so, bs, meta.saves)
+        for rid in so.scheduled_cached_reqs.req_ids:
+            self._maybe_save(rid, so, bs, meta.saves)
+        if meta.loads or meta.saves:
+            meta.arena = s.arena.name
         return meta
+
+    def _maybe_save(self, rid: str, so, bs: int, saves: list) -> None:
+        req = self._reqs.get(rid)
+        if req is None:
+            return
+        known = min(req.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0), req.num_tokens)
+        chain = self._chains.get(rid)
+        # The common decode step completes no block: nothing to check.
+        if chain is not None and len(chain) >= known // bs and not self._chain_broken(chain):
+            return
+        ns_key = self._ns_key(req)
+        if ns_key is not None:
+            self._plan_saves(rid, req, ns_key, known, saves)
+
+    def _chain_broken(self, chain: list) -> bool:
+        rec = self._live().host.index.rec
+        return bool(chain) and (rec["valid"][chain[-1][0]] != 1 or rec["gen"][chain[-1][0]] != chain[-1][1])
 
     def _plan_saves(self, rid: str, req, ns_key: bytes, known: int, saves: list) -> None:
         s = self._live()
@@ -204,11 +295,35 @@ class PagedKVConnector(KVConnectorBase_V1):
                 saves.append((ids[i], slot))
             chain.append((slot, int(rec["gen"][slot])))
 
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, PagedKVWorkerMetadata):
+            return
+        for name, r in meta.reports.items():
+            s = store_of_arena(name)
+            if s is None:
+                continue
+            if r.refused:
+                s.refuse(f"the worker refused arena {name}: {r.refused}")
+            elif r.opened:
+                s.worker_ready = True
+                s.arena.unlink()                   # both sides hold it mapped: a crash leaves nothing
+            if r.loaded:
+                s.loaded(r.loaded, ok=True)
+            if r.load_failed:
+                s.loaded(r.load_failed, ok=False)
+            if r.saved:
+                s.committed(r.saved)
+            if r.save_failed:
+                s.abandon(r.save_failed)
+
     def request_finished(self, request, block_ids):
         rid = request.request_id
         self._drop_lookup(rid)
         self._reqs.pop(rid, None)
         self._chains.pop(rid, None)
+        # The step that completed a block already copied it (wait_for_save is synchronous),
+        # so vLLM may free the blocks now; the commit waits for the worker's report.
         return False, None
 
     def reset_cache(self) -> bool:
@@ -216,27 +331,68 @@ class PagedKVConnector(KVConnectorBase_V1):
             self.store.clear(disk=True)
         return True
 
+    def shutdown(self):
+        if self._scheduler and self._why is None:
+            s = lookup_store(self._key)
+            if s is not None:
+                s.arena.unlink()
+        if self.mover is not None:
+            _movers.pop(self._key, None)
+            self.mover.close()
+
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        if self.store is None:
+        if self._spec is None:
             return
+        self.mover = BlockMover()
         missing = [n for n in self._layer_names if n not in kv_caches]
         if missing:
-            self.store.refuse(f"vLLM registered no KV tensor for layer {missing[0]!r}")
-            return
-        self.store.register([kv_caches[n] for n in self._layer_names])
+            why: str | None = f"vLLM registered no KV tensor for layer {missing[0]!r}"
+            self.mover.refused = why
+            log.warning("pagedkv connector: serving nothing: %s", why)
+        else:
+            why = self.mover.register(self._spec, [kv_caches[n] for n in self._layer_names])
+        _movers[self._key] = self.mover
+        # The scheduler side is built after this (vLLM sets the worker up first): leave it
+        # the verdict, atomically, keyed by the engine id.
+        path = _status_path(self._key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"pid": os.getpid(), "refused": why}))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.info("pagedkv connector: could not leave the worker status (%s); loads start after the "
+                     "first report", e)
+
+    def _arena_for(self, meta: PagedKVMetadata):
+        if self.mover is None or meta.arena is None:
+            return None, None
+        got, why, new = self.mover.arena(meta.arena)
+        r = self._report.setdefault(meta.arena, ArenaReport())
+        if new:
+            r.opened = got is not None
+            r.refused = why
+        return got, r
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, PagedKVMetadata) or not meta.loads or self.store is None:
+        if not isinstance(meta, PagedKVMetadata) or not meta.loads:
             return
+        got, r = self._arena_for(meta)
+        slots = [p[0] for p in meta.loads]
         try:
-            self.store.load(meta.loads)
-            self.num_loaded_tokens += len(meta.loads) * self.store.bs
-        except Exception as e:      # vLLM recomputes blocks reported as failed; never serve them
-            log.warning("pagedkv connector: load failed (%s: %s); %d blocks recomputed",
+            if got is None:
+                raise InternalError(f"no usable arena for {len(slots)} loads ({meta.arena})")
+            self.mover.load(got[0], got[1], meta.loads)      # type: ignore[union-attr]
+            self.num_loaded_tokens += len(meta.loads) * got[0].layout["block_size"]
+            if r is not None:
+                r.loaded.extend(slots)
+        except Exception as e:      # vLLM recomputes (or fails) blocks reported as failed; never serves them
+            log.warning("pagedkv connector: load failed (%s: %s); %d blocks not served",
                         type(e).__name__, e, len(meta.loads))
             self._load_errors.update(b for _, b in meta.loads)
+            if r is not None:
+                r.load_failed.extend(slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -246,14 +402,27 @@ class PagedKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
-        if not isinstance(meta, PagedKVMetadata) or not meta.saves or self.store is None:
+        if not isinstance(meta, PagedKVMetadata) or not meta.saves:
             return
+        got, r = self._arena_for(meta)
+        slots = [p[1] for p in meta.saves]
         try:
-            self.store.save(meta.saves)
+            if got is None:
+                raise InternalError(f"no usable arena for {len(slots)} saves ({meta.arena})")
+            self.mover.save(got[0], got[1], meta.saves)      # type: ignore[union-attr]
             self.num_saved_blocks += len(meta.saves)
+            if r is not None:
+                r.saved.extend(slots)
         except Exception as e:      # a lost save is a later miss
             log.warning("pagedkv connector: save failed (%s: %s)", type(e).__name__, e)
-            self.store.abandon([slot for _, slot in meta.saves])
+            if r is not None:
+                r.save_failed.extend(slots)
+
+    def build_connector_worker_meta(self) -> PagedKVWorkerMetadata | None:
+        if not self._report:
+            return None
+        out, self._report = PagedKVWorkerMetadata(self._report), {}
+        return out
 
     def get_block_ids_with_load_errors(self) -> set:
         out, self._load_errors = self._load_errors, set()

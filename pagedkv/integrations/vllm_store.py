@@ -1,18 +1,21 @@
 """PrefixStore: pagedkv's host and disk prefix tiers holding vLLM's blocks.
 
-One store per engine (keyed by vLLM's ``engine_id``) is shared by the connector's
-scheduler side (which decides: verified lookups, slot admission, leases) and its worker
-side (which copies: vLLM block <-> host slot), so they must live in one process (vLLM's
-single-worker CPU executor does that); a worker elsewhere leaves the store unregistered
-and every lookup a miss.
+The connector's scheduler side owns the store: the verified index of both tiers, the
+disk tier, leases, admission. The host tier's block bytes live in a
+:class:`~.vllm_shm.SharedArena` that the worker side (:class:`~.vllm_worker.BlockMover`,
+in vLLM's worker process by default) maps by name; the two sides exchange only slot
+numbers and vLLM block ids (the step's metadata one way, the worker's report the other).
 
 - **Lookups** walk the tiers' :class:`~pagedkv.tiers.ChainIndex` with the request's
   tokens: a slot is accepted only when its tokens, namespace and parent link match, so
-  a hash collision is a miss. Disk hits are CRC-checked, then promoted into host slots;
-  every load is host -> vLLM.
-- **Stores** admit each newly full block under its parent's host slot; the worker fills
-  it after the forward. With ``disk_write="through"`` it also goes to disk at once;
-  host evictions go to disk before their slot is reused (chain-closed, like
+  a hash collision is a miss. Disk hits are CRC-checked, then promoted into host slots
+  (here, before the load is issued); every load is host -> vLLM. A loaded slot stays
+  leased until the worker reports the copy done.
+- **Stores** admit each newly full block under its parent's host slot as *pending*
+  (never a hit, never evicted); the worker fills it after the forward and reports it;
+  only then is it committed (:meth:`PrefixStore.committed`): visible to lookups and,
+  with ``disk_write="through"``, written to disk. A save the worker reports failed is
+  abandoned. Host evictions go to disk before their slot is reused (chain-closed, like
   :class:`~pagedkv.tiers.PrefixTiers`).
 - **Sharing a directory:** the disk tier is opened (``flock``) only for one batch of
   lookups or writes, then closed, so several engines take turns; a block's CRC is
@@ -24,49 +27,42 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from pagedkv.errors import InternalError, TierFileError
+from pagedkv.config.memory import arena_bytes, check_fits
+from pagedkv.errors import TierFileError
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.integrations.vllm_shm import SharedArena
+from pagedkv.integrations.vllm_worker import KVSpec
 from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
-from pagedkv.tiers.chain import ROOT
+from pagedkv.tiers.base import Tier
+from pagedkv.tiers.chain import ROOT, ChainIndex, slot_dtype
 
-__all__ = ["PrefixStore", "KVSpec", "get_store", "lookup_store", "replace_store", "drop_store"]
+__all__ = ["PrefixStore", "KVSpec", "get_store", "lookup_store", "store_of_arena", "replace_store", "drop_store"]
 
 log = logging.getLogger("pagedkv.vllm")
 
 _stores: dict[str, PrefixStore] = {}
-_stores_lock = threading.Lock()
+_engine_specs: dict[str, KVSpec] = {}     # the KV shape each engine's connector was built for
+_by_arena: weakref.WeakValueDictionary[str, PrefixStore] = weakref.WeakValueDictionary()
+_stores_lock = threading.RLock()      # get_store holds it while PrefixStore registers its arena
 
 #: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
 LAYOUT = "vllm-cpu-kT-v"
 
 
-class KVSpec:
-    """The shape of one engine's KV: what a stored block must match to be served."""
-
-    def __init__(self, num_layers: int, kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype):
-        self.num_layers, self.kv_heads, self.block_size = num_layers, kv_heads, block_size
-        self.head_size, self.dtype = head_size, dtype
-
-    def block_shape(self) -> tuple:
-        return (self.kv_heads, self.block_size, 2 * self.head_size)
-
-    def __repr__(self):
-        return (f"KVSpec(layers={self.num_layers}, kv_heads={self.kv_heads}, block_size={self.block_size}, "
-                f"head_size={self.head_size}, dtype={self.dtype})")
-
-
 def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> PrefixStore:
-    """The store of engine ``key`` (created by whichever connector side asks first)."""
+    """The store of engine ``key`` (created by its scheduler-side connector)."""
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = PrefixStore(cfg, spec, tag)
+            _engine_specs[key] = spec
         return store
 
 
@@ -74,13 +70,21 @@ def lookup_store(key: str) -> PrefixStore | None:
     return _stores.get(key)
 
 
+def store_of_arena(name: str) -> PrefixStore | None:
+    """The store whose host arena is ``name`` (routes the worker's reports)."""
+    return _by_arena.get(name)
+
+
 def replace_store(key: str, store: PrefixStore) -> PrefixStore:
     """Swap engine ``key``'s store (tests and benchmarks: another storage format on the
-    same engine); the new one takes over the registered KV tensors."""
+    same engine). A store built for another KV shape than the engine's is refused here
+    (and again by the worker, against vLLM's tensors, before any copy)."""
     with _stores_lock:
         old = _stores[key]
-        if old.kv is not None:
-            store.register(old.kv)
+        want = _engine_specs.get(key, old.spec)
+        if store.spec != want:
+            store.refuse(f"the store's KV shape {store.spec} differs from the engine's {want}")
+        store.worker_ready = store.worker_ready or old.worker_ready
         _stores[key] = store
         return old
 
@@ -92,6 +96,20 @@ def drop_store(key: str) -> None:
         store.close()
 
 
+class SharedHostTier(HostPrefixTier):
+    """The host tier over a shared arena (the worker side maps the same bytes)."""
+
+    def __init__(self, shared: SharedArena, block_size: int, *, eviction: str, weak_hash: bool, on_evict=None):
+        Tier.__init__(self)
+        capacity = shared.layout["capacity"]
+        check_fits("cpu", [("host_blocks", capacity,
+                            arena_bytes("host_blocks", capacity, (capacity,), slot_dtype(block_size).itemsize))])
+        self.shared = shared
+        self.arenas = shared.tensors
+        records = np.zeros(capacity, dtype=slot_dtype(block_size))
+        self.index = ChainIndex(records, block_size, eviction=eviction, weak_hash=weak_hash, on_evict=on_evict)
+
+
 class PrefixStore:
     def __init__(self, cfg: ConnectorConfig, spec: KVSpec, tag: str):
         self.cfg, self.spec, self.tag = cfg, spec, tag
@@ -99,8 +117,6 @@ class PrefixStore:
         self.codec: Codec = make_codec(cfg.storage, spec.kv_heads, spec.block_size, spec.head_size,
                                        spec.dtype, cfg.rotation_seed)
         self.template = [torch.empty((spec.num_layers, 1) + shape, dtype=dt) for shape, dt in self.codec.arenas]
-        self.host = HostPrefixTier(self.template, cfg.staging_blocks, self.bs, eviction=cfg.eviction,
-                                   weak_hash=cfg.weak_hash, pin=False, on_evict=self._host_evicting)
         self.format = {
             "connector": "pagedkv.integrations.vllm", "tag": tag, "layout": LAYOUT,
             "num_layers": spec.num_layers, "kv_heads": spec.kv_heads, "head_size": spec.head_size,
@@ -109,8 +125,16 @@ class PrefixStore:
             "rotation_seed": cfg.rotation_seed if cfg.storage == "fp8" else None,
             "arenas": [[str(dt).replace("torch.", ""), list(shape)] for shape, dt in self.codec.arenas],
         }
+        self.arena = SharedArena.create(self.codec.arenas, spec.num_layers, cfg.staging_blocks,
+                                        dict(self.format, **spec.as_dict()))
+        self.host = SharedHostTier(self.arena, self.bs, eviction=cfg.eviction, weak_hash=cfg.weak_hash,
+                                   on_evict=self._host_evicting)
+        with _stores_lock:
+            _by_arena[self.arena.name] = self
         self.lock = threading.RLock()
-        self.kv: list[torch.Tensor] | None = None      # the worker's per-layer tensors
+        # True once the worker side mapped the arena (or registered its KV, see the
+        # connector): until then lookups miss (a failed load would fail the request).
+        self.worker_ready = False
         self.refused: str | None = None                 # why nothing is served, if so
         self.disk_refused: str | None = None
         self.pending: set = set()                          # host slots admitted, data not yet landed
@@ -119,10 +143,6 @@ class PrefixStore:
         self.num_disk_written = 0
         self.num_disk_corrupt = 0
         self.num_lock_misses = 0
-        # Tests only (the negative control): load each layer's blocks into the next layer.
-        # (Reversing whole blocks would not do: attention sums over (K, V) pairs whose
-        # positions RoPE already baked in, so a block order is invisible to the suffix.)
-        self.debug_shuffle_loads = False
 
     # ---- refusals -------------------------------------------------------------------------
     def refuse(self, reason: str) -> None:
@@ -130,24 +150,9 @@ class PrefixStore:
             self.refused = reason
             log.warning("pagedkv connector: serving nothing: %s", reason)
 
-    def register(self, kv: list[torch.Tensor]) -> None:
-        """The worker's per-layer tensors, checked against the spec (refused on mismatch)."""
-        want = self.spec.block_shape()
-        if len(kv) != self.spec.num_layers:
-            return self.refuse(f"vLLM registered {len(kv)} KV layers, the store was built for {self.spec.num_layers}")
-        for i, t in enumerate(kv):
-            if t.dtype != self.spec.dtype:
-                return self.refuse(f"layer {i}: KV dtype {t.dtype}, expected {self.spec.dtype}")
-            if t.dim() != 4 or tuple(t.shape[1:]) != want:
-                return self.refuse(f"layer {i}: KV shape {tuple(t.shape)}, expected [num_blocks, *{want}] "
-                                   "(vLLM's CPU layout)")
-            if t.device.type != "cpu":
-                return self.refuse(f"layer {i}: KV on {t.device}, this connector copies CPU tensors")
-        self.kv = list(kv)
-
     @property
     def serving(self) -> bool:
-        return self.refused is None and self.kv is not None
+        return self.refused is None and self.worker_ready
 
     # ---- disk sessions ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -278,18 +283,13 @@ class PrefixStore:
                     for x in self.host.index.descendants(s) + [s]:
                         self.host.index.remove(x)
 
-    # ---- copies (worker side) -------------------------------------------------------------
-    def save(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy vLLM blocks into their pending host slots: ``[(block, slot)]``."""
-        if not pairs or self.kv is None:
-            return
+    # ---- the worker's reports ------------------------------------------------------------
+    def committed(self, slots: Sequence[int]) -> None:
+        """The worker wrote these pending slots: they become hits (and go to disk)."""
         with self.lock:
-            blocks = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-            slots = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-            for layer, t in enumerate(self.kv):
-                for a, part in enumerate(self.codec.encode(t.index_select(0, blocks))):
-                    _raw(self.host.arenas[a][layer]).index_copy_(0, slots, _raw(part))
-            landed = [p[1] for p in pairs]
+            landed = [s for s in slots if s in self.pending]
+            if not landed:
+                return
             self.host.written(np.asarray(landed))
             for s in landed:
                 self.pending.discard(s)
@@ -297,27 +297,14 @@ class PrefixStore:
             if self.cfg.disk_path is not None and self.cfg.disk_write == "through":
                 self.to_disk(landed)
 
-    def load(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy host slots into vLLM blocks: ``[(slot, block)]``; releases their leases."""
-        if not pairs:
-            return
+    def loaded(self, slots: Sequence[int], ok: bool) -> None:
+        """The worker copied (``ok``) or failed to copy these leased slots: release them."""
         with self.lock:
-            try:
-                slots = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-                blocks = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-                kv = self.kv
-                if kv is None:
-                    raise InternalError("pagedkv connector: a load before the worker registered its KV")
-                n = len(kv)
-                for layer, t in enumerate(kv):
-                    src = (layer + 1) % n if self.debug_shuffle_loads else layer
-                    parts = [_raw(arena[src]).index_select(0, slots).view(arena.dtype) for arena in self.host.arenas]
-                    t.index_copy_(0, blocks, self.codec.decode(parts))
-                for s in slots.tolist():
+            if ok:
+                for s in slots:
                     self.host.index.touch(s, hit=True)
-                self.host.num_hit_tokens += self.bs * len(pairs)
-            finally:
-                self.host.index.release([p[0] for p in pairs])
+                self.host.num_hit_tokens += self.bs * len(slots)
+            self.host.index.release(slots)
 
     # ---- host -> disk ------------------------------------------------------------------------
     def _host_evicting(self, slot: int) -> None:
@@ -388,12 +375,7 @@ class PrefixStore:
                         d.cleared()
 
     def close(self) -> None:
-        self.kv = None
+        with _stores_lock:
+            _by_arena.pop(self.arena.name, None)
+        self.arena.close()
 
-
-_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """fp8 as bytes: torch's CPU index_copy_/index_select do not take fp8."""
-    return t.view(torch.uint8) if t.dtype in _BYTE_FLOATS else t
