@@ -16,6 +16,7 @@ import importlib.machinery
 import sys
 import warnings
 from types import ModuleType
+from typing import Any
 
 #: old module path -> new module path. ``pagedkv.config`` and ``pagedkv.store`` are packages
 #: now; they re-export their old module's names themselves (see their ``__init__``).
@@ -82,3 +83,23 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
 def install() -> None:
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
         sys.meta_path.append(_MovedFinder())
+
+
+def reexport(package: str, module: str):
+    """A module ``__getattr__`` for a package that was a module in 0.1 (``pagedkv.config``,
+    ``pagedkv.store``): a submodule not imported yet is imported (``from pkg import sub`` asks
+    the package first), any other name is looked up in ``module`` (the old module's contents)
+    when first asked for, so importing one sibling does not import them all."""
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{package}.{name}":
+                raise
+        try:
+            return getattr(importlib.import_module(module), name)
+        except AttributeError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+    return __getattr__

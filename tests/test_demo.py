@@ -128,3 +128,29 @@ def test_smollm2_demo_answers_like_greedy_generate(smollm2):
     print("greedy agreement per request:", agree)
     assert sum(agree) / len(agree) > 0.9, agree
     assert len(kv) == 0
+
+
+def test_requests_admitted_together_are_prefilled_in_one_forward(tiny):
+    model, tok = tiny
+    # All arrive at once and fit: one batched prefill forward admits them, and each
+    # answer is still the request's alone.
+    result, kv = run_serve(model, tok, requests=5, max_new_tokens=6, block_size=4, num_blocks=512,
+                           max_batch=8, arrival_gap=0)
+    assert all(r.admitted_step == 0 for r in result.requests)
+    assert result.prefill_forwards == 1
+    for req in result.requests:
+        assert req.output_ids == reference_greedy(model, req), req.rid
+    assert len(kv) == 0
+
+
+def test_prefill_groups_keep_padding_bounded():
+    def req(rid, prompt, cached):
+        r = demo.Request(rid, "u", list(range(prompt)), 4, 0)
+        r.cached_tokens = cached
+        return r
+
+    miss, hits = req(0, 430, 0), [req(i, 430, 416) for i in range(1, 5)]
+    groups = demo._prefill_groups([miss, *hits])
+    assert [[r.rid for r in g] for g in groups] == [[0], [1, 2, 3, 4]]
+    similar = [req(i, 30 + i, 0) for i in range(4)]
+    assert len(demo._prefill_groups(similar)) == 1

@@ -135,6 +135,38 @@ def test_many_kv_heads_decode_and_prefill_in_one_batch(backend, layout, fmt, d, 
         check_close(got, want, vmax, args[0].dtype)
 
 
+@pytest.mark.skipif(not CPU_AVAILABLE, reason="CPU loops not built")
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("fmt, block_keys", [("float32", False), ("int4", True), ("int8", False)])
+def test_every_tuning_of_the_cpu_loops_matches_the_reference(layout, fmt, block_keys):
+    """The loops' knobs (prefetch mode; sealed block keys' parameters widened once per
+    block or per row) change speed only: every setting is within the reference's
+    tolerance, and the prefetch modes give identical bits."""
+    from pagedkv.ops import _cpu_attention as ca
+
+    gen = torch.Generator().manual_seed(11)
+    args, kw, vmax = build(fmt, layout, 128, 16, 4, 16, [700, 40, 1], [1, 3, 1], gen, block_keys=block_keys)
+    want = paged_attention(*args, backend="reference", **kw)
+    old = ca.tune()
+    try:
+        by_mode = {}
+        for key_cache in (True, False):
+            for mode in ca.PREFETCH_MODES:
+                ca.tune(prefetch=mode, key_cache=key_cache)
+                got = paged_attention(*args, backend="cpu", **kw)
+                check_close(got, want, vmax, args[0].dtype)
+                by_mode.setdefault(key_cache, []).append(got)
+        for outs in by_mode.values():
+            for got in outs[1:]:
+                assert torch.equal(got, outs[0])
+        with pytest.raises(InvalidArgumentError, match=r"prefetch: expected one of \['all', 'auto', 'blocks', "
+                                                       r"'none'\], got some$"):
+            ca.tune(prefetch="some")
+    finally:
+        ca.tune(*old)
+    assert ca.tune() == old
+
+
 def test_reference_equals_sdpa_on_gathered_rows():
     """The definition itself: causal chunk, GQA, against torch's SDPA on gathered K/V."""
     gen = torch.Generator().manual_seed(0)

@@ -306,6 +306,55 @@ def test_admit_twice_is_refused(tiny):
     assert_all_free(kv)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["gather", "paged-attention"])
+def test_select_prefills_rows_of_different_lengths_in_one_forward(tiny, paged):
+    # A batched prefill: row 0 has a cached prefix and a short new part, row 1 a whole
+    # prompt; each row's last logits equal its prompt run alone.
+    from pagedkv.integrations import hf_attention
+
+    model, tok = tiny
+    if paged:
+        model.set_attn_implementation(hf_attention.register())
+    kv = make_kv(model, num_blocks=64, block_size=4)
+    first = tok.encode("a shared beginning of the prompt")
+    prompts = [first + tok.encode(" and more"), tok.encode("an entirely different and longer prompt here")]
+    cache = PagedCache(kv, paged_attention=paged)
+    try:
+        with torch.no_grad():
+            kv.add_sequence(9, first)           # an earlier request leaves `first` cached
+            ids = torch.tensor([first])
+            mask, pos = cache.select([9], len(first))
+            cache.set_input_ids(ids)
+            model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+            kv.free(9)
+            hits = [kv.add_sequence(i, p) for i, p in enumerate(prompts)]
+            assert hits[0] > 0 and hits[1] == 0
+            new = [len(p) - h for p, h in zip(prompts, hits)]
+            q = max(new)
+            batch = torch.zeros(2, q, dtype=torch.long)
+            for i, p in enumerate(prompts):
+                tail = p[max(0, len(p) - q):]
+                batch[i, q - len(tail):] = torch.tensor(tail)
+            mask, pos = cache.select([0, 1], new)
+            assert pos[1].tolist() == list(range(q)) and pos[0, -1].item() == len(prompts[0]) - 1
+            assert mask.shape == (2, max(len(p) for p in prompts))
+            cache.set_input_ids(batch)
+            out = model(batch, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
+            refs = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
+        torch.testing.assert_close(out, refs, rtol=0, atol=1e-5)
+        assert kv.token_ids(0).tolist() == prompts[0] and kv.token_ids(1).tolist() == prompts[1]
+        with pytest.raises(ShapeError, match=r"num_new_tokens: expected an int or 2 counts \(one per row\), got 3"):
+            cache.select([0, 1], [1, 1, 1])
+        with pytest.raises(InvalidArgumentError, match=r"num_new_tokens: expected counts >= 1, got \[1, 0\]"):
+            cache.select([0, 1], [1, 0])
+    finally:
+        cache.release()
+        kv.free([s for s in (0, 1) if s in kv])
+        if paged:
+            model.set_attn_implementation("sdpa")
+    assert_all_free(kv)
+
+
 def test_select_refuses_to_orphan_admitted_rows(tiny):
     model, tok = tiny
     kv = make_kv(model, num_blocks=8, block_size=4)

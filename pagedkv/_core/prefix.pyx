@@ -291,6 +291,45 @@ cdef class PrefixIndex:
                                      <block_id_t*>cnp.PyArray_DATA(out), NULL, self.num_blocks)
         return out[:k].copy()
 
+    def match_from(self, tokens, start, parent_hash, parent_block, parent_generation, ns=0, ns_hash=0):
+        """Blocks that continue a verified chain past its first ``start`` full blocks of
+        ``tokens``: the longest run whose first block was registered under the
+        incarnation ``(parent_block, parent_generation)`` of its parent, which may have
+        been evicted since (its generation says which registration is meant).
+
+        The caller vouches that this incarnation held ``tokens[:start * block_size]``
+        (a prefix tier's copy of it was verified); each block found is then verified
+        exactly as :meth:`match` verifies, by its tokens, namespace and parent.
+        ``parent_hash`` is the chained hash of those ``start`` blocks (from
+        :meth:`hash_tokens`): a wrong one costs a miss, never a wrong block. Pure query.
+        """
+        cdef int32_t ns_id = <int32_t>check_int(ns, "ns", 0, 2**31 - 1)
+        cdef uint64_t nh = check_u64(ns_hash, "ns_hash")
+        cdef uint64_t parent_h = check_u64(parent_hash, "parent_hash")
+        cdef block_id_t parent_b = <block_id_t>check_int(parent_block, "parent_block", 0, self.num_blocks - 1)
+        cdef uint32_t pgen = <uint32_t>check_int(parent_generation, "parent_generation", 0, 2**32 - 1)
+        cdef int64_t n = load_ints(tokens, "tokens", cnp.NPY_INT32, &self.arg)
+        cdef int64_t nfull = n // self.block_size
+        cdef int64_t first = check_int(start, "start", 1, 2**31 - 1)
+        cdef cnp.ndarray out = new_i32(nfull - first if nfull > first else 0)
+        cdef int32_t* op = <int32_t*>cnp.PyArray_DATA(out)
+        cdef const token_t* tp = <const token_t*>self.arg.data
+        cdef int64_t i, k = 0
+        cdef hash_t h
+        cdef block_id_t b
+        with nogil:
+            for i in range(first, nfull):
+                h = self.hash_block(tp + i * self.block_size, parent_h, nh)
+                b = self.find(h)
+                if b < 0 or not self.matches(b, tp + i * self.block_size, ns_id, parent_b, pgen):
+                    break
+                op[k] = b
+                k += 1
+                parent_b = b
+                pgen = self.gen[b]
+                parent_h = h
+        return out[:k].copy()
+
     def is_cached(self, block_id):
         cdef block_id_t b = self._check_block(block_id)
         return bool(self.is_live(b))

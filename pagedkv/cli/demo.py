@@ -5,7 +5,10 @@ steps apart. Each engine step:
 
 1. **admission**: arrived requests join while blocks last. ``add_sequence`` reports
    the prompt tokens already cached (the shared system prompt, after the first
-   request), and only the rest is prefilled, one forward per new request;
+   request), and only the rest is prefilled: the requests admitted in one step are
+   prefilled together, in one batched forward (right-aligned rows; see
+   :func:`_prefill_groups` for when very different lengths take two). Requests
+   admitted together do not share each other's uncached prefix blocks;
 2. **decode**: one batched forward computes the next token of every running
    request. Rows of different lengths are right-aligned in one rectangle with a
    padding mask (:meth:`PagedCache.select`); each layer reads its K/V straight from
@@ -75,6 +78,7 @@ class DemoResult:
     wall_s: float
     generated_tokens: int
     decode_steps: int
+    prefill_forwards: int        # batched prefill forwards (one per group of admitted requests)
     max_batch_seen: int
     peak_blocks: int
     peak_bytes: int
@@ -160,7 +164,8 @@ def serve(model, tokenizer, requests: list[Request], kv, *, max_batch: int = 8,
     waiting: deque = deque()
     running: list[Request] = []
     bar = _Progress(len(requests), progress)
-    step = steps = generated = max_batch_seen = 0
+    step = steps = generated = max_batch_seen = prefill_forwards = 0
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     peak_blocks, peak_map = -1, ""
     done = 0
     start = time.perf_counter()
@@ -190,34 +195,38 @@ def serve(model, tokenizer, requests: list[Request], kv, *, max_batch: int = 8,
                     req = pending.popleft()
                     req.arrived_at = time.perf_counter()
                     waiting.append(req)
-                # admission: prefill arrived requests while the batch and the blocks allow
-                while waiting and len(running) < max_batch:
+                # admission: admit arrived requests while the batch and the blocks allow,
+                # then prefill them together
+                admitted: list[Request] = []
+                while waiting and len(running) + len(admitted) < max_batch:
                     req = waiting[0]
                     # No preemption here, so admit only what can run to completion: the
-                    # new request's worst case plus the growth the running requests may
-                    # still need. blocks_to_admit counts what its prefix hits revive from
-                    # the free list, so the admission below cannot run out.
+                    # new request's worst case plus the growth the running (and just
+                    # admitted) requests may still need. blocks_to_admit counts what its
+                    # prefix hits revive from the free list, so the admission below
+                    # cannot run out.
                     need = kv.blocks_to_admit(req.prompt_ids, len(req.prompt_ids) + req.max_new_tokens)
                     owed = sum(_blocks_needed(kv, len(r.prompt_ids) + r.max_new_tokens,
-                                              len(kv.block_table(r.rid)) * kv.config.block_size) for r in running)
+                                              len(kv.block_table(r.rid)) * kv.config.block_size)
+                               for r in running + admitted)
                     if not kv.has_available_blocks(need + owed):
-                        if not running:
+                        if not running and not admitted:
                             raise OutOfBlocksError(need, kv.stats().free_blocks, f"request {req.rid}")
                         break  # wait for a running request to finish and free its blocks
                     waiting.popleft()
                     req.admitted_step = step
                     req.cached_tokens = kv.add_sequence(req.rid, req.prompt_ids)
                     live.add(req.rid)
-                    rest = torch.tensor([req.prompt_ids[req.cached_tokens:]])
-                    mask, pos = cache.select([req.rid], rest.shape[1])
-                    cache.set_input_ids(rest)
-                    logits = model(rest, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                                   logits_to_keep=1).logits
-                    generated += 1
-                    if emit(req, logits[0, -1]):
-                        finish(req)
-                    else:
-                        running.append(req)
+                    admitted.append(req)
+                for group in _prefill_groups(admitted):
+                    logits = _prefill(model, cache, group, pad_id)
+                    prefill_forwards += 1
+                    generated += len(group)
+                    for i, req in enumerate(group):
+                        if emit(req, logits[i, -1]):
+                            finish(req)
+                        else:
+                            running.append(req)
                 # decode: one batched forward over every running request
                 if running:
                     ids = torch.tensor([[r.output_ids[-1]] for r in running])
@@ -250,10 +259,59 @@ def serve(model, tokenizer, requests: list[Request], kv, *, max_batch: int = 8,
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     return DemoResult(
         requests=list(requests), wall_s=wall, generated_tokens=generated, decode_steps=steps,
+        prefill_forwards=prefill_forwards,
         max_batch_seen=max_batch_seen, peak_blocks=max(peak_blocks, 0),
         peak_bytes=max(peak_blocks, 0) * kv.config.bytes_per_block, peak_block_map=peak_map,
         hit_rate=stats.hit_rate, contiguous_bytes=len(requests) * context * bpt,
         contiguous_tight_bytes=sum(len(r.prompt_ids) + r.max_new_tokens for r in requests) * bpt, kv=kv)
+
+
+#: a prefill group grows while its padded rectangle (rows x longest new part) stays
+#: within this many times its real new tokens
+PREFILL_PADDING = 1.25
+
+
+def _prefill_groups(admitted: list[Request]) -> list[list[Request]]:
+    """The admitted requests in prefill groups, each one batched forward.
+
+    A batched forward takes every row's longest new part, so one request that missed
+    the prefix cache (hundreds of new tokens) next to several that hit it (a few dozen)
+    would cost the hits the miss's length each; the requests, longest new part first,
+    are cut where the padded area would pass :data:`PREFILL_PADDING` times the real
+    one. Requests of similar length (the common case) take one forward."""
+    order = sorted(admitted, key=lambda r: len(r.prompt_ids) - r.cached_tokens, reverse=True)
+    groups: list[list[Request]] = []
+    real = 0
+    for req in order:
+        new = len(req.prompt_ids) - req.cached_tokens
+        if groups:
+            longest = len(groups[-1][0].prompt_ids) - groups[-1][0].cached_tokens
+            if longest * (len(groups[-1]) + 1) <= PREFILL_PADDING * (real + new):
+                groups[-1].append(req)
+                real += new
+                continue
+        groups.append([req])
+        real = new
+    return groups
+
+
+def _prefill(model, cache, group: list[Request], pad_id: int):
+    """One forward over the new prompt tokens of ``group``; returns logits ``[B, 1, V]``.
+
+    Rows are right-aligned: row b's last columns are its new tokens; the columns
+    before them (where another row's new part is longer) hold its last cached tokens,
+    whose K/V is already stored and is not written again (:meth:`PagedCache.select`)."""
+    import torch
+
+    new = [len(r.prompt_ids) - r.cached_tokens for r in group]
+    q = max(new)
+    ids = torch.full((len(group), q), pad_id, dtype=torch.long)
+    for i, req in enumerate(group):
+        tail = req.prompt_ids[max(0, len(req.prompt_ids) - q):]
+        ids[i, q - len(tail):] = torch.tensor(tail)
+    mask, pos = cache.select([r.rid for r in group], new)
+    cache.set_input_ids(ids)
+    return model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, logits_to_keep=1).logits
 
 
 def _blocks_needed(kv, total_tokens: int, have_tokens: int) -> int:
@@ -305,7 +363,7 @@ def report(result: DemoResult, tokenizer, out=None) -> None:
     c = kv.config
     print("\n=== summary ===", file=out)
     print(f"requests          {len(result.requests)}, {result.decode_steps} batched decode steps, "
-          f"up to {result.max_batch_seen} at once", file=out)
+          f"up to {result.max_batch_seen} at once, {result.prefill_forwards} batched prefill forwards", file=out)
     print(f"throughput        {result.generated_tokens} tokens in {result.wall_s:.2f} s = "
           f"{result.generated_tokens / max(result.wall_s, 1e-9):.1f} tokens/s", file=out)
     print(f"prefix hit rate   {100 * result.hit_rate:.1f}% of prompt tokens", file=out)

@@ -282,13 +282,18 @@ class PagedCache(Cache):
         window = min(w for w in self._windows or () if w)
         return hf_windows.admit_caps(hits, pads, bs, window)
 
-    def select(self, seq_ids: Sequence[Any], num_new_tokens: int = 1):
+    def select(self, seq_ids: Sequence[Any], num_new_tokens: int | Sequence[int] = 1):
         """Make the next forward pass run over ``seq_ids`` (live sequences of ``kv``).
 
         For an engine that batches its own running sequences (continuous batching):
-        rows are right-aligned on their committed tokens. Returns
-        ``(attention_mask, position_ids)`` for a forward of ``num_new_tokens`` new
-        tokens per row. The sequences stay owned by the caller.
+        rows are right-aligned on their committed plus new tokens. ``num_new_tokens``
+        is one count for every row, or one per row (a batched prefill of prompts of
+        different lengths). The forward then takes ``q = max(num_new_tokens)`` columns
+        per row: row ``b``'s last ``num_new_tokens[b]`` are its new tokens, and the
+        columns before them are its last committed tokens (or padding where it has
+        fewer): their K/V is not written and their outputs are not meaningful. Returns
+        ``(attention_mask, position_ids)`` for that forward (a padding column gets
+        position 0). The sequences stay owned by the caller.
         """
         if self._plan is not None:
             raise InvalidArgumentError(expected("select", "no forward pass in progress", "a pending step"))
@@ -298,22 +303,30 @@ class PagedCache(Cache):
         seq_ids = list(seq_ids)
         if not seq_ids:
             raise InvalidArgumentError(expected("seq_ids", "at least one sequence", "none"))
+        if isinstance(num_new_tokens, (int, np.integer)):
+            new = np.full(len(seq_ids), int(num_new_tokens), dtype=np.int64)
+        else:
+            new = np.asarray(list(num_new_tokens), dtype=np.int64)
+            if new.shape != (len(seq_ids),):
+                raise ShapeError(expected("num_new_tokens", f"an int or {len(seq_ids)} counts (one per row)",
+                                          f"{new.shape[0]} counts"))
+        if (new < 1).any():
+            raise InvalidArgumentError(expected("num_new_tokens", "counts >= 1", new.tolist()))
         n = self.kv.seq_lens(seq_ids, computed=True).astype(np.int64)
         reserved = self.kv.seq_lens(seq_ids).astype(np.int64)
         if (n != reserved).any():
             raise InvalidArgumentError(expected("seq_ids", "sequences with no reserved, uncommitted tokens",
                                                 f"{int((reserved - n).sum())} pending"))
-        longest = int(n.max())
+        q = int(new.max())
+        width = int((n + new).max())
         self.seq_ids = seq_ids
         self._owned.clear()
-        self._pads = longest - n
-        self._columns = longest
-        q = int(num_new_tokens)
-        width = longest + q
+        self._pads = width - n - new
+        self._columns = width - q
         cols = torch.arange(width)
         pads = torch.from_numpy(self._pads)
         attention_mask = (cols[None, :] >= pads[:, None]).long()
-        position_ids = torch.from_numpy(n)[:, None] + torch.arange(q)[None, :]
+        position_ids = (torch.from_numpy(n + new - q)[:, None] + torch.arange(q)[None, :]).clamp_(min=0)
         return attention_mask, position_ids
 
     def set_input_ids(self, input_ids) -> None:

@@ -32,7 +32,7 @@ class NoTiers:
     def sync(self) -> None:
         pass
 
-    def match(self, tokens: np.ndarray, ns_key: bytes) -> int:
+    def match(self, tokens: np.ndarray, ns_key: bytes, ns_id: int | None = None) -> int:
         return 0
 
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool) -> int:

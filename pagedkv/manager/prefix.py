@@ -49,7 +49,9 @@ class Prefixes:
         tokens = as_token_ids(token_ids)
         with self.lock:
             found = self.match_prefix_groups(tokens, cache_salt, adapter_id)["tokens"]
-            return max(found, self.tiers.match(tokens, namespace_key(cache_salt, adapter_id)))
+            ns = self.namespaces.find(cache_salt, adapter_id)
+            return max(found, self.tiers.match(tokens, namespace_key(cache_salt, adapter_id),
+                                               None if ns is None else ns[0]))
 
     def match_prefix_groups(self, token_ids, cache_salt, adapter_id) -> dict:
         tokens = as_token_ids(token_ids)

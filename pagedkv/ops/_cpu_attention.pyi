@@ -6,3 +6,7 @@ from typing import Any
 ROW_ISA: str
 
 def attend(*args: Any, **kwargs: Any) -> None: ...
+
+PREFETCH_MODES: dict[str, int]
+
+def tune(prefetch: str | None = None, key_cache: bool | None = None) -> tuple[str, bool]: ...

@@ -18,6 +18,8 @@ from libc.math cimport expf, INFINITY
 from cython.parallel cimport prange
 cimport openmp
 
+from pagedkv.errors import InvalidArgumentError, expected
+
 cdef extern from "attention_rows.h" nogil:
     int PKV_F32, PKV_INT4, PKV_INT3, PKV_INT8, PKV_E4M3
     int PKV_ROW_I8, PKV_ROW_I4, PKV_ROW_I3, PKV_ROW_E4M3, PKV_ROW_E5M2
@@ -60,6 +62,9 @@ cdef extern from "attention_rows.h" nogil:
         pkv_dequantize_row_fn deq
         pkv_key_row_fn key_row
         int64_t row_bytes, param_row, elem_bytes
+        int prefetch
+        int key_cache
+    int PKV_ATTN_PREFETCH_NONE, PKV_ATTN_PREFETCH_ALL, PKV_ATTN_PREFETCH_BLOCKS
     ctypedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
                                       float*, float*, float*) noexcept
     pkv_attn_item_fn pkv_pick_attn_item()
@@ -80,6 +85,30 @@ cdef int64_t _PARALLEL_WORK = 1 << 18
 cdef int64_t _TILE_FLOATS = 32768
 # a decode item's KV heads at most (its tile rows are tile x heads)
 cdef int64_t _ITEM_HEADS = 256
+# what an item prefetches of its next tile (attention_rows.h's PKV_ATTN_PREFETCH_), -1:
+# every line of float rows, each block's first lines of code rows (the measured best)
+cdef int _PREFETCH = -1
+# sealed block keys: widen each block's parameters once per item (else per row)
+cdef int _KEY_CACHE = 1
+
+#: the prefetch modes :func:`tune` takes
+PREFETCH_MODES = {"auto": -1, "none": PKV_ATTN_PREFETCH_NONE, "all": PKV_ATTN_PREFETCH_ALL,
+                  "blocks": PKV_ATTN_PREFETCH_BLOCKS}
+
+
+def tune(prefetch=None, key_cache=None):
+    """Set the loops' tuning knobs (benchmarks compare them); returns the previous
+    ``(prefetch, key_cache)``. ``prefetch``: a :data:`PREFETCH_MODES` name."""
+    global _PREFETCH, _KEY_CACHE
+    names = {v: k for k, v in PREFETCH_MODES.items()}
+    old = (names[_PREFETCH], bool(_KEY_CACHE))
+    if prefetch is not None:
+        if prefetch not in PREFETCH_MODES:
+            raise InvalidArgumentError(expected("prefetch", f"one of {sorted(PREFETCH_MODES)}", prefetch))
+        _PREFETCH = PREFETCH_MODES[prefetch]
+    if key_cache is not None:
+        _KEY_CACHE = 1 if key_cache else 0
+    return old
 
 
 def attend(
@@ -137,6 +166,10 @@ def attend(
     a.deq = dequantize_row
     a.key_row = key_row
     a.elem_bytes = elem_bytes
+    a.prefetch = _PREFETCH
+    if _PREFETCH == -1:
+        a.prefetch = PKV_ATTN_PREFETCH_BLOCKS if quantized else PKV_ATTN_PREFETCH_ALL
+    a.key_cache = _KEY_CACHE
     if kv_type == PKV_INT4 and quantized:
         a.row_bytes = head_dim // 2
     elif kv_type == PKV_INT3 and quantized:

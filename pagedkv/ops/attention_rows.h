@@ -79,7 +79,18 @@ typedef struct {
     pkv_dequantize_row_fn deq;
     pkv_key_row_fn key_row;
     int64_t row_bytes, param_row, elem_bytes;
+    int prefetch;            /* PKV_ATTN_PREFETCH_ */
+    int key_cache;           /* sealed block keys: 1 widen each block's bf16 parameters once per item */
 } pkv_attn_args;
+
+/* what the item prefetches of the next tile: nothing, every line, or the first lines of
+ * each block's rows (a block's rows are contiguous; the hardware prefetcher follows them
+ * once started). Measured (1 thread, batch 8 x 4096): every line wins for float32 rows
+ * (32q/8kv/128: 33 ms against 36), the blocks' first lines for code rows (int4 block keys
+ * 22.3 ms against 23.3, int8 23.2 against 24.1), within this machine's noise otherwise */
+#define PKV_ATTN_PREFETCH_NONE 0
+#define PKV_ATTN_PREFETCH_ALL 1
+#define PKV_ATTN_PREFETCH_BLOCKS 2
 
 /* The loops below may contract a * b + c into one fused multiply-add (the FMA build: half
  * the arithmetic instructions of a kernel that, with the rows in L1, is bound by them; a
@@ -433,11 +444,23 @@ static inline __attribute__((always_inline)) void pkv_attn_deq(const pkv_attn_ar
     }
 }
 
+/* an item's sealed block keys' parameters as float32, per head: the block they are of */
+typedef struct {
+    float* s;
+    float* z;
+    int64_t h0;
+    int64_t blk[256];
+    uint8_t sealed[256];
+} pkv_attn_keys;
+
 /* Read K/V of token ``pos`` of sequence b into k/v (float32); returns whether the K row
- * is in the unrotated domain (a sealed block key or an exact row) */
+ * is in the unrotated domain (a sealed block key or an exact row). A float32 arena's rows
+ * are copied too: scoring them in place (the tile holding row pointers) was measured
+ * slower (1 thread, 32q/8kv/128, batch 8 x 4096: 57 ms against 33): the copy streams each
+ * block's rows in address order, and the scoring then reads them from L1/L2. */
 static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_args* a, int64_t first, int64_t n,
                                                                int64_t pos, int64_t h, float* k, float* v,
-                                                               float* tmp) {
+                                                               float* tmp, pkv_attn_keys* kc) {
     const int64_t D = a->head_dim;
     const int64_t blk = a->indices[first + pos / a->block_size], off = pos % a->block_size;
     if (a->exact_data) {
@@ -463,7 +486,27 @@ static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_ar
     }
     int plain = 0;
     const int64_t kp = (blk * a->num_heads + h) * D;
-    if (a->key_scale && pkv_key_sealed(a->key_scale + kp)) {
+    if (a->key_scale && a->key_cache && a->kind == PKV_ROW_I4) {
+        const int64_t hh = h - kc->h0;
+        if (kc->blk[hh] != blk) {  /* a new block of this head: widen its parameters once */
+            kc->blk[hh] = blk;
+            kc->sealed[hh] = (uint8_t)pkv_key_sealed(a->key_scale + kp);
+            if (kc->sealed[hh]) {
+                pkv_widen_row((const char*)(a->key_scale + kp), PKV_BF16, D, kc->s + hh * D);
+                pkv_widen_row((const char*)(a->key_zero + kp), PKV_BF16, D, kc->z + hh * D);
+            }
+        }
+        if (kc->sealed[hh]) {
+            const uint8_t* row = a->layer + rk * a->row_bytes;
+            const float* ks = kc->s + hh * D;
+            const float* kz = kc->z + hh * D;
+            for (int64_t d = 0; d < D; d += 8)
+                pkv_attn_st(k + d, pkv_attn_lanes(PKV_ROW_I4, row, d) * pkv_attn_ld(ks + d) + pkv_attn_ld(kz + d));
+            plain = 1;
+        } else {
+            pkv_attn_deq(a, rk, k);
+        }
+    } else if (a->key_scale && pkv_key_sealed(a->key_scale + kp)) {
         a->key_row(a->layer + rk * a->row_bytes, D, a->key_scale + kp, a->key_zero + kp, PKV_F32, (char*)k, tmp);
         plain = 1;
     } else if (a->kind >= 0) {
@@ -488,15 +531,18 @@ static inline __attribute__((always_inline)) void pkv_attn_prefetch(const pkv_at
                                                                     int64_t h0, int64_t h1, int64_t c0,
                                                                     int64_t c1) {
     const int64_t bytes = a->quantized ? a->row_bytes : a->head_dim * a->elem_bytes;
+    const int blocks = a->prefetch == PKV_ATTN_PREFETCH_BLOCKS;
     int64_t last_blk = -1;
     for (int64_t j = c0; j < c1; ++j) {
         const int64_t blk = a->indices[first + j / a->block_size], off = j % a->block_size;
+        if (blocks && j != c0 && off != 0) continue;  /* the rest of a started block streams */
         for (int kv = 0; kv < 2; ++kv)
             for (int64_t h = h0; h < h1; h += a->hnd ? 1 : h1 - h0) {
                 const int64_t r = pkv_attn_row(a, blk, kv, off, h), nr = a->hnd ? 1 : h1 - h0;
                 const char* p = (const char*)a->layer + r * bytes;
-                for (int64_t i = 0; i < nr * bytes; i += 64) __builtin_prefetch(p + i);
-                __builtin_prefetch(p + nr * bytes - 1);
+                const int64_t len = blocks && nr * bytes > 256 ? 256 : nr * bytes;
+                for (int64_t i = 0; i < len; i += 64) __builtin_prefetch(p + i);
+                __builtin_prefetch(p + len - 1);
                 if (a->quantized) {
                     __builtin_prefetch(a->scale + r * a->param_row);
                     __builtin_prefetch(a->scale + (r + nr) * a->param_row - 1);
@@ -524,7 +570,7 @@ static inline __attribute__((always_inline)) void pkv_attn_prefetch(const pkv_at
  * token's heads are adjacent, so one item streams its pages once instead of once per
  * head; HND: each head's tokens run contiguously). scratch: pkv_attn_scratch_floats. */
 static inline int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t head_dim) {
-    return 2 * tile * heads * head_dim + head_dim + 4 * tile;
+    return 2 * tile * heads * head_dim + head_dim + 4 * tile + 2 * heads * head_dim;
 }
 
 static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
@@ -538,6 +584,11 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
     float* vt = kt + nh * T * D;
     float* tmp = vt + nh * T * D;
     float* s = tmp + D;                  /* [PKV_ATTN_ROWS, T] a few rows' scores, then weights */
+    pkv_attn_keys kc;                    /* sealed block keys' parameters, widened once per block */
+    kc.s = s + 4 * T;                    /* [nh, D] */
+    kc.z = kc.s + nh * D;
+    kc.h0 = h0;
+    for (int64_t hh = 0; hh < nh; ++hh) kc.blk[hh] = -1;
     uint8_t plain[PKV_ATTN_MAX_TILE_ROWS];
     for (int64_t i = 0; i < nq; ++i)
         for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
@@ -550,17 +601,18 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
         const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
         if (c0 > n - 1) break;
         if (a->window && c1 - 1 <= p_min - a->window && c0 >= a->sink_tokens) continue;  /* seen by no query */
-        if (c1 < t1) pkv_attn_prefetch(a, first, h0, h1, c1, c1 + T < t1 ? c1 + T : t1);
+        if (c1 < t1 && a->prefetch != PKV_ATTN_PREFETCH_NONE)
+            pkv_attn_prefetch(a, first, h0, h1, c1, c1 + T < t1 ? c1 + T : t1);
         if (a->hnd) {
             for (int64_t hh = 0; hh < nh; ++hh)
                 for (int64_t t = 0; t < nt; ++t)
                     plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, n, c0 + t, h0 + hh, kt + (hh * T + t) * D,
-                                                               vt + (hh * T + t) * D, tmp);
+                                                               vt + (hh * T + t) * D, tmp, &kc);
         } else {
             for (int64_t t = 0; t < nt; ++t)
                 for (int64_t hh = 0; hh < nh; ++hh)
                     plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, n, c0 + t, h0 + hh, kt + (hh * T + t) * D,
-                                                               vt + (hh * T + t) * D, tmp);
+                                                               vt + (hh * T + t) * D, tmp, &kc);
         }
         for (int64_t hh = 0; hh < nh; ++hh) {
             const float* kh = kt + hh * T * D;

@@ -31,6 +31,7 @@ from collections import defaultdict
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from pagedkv.errors import TierFileError
 from pagedkv.groups.tables import GROUP_NS_BITS, group_key
@@ -243,7 +244,10 @@ class PrefixTiers:
         # The host's victim moves to the disk before its slot is reused (the copy is
         # queued ahead of the copy that overwrites it, see _flush).
         if tier is self.host and self.disk is not None:
-            self._admit(self.disk, tier.medium, (slot, int(tier.index.rec["gen"][slot])))
+            d = self._admit(self.disk, tier.medium, (slot, int(tier.index.rec["gen"][slot])))
+            if d >= 0:                    # the device incarnations it holds go with it
+                for b, g in list(self._incarnations(tier, slot)):
+                    self._link(self.disk, DEVICE, (b, g), d)
         if self.events:
             self._tier_event(tier, slot, stored=False)
 
@@ -306,12 +310,65 @@ class PrefixTiers:
         return tier
 
     # ---- promotion ------------------------------------------------------------------------
+    def _sources(self, tokens: np.ndarray, dev_ns: int | None, ns_key: bytes, max_blocks: int) -> list:
+        """Where each full block of ``tokens`` (from the first, at most ``max_blocks``)
+        can be read, as ``(tier, slot)`` or ``(None, device block)``, as far as the
+        device and the tiers together verifiably hold a chain.
+
+        The device's own chain comes first, then, block by block, a device run that
+        continues the chain (preferred: no tier read), else a tier's block. A device run
+        can start after a tier block only through a link: the tier slot is the copy of
+        a device incarnation ``(block, generation)``, and the run's first block was
+        registered under exactly that incarnation (its parent, evicted since). So a
+        sliding group whose head left the device early (released out of the window,
+        then evicted first) is found whole: head from the tier, tail from the device.
+        Every block is verified by its tokens (the device index's ``match_from``, the
+        tier's lookup)."""
+        chains = list(self._chains(tokens, ns_key, max_blocks))
+        if dev_ns is None:
+            src: list[tuple[Tier | None, int]] = []
+        else:
+            ns_hash = self.namespaces.hash_of_key(ns_key)
+            src = [(None, b) for b in self.index.match(tokens, dev_ns, ns_hash)[:max_blocks].tolist()]
+        hashes = None
+        while len(src) < max_blocks:
+            i = len(src)
+            last, s = src[-1] if i else (None, -1)
+            if last is not None and dev_ns is not None:
+                if hashes is None:
+                    hashes = self.index.hash_tokens(tokens[:max_blocks * self.bs], ns_hash).tolist()
+                run: list[int] = []
+                for b, g in self._incarnations(last, s):
+                    found = self.index.match_from(tokens[:max_blocks * self.bs], i, hashes[i - 1], b, g,
+                                                  dev_ns, ns_hash)
+                    if len(found) > len(run):
+                        run = found.tolist()
+                if run:
+                    src.extend((None, b) for b in run)
+                    continue
+            tier = next(((t, c[i]) for t, c in chains if len(c) > i), None)
+            if tier is None:
+                break
+            src.append(tier)
+        return src
+
+    def _incarnations(self, tier: Tier, slot: int):
+        """The device incarnations ``(block, generation)`` whose chain ``slot`` holds."""
+        gen = int(tier.index.rec["gen"][slot])
+        for k in self._link_keys.get((tier.medium, slot), ()):
+            if k[1] == DEVICE and self._links.get(k) == (slot, gen):
+                yield k[2], k[3]
+
     def promote(self, key: int, tokens: np.ndarray, ns_id: int, hit: int, max_blocks: int | None = None) -> int:
-        """Extend a just-admitted sequence's device hit (``hit`` tokens) from the tiers;
+        """Extend a just-admitted sequence's device hit (``hit`` tokens) from the tiers
+        and from device blocks the device lookup cannot reach (see :meth:`_sources`);
         returns the new hit. Verified like a device hit; limited by free device blocks.
         With layer groups every group is extended by the same blocks, each from its own
         chain (a sliding group's too: its commit then releases what left the window, as
         after a computed prefill), so the hit is the longest every group can reach.
+        A block read from the device is copied into the sequence's new block (the
+        sequence's table takes fresh blocks past its hit); the source is held meanwhile,
+        and a source hanging off an evicted parent is replaced by its copy at commit.
         ``max_blocks`` caps the hit (``add_sequence(max_cached_tokens=)``)."""
         bs = self.bs
         cap = (len(tokens) - 1) // bs
@@ -319,37 +376,41 @@ class PrefixTiers:
         have = hit // bs
         if have >= max_blocks:
             return hit
-        chains = []                       # per group: [(tier, chain of slots)]
-        for g in range(len(self.groups)):
-            ns_key = self.namespaces.key_of(ns_id | (g << GROUP_NS_BITS))
-            found = []
-            for t in self.tiers:
-                ns = t.namespace(ns_key, create=False)
-                if ns is not None:
-                    found.append((t, t.index.lookup(tokens, ns, t.ns_hashes[ns], max_blocks)))
-            chains.append(found)
-        best = min(max([len(c) for _, c in found], default=0) for found in chains)
-        n = min(best, have + self.pool.num_free_blocks // len(self.groups)) - have
+        ngroups = len(self.groups)
+        chains = [self._sources(tokens, ns_id | (g << GROUP_NS_BITS), self.namespaces.key_of(ns_id | (g << GROUP_NS_BITS)),
+                                max_blocks) for g in range(ngroups)]
+        n = min(len(c) for c in chains) - have
+
+        def device_sources(n):
+            return sorted({b for c in chains for t, b in c[have:have + n] if t is None})
+
+        # Held device sources stop being free: the hit is what the rest can hold.
+        while n > 0 and (self.pool.num_free_blocks - sum(self.pool.is_free(b) for b in device_sources(n))
+                         ) // ngroups < n:
+            n -= 1
         if n <= 0:
             return hit
-        # per group and promoted block: (tier, slot), upper tier first
-        sources = [[next((t, c[i]) for t, c in found if len(c) > i) for i in range(have, have + n)]
-                   for found in chains]
-        leases: list[list[Any]] = [[t, list(c[:have + n])] for found in chains for t, c in found]
-        for t, held in leases:
+        sources = [c[have:have + n] for c in chains]
+        leases: dict[Tier, list[int]] = defaultdict(list)
+        for c in chains:
+            for t, s in c[:have + n]:
+                if t is not None:
+                    leases[t].append(s)
+        for t, held in leases.items():
             t.index.lease(held)
+        holding = device_sources(n)
+        self.pool.touch(holding)
 
         def release(tier=None):
-            for lease in leases:
-                if lease[1] and (tier is None or lease[0] is tier):
-                    lease[0].index.release(lease[1])
-                    lease[1] = []
+            for t in list(leases):
+                if tier is None or t is tier:
+                    t.index.release(leases.pop(t))
 
         reserved = False
         try:
             for src in sources:
                 for j, (t, s) in enumerate(src[:n]):
-                    if not t.verify(s):
+                    if t is not None and not t.verify(s):
                         n = j
                         release(t)        # a leased slot cannot leave its tier
                         self._drop_corrupt(t, s)
@@ -361,14 +422,20 @@ class PrefixTiers:
             reserved = True
             self.sync()                   # evicted blocks go down before we overwrite them
             blocks = [tb.blocks(key)[have:have + n].tolist() for tb in self.groups]
+            on_device = []
             for src, dst in zip(sources, blocks):
                 by_tier = defaultdict(list)
                 for (t, s), b in zip(src, dst):
-                    by_tier[t.medium].append((s, b))
+                    if t is None:
+                        on_device.append((s, b))
+                    else:
+                        by_tier[t.medium].append((s, b))
                 for medium, pairs in by_tier.items():
                     self._tier(medium).read([p[0] for p in pairs], self.store.arenas, [p[1] for p in pairs])
                     self.store.replaced([p[1] for p in pairs])
                     self._copy_rows(medium, DEVICE, pairs)
+            if on_device:                 # KV, scales and window rows, as copy-on-write copies
+                self.store.copy_blocks(torch.as_tensor(on_device, dtype=torch.int64))
             self.tables.commit(key, n * bs, internal=True)
             reserved = False
         except BaseException:
@@ -377,10 +444,13 @@ class PrefixTiers:
             raise
         finally:
             release()
+            self.pool.free(holding)
         promoted = {}
         for src, dst in zip(sources, blocks):
             deepest = {}
             for (t, s), b in zip(src, dst):
+                if t is None:
+                    continue
                 if self.index.is_cached(b):
                     self._link(t, DEVICE, (b, self.index.generation(b)), s)
                     for _ in range(int(t.index.pins[s])):   # pinned there: pinned here too
@@ -391,8 +461,10 @@ class PrefixTiers:
                 t = self._tier(medium)
                 for a in t.index.chain(s):
                     t.index.touch(a, hit=True)
-        for (t, _) in sources[0]:         # a hit's tokens are counted once, not per group
-            t.num_hit_tokens += bs
+        for j in range(n):                # a hit's tokens are counted once, for the lowest tier it needed
+            used = {src[j][0] for src in sources} - {None}
+            if used:
+                next(t for t in reversed(self.tiers) if t in used).num_hit_tokens += bs
         self.sync(promoted)
         return (have + n) * bs
 
@@ -404,17 +476,21 @@ class PrefixTiers:
             tier.index.remove(s)
 
     # ---- queries, pins, reset -----------------------------------------------------------------
-    def _chains(self, tokens: np.ndarray, ns_key: bytes):
+    def _chains(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int | None = None):
         for t in self.tiers:
             ns = t.namespace(ns_key, create=False)
             if ns is not None:
-                yield t, t.index.lookup(tokens, ns, t.ns_hashes[ns], len(tokens) // self.bs)
+                yield t, t.index.lookup(tokens, ns, t.ns_hashes[ns],
+                                        len(tokens) // self.bs if max_blocks is None else max_blocks)
 
-    def match(self, tokens: np.ndarray, ns_key: bytes) -> int:
-        """Tokens of ``tokens`` (full blocks) the tiers hold (with layer groups: that
-        every group holds); no side effects."""
-        return min(max([len(c) for _, c in self._chains(tokens, group_key(ns_key, g))], default=0)
-                   for g in range(len(self.groups))) * self.bs
+    def match(self, tokens: np.ndarray, ns_key: bytes, ns_id: int | None = None) -> int:
+        """Tokens of ``tokens`` (full blocks) the tiers and the device together hold
+        (with layer groups: that every group holds), as :meth:`promote` would find them
+        (``ns_id``: the namespace's device id, None when the device never used it); no
+        side effects."""
+        n = len(tokens) // self.bs
+        return min(len(self._sources(tokens, None if ns_id is None else ns_id | (g << GROUP_NS_BITS),
+                                     group_key(ns_key, g), n)) for g in range(len(self.groups))) * self.bs
 
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool) -> int:
         """Pin (or unpin) the blocks of this prefix each tier holds (every layer group's):
