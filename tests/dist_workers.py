@@ -6,6 +6,7 @@ traceback of what went wrong.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -384,6 +385,33 @@ def _send_raw(link, kind, payload: bytes, nbytes=None, check=None):
         link.wait(link.send(t, "hostile payload"), "hostile payload")
 
 
+def _sequence_header(cache, seq, num_tokens, computed):
+    from pagedkv.transfer.protocol import header
+    return header("sequence", cache, seq_id=seq, cache_salt=None, adapter_id=None, metadata=None, priority=None,
+                  num_tokens=num_tokens, num_computed=computed)
+
+
+@contextlib.contextmanager
+def stale_memory(contents):
+    """``torch.empty`` hands back memory that already holds ``contents[(dtype, numel)]``:
+    what the allocator did when the two-rank hostile scenario failed (a buffer freed by an
+    earlier conversation still held the honest bytes a lying frame announced)."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        held = contents.get((t.dtype, t.numel()))
+        if held is not None:
+            t.view(-1).copy_(held)
+        return t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
 def hostile_sender(cache, seq, case, kind="sequence"):
     """Send ``seq`` (or, for ``kind="prefix"``, its full blocks) to rank 1 with ``case``'s
     fault; returns the receiver's last reply (or the error this side saw)."""
@@ -400,13 +428,17 @@ def hostile_sender(cache, seq, case, kind="sequence"):
         h = header(kind, cache, cache_salt=None, adapter_id=None, num_tokens=len(toks),
                    hashes=[str(x) for x in block_hashes(toks, bs)])
     else:
-        h = header(kind, cache, seq_id=seq, cache_salt=None, adapter_id=None, metadata=None, priority=None,
-                   num_tokens=len(toks), num_computed=computed)
+        h = _sequence_header(cache, seq, len(toks), computed)
     h.update(case.get("header", {}))
     for k in case.get("drop", ()):
         h.pop(k)
     link.send_hello()
-    _send_raw(link, wire.JSON, case["raw_header"] if "raw_header" in case else json.dumps(h).encode())
+    raw_header = case["raw_header"] if "raw_header" in case else json.dumps(h).encode()
+    if "header_frame" in case:           # the frame announces the whole header; half of it follows
+        _send_raw(link, wire.JSON, raw_header[:len(raw_header) // 2], nbytes=len(raw_header),
+                  check=zlib.crc32(raw_header))
+    else:
+        _send_raw(link, wire.JSON, raw_header)
     sent = np.ascontiguousarray(case.get("tokens", toks), dtype=np.int32).tobytes()
     honest = np.ascontiguousarray(toks, dtype=np.int32).tobytes()
     if "token_frame" in case:            # the frame announces the honest size; fewer bytes follow
@@ -483,6 +515,10 @@ HOSTILE_SEQUENCE = [
     ("tokens_3_of_13", {"tokens": np.arange(100, 103)}),
     ("tokens_short_frame_lies", {"tokens": np.arange(100, 103), "token_frame": True}),
     ("tokens_more_than_announced", {"tokens": np.arange(100, 120)}),
+    # the frame announces the honest size and checksum, fewer bytes follow, and the receive
+    # buffer already holds the honest bytes (see stale_memory): only what arrived may count
+    ("tokens_short_frame_lies_stale_memory", {"tokens": np.arange(100, 103), "token_frame": True}),
+    ("header_short_frame_lies_stale_memory", {"header_frame": True}),
     ("blocks_1_of_4", {"blocks": "one"}),
     ("blocks_1_of_4_frame_lies", {"blocks": "one_lying"}),
     ("blocks_bit_flipped", {"blocks": "flip"}),
@@ -521,30 +557,42 @@ def hostile(rank, out):
     cache.free("warm")
     if rank == 0:
         fill(cache, "req", req)
-        out["sequence"] = {name: hostile_sender(cache, "req", case) for name, case in HOSTILE_SEQUENCE}
+        out["sequence"] = {name: (stage(f"sequence/{name}"), hostile_sender(cache, "req", case))[1]
+                           for name, case in HOSTILE_SEQUENCE}
         fill(cache, "pfx", tokens(300, 16))
-        out["prefix"] = {name: hostile_sender(cache, "pfx", case, "prefix") for name, case in HOSTILE_PREFIX}
+        out["prefix"] = {name: (stage(f"prefix/{name}"), hostile_sender(cache, "pfx", case, "prefix"))[1]
+                         for name, case in HOSTILE_PREFIX}
         cache.free("pfx")
         before = _state(cache, req)
         out["sender"] = {}
         for name, _ in HOSTILE_REPLIES:
+            stage(f"reply/{name}")
             out["sender"][name] = expect_error(lambda: pd.send_sequence(cache, "req", 1, timeout=TIMEOUT))
             out["sender"][name + "/unchanged"] = _state(cache, req) == before
             assert_kv(cache, "req", req)
+        stage("after")
         out["after"] = pd.send_sequence(cache, "req", 1, timeout=TIMEOUT)     # still in step: a real one works
         cache.free("req")
         assert_clean(cache)
         return
     out["sequence"], out["prefix"], out["unchanged"] = {}, {}, {}
+    honest_header = torch.frombuffer(bytearray(json.dumps(_sequence_header(cache, "req", 13, 13)).encode()),
+                                     dtype=torch.uint8)
+    stale = {"tokens_short_frame_lies_stale_memory": {(torch.int32, 13): torch.from_numpy(req)},
+             "header_short_frame_lies_stale_memory": {(torch.uint8, honest_header.numel()): honest_header}}
     for kind, table, fn in (("sequence", HOSTILE_SEQUENCE, pd.recv_sequence),
                             ("prefix", HOSTILE_PREFIX, pd.recv_prefix)):
         probe = req if kind == "sequence" else tokens(300, 16)
         for name, _ in table:
+            stage(f"{kind}/{name}")
             before = _state(cache, probe)
-            out[kind][name] = expect_error(lambda: fn(cache, 0, timeout=TIMEOUT))
+            with stale_memory(stale.get(name, {})):
+                out[kind][name] = expect_error(lambda: fn(cache, 0, timeout=TIMEOUT))
             out["unchanged"][kind + "/" + name] = _state(cache, probe) == before
             cache.check_invariants()
-    out["replies"] = {name: hostile_receiver(dict(reply=reply)) for name, reply in HOSTILE_REPLIES}
+    out["replies"] = {name: (stage(f"reply/{name}"), hostile_receiver(dict(reply=reply)))[1]
+                      for name, reply in HOSTILE_REPLIES}
+    stage("after")
     got = pd.recv_sequence(cache, 0, timeout=TIMEOUT)
     assert_kv(cache, "req", req)
     out["after"] = got.num_tokens
@@ -770,17 +818,69 @@ def hybrid_prefix(rank, out):
 SCENARIOS = {"hybrid_generate": hybrid_generate, "hybrid": hybrid, "hybrid_prefix": hybrid_prefix, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
 
 
+_TRACE = None
+
+
+def stage(msg):
+    """One line in ``OUTDIR/rank<R>.trace`` (flushed), so a failing pair shows how far
+    each rank got and in what order."""
+    if _TRACE is not None:
+        _TRACE.write(f"{time.monotonic():.3f} {msg}\n")
+        _TRACE.flush()
+
+
+def _trace_wire():
+    """With PAGEDKV_TRACE_WIRE=1: every isend/irecv (tag, bytes, stage) and its wait."""
+    from pagedkv.transfer import wire
+    send, recv, wait = wire.Link.send, wire.Link.recv, wire.Link._wait
+    jitter = float(os.environ.get("PAGEDKV_JITTER", "0"))     # investigation: random delays (s)
+    rng = np.random.default_rng()
+
+    def pause():
+        if jitter and rng.random() < 0.3:
+            time.sleep(rng.random() * jitter)
+
+    def traced_send(self, t, what):
+        pause()
+        stage(f"  isend tag={wire._TAG + self.step + 1:#x} n={t.numel() * t.element_size()} {what}")
+        return send(self, t, what)
+
+    def traced_recv(self, t, what):
+        pause()
+        stage(f"  irecv tag={wire._TAG + self.step + 1:#x} n={t.numel() * t.element_size()} {what}")
+        return recv(self, t, what)
+
+    def traced_wait(self, work, what):
+        pause()
+        try:
+            wait(self, work, what)
+        except BaseException as e:
+            stage(f"  wait FAILED {what}: {e}")
+            raise
+    wire.Link.send, wire.Link.recv, wire.Link._wait = traced_send, traced_recv, traced_wait
+
+
 def main():
+    global _TRACE
     scenario, rank, port, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     out = {"rank": rank}
+    _TRACE = open(os.path.join(outdir, f"rank{rank}.trace"), "w")
+    import faulthandler
+    faulthandler.enable(_TRACE)          # a native abort (gloo) leaves its Python stack here
+    if os.environ.get("PAGEDKV_TRACE_WIRE"):
+        _trace_wire()
+    stage(f"start {scenario} rank {rank} port {port} pid {os.getpid()}")
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=60))
+        stage("joined")
         SCENARIOS[scenario](rank, out)
         out["ok"] = True
+        stage("done")
     except BaseException:
         out["ok"] = False
         out["traceback"] = traceback.format_exc()
+        stage("FAILED\n" + out["traceback"])
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     sys.stdout.flush()

@@ -57,6 +57,11 @@ EXPECTED_SEQUENCE = {
     "tokens_3_of_13": "receiving tokens: 12 bytes where 52 were announced (corrupt stream)",
     "tokens_short_frame_lies": "receiving tokens: data whose checksum does not match its frame (corrupt stream)",
     "tokens_more_than_announced": "receiving tokens: 80 bytes where 52 were announced (corrupt stream)",
+    # a short payload is refused even when the receive buffer held the missing bytes already
+    "tokens_short_frame_lies_stale_memory":
+        "receiving tokens: data whose checksum does not match its frame (corrupt stream)",
+    "header_short_frame_lies_stale_memory":
+        "waiting for the header: a message whose checksum does not match its frame (corrupt stream)",
     "blocks_1_of_4": "receiving layer 0: 256 bytes where 1024 were announced (4 block(s)) (corrupt stream)",
     "blocks_1_of_4_frame_lies": "receiving layer 0: data whose checksum does not match its frame (corrupt stream)",
     "blocks_bit_flipped": "receiving layer 0: data whose checksum does not match its frame (corrupt stream)",
@@ -85,15 +90,11 @@ EXPECTED_REPLIES = {
 
 def test_hostile_peers_get_transfer_errors_and_leave_the_honest_side_unchanged(tmp_path):
     (send, recv), codes = run_ranks("hostile", tmp_path)
-    if not (send.get("ok") and recv.get("ok")):
-        # Once in several full-suite runs a rank has left early and its peer saw the
-        # connection close (not yet understood; see the session note of issue 25). One
-        # retry in a fresh pair; every assertion below still holds for the run it keeps.
-        (tmp_path / "retry").mkdir()
-        (send, recv), codes = run_ranks("hostile", tmp_path / "retry")
+    # both ranks' tracebacks: the one that failed first is often not rank 0, which then
+    # only sees its peer's connection close
+    assert send["ok"] and recv["ok"], "\n\n".join(
+        f"rank {r}: {rep.get('traceback') or rep.get('log') or 'ok'}" for r, rep in enumerate((send, recv)))
     assert codes == [0, 0]                      # neither process aborted
-    assert_ok(send)
-    assert_ok(recv)
     assert set(EXPECTED_SEQUENCE) == {n for n, _ in HOSTILE_SEQUENCE}
     assert set(EXPECTED_PREFIX) == {n for n, _ in HOSTILE_PREFIX}
     assert set(EXPECTED_REPLIES) == {n for n, _ in HOSTILE_REPLIES}

@@ -54,6 +54,15 @@ MAX_DEPTH = 64              # nesting of one control message
 DRAIN_LIMIT = 1 << 26       # a payload of the wrong size up to this is received and dropped
 
 
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """``t`` zeroed before a receive lands in it. gloo completes a receive that got fewer
+    bytes than were posted and does not say how many arrived, so whatever a short payload
+    did not overwrite is checksummed with it: left uninitialized, that could be memory that
+    still holds the very bytes the frame announced (a buffer freed by an earlier transfer of
+    the same tokens), and a truncated payload would pass or fail by chance."""
+    return t.zero_()
+
+
 class PeerAborted(TransferError):
     """The peer sent an abort in place of the message this side expected."""
 
@@ -218,7 +227,7 @@ class Link:
         if not n:
             return b""
         t = torch.empty(n, dtype=torch.uint8, device=self.ctl)
-        self.wait(self.recv(t, what), what)
+        self.wait(self.recv(_fresh(t), what), what)
         if checksum(t) != check:
             raise self.corrupt(what, "a message whose checksum does not match its frame")
         return bytes(t.cpu().numpy())
@@ -268,7 +277,7 @@ class Link:
             self.drain(n, what)
             raise self.corrupt(what, f"{n} bytes where {want} were announced")
         if n:
-            self.wait(self.recv(t, what), what)
+            self.wait(self.recv(_fresh(t), what), what)
             if checksum(t) != check:
                 raise self.corrupt(what, "data whose checksum does not match its frame")
 
@@ -331,7 +340,7 @@ class Link:
                 if self.broken:
                     break
                 continue
-            pending.append((self.recv(buf, what), buf, check, layer, a))
+            pending.append((self.recv(_fresh(buf), what), buf, check, layer, a))   # landed: free to reuse
             if len(pending) >= _DEPTH:
                 land(pending.pop(0))
         for entry in pending:
