@@ -8,7 +8,7 @@ from pagedkv.errors import *  # noqa: F401,F403
 
 _install_moved_paths()
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 try:
     from pagedkv._core.pool import BlockPool
