@@ -199,7 +199,8 @@ class PrefixStore:
         self._view = None
         self._session_bumped = False
         self._session_gen = self._read_gen()
-        if self._session_gen is None or getattr(d, "num_corrupt_dropped", 0) or getattr(d, "num_orphans_dropped", 0):
+        dropped = (getattr(d, "num_corrupt_dropped", None), getattr(d, "num_orphans_dropped", None))
+        if self._session_gen is None or any(dropped):
             self._bump(d)                          # opening changed the files (or there is no stamp yet)
         try:
             yield d
