@@ -23,6 +23,33 @@ for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP
              "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(k, v)
 
+try:      # the control engine's connector: vLLM's connector plumbing with no work at all
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    class NullConnector(KVConnectorBase_V1):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            return None
+
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def start_load_kv(self, forward_context, **kwargs):
+            return None
+
+        def wait_for_layer_load(self, layer_name):
+            return None
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            return None
+
+        def wait_for_save(self):
+            return None
+except ImportError:
+    pass
+
 NAME = "vllm_connector"
 MODEL_DIR = Path(os.environ.get("PAGEDKV_VLLM_MODEL", str(Path.home() / ".cache/pagedkv/smollm2-hf"))).expanduser()
 BLOCK = 128
@@ -41,12 +68,16 @@ def tokens(n: int, offset: int = 0) -> list:
     return list(_text_ids()[offset:offset + n])
 
 
-def make_llm(extra=None):
+def make_llm(extra=None, null=False):
     from vllm import LLM
 
     ktc = None if extra is None else {"kv_connector": "PagedKVConnector", "kv_role": "kv_both",
                                       "kv_connector_module_path": "pagedkv.integrations.vllm",
                                       "kv_connector_extra_config": extra}
+    if null:      # this file's NullConnector, imported by name in the engine's processes
+        here = str(Path(__file__).resolve().parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join([here] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        ktc = {"kv_connector": "NullConnector", "kv_role": "kv_both", "kv_connector_module_path": NAME}
     return LLM(model=str(MODEL_DIR), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
                enable_prefix_caching=True, block_size=BLOCK, kv_transfer_config=ktc, seed=0)
 
@@ -77,6 +108,9 @@ def tok_s(llm, prompts, max_tokens) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one repetition, small throughput run")
+    ap.add_argument("--throughput-only", action="store_true", help="only the overhead part (no TTFT, no bytes)")
+    ap.add_argument("--null-control", action="store_true",
+                    help="a third engine with a connector that does nothing: vLLM's own cost of having one")
     args = ap.parse_args()
     try:
         import vllm  # noqa: F401
@@ -109,7 +143,7 @@ def main() -> None:
         ttft[kind].append(dt)
         cached[kind].append(o[0].num_cached_tokens)
 
-    for r in range(reps):
+    for r in range(0 if args.throughput_only else reps):
         llm.reset_prefix_cache(reset_connector=True)                 # both tiers emptied
         timed("recompute")
         timed("vllm_prefix_cache")
@@ -119,34 +153,47 @@ def main() -> None:
             gen(llm, [f], 1)
         llm.reset_prefix_cache()
         timed("pagedkv_disk")
-    ttft_ms = {k: round(1000 * statistics.median(v), 1) for k, v in ttft.items()}
+    ttft_ms = {k: round(1000 * statistics.median(v), 1) for k, v in ttft.items() if v}
     # SmolLM2-135M: 30 layers, 3 KV heads, head size 64
     bpt = {s: bytes_per_token(make_codec(s, 3, BLOCK, 64, torch.bfloat16, 1), 30) for s in ("bf16", "int8", "fp8", "int4")}
-    meta = json.loads(Path(f"{tmp}/tier/meta.json").read_text())
+    meta_path = Path(f"{tmp}/tier/meta.json")
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
 
     # Overhead: the connector configured (host + disk, write-through) with nothing to hit
     # vs an engine without it, both alive, batches interleaved (the machine's load drifts).
     base = make_llm(None)
     gen(base, [tokens(64, 90_000)], 4)                             # warm-up
     tput: dict = {"connector": [], "no_connector": []}
+    engines = [("connector", llm), ("no_connector", base)]
+    if args.null_control:
+        null = make_llm(null=True)
+        gen(null, [tokens(64, 90_000)], 4)
+        tput["null_connector"] = []
+        engines.append(("null_connector", null))
     for r in range(tput_reps):
-        order = [("connector", llm), ("no_connector", base)]
-        for name, engine in (order if r % 2 == 0 else order[::-1]):
-            tput[name].append(tok_s(engine, batch(2 * r + (name == "connector"), n_req), max_tok))
+        for j, (name, engine) in enumerate(engines[r % len(engines):] + engines[:r % len(engines)]):
+            k = [n for n, _ in engines].index(name)
+            tput[name].append(tok_s(engine, batch(len(engines) * r + k, n_req), max_tok))
     med = {k: statistics.median(v) for k, v in tput.items()}
     ratios = sorted(c / b for c, b in zip(tput["connector"], tput["no_connector"]))
+    extra_out = {}
+    if args.null_control:
+        extra_out["null_connector_overhead_pct_median"] = round(
+            100 * (med["no_connector"] - med["null_connector"]) / med["no_connector"], 1)
     print(json.dumps({
         "benchmark": NAME, "smoke": args.smoke, "model": "SmolLM2-135M bf16", "vllm_multiprocessing": True,
         "prompt_tokens": len(prompt), "block_size": BLOCK, "reps": reps, "ttft_ms": ttft_ms,
-        "cached_tokens": {k: statistics.median(v) for k, v in cached.items()},
+        "cached_tokens": {k: statistics.median(v) for k, v in cached.items() if v},
         "speedup_vs_recompute": {k: round(ttft_ms["recompute"] / v, 2) for k, v in ttft_ms.items()},
+        "throughput_only": args.throughput_only,
         "throughput_requests": n_req, "throughput_max_tokens": max_tok, "throughput_reps": tput_reps,
         "throughput_tok_s_median": {k: round(v, 1) for k, v in med.items()},
         "throughput_tok_s_all": {k: [round(x, 1) for x in v] for k, v in tput.items()},
         "overhead_pct_median": round(100 * (med["no_connector"] - med["connector"]) / med["no_connector"], 1),
         "overhead_pct_median_of_paired": round(100 * (1 - statistics.median(ratios)), 1),
+        **extra_out,
         "bytes_per_token": {k: round(v, 1) for k, v in bpt.items()},
-        "disk_record_bytes_per_token_bf16": meta["record_bytes"] / BLOCK,
+        "disk_record_bytes_per_token_bf16": None if meta is None else meta["record_bytes"] / BLOCK,
     }))
 
 

@@ -20,11 +20,20 @@ numbers and vLLM block ids (the step's metadata one way, the worker's report the
 - **Sharing a directory:** the disk tier is opened (``flock``) only for one batch of
   lookups or writes, then closed, so several engines take turns; a block's CRC is
   checked before it is served, and a slot is valid on disk only once sealed.
+- **Misses without opening the disk:** the closed tier's in-memory index stays as a
+  *view*, stamped with the directory's generation (``vllm-generation``: 8 bytes that
+  every session which changes the tier bumps, under the lock, before its first change).
+  While the file still holds that stamp, a lookup the view answers with no longer
+  chain than the host's, and a write-down of blocks the view already holds, cost hash
+  lookups, not a reopen. The view only decides whether to open: every hit is still
+  found, token-verified and CRC-checked in a locked session.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import stat
 import threading
 import time
 import weakref
@@ -54,6 +63,8 @@ _stores_lock = threading.RLock()      # get_store holds it while PrefixStore reg
 
 #: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
 LAYOUT = "vllm-cpu-kT-v"
+#: the disk directory's generation file (see the module's docstring).
+GEN_FILE = "vllm-generation"
 
 
 def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> PrefixStore:
@@ -139,6 +150,10 @@ class PrefixStore:
         self.disk_refused: str | None = None
         self.pending: set = set()                          # host slots admitted, data not yet landed
         self._disk: DiskPrefixTier | None = None
+        self._view: DiskPrefixTier | None = None     # the last session's tier, closed: its index in memory
+        self._view_gen: tuple | None = None          # the directory's generation that index reflects
+        self._session_gen: tuple | None = None
+        self._session_bumped = False
         self.num_disk_hit_tokens = 0
         self.num_disk_written = 0
         self.num_disk_corrupt = 0
@@ -181,11 +196,69 @@ class PrefixStore:
                 yield None
                 return
         self._disk = d
+        self._view = None
+        self._session_bumped = False
+        self._session_gen = self._read_gen()
+        dropped = (getattr(d, "num_corrupt_dropped", None), getattr(d, "num_orphans_dropped", None))
+        if self._session_gen is None or any(dropped):
+            self._bump(d)                          # opening changed the files (or there is no stamp yet)
         try:
             yield d
         finally:
             self._disk = None
+            gen = self._session_gen
             d.close()
+            if gen is not None:
+                self._view, self._view_gen = d, gen
+
+    def _gen_path(self) -> str:
+        return os.path.join(self.cfg.disk_path, GEN_FILE)      # type: ignore[arg-type]  # a disk is set
+
+    def _read_gen(self) -> tuple | None:
+        """(device, inode, counter) of the generation file; None when absent or unreadable."""
+        try:
+            fd = os.open(self._gen_path(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            raw = os.pread(fd, 8, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode) or len(raw) != 8:
+            return None
+        return st.st_dev, st.st_ino, int.from_bytes(raw, "little")
+
+    def _bump(self, d: DiskPrefixTier) -> None:
+        """Before this session's first change to the tier: move the directory's generation
+        on, so other engines' views go stale (under the lock, like every change)."""
+        if self._session_bumped:
+            return
+        self._session_gen = None                   # if the bump fails, keep no view of this session
+        try:
+            fd = d.dir.open(GEN_FILE, os.O_RDWR, create=True)
+        except (OSError, TierFileError) as e:
+            log.info("pagedkv connector: could not stamp the disk tier's generation (%s); misses reopen it", e)
+            return
+        try:
+            raw = os.pread(fd, 8, 0)
+            n = (int.from_bytes(raw, "little") + 1) % 2**64 if len(raw) == 8 else 1
+            os.pwrite(fd, n.to_bytes(8, "little"), 0)
+            st = os.fstat(fd)
+            self._session_gen = (st.st_dev, st.st_ino, n)
+            self._session_bumped = True
+        except OSError as e:
+            log.info("pagedkv connector: could not stamp the disk tier's generation (%s); misses reopen it", e)
+        finally:
+            os.close(fd)
+
+    def _fresh_view(self) -> DiskPrefixTier | None:
+        """The last session's index, while no engine has changed the tier since."""
+        if self._view is None or self._disk is not None or self._read_gen() != self._view_gen:
+            return None
+        return self._view
 
     # ---- lookups --------------------------------------------------------------------------
     def _ns(self, tier, ns_key: bytes, create: bool):
@@ -207,8 +280,13 @@ class PrefixStore:
         promoting disk hits into the host tier. The caller leases what it will load."""
         with self.lock:
             chain = self._host_chain(tokens, ns_key, max_blocks)
-            if len(chain) >= max_blocks or self.cfg.disk_path is None:
+            if len(chain) >= max_blocks or self.cfg.disk_path is None or self.disk_refused:
                 return chain
+            view = self._fresh_view()
+            if view is not None:
+                ns, h = self._ns(view, ns_key, False)
+                if ns is None or len(view.index.lookup(tokens, ns, h, max_blocks)) <= len(chain):
+                    return chain                   # the disk holds no longer prefix: no need to open it
             with self.disk() as d:
                 if d is None:
                     return chain
@@ -229,6 +307,7 @@ class PrefixStore:
                             log.warning("pagedkv connector: disk slot %d failed its CRC-32; dropped (a miss)", s)
                             d.index.release(dchain[i:])
                             dchain = dchain[:i]
+                            self._bump(d)
                             for x in d.index.descendants(s) + [s]:
                                 d.index.remove(x)
                             break
@@ -313,7 +392,27 @@ class PrefixStore:
 
     def to_disk(self, slots: Sequence[int]) -> None:
         """Admit these host slots' chains to the disk tier (ancestors first)."""
-        with self.lock, self.disk() as d:
+        with self.lock:
+            view = self._fresh_view()
+            if view is not None and all(self._held_by(view, s) for s in slots):
+                return                             # all there already (written through): no need to open
+            self._to_disk(slots)
+
+    def _held_by(self, view: DiskPrefixTier, slot: int) -> bool:
+        """Whether the disk tier, as ``view`` shows it, holds host ``slot``'s whole chain."""
+        host = self.host
+        parent = ROOT
+        for a in host.index.chain(slot):
+            ns, h = self._ns(view, host.ns_keys[int(host.index.rec["ns"][a])], False)
+            if ns is None:
+                return False
+            parent = view.index.find_child(parent, ns, h, host.index.rec["tokens"][a])
+            if parent < 0:
+                return False
+        return True
+
+    def _to_disk(self, slots: Sequence[int]) -> None:
+        with self.disk() as d:
             if d is None:
                 return
             host = self.host
@@ -324,8 +423,14 @@ class PrefixStore:
                     if a in done:
                         parent = done[a]
                         continue
-                    ns, h = self._ns(d, host.ns_keys[int(host.index.rec["ns"][a])], True)
-                    s, created = d.index.insert(parent, ns, h, np.array(host.index.rec["tokens"][a]))
+                    key = host.ns_keys[int(host.index.rec["ns"][a])]
+                    if d.namespace(key, create=False) is None:
+                        self._bump(d)
+                    ns, h = self._ns(d, key, True)
+                    tok = np.array(host.index.rec["tokens"][a])
+                    if d.index.find_child(parent, ns, h, tok) < 0:
+                        self._bump(d)              # an insert changes the tier (it may evict, too)
+                    s, created = d.index.insert(parent, ns, h, tok)
                     if s < 0:
                         break
                     if created:
