@@ -138,10 +138,11 @@ def test_many_kv_heads_decode_and_prefill_in_one_batch(backend, layout, fmt, d, 
 
 @pytest.mark.skipif(not CPU_AVAILABLE, reason="CPU loops not built")
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("fmt, block_keys", [("float32", False), ("int4", True), ("int8", False)])
+@pytest.mark.parametrize("fmt, block_keys", [("float32", False), ("int4", True), ("int8", False),
+                                             ("int3", False), ("fp8_e5m2", False)])
 def test_every_tuning_of_the_cpu_loops_matches_the_reference(layout, fmt, block_keys):
     """The loops' knobs (prefetch mode; sealed block keys' parameters widened once per
-    block or per row) change speed only: every setting is within the reference's
+    block or per row; code rows decoded in registers or widened into tiles) change speed only: every setting is within the reference's
     tolerance, and the prefetch modes give identical bits."""
     from pagedkv.ops import _cpu_attention as ca
 
@@ -151,12 +152,13 @@ def test_every_tuning_of_the_cpu_loops_matches_the_reference(layout, fmt, block_
     old = ca.tune()
     try:
         by_mode = {}
-        for key_cache in (True, False):
-            for mode in ca.PREFETCH_MODES:
-                ca.tune(prefetch=mode, key_cache=key_cache)
-                got = paged_attention(*args, backend="cpu", **kw)
-                check_close(got, want, vmax, args[0].dtype)
-                by_mode.setdefault(key_cache, []).append(got)
+        for fused in (True, False):
+            for key_cache in (True, False):
+                for mode in ca.PREFETCH_MODES:
+                    ca.tune(prefetch=mode, key_cache=key_cache, fused=fused)
+                    got = paged_attention(*args, backend="cpu", **kw)
+                    check_close(got, want, vmax, args[0].dtype)
+                    by_mode.setdefault((fused, key_cache), []).append(got)
         for outs in by_mode.values():
             for got in outs[1:]:
                 assert torch.equal(got, outs[0])
