@@ -22,6 +22,7 @@ from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, Invali
 from pagedkv.ops import ExactRows, paged_attention
 from pagedkv.ops import reference as ref
 from pagedkv.ops.paged_attention import CPU_AVAILABLE
+from pagedkv.store.layer_format import LayerFormat
 from pagedkv.store.rotation import rotation_signs
 
 MODEL_FMTS = ("float32", "float16", "bfloat16")
@@ -137,10 +138,11 @@ def test_many_kv_heads_decode_and_prefill_in_one_batch(backend, layout, fmt, d, 
 
 @pytest.mark.skipif(not CPU_AVAILABLE, reason="CPU loops not built")
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("fmt, block_keys", [("float32", False), ("int4", True), ("int8", False)])
+@pytest.mark.parametrize("fmt, block_keys", [("float32", False), ("int4", True), ("int8", False),
+                                             ("int3", False), ("fp8_e5m2", False)])
 def test_every_tuning_of_the_cpu_loops_matches_the_reference(layout, fmt, block_keys):
     """The loops' knobs (prefetch mode; sealed block keys' parameters widened once per
-    block or per row) change speed only: every setting is within the reference's
+    block or per row; code rows decoded in registers or widened into tiles) change speed only: every setting is within the reference's
     tolerance, and the prefetch modes give identical bits."""
     from pagedkv.ops import _cpu_attention as ca
 
@@ -150,12 +152,13 @@ def test_every_tuning_of_the_cpu_loops_matches_the_reference(layout, fmt, block_
     old = ca.tune()
     try:
         by_mode = {}
-        for key_cache in (True, False):
-            for mode in ca.PREFETCH_MODES:
-                ca.tune(prefetch=mode, key_cache=key_cache)
-                got = paged_attention(*args, backend="cpu", **kw)
-                check_close(got, want, vmax, args[0].dtype)
-                by_mode.setdefault(key_cache, []).append(got)
+        for fused in (True, False):
+            for key_cache in (True, False):
+                for mode in ca.PREFETCH_MODES:
+                    ca.tune(prefetch=mode, key_cache=key_cache, fused=fused)
+                    got = paged_attention(*args, backend="cpu", **kw)
+                    check_close(got, want, vmax, args[0].dtype)
+                    by_mode.setdefault((fused, key_cache), []).append(got)
         for outs in by_mode.values():
             for got in outs[1:]:
                 assert torch.equal(got, outs[0])
@@ -268,3 +271,83 @@ def test_bad_out_leaves_it_unchanged():
     assert bool((good == 5.0).all())
     assert paged_attention(*args, out=good, **kw) is good
 
+
+
+# -- the layer's format (LayerFormat), as the data ops take it ---------------------------
+
+
+def _format_case(fmt, block_keys=False, rot=False):
+    gen = torch.Generator().manual_seed(11)
+    args, kw, vmax = build(fmt, "NHD", 64, 16, 2, 6, [70, 33], [1, 3], gen, rot=rot, block_keys=block_keys)
+    group = 64 // _groups(fmt, 64) if dtypes.info(fmt).grouped else None
+    layer_format = LayerFormat(fmt, group, "block" if block_keys else "token", rot)
+    return args, kw, vmax, layer_format
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "emulation"])
+@pytest.mark.parametrize("fmt, block_keys, rot", [("int4", True, False), ("int4", False, True),
+                                                  ("int3", False, False), ("int8", False, False),
+                                                  ("float16", False, False)])
+def test_an_explicit_layer_format_reads_what_the_implied_one_does(backend, fmt, block_keys, rot):
+    args, kw, vmax, layer_format = _format_case(fmt, block_keys, rot)
+    if backend == "emulation":
+        from pagedkv.kernels import emulation
+
+        run = emulation.paged_attention
+    else:
+        def run(*a, **k):
+            return paged_attention(*a, backend=backend, **k)
+    want = paged_attention(*args, backend="reference", **kw)
+    got = run(*args, layer_format=layer_format, **kw)
+    check_close(got, want, vmax, args[0].dtype)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_the_group_size_comes_from_the_layer_format(backend):
+    """The scale views hold 2 groups (of 32); a format of groups of 16 means 4."""
+    args, kw, _, _ = _format_case("int4")
+    with pytest.raises(ShapeError, match=r"kv_scale: expected shape \(\d+, 2, 16, 2, 4\)"):
+        paged_attention(*args, layer_format=LayerFormat("int4", 16), backend=backend, **kw)
+    with pytest.raises(DTypeError, match=r"kv_layer: expected dtype int8 \(layer_format int8\), got torch.uint8"):
+        paged_attention(*args, layer_format=LayerFormat("int8"), backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_block_keys_and_rotation_must_agree_with_the_layer_format(backend):
+    args, kw, _, fmt = _format_case("int4", block_keys=True)
+    token = LayerFormat("int4", fmt.group_size)
+    with pytest.raises(InvalidArgumentError, match=r"key_scale: expected None for layer_format int4, group_size=32 "
+                                                   r"\(keys per token\), got a tensor"):
+        paged_attention(*args, layer_format=token, backend=backend, **kw)
+    plain = {k: v for k, v in kw.items() if k not in ("key_scale", "key_zero")}
+    with pytest.raises(InvalidArgumentError, match=r"key_scale: expected the block-key parameters for layer_format "
+                                                   r"int4, group_size=32, key_quant=block, got None"):
+        paged_attention(*args, layer_format=fmt, backend=backend, **plain)
+    with pytest.raises(InvalidArgumentError, match=r"rotation_signs: expected None for layer_format int4, "
+                                                   r"group_size=32 \(not rotated\), got a tensor"):
+        paged_attention(*args, layer_format=token, backend=backend, rotation_signs=rotation_signs(64, 5), **plain)
+
+
+def test_the_cache_passes_its_layer_format(monkeypatch):
+    import pagedkv.ops as ops
+    from pagedkv import CacheConfig, PagedKVCache
+
+    seen = []
+    real = ops.paged_attention
+
+    def spy(*a, **k):
+        seen.append(k.get("layer_format"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ops, "paged_attention", spy)
+    kv = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8,
+                                  kv_dtype="int4", kv_group_size=8))
+    kv.add_sequence("a")
+    slots = kv.reserve("a", 5)
+    k = torch.randn(5, 2, 16)
+    kv.write(0, slots, k, -k)
+    kv.commit("a", 5, list(range(5)))
+    indptr, indices, _ = kv.page_table_csr(["a"])
+    kv.attention(0, torch.randn(1, 2, 16), indptr, indices, np.array([5], np.int32), np.array([0, 1], np.int32))
+    assert seen == [kv.store.layer_format(0)] and seen[0].group_size == 8
+    kv.free("a")

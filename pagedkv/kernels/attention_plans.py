@@ -43,7 +43,6 @@ from pagedkv.kernels.plans import (
     _check_kernel_dtype,
     _check_rows,
     _check_signs,
-    _groups,
     _i64,
     _ptr,
     _rot_dims,
@@ -186,15 +185,16 @@ def _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q: int) ->
 def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                          kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                          soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None, exact_rows=None,
-                         num_sms: int = DEFAULT_SMS) -> tuple[list[Launch], torch.Tensor]:
+                         layer_format=None, num_sms: int = DEFAULT_SMS) -> tuple[list[Launch], torch.Tensor]:
     """Plan :func:`pagedkv.ops.paged_attention` (same arguments); returns ``(launches, out)``.
 
     ``num_sms``: the device's SM count, for the automatic ``num_splits``.
     """
-    geo = checks.check_layer(kv_layer, layout, kv_scale, kv_zero)
+    geo = checks.check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=layer_format)
     device = kv_layer.device
-    signs = _check_signs(rotation_signs, geo, device)
-    if checks.check_key_channels(key_scale, key_zero, geo, device):
+    explicit = layer_format is not None
+    signs = _check_signs(rotation_signs, geo, device, explicit=explicit)
+    if checks.check_key_channels(key_scale, key_zero, geo, device, explicit=explicit):
         _check_aligned("key_scale", key_scale)
         _check_aligned("key_zero", key_zero)
     q = checks.check_tensor("q", q)
@@ -289,7 +289,7 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key_scale), _ptr(key_zero), _ptr(signs), _ptr(q),
             _ptr(out), _ptr(part_o), _ptr(part_ml), _ptr(indptr), _ptr(indices), _ptr(seq_lens), _ptr(q_indptr),
             _ptr(tile_ends), _i64(batch), _i64(indices.shape[0]), _i64(geo.num_blocks), _i64(geo.block_size),
-            _i64(geo.num_heads), _i64(d), _i64(_groups(kv_layer, kv_scale) if geo.quantized else 1), _i64(num_q),
+            _i64(geo.num_heads), _i64(d), _i64(geo.groups), _i64(num_q),
             _i64(hq), _i64(q.stride(0)), _i64(q.stride(1)), _i64(tl.heads_per_cta), _i64(tl.q_tile),
             _i64(tl.kv_tile), _i64(num_splits), _i64(tiles), ("f32", sm_scale), ("f32", soft_cap or 0.0),
             _i64(window or 0), _i64(sink_tokens)]

@@ -130,12 +130,6 @@ def _check_kernel_dtype(geo: checks.LayerGeometry) -> None:
                                   "or a model dtype)", f"{row.name} ({row.torch_name})"))
 
 
-def _groups(kv_layer: torch.Tensor, kv_scale: torch.Tensor) -> int:
-    """Scale groups per (token, head) row read off the scale view (the attention plans'
-    compatibility path; the data-op plans read ``LayerGeometry.groups``)."""
-    return kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
-
-
 def _check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise InvalidArgumentError(expected(name, "a contiguous tensor", f"strides {tuple(t.stride())}"))

@@ -101,25 +101,27 @@ class DataPath:
         scale, zero = store.layer_scales(layer)
         kscale, kzero = store.layer_key_params(layer)
         main, i = store._where[layer]
+        fmt = store.layer_format(layer)
         w, exact = store.window, None
         if main and w is not None and (w.window or w.sink):
             exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
         if exact is None:
             return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout,
                                    kv_scale=scale, kv_zero=zero, key_scale=kscale, key_zero=kzero,
-                                   rotation_signs=store.rotation_signs if main else None, **options)
+                                   rotation_signs=store.rotation_signs if main else None,
+                                   layer_format=fmt, **options)
         with w.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
             return self._attention_exact(w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale,
-                                         kzero, exact, options)
+                                         kzero, exact, fmt, options)
 
     def _attention_exact(self, w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale, kzero,
-                         exact, options):
+                         exact, fmt, options):
         from pagedkv.ops import paged_attention
 
         store = self.require_store()
         out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
                               kv_zero=zero, key_scale=kscale, key_zero=kzero, rotation_signs=store.rotation_signs,
-                              exact_rows=exact, **options)
+                              exact_rows=exact, layer_format=fmt, **options)
         if i == 0 and w.sink:     # the sinks' pins stay most recently used, as a gather's
             ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
                 indices.cpu() if hasattr(indices, "cpu") else indices)

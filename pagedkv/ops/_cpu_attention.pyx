@@ -64,6 +64,7 @@ cdef extern from "attention_rows.h" nogil:
         int64_t row_bytes, param_row, elem_bytes
         int prefetch
         int key_cache
+        int fused
     int PKV_ATTN_PREFETCH_NONE, PKV_ATTN_PREFETCH_ALL, PKV_ATTN_PREFETCH_BLOCKS
     ctypedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
                                       float*, float*, float*) noexcept
@@ -90,24 +91,33 @@ cdef int64_t _ITEM_HEADS = 256
 cdef int _PREFETCH = -1
 # sealed block keys: widen each block's parameters once per item (else per row)
 cdef int _KEY_CACHE = 1
+# code rows decoded in registers where used, not widened into float tiles; -1: for int4 and
+# int3 only (measured, 1 thread, batch 8 x 4096: int4 block keys and int3 2-7% faster fused,
+# int8 5-10% slower, within this loaded machine's noise)
+cdef int _FUSED = -1
 
 #: the prefetch modes :func:`tune` takes
 PREFETCH_MODES = {"auto": -1, "none": PKV_ATTN_PREFETCH_NONE, "all": PKV_ATTN_PREFETCH_ALL,
                   "blocks": PKV_ATTN_PREFETCH_BLOCKS}
 
 
-def tune(prefetch=None, key_cache=None):
+def tune(prefetch=None, key_cache=None, fused=None):
     """Set the loops' tuning knobs (benchmarks compare them); returns the previous
-    ``(prefetch, key_cache)``. ``prefetch``: a :data:`PREFETCH_MODES` name."""
-    global _PREFETCH, _KEY_CACHE
+    ``(prefetch, key_cache, fused)``. ``prefetch``: a :data:`PREFETCH_MODES` name;
+    ``fused``: code rows decoded in registers (else widened into float tiles; the
+    fused path widens sealed block keys' parameters once per tile and ignores
+    ``key_cache``), or ``"auto"``: for int4 and int3."""
+    global _PREFETCH, _KEY_CACHE, _FUSED
     names = {v: k for k, v in PREFETCH_MODES.items()}
-    old = (names[_PREFETCH], bool(_KEY_CACHE))
+    old = (names[_PREFETCH], bool(_KEY_CACHE), "auto" if _FUSED == -1 else bool(_FUSED))
     if prefetch is not None:
         if prefetch not in PREFETCH_MODES:
             raise InvalidArgumentError(expected("prefetch", f"one of {sorted(PREFETCH_MODES)}", prefetch))
         _PREFETCH = PREFETCH_MODES[prefetch]
     if key_cache is not None:
         _KEY_CACHE = 1 if key_cache else 0
+    if fused is not None:
+        _FUSED = -1 if isinstance(fused, str) and fused == "auto" else 1 if fused else 0
     return old
 
 
@@ -184,6 +194,7 @@ def attend(
         a.kind = (PKV_ROW_I8 if kv_type == PKV_INT8 else PKV_ROW_I4 if kv_type == PKV_INT4
                   else PKV_ROW_I3 if kv_type == PKV_INT3 else PKV_ROW_E4M3 if kv_type == PKV_E4M3
                   else PKV_ROW_E5M2)
+    a.fused = _FUSED if _FUSED >= 0 else (a.kind == PKV_ROW_I4 or a.kind == PKV_ROW_I3)
     cdef int64_t G = a.group, D = head_dim, Hq = num_q_heads
     cdef int64_t b, h, s, n, nq, ns, per, i, r, it, d, hc, hc_max = 1, work = 0
     cdef int64_t num_items = 0, part_rows = 0

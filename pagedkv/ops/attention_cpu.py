@@ -44,10 +44,9 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
     res = torch.empty(q.shape, dtype=torch.float32)
     if geo.quantized:
         kv_type = _q.QUANT_CODES[cast(str, geo.kv_dtype)]     # quantized: the name is set
-        groups = kv_scale.shape[-1] if kv_scale.dim() == kv_layer.dim() else 1
     else:
         kv_type = _MODEL_CODES[kv_layer.dtype]
-        groups = 1
+    groups = geo.groups     # the caller's layer_format's, or the one the tensors imply
     ex_args = {}
     if exact is not None:
         valid = exact.valid if exact.valid.dtype == torch.bool else exact.valid.bool()

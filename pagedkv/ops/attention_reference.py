@@ -169,16 +169,17 @@ def _check_exact(exact: object, geo: op_checks.LayerGeometry, device: torch.devi
 def check_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                     kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                     soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None,
-                    exact_rows=None) -> AttentionPlan:
+                    exact_rows=None, layer_format=None) -> AttentionPlan:
     """Every check of :func:`pagedkv.ops.paged_attention`, before any tensor is written.
 
     The index arrays are read once: the plan holds CPU int32 snapshots whose values
     were checked (the tables as :func:`pagedkv.ops.gather_kv` checks them, plus
     ``q_indptr``)."""
-    geo = op_checks.check_layer(kv_layer, layout, kv_scale, kv_zero)
+    geo = op_checks.check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=layer_format)
     device = kv_layer.device
-    op_checks.check_rotation(rotation_signs, geo, device)
-    op_checks.check_key_channels(key_scale, key_zero, geo, device)
+    explicit = layer_format is not None
+    op_checks.check_rotation(rotation_signs, geo, device, explicit=explicit)
+    op_checks.check_key_channels(key_scale, key_zero, geo, device, explicit=explicit)
     q = op_checks.check_tensor("q", q)
     if q.dtype not in MODEL_DTYPES:
         raise DTypeError(expected("q", "dtype float32, float16 or bfloat16", q.dtype))

@@ -21,7 +21,12 @@
  * group, block keys as (q o s) . c + q . z): measured on these all-heads items, scoring
  * codes was slower than widening each row once into the tile that every query row of its
  * group then reads (1 thread, 32q/8kv/128, int4 block keys 47 ms vs 39 ms); its lane
- * decoding is what is kept.
+ * decoding is what is kept. The fused item below (a->fused) decodes in registers with the
+ * widening's own arithmetic, once per row for the GQA group's rows: it only reached parity
+ * (1 thread, batch 8 x 4096, thread CPU time: int4 block keys 22.3 vs 23.5 ms, int3 26.0 vs
+ * 27.5, int8 27.1 vs 25.7), after its tile had to be filled in address order (first
+ * version 2x slower: misses) without a division per chunk; the affine V form (weights
+ * p s per group, zeros summed apart) measured slower again (27.0 vs 23.6 ms).
  *
  * The loops use 8-lane GCC vector extensions: one AVX instruction per operation in the
  * AVX2/FMA builds, two SSE2 ones in the baseline build.
@@ -81,6 +86,7 @@ typedef struct {
     int64_t row_bytes, param_row, elem_bytes;
     int prefetch;            /* PKV_ATTN_PREFETCH_ */
     int key_cache;           /* sealed block keys: 1 widen each block's bf16 parameters once per item */
+    int fused;               /* code rows: decoded in registers where used (no widened tiles) */
 } pkv_attn_args;
 
 /* what the item prefetches of the next tile: nothing, every line, or the first lines of
@@ -563,6 +569,295 @@ static inline __attribute__((always_inline)) void pkv_attn_prefetch(const pkv_at
     }
 }
 
+/* ---- code rows decoded in registers (a->fused) ----------------------------------------
+ * The same arithmetic as the tiles above (each K and V lane is s * lane + z, then the
+ * same dots and value sums in the same order), but nothing is written: a tile holds each
+ * token's code row pointers and its parameters, one (s, z) per 8-lane chunk (sealed block
+ * keys: a pointer to their block's widened per-channel parameters), and every row chunk
+ * is decoded in registers where it is used, once for all the query rows of its GQA group
+ * that share the pass (up to PKV_ATTN_ROWS). The widened K/V tiles cost a store and a
+ * reload of every element (the tiles spill out of L1: 8 heads x 32 tokens x 128 floats). */
+
+typedef struct {
+    const uint8_t** krow;    /* [nh * T] code rows */
+    const uint8_t** vrow;
+    float* kp;               /* [nh * T, 2, groups]: s, then z (per-token keys) */
+    float* vp;
+    const int32_t* cg;       /* [D / 8] the group of each 8-lane chunk */
+    int64_t ng;              /* groups */
+    int32_t* kslot;          /* [nh * T] sealed block keys: their slot in bp, else -1 */
+    float* bp;               /* [slots, 2, D]: widened block-key s, then z */
+} pkv_attn_ftile;
+
+static inline int64_t pkv_attn_fused_floats(int64_t tile, int64_t heads, int64_t head_dim) {
+    /* bp: at most one slot per tile row; kp, vp; kslot; krow, vrow (two floats a pointer) */
+    return tile * heads * (2 * head_dim + head_dim / 2 + 2 + 1 + 4 + 1);
+}
+
+/* the K lanes [d, d + 8) of tile row t: per-chunk or per-channel parameters */
+static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_fk(const int kind, const pkv_attn_ftile* f,
+                                                                    int64_t t, int64_t d, int64_t nc,
+                                                                    const float* bs, int64_t D) {
+    if (bs) return pkv_attn_lanes(PKV_ROW_I4, f->krow[t], d) * pkv_attn_ld(bs + d) + pkv_attn_ld(bs + D + d);
+    const float* p = f->kp + t * 2 * nc;
+    const int64_t g = f->cg[d >> 3];
+    return pkv_attn_lanes(kind, f->krow[t], d) * ((pkv_attn_v8){0} + p[g]) + ((pkv_attn_v8){0} + p[nc + g]);
+}
+
+/* out[r] = q_r . k_t for R rows, k_t decoded in registers */
+static inline __attribute__((always_inline)) void pkv_attn_fdots(const int kind, const int R, const float* q,
+                                                                 const pkv_attn_ftile* f, int64_t t, int64_t D,
+                                                                 float* out) {
+    const int64_t nc = f->ng;
+    const float* bs = f->kslot[t] >= 0 ? f->bp + (int64_t)f->kslot[t] * 2 * D : NULL;
+    pkv_attn_v8 acc[PKV_ATTN_ROWS], acc2[PKV_ATTN_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = acc2[r] = (pkv_attn_v8){0};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        const pkv_attn_v8 c = pkv_attn_fk(kind, f, t, d, nc, bs, D), c2 = pkv_attn_fk(kind, f, t, d + 8, nc, bs, D);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            acc[r] += pkv_attn_ld(q + r * D + d) * c;
+            acc2[r] += pkv_attn_ld(q + r * D + d + 8) * c2;
+        }
+    }
+    if (d < D) {
+        const pkv_attn_v8 c = pkv_attn_fk(kind, f, t, d, nc, bs, D);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r] += pkv_attn_ld(q + r * D + d) * c;
+    }
+    /* the R horizontal sums at once (vshufps pairs in the AVX2 build): a per-row sum was
+     * 9% of the loop */
+    pkv_attn_v8 v[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) v[r] = r < R ? acc[r] + acc2[r] : (pkv_attn_v8){0};
+    const pkv_attn_v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+    const pkv_attn_v8 u01 = __builtin_shuffle(v[0], v[1], even) + __builtin_shuffle(v[0], v[1], odd);
+    const pkv_attn_v8 u23 = __builtin_shuffle(v[2], v[3], even) + __builtin_shuffle(v[2], v[3], odd);
+    const pkv_attn_v8 w = __builtin_shuffle(u01, u23, even) + __builtin_shuffle(u01, u23, odd);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) out[r] = w[r] + w[r + 4];
+}
+
+/* the V lanes [d, d + 8) of tile row t */
+static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_fv(const int kind, const pkv_attn_ftile* f,
+                                                                    int64_t t, int64_t d, int64_t nc) {
+    const float* p = f->vp + t * 2 * nc;
+    const int64_t g = f->cg[d >> 3];
+    return pkv_attn_lanes(kind, f->vrow[t], d) * ((pkv_attn_v8){0} + p[g]) + ((pkv_attn_v8){0} + p[nc + g]);
+}
+
+/* pkv_attn_vtile with V decoded in registers */
+static inline __attribute__((always_inline)) void pkv_attn_fvtile(const int kind, const int R, float* acc,
+                                                                  const float* w, int64_t T, const uint8_t* vis,
+                                                                  const pkv_attn_ftile* f, int64_t nt, int64_t D) {
+    const int64_t nc = f->ng;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        pkv_attn_v8 x[PKV_ATTN_ROWS], x2[PKV_ATTN_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            x[r] = pkv_attn_ld(acc + r * D + d);
+            x2[r] = pkv_attn_ld(acc + r * D + d + 8);
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+            if (!vis[t]) continue;
+            const pkv_attn_v8 c = pkv_attn_fv(kind, f, t, d, nc), c2 = pkv_attn_fv(kind, f, t, d + 8, nc);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+                const pkv_attn_v8 wv = (pkv_attn_v8){0} + w[r * T + t];
+                x[r] += wv * c;
+                x2[r] += wv * c2;
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            pkv_attn_st(acc + r * D + d, x[r]);
+            pkv_attn_st(acc + r * D + d + 8, x2[r]);
+        }
+    }
+    if (d < D) {
+        pkv_attn_v8 x[PKV_ATTN_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) x[r] = pkv_attn_ld(acc + r * D + d);
+        for (int64_t t = 0; t < nt; ++t) {
+            if (!vis[t]) continue;
+            const pkv_attn_v8 c = pkv_attn_fv(kind, f, t, d, nc);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) x[r] += ((pkv_attn_v8){0} + w[r * T + t]) * c;
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) pkv_attn_st(acc + r * D + d, x[r]);
+    }
+}
+
+/* pkv_attn_rows_tile over a code tile (head hh's rows of f, offset already applied) */
+static inline __attribute__((always_inline)) void pkv_attn_frows_tile(const pkv_attn_args* a, const int kind,
+                                                                      const int R, int64_t r0, int64_t qoff,
+                                                                      int64_t p, int64_t c0, int64_t nt,
+                                                                      const pkv_attn_ftile* f, float* m, float* l,
+                                                                      float* acc, float* s) {
+    const int64_t D = a->head_dim, T = a->tile;
+    uint8_t vis[PKV_ATTN_TILE];
+    float mx[PKV_ATTN_ROWS], dots[PKV_ATTN_ROWS];
+    int any = 0;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) mx[r] = m[r0 + r];
+    for (int64_t t = 0; t < nt; ++t) {
+        const int64_t j = c0 + t;
+        vis[t] = !(j > p || (a->window && j <= p - a->window && j >= a->sink_tokens));
+        if (!vis[t]) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) s[r * T + t] = -INFINITY;
+            continue;
+        }
+        any = 1;
+        const float* qv = (a->qrot && f->kslot[t] < 0) ? a->qrot + qoff : a->q + qoff;
+        pkv_attn_fdots(kind, R, qv, f, t, D, dots);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            float x = dots[r] * a->sm_scale;
+            if (a->soft_cap > 0.0f) x = a->soft_cap * tanhf(x / a->soft_cap);
+            s[r * T + t] = x;
+            mx[r] = x > mx[r] ? x : mx[r];
+        }
+    }
+    if (!any) return;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+        const int64_t rr = r0 + r;
+        float* ar = acc + rr * D;
+        float* sr = s + r * T;
+        if (mx[r] == -INFINITY) {
+            for (int64_t t = 0; t < nt; ++t) sr[t] = 0.0f;
+            continue;
+        }
+        if (mx[r] > m[rr]) {
+            const float c = m[rr] == -INFINITY ? 0.0f : expf(m[rr] - mx[r]);
+            l[rr] *= c;
+            for (int64_t d = 0; d < D; ++d) ar[d] *= c;
+            m[rr] = mx[r];
+        }
+        l[rr] += pkv_attn_exp_tile(sr, nt, mx[r]);
+    }
+    pkv_attn_fvtile(kind, R, acc + r0 * D, s, T, vis, f, nt, D);
+}
+
+/* a row's per-token parameters, expanded to one (s, z) per 8-lane chunk: out[c], out[nc + c] */
+static inline __attribute__((always_inline)) void pkv_attn_fparams(const pkv_attn_args* a, int64_t r, float* out) {
+    pkv_attn_params(a, r, a->groups, out, out + a->groups);
+}
+
+/* the head-hh rows of one query token's GQA groups over a code tile, by kind */
+static inline __attribute__((always_inline)) void pkv_attn_fkind(const pkv_attn_args* a, const int kind, int64_t nq,
+                                                                 int64_t p_min, int64_t q0, int64_t h, int64_t c0,
+                                                                 int64_t nt, const pkv_attn_ftile* f, float* m,
+                                                                 float* l, float* acc, float* s) {
+    const int64_t G = a->group, Hq = a->num_q_heads;
+    for (int64_t i = 0; i < nq; ++i) {
+        const int64_t p = p_min + i;
+        for (int64_t g0 = 0; g0 < G; g0 += PKV_ATTN_ROWS) {
+            const int64_t r0 = i * Hq + h * G + g0, qoff = (q0 * Hq + r0) * a->head_dim;
+            switch (G - g0 < PKV_ATTN_ROWS ? G - g0 : PKV_ATTN_ROWS) {
+                case 1: pkv_attn_frows_tile(a, kind, 1, r0, qoff, p, c0, nt, f, m, l, acc, s); break;
+                case 2: pkv_attn_frows_tile(a, kind, 2, r0, qoff, p, c0, nt, f, m, l, acc, s); break;
+                case 3: pkv_attn_frows_tile(a, kind, 3, r0, qoff, p, c0, nt, f, m, l, acc, s); break;
+                default: pkv_attn_frows_tile(a, kind, 4, r0, qoff, p, c0, nt, f, m, l, acc, s); break;
+            }
+        }
+    }
+}
+
+/* pkv_attn_item_body for code rows (a->kind >= 0) without exact rows */
+static inline __attribute__((always_inline)) void pkv_attn_item_fused(const pkv_attn_args* a, int64_t b,
+                                                                      int64_t h0, int64_t h1, int64_t t0,
+                                                                      int64_t t1, float* m, float* l, float* acc,
+                                                                      float* scratch) {
+    const int64_t D = a->head_dim, Hq = a->num_q_heads, T = a->tile, nh = h1 - h0, nc = a->groups;
+    const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0;
+    const int64_t first = a->indptr[b], G = a->group;
+    const int64_t rows = nh * T;
+    float* s = scratch;                       /* [PKV_ATTN_ROWS, T] */
+    pkv_attn_ftile ft;
+    ft.bp = s + 4 * T;                        /* [rows, 2, D] */
+    ft.kp = ft.bp + rows * 2 * D;             /* [rows, 2, nc] */
+    ft.vp = ft.kp + rows * 2 * nc;
+    ft.kslot = (int32_t*)(ft.vp + rows * 2 * nc);
+    ft.krow = (const uint8_t**)(void*)(((uintptr_t)(ft.kslot + rows) + 7) & ~(uintptr_t)7);
+    ft.vrow = ft.krow + rows;
+    int32_t cg[512];                          /* head_dim / 8 chunks (the caller: at most 512) */
+    ft.ng = a->groups;
+    for (int64_t c = 0; c < D >> 3; ++c) cg[c] = (int32_t)(c / ((D >> 3) / a->groups));
+    ft.cg = cg;
+    for (int64_t i = 0; i < nq; ++i)
+        for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+            memset(acc + r * D, 0, (size_t)D * sizeof(float));
+        }
+    const int64_t p_min = n - nq;
+    for (int64_t c0 = t0; c0 < t1; c0 += T) {
+        const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
+        if (c0 > n - 1) break;
+        if (a->window && c1 - 1 <= p_min - a->window && c0 >= a->sink_tokens) continue;
+        if (c1 < t1 && a->prefetch != PKV_ATTN_PREFETCH_NONE)
+            pkv_attn_prefetch(a, first, h0, h1, c1, c1 + T < t1 ? c1 + T : t1);
+        int32_t slots = 0;
+        int64_t last[256];
+        int32_t last_slot[256];
+        for (int64_t hh = 0; hh < nh; ++hh) last[hh] = -1;
+        /* in address order (NHD: a token's heads are adjacent), touching each row's lines
+         * so that the scoring finds them in cache */
+        for (int64_t o = 0; o < nh * nt; ++o) {
+            const int64_t hh = a->hnd ? o / nt : o % nh, t = a->hnd ? o % nt : o / nh;
+            {
+                const int64_t x = hh * T + t, pos = c0 + t, h = h0 + hh;
+                const int64_t blk = a->indices[first + pos / a->block_size], off = pos % a->block_size;
+                const int64_t rk = pkv_attn_row(a, blk, 0, off, h), rv = pkv_attn_row(a, blk, 1, off, h);
+                ft.krow[x] = a->layer + rk * a->row_bytes;
+                ft.vrow[x] = a->layer + rv * a->row_bytes;
+                for (int64_t i = 0; i < a->row_bytes; i += 64) {
+                    __builtin_prefetch(ft.krow[x] + i);
+                    __builtin_prefetch(ft.vrow[x] + i);
+                }
+                pkv_attn_fparams(a, rv, ft.vp + x * 2 * nc);
+                ft.kslot[x] = -1;
+                if (a->key_scale) {
+                    const int64_t kp = (blk * a->num_heads + h) * D;
+                    if (blk != last[hh]) {  /* a new block of this head: widen its parameters once */
+                        last[hh] = blk;
+                        last_slot[hh] = -1;
+                        if (pkv_key_sealed(a->key_scale + kp)) {
+                            const int32_t sl = slots++;
+                            last_slot[hh] = sl;
+                            pkv_widen_row((const char*)(a->key_scale + kp), PKV_BF16, D, ft.bp + sl * 2 * D);
+                            pkv_widen_row((const char*)(a->key_zero + kp), PKV_BF16, D, ft.bp + sl * 2 * D + D);
+                        }
+                    }
+                    ft.kslot[x] = last_slot[hh];
+                }
+                if (ft.kslot[x] < 0) pkv_attn_fparams(a, rk, ft.kp + x * 2 * nc);
+            }
+        }
+        for (int64_t hh = 0; hh < nh; ++hh) {
+            pkv_attn_ftile fh = ft;
+            fh.krow += hh * T;
+            fh.vrow += hh * T;
+            fh.kp += hh * T * 2 * nc;
+            fh.vp += hh * T * 2 * nc;
+            fh.kslot += hh * T;
+            switch (a->kind) {
+                case PKV_ROW_I8: pkv_attn_fkind(a, PKV_ROW_I8, nq, p_min, q0, h0 + hh, c0, nt, &fh, m, l, acc, s); break;
+                case PKV_ROW_I4: pkv_attn_fkind(a, PKV_ROW_I4, nq, p_min, q0, h0 + hh, c0, nt, &fh, m, l, acc, s); break;
+                case PKV_ROW_I3: pkv_attn_fkind(a, PKV_ROW_I3, nq, p_min, q0, h0 + hh, c0, nt, &fh, m, l, acc, s); break;
+                case PKV_ROW_E4M3: pkv_attn_fkind(a, PKV_ROW_E4M3, nq, p_min, q0, h0 + hh, c0, nt, &fh, m, l, acc, s); break;
+                default: pkv_attn_fkind(a, PKV_ROW_E5M2, nq, p_min, q0, h0 + hh, c0, nt, &fh, m, l, acc, s); break;
+            }
+        }
+    }
+}
+
 /* The item (b, KV heads [h0, h1), keys [t0, t1)). m, l and acc point at the item's split
  * of sequence b, laid out as the queries are: row i * Hq + hq (query token q_indptr[b] + i,
  * query head hq), nq * Hq rows; the item writes the rows of its heads, unnormalized.
@@ -570,13 +865,19 @@ static inline __attribute__((always_inline)) void pkv_attn_prefetch(const pkv_at
  * token's heads are adjacent, so one item streams its pages once instead of once per
  * head; HND: each head's tokens run contiguously). scratch: pkv_attn_scratch_floats. */
 static inline int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t head_dim) {
-    return 2 * tile * heads * head_dim + head_dim + 4 * tile + 2 * heads * head_dim;
+    const int64_t widened = 2 * tile * heads * head_dim + head_dim + 4 * tile + 2 * heads * head_dim;
+    const int64_t fused = 4 * tile + pkv_attn_fused_floats(tile, heads, head_dim) + 2;
+    return widened > fused ? widened : fused;
 }
 
 static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
                                                                      int64_t h0, int64_t h1, int64_t t0,
                                                                      int64_t t1, float* m, float* l, float* acc,
                                                                      float* scratch) {
+    if (a->fused && a->kind >= 0 && !a->exact_data && a->head_dim <= 8 * 512) {  /* cg: 512 chunks */
+        pkv_attn_item_fused(a, b, h0, h1, t0, t1, m, l, acc, scratch);
+        return;
+    }
     const int64_t D = a->head_dim, G = a->group, Hq = a->num_q_heads, T = a->tile, nh = h1 - h0;
     const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0;
     const int64_t first = a->indptr[b];

@@ -34,6 +34,7 @@ import torch
 from pagedkv.errors import DeviceError, KernelUnavailableError, expected
 from pagedkv.ops import backends
 from pagedkv.ops.attention_reference import ExactRows, attend_reference, check_attention
+from pagedkv.store.layer_format import LayerFormat
 
 try:
     from pagedkv.ops import _cpu_attention as _ca
@@ -69,6 +70,7 @@ def paged_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     exact_rows: ExactRows | None = None,
+    layer_format: LayerFormat | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` over paged K/V.
@@ -89,6 +91,9 @@ def paged_attention(
         out: optional contiguous output shaped and typed as ``q``.
         exact_rows: model-precision rows read instead of the arena's
             (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window).
+        layer_format: the layer's :class:`~pagedkv.store.layer_format.LayerFormat` (the
+            store passes its own); the tensors are verified against it. None: the format
+            the tensors imply (the group size read off ``kv_scale``'s trailing dim).
         backend: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"reference"``.
 
     Returns:
@@ -96,7 +101,8 @@ def paged_attention(
     """
     kwargs = dict(layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
                   rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                  sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows)
+                  sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows,
+                  layer_format=layer_format)
     device = kv_layer.device if isinstance(kv_layer, torch.Tensor) else torch.device("meta")
     if backend == "auto" and device.type == "cpu" and _ca is None:
         name = "reference"
