@@ -24,20 +24,27 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedkv.store import dtypes
 from pagedkv.ops import gather_kv, paged_attention
 from pagedkv.ops import reference as ref
+from pagedkv.store import dtypes
 
 SHAPES = [(9, 3, 64), (32, 8, 128)]
 FORMATS = ["float32", "int8", "int4_block_keys", "int3"]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _median_ns(fn, reps: int) -> float:
     fn()
+    _sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter_ns()
         fn()
+        _sync()
         times.append(time.perf_counter_ns() - t0)
     times.sort()
     return float(times[len(times) // 2])
@@ -90,20 +97,21 @@ def _median_cpu_ns(fn, reps: int) -> float:
     return float(times[len(times) // 2])
 
 
-def run(batch: int, context: int, bs: int, reps: int):
+def run(batch: int, context: int, bs: int, reps: int, device: str = "cpu"):
     gen = torch.Generator().manual_seed(0)
+    dev = torch.device(device)
     results = []
     for hq, hkv, d in SHAPES:
         per_seq = -(-context // bs)
         nb = batch * per_seq
-        indptr = torch.arange(0, nb + 1, per_seq, dtype=torch.int32)
-        indices = torch.randperm(nb, generator=gen).to(torch.int32)
-        seq_lens = torch.full((batch,), context, dtype=torch.int32)
-        q_indptr = torch.arange(batch + 1, dtype=torch.int32)
-        q = torch.randn(batch, hq, d, generator=gen)
+        indptr = torch.arange(0, nb + 1, per_seq, dtype=torch.int32).to(dev)
+        indices = torch.randperm(nb, generator=gen).to(torch.int32).to(dev)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32).to(dev)
+        q_indptr = torch.arange(batch + 1, dtype=torch.int32).to(dev)
+        q = torch.randn(batch, hq, d, generator=gen).to(dev)
         src = None
         for fmt in FORMATS:
-            arena = _arena(fmt, nb, bs, hkv, d, gen)
+            arena = {k: (t.to(dev) if t is not None else None) for k, t in _arena(fmt, nb, bs, hkv, d, gen).items()}
             opts = {k: v for k, v in arena.items() if k != "kv_layer"}
             kv = arena["kv_layer"]
             out_dtype = None if fmt == "float32" else torch.float32
@@ -118,13 +126,13 @@ def run(batch: int, context: int, bs: int, reps: int):
                 F.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, enable_gqa=True)
 
             nbytes = _bytes_read(arena, batch * context, nb)
-            src = torch.empty(nbytes, dtype=torch.uint8)
+            src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
             t_paged = _median_ns(paged, reps)
-            c_paged = _median_cpu_ns(paged, reps)
+            c_paged = _median_cpu_ns(paged, reps) if dev.type == "cpu" else None
             t_gather = _median_ns(gathered, reps)
             t_copy = _median_ns(lambda: dst.copy_(src), reps)
-            results.append(dict(shape=f"{hq}q/{hkv}kv/{d}", format=fmt, batch=batch, context=context,
+            results.append(dict(shape=f"{hq}q/{hkv}kv/{d}", format=fmt, device=str(dev), batch=batch, context=context,
                                 paged_ns=t_paged, paged_cpu_ns=c_paged, gather_sdpa_ns=t_gather, paged_over_gather=t_paged / t_gather,
                                 bytes=nbytes, paged_GBps=nbytes / t_paged, memcpy_GBps=nbytes / t_copy,
                                 paged_over_memcpy_bw=(nbytes / t_paged) / (nbytes / t_copy)))
@@ -142,11 +150,12 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (timed with a synchronize per call)")
     a = p.parse_args(argv)
     if a.smoke:
         a.batch, a.context, a.reps = 2, 100, 2
     load_before = os.getloadavg()
-    res = run(a.batch, a.context, a.block_size, a.reps)
+    res = run(a.batch, a.context, a.block_size, a.reps, a.device)
     json.dump(dict(benchmark="attention", threads=torch.get_num_threads(), load=[load_before, os.getloadavg()],
                    results=res), sys.stdout, indent=1)
     print()

@@ -15,9 +15,10 @@
 // mask: key j is visible to the query at position p iff j <= p and (no window, or
 // j > p - window, or j < sink_tokens).
 //
-// Per tile of kv_tile keys, four barrier phases (common.cuh, "Cooperative kernels"):
-//   1. dequantize the tile's K and V into shared memory (zeros for a key outside the
-//      tables, as the gather reads it);
+// Per tile of kv_tile keys, five barrier phases (common.cuh, "Cooperative kernels"):
+//   1. look up each key's block and rows once, then dequantize the tile's K and V into
+//      shared memory, a warp per key and a lane per channel so that the loads coalesce
+//      (zeros for a key outside the tables, as the gather reads it);
 //   2. logits S[r, t] = (q_r . k_t) * sm_scale, soft-capped, -inf where masked;
 //   3. online softmax per row: the new running max m, rescale factor alpha, and
 //      S[r, t] <- exp(S[r, t] - m), l <- l * alpha + sum_t S[r, t];
@@ -126,6 +127,9 @@ __device__ __forceinline__ void pkv_attn(
   PKV_SHARED float smem[PKV_ATTN_FLOATS];
   PKV_SHARED pkv_i64 kpos[PKV_ATTN_MAX_TILE];  // per tile key: its position, or -1 (none)
   PKV_SHARED bool ksealed[PKV_ATTN_MAX_TILE];  // per tile key: an int4 block key (unrotated)
+  PKV_SHARED pkv_i64 kblock[PKV_ATTN_MAX_TILE];  // per tile key: its physical block, or -1 (zeros)
+  PKV_SHARED pkv_i64 krow[PKV_ATTN_MAX_TILE];    // per tile key: its K row in the per-layer view
+  PKV_SHARED pkv_i64 vrow[PKV_ATTN_MAX_TILE];    // and its V row
   const pkv_i64 D = head_dim, T = kv_tile, KS = head_dim | 1;  // odd K/V row stride: no bank conflicts
   const pkv_i64 qt = MODE == PKV_ATTN_DECODE ? 1 : q_tile;
   const pkv_i64 R = qt * heads_per_cta;
@@ -210,35 +214,42 @@ __device__ __forceinline__ void pkv_attn(
       });
     }
     for (pkv_i64 t0 = k_begin; t0 < k_end; t0 += T) {
-      PKV_PHASE({  // 1. the tile's keys and values
+      PKV_PHASE({  // 1a. each key's rows, looked up once per key (not per element)
         for (pkv_i64 t = pkv_attn_tid(); t < T; t += pkv_attn_threads()) {
           const pkv_i64 k = t0 + t;
-          kpos[t] = k < k_end ? (k < ns ? k : w_lo + k - ns) : -1;
-          const pkv_i64 block = kpos[t] < 0 ? -1 : pkv_attn_block(indptr, indices, b, kpos[t], block_size,
-                                                                   num_entries, num_blocks);
+          const pkv_i64 pos = k < k_end ? (k < ns ? k : w_lo + k - ns) : -1;
+          const pkv_i64 block = pos < 0 ? -1 : pkv_attn_block(indptr, indices, b, pos, block_size,
+                                                              num_entries, num_blocks);
+          kpos[t] = pos;
           ksealed[t] = block >= 0 && pkv_key_sealed<F>(key_scale, block, hk, num_kv_heads, D);
-        }
-        for (pkv_i64 e = pkv_attn_tid(); e < T * D; e += pkv_attn_threads()) {
-          const pkv_i64 t = pkv_div(e, D), d = e - t * D;
-          const pkv_i64 k = t0 + t;
-          float kx = 0.0f, vx = 0.0f;
-          if (k < k_end) {
-            const pkv_i64 pos = k < ns ? k : w_lo + k - ns;
-            const pkv_i64 block = pkv_attn_block(indptr, indices, b, pos, block_size, num_entries, num_blocks);
-            if (block >= 0) {
-              const pkv_i64 off = pos - pkv_div(pos, block_size) * block_size;
-              const pkv_i64 k_row = pkv_row_index<LAYOUT>(block, 0, off, hk, block_size, num_kv_heads);
-              const pkv_i64 v_row = pkv_row_index<LAYOUT>(block, 1, off, hk, block_size, num_kv_heads);
-              if (pkv_key_sealed<F>(key_scale, block, hk, num_kv_heads, D))
-                kx = pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale, key_zero,
-                                           block, hk, num_kv_heads, D, d);
-              else
-                kx = pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
-              vx = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
-            }
+          kblock[t] = block;
+          if (block >= 0) {
+            const pkv_i64 off = pos - pkv_div(pos, block_size) * block_size;
+            krow[t] = pkv_row_index<LAYOUT>(block, 0, off, hk, block_size, num_kv_heads);
+            vrow[t] = pkv_row_index<LAYOUT>(block, 1, off, hk, block_size, num_kv_heads);
           }
-          ks[t * KS + d] = kx;
-          vs[t * KS + d] = vx;
+        }
+      });
+      PKV_PHASE({  // 1b. the tile's keys and values: a warp per key, a lane per channel (coalesced)
+        const pkv_i64 nt = pkv_attn_threads(), lanes = nt < 32 ? nt : 32, teams = nt / lanes;
+        const pkv_i64 tid = pkv_attn_tid(), team = tid / lanes, lane = tid - team * lanes;
+        for (pkv_i64 t = team; t < T && team < teams; t += teams) {
+          const pkv_i64 block = kblock[t];
+          float* kd = ks + t * KS;
+          float* vd = vs + t * KS;
+          if (block < 0) {
+            for (pkv_i64 d = lane; d < D; d += lanes) kd[d] = vd[d] = 0.0f;
+            continue;
+          }
+          const pkv_i64 k_row = krow[t], v_row = vrow[t];
+          if (ksealed[t]) {
+            for (pkv_i64 d = lane; d < D; d += lanes)
+              kd[d] = pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale, key_zero,
+                                            block, hk, num_kv_heads, D, d);
+          } else {
+            for (pkv_i64 d = lane; d < D; d += lanes) kd[d] = pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
+          }
+          for (pkv_i64 d = lane; d < D; d += lanes) vd[d] = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
         }
       });
       PKV_PHASE({  // 2. logits

@@ -16,7 +16,7 @@ prefill kernel a tile of tokens. T and the tile shrink until the buffers fit.
 Splits (flash-decoding). Each tile's visible keys are cut into ``num_splits`` ranges,
 one CTA each; with more than one, every split writes its float32 (acc, max, sum)
 and a merge kernel combines them exactly. ``num_splits=None`` picks enough splits
-to give the GPU about two CTAs per SM, at most one per 256 keys of the average
+to give the GPU about four CTAs per SM, at most one per 256 keys of the average
 sequence (estimated from the table sizes, so nothing is read from the device).
 
 Index values that live on a GPU are not read (that would sync): the kernel reads a
@@ -111,8 +111,9 @@ def max_head_dim(rotated: bool) -> int:
 
 
 def auto_splits(works: int, avg_keys: int, num_sms: int) -> int:
-    """Splits per tile: about two CTAs per SM, at most one per SPLIT_MIN_KEYS keys."""
-    want = -(-2 * num_sms // max(1, works))
+    """Splits per tile: about four CTAs per SM (as many as fit one SM's shared memory at
+    ~46 KiB each, so that their loads overlap), at most one per SPLIT_MIN_KEYS keys."""
+    want = -(-4 * num_sms // max(1, works))
     return max(1, min(want, avg_keys // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
