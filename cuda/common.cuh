@@ -157,12 +157,15 @@ __device__ __forceinline__ float pkv_fp8_to_f32(pkv_u8 q) {
   if (threadIdx.x != 0 || threadIdx.y != 0 || threadIdx.z != 0) return
 #define PKV_PHASE(...) pkv_emu::each_thread([&]() __VA_ARGS__)
 #define PKV_SHARED
+#define PKV_UNROLL
 #else
 #define PKV_COOPERATIVE() ((void)0)
 #define PKV_PHASE(...) \
   do __VA_ARGS__ while (0); \
   __syncthreads()
 #define PKV_SHARED __shared__
+// a _Pragma, unlike #pragma, may stand inside a PKV_PHASE body (a macro argument)
+#define PKV_UNROLL _Pragma("unroll")
 #endif
 
 #define PKV_MAX_THREADS 1024  // per CTA: the size of per-thread shared arrays

@@ -49,6 +49,7 @@
 #define PKV_ATTN_FLOATS 11264  // shared floats of a CTA's buffers (44 KiB; attention_plans.ATTN_FLOATS)
 #define PKV_ATTN_MAX_TILE 64   // keys per tile (attention_plans.ATTN_MAX_TILE)
 #define PKV_ATTN_MAX_ROWS 64   // rows per CTA (attention_plans.ATTN_MAX_ROWS)
+#define PKV_ATTN_LANE_ELEMS 4  // channels of K and of V a lane loads before it stores any
 
 // K/V storage formats beyond the PKV_Q_* codes: the model dtypes, read as they are.
 #define PKV_F_F32 10
@@ -231,25 +232,38 @@ __device__ __forceinline__ void pkv_attn(
         }
       });
       PKV_PHASE({  // 1b. the tile's keys and values: a warp per key, a lane per channel (coalesced)
+        // Each lane first loads up to PKV_ATTN_LANE_ELEMS channels of K and of V into
+        // registers and only then stores them, so that all its loads are in flight at once
+        // (a load-store loop waits out one memory latency per channel).
         const pkv_i64 nt = pkv_attn_threads(), lanes = nt < 32 ? nt : 32, teams = nt / lanes;
         const pkv_i64 tid = pkv_attn_tid(), team = tid / lanes, lane = tid - team * lanes;
         for (pkv_i64 t = team; t < T && team < teams; t += teams) {
-          const pkv_i64 block = kblock[t];
+          const pkv_i64 block = kblock[t], k_row = krow[t], v_row = vrow[t];
+          const bool sealed = ksealed[t];
           float* kd = ks + t * KS;
           float* vd = vs + t * KS;
-          if (block < 0) {
-            for (pkv_i64 d = lane; d < D; d += lanes) kd[d] = vd[d] = 0.0f;
-            continue;
+          for (pkv_i64 d0 = lane; d0 < D; d0 += PKV_ATTN_LANE_ELEMS * lanes) {
+            float kx[PKV_ATTN_LANE_ELEMS], vx[PKV_ATTN_LANE_ELEMS];
+PKV_UNROLL
+            for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
+              const pkv_i64 d = d0 + i * lanes;
+              kx[i] = vx[i] = 0.0f;
+              if (block >= 0 && d < D) {
+                kx[i] = sealed ? pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale,
+                                                       key_zero, block, hk, num_kv_heads, D, d)
+                               : pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
+                vx[i] = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
+              }
+            }
+PKV_UNROLL
+            for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
+              const pkv_i64 d = d0 + i * lanes;
+              if (d < D) {
+                kd[d] = kx[i];
+                vd[d] = vx[i];
+              }
+            }
           }
-          const pkv_i64 k_row = krow[t], v_row = vrow[t];
-          if (ksealed[t]) {
-            for (pkv_i64 d = lane; d < D; d += lanes)
-              kd[d] = pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale, key_zero,
-                                            block, hk, num_kv_heads, D, d);
-          } else {
-            for (pkv_i64 d = lane; d < D; d += lanes) kd[d] = pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
-          }
-          for (pkv_i64 d = lane; d < D; d += lanes) vd[d] = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
         }
       });
       PKV_PHASE({  // 2. logits
