@@ -97,9 +97,6 @@ def decode_step(model, batch: int, context: int, reps: int) -> dict:
     """Median seconds of one batched decode forward, paged attention vs DynamicCache + SDPA."""
     from transformers import DynamicCache
 
-    from pagedkv.integrations import hf_attention
-    from pagedkv.integrations.transformers import PagedCache
-
     cfg = model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -124,8 +121,29 @@ def decode_step(model, batch: int, context: int, reps: int) -> dict:
     result["dynamic_cache_s"] = sorted(times)[len(times) // 2]
     result["dynamic_cache_cpu_s"] = sorted(cpu)[len(cpu) // 2]
     del dyn
-    # PagedCache with the registered attention
-    kv = _kv(model, None, batch * (-(-(context + reps + 1) // 16)) + 8)
+    # PagedCache: the registered attention (reads the pages) for every KV format, and the
+    # gather path (PagedCache hands SDPA a gathered copy) for fp32
+    for kv_dtype, paged in ((None, True), ("int8", True), ("int4", True), (None, False)):
+        label = f"{kv_dtype or 'fp32'}_{'paged' if paged else 'gather'}"
+        wall, cpu_s = _paged_step(model, ids, keys, values, batch, context, reps, kv_dtype, paged)
+        result[f"{label}_s"] = wall
+        result[f"{label}_cpu_s"] = cpu_s
+        result[f"{label}_over_dynamic_cpu"] = cpu_s / result["dynamic_cache_cpu_s"]
+    # the names earlier runs reported
+    result["paged_s"], result["paged_cpu_s"] = result["fp32_paged_s"], result["fp32_paged_cpu_s"]
+    result["paged_over_dynamic"] = result["paged_s"] / result["dynamic_cache_s"]
+    result["paged_over_dynamic_cpu"] = result["paged_cpu_s"] / result["dynamic_cache_cpu_s"]
+    result.update(batch=batch, context=context, reps=reps)
+    return result
+
+
+def _paged_step(model, ids, keys, values, batch, context, reps, kv_dtype, paged):
+    """Median (wall, thread CPU) seconds of one decode forward through a PagedCache."""
+    from pagedkv.integrations import hf_attention
+    from pagedkv.integrations.transformers import PagedCache
+
+    layers, heads, dim = len(keys), keys[0].shape[1], keys[0].shape[3]
+    kv = _kv(model, kv_dtype, batch * (-(-(context + reps + 1) // 16)) + 8)
     sids = list(range(batch))
     for sid in sids:
         kv.add_sequence(sid)
@@ -134,8 +152,8 @@ def decode_step(model, batch: int, context: int, reps: int) -> dict:
         kv.write(i, slots, keys[i].transpose(1, 2).reshape(batch * context, heads, dim),
                  values[i].transpose(1, 2).reshape(batch * context, heads, dim))
     kv.commit(sids, context)
-    model.set_attn_implementation(hf_attention.register())
-    cache = PagedCache(kv, paged_attention=True)
+    model.set_attn_implementation(hf_attention.register() if paged else "sdpa")
+    cache = PagedCache(kv, paged_attention=paged)
     times, cpu = [], []
     try:
         with torch.no_grad():
@@ -148,13 +166,9 @@ def decode_step(model, batch: int, context: int, reps: int) -> dict:
     finally:
         cache.release()
         kv.free(sids)
+        kv.close()
         model.set_attn_implementation("sdpa")
-    result["paged_s"] = sorted(times)[len(times) // 2]
-    result["paged_cpu_s"] = sorted(cpu)[len(cpu) // 2]
-    result["paged_over_dynamic"] = result["paged_s"] / result["dynamic_cache_s"]
-    result["paged_over_dynamic_cpu"] = result["paged_cpu_s"] / result["dynamic_cache_cpu_s"]
-    result.update(batch=batch, context=context, reps=reps)
-    return result
+    return sorted(times)[len(times) // 2], sorted(cpu)[len(cpu) // 2]
 
 
 def main(argv=None) -> int:
