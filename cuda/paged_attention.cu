@@ -49,7 +49,8 @@
 #define PKV_ATTN_FLOATS 11264  // shared floats of a CTA's buffers (44 KiB; attention_plans.ATTN_FLOATS)
 #define PKV_ATTN_MAX_TILE 64   // keys per tile (attention_plans.ATTN_MAX_TILE)
 #define PKV_ATTN_MAX_ROWS 64   // rows per CTA (attention_plans.ATTN_MAX_ROWS)
-#define PKV_ATTN_LANE_ELEMS 4  // channels of K and of V a lane loads before it stores any
+#define PKV_ATTN_LANE_ELEMS 4  // channels of K and of V a lane loads per key before it stores any
+#define PKV_ATTN_KEYS_AHEAD 4  // keys whose channels a lane loads before it stores any
 
 // K/V storage formats beyond the PKV_Q_* codes: the model dtypes, read as they are.
 #define PKV_F_F32 10
@@ -232,35 +233,43 @@ __device__ __forceinline__ void pkv_attn(
         }
       });
       PKV_PHASE({  // 1b. the tile's keys and values: a warp per key, a lane per channel (coalesced)
-        // Each lane first loads up to PKV_ATTN_LANE_ELEMS channels of K and of V into
-        // registers and only then stores them, so that all its loads are in flight at once
-        // (a load-store loop waits out one memory latency per channel).
+        // Each lane first loads its channels of K and of V for PKV_ATTN_KEYS_AHEAD keys
+        // (PKV_ATTN_LANE_ELEMS channels each) into registers and only then stores them, so
+        // that all those loads are in flight at once: a load-then-store loop waits out one
+        // memory latency per channel, and one per key.
         const pkv_i64 nt = pkv_attn_threads(), lanes = nt < 32 ? nt : 32, teams = nt / lanes;
         const pkv_i64 tid = pkv_attn_tid(), team = tid / lanes, lane = tid - team * lanes;
-        for (pkv_i64 t = team; t < T && team < teams; t += teams) {
-          const pkv_i64 block = kblock[t], k_row = krow[t], v_row = vrow[t];
-          const bool sealed = ksealed[t];
-          float* kd = ks + t * KS;
-          float* vd = vs + t * KS;
+        for (pkv_i64 tb = team; tb < T && team < teams; tb += teams * PKV_ATTN_KEYS_AHEAD) {
           for (pkv_i64 d0 = lane; d0 < D; d0 += PKV_ATTN_LANE_ELEMS * lanes) {
-            float kx[PKV_ATTN_LANE_ELEMS], vx[PKV_ATTN_LANE_ELEMS];
+            float kx[PKV_ATTN_KEYS_AHEAD][PKV_ATTN_LANE_ELEMS], vx[PKV_ATTN_KEYS_AHEAD][PKV_ATTN_LANE_ELEMS];
 PKV_UNROLL
-            for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
-              const pkv_i64 d = d0 + i * lanes;
-              kx[i] = vx[i] = 0.0f;
-              if (block >= 0 && d < D) {
-                kx[i] = sealed ? pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale,
-                                                       key_zero, block, hk, num_kv_heads, D, d)
-                               : pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
-                vx[i] = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
+            for (int u = 0; u < PKV_ATTN_KEYS_AHEAD; ++u) {
+              const pkv_i64 t = tb + u * teams;
+              const pkv_i64 block = t < T ? kblock[t] : -1;
+              const pkv_i64 k_row = krow[t < T ? t : 0], v_row = vrow[t < T ? t : 0];
+              const bool sealed = t < T && ksealed[t];
+PKV_UNROLL
+              for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
+                const pkv_i64 d = d0 + i * lanes;
+                kx[u][i] = vx[u][i] = 0.0f;
+                if (block >= 0 && d < D) {
+                  kx[u][i] = sealed ? pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale,
+                                                            key_zero, block, hk, num_kv_heads, D, d)
+                                    : pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
+                  vx[u][i] = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
+                }
               }
             }
 PKV_UNROLL
-            for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
-              const pkv_i64 d = d0 + i * lanes;
-              if (d < D) {
-                kd[d] = kx[i];
-                vd[d] = vx[i];
+            for (int u = 0; u < PKV_ATTN_KEYS_AHEAD; ++u) {
+              const pkv_i64 t = tb + u * teams;
+PKV_UNROLL
+              for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
+                const pkv_i64 d = d0 + i * lanes;
+                if (t < T && d < D) {
+                  ks[t * KS + d] = kx[u][i];
+                  vs[t * KS + d] = vx[u][i];
+                }
               }
             }
           }
@@ -434,18 +443,50 @@ __device__ __forceinline__ void pkv_attn_merge(const float* __restrict__ part_o,
   PKV_ATTN_MODES(L, LAYOUT, FN, F, _qf16, pkv_f16)        \
   PKV_ATTN_MODES(L, LAYOUT, FN, F, _qbf16, pkv_bf16)
 
-#define PKV_ATTN_LAYOUT(L, LAYOUT)                           \
-  PKV_ATTN_MODES(L, LAYOUT, f32, PKV_F_F32, , float)         \
-  PKV_ATTN_MODES(L, LAYOUT, f16, PKV_F_F16, , pkv_f16)       \
-  PKV_ATTN_MODES(L, LAYOUT, bf16, PKV_F_BF16, , pkv_bf16)    \
-  PKV_ATTN_QUANT(L, LAYOUT, e4m3, PKV_Q_E4M3)                \
-  PKV_ATTN_QUANT(L, LAYOUT, e5m2, PKV_Q_E5M2)                \
-  PKV_ATTN_QUANT(L, LAYOUT, int8, PKV_Q_INT8)                \
-  PKV_ATTN_QUANT(L, LAYOUT, int4, PKV_Q_INT4)                \
-  PKV_ATTN_QUANT(L, LAYOUT, int3, PKV_Q_INT3)
+// PKV_ATTN_KV (e.g. -DPKV_ATTN_KV=PKV_Q_INT8): only the entries that read that K/V
+// storage (both layouts, both modes, every query dtype). The launcher compiles the file
+// once per storage format it meets, so a first call compiles one eighth of it (NVRTC took
+// about 40 s for the whole file on an H200 host); without it, every entry (the emulation
+// and the compile tests).
+#ifdef PKV_ATTN_KV
+#define PKV_ATTN_ALL 0
+#else
+#define PKV_ATTN_ALL 1
+#define PKV_ATTN_KV (-1)
+#endif
 
-PKV_ATTN_LAYOUT(nhd, PKV_NHD)
-PKV_ATTN_LAYOUT(hnd, PKV_HND)
+#if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_F_F32
+PKV_ATTN_MODES(nhd, PKV_NHD, f32, PKV_F_F32, , float)
+PKV_ATTN_MODES(hnd, PKV_HND, f32, PKV_F_F32, , float)
+#endif
+#if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_F_F16
+PKV_ATTN_MODES(nhd, PKV_NHD, f16, PKV_F_F16, , pkv_f16)
+PKV_ATTN_MODES(hnd, PKV_HND, f16, PKV_F_F16, , pkv_f16)
+#endif
+#if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_F_BF16
+PKV_ATTN_MODES(nhd, PKV_NHD, bf16, PKV_F_BF16, , pkv_bf16)
+PKV_ATTN_MODES(hnd, PKV_HND, bf16, PKV_F_BF16, , pkv_bf16)
+#endif
+#if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_E4M3
+PKV_ATTN_QUANT(nhd, PKV_NHD, e4m3, PKV_Q_E4M3)
+PKV_ATTN_QUANT(hnd, PKV_HND, e4m3, PKV_Q_E4M3)
+#endif
+#if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_E5M2
+PKV_ATTN_QUANT(nhd, PKV_NHD, e5m2, PKV_Q_E5M2)
+PKV_ATTN_QUANT(hnd, PKV_HND, e5m2, PKV_Q_E5M2)
+#endif
+#if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_INT8
+PKV_ATTN_QUANT(nhd, PKV_NHD, int8, PKV_Q_INT8)
+PKV_ATTN_QUANT(hnd, PKV_HND, int8, PKV_Q_INT8)
+#endif
+#if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_INT4
+PKV_ATTN_QUANT(nhd, PKV_NHD, int4, PKV_Q_INT4)
+PKV_ATTN_QUANT(hnd, PKV_HND, int4, PKV_Q_INT4)
+#endif
+#if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_INT3
+PKV_ATTN_QUANT(nhd, PKV_NHD, int3, PKV_Q_INT3)
+PKV_ATTN_QUANT(hnd, PKV_HND, int3, PKV_Q_INT3)
+#endif
 
 #define PKV_ATTN_MERGE(NAME, O)                                                                                \
   extern "C" __global__ void NAME(const float* __restrict__ part_o, const float* __restrict__ part_ml,         \

@@ -76,6 +76,27 @@ def test_source_defines_exactly_its_registered_entry_points(ptx, source, arch):
     assert set(n.decode() for n in ENTRY.findall(code)) == set(sources.entry_points()[source])
 
 
+def test_attention_compiles_one_storage_format_at_a_time(tmp_path):
+    """A launch compiles paged_attention.cu for its K/V format only (PKV_ATTN_KV): each
+    part holds exactly that format's entries (both modes, layouts and query dtypes) and the
+    merges, and the parts together are the whole file."""
+    from pagedkv.kernels import attention_plans
+
+    names = sources.entry_points()["paged_attention.cu"]
+    jobs = sorted(attention_plans._KV_MACROS.items())
+    with _cache_dir(tmp_path), ThreadPoolExecutor(max_workers=2) as pool:
+        parts = list(pool.map(lambda job: build.build("paged_attention.cu", CompileOptions(
+            arch="sm_90", defines={"PKV_ATTN_KV": job[1]})).data, jobs))
+    seen = set()
+    for (kv, _), code in zip(jobs, parts):
+        got = set(n.decode() for n in ENTRY.findall(code))
+        want = {n for n in names if n.startswith("pkv_attn_merge_") or n.split("_")[4] == kv}
+        assert got == want, kv
+        assert len(want) > 3, kv
+        seen |= got
+    assert seen == set(names)
+
+
 @pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu", "seal_keys.cu"])
 def test_quantization_math_is_not_contracted_into_fma(ptx, source):
     # The torch reference rounds after every multiply and add; an FMA would not.

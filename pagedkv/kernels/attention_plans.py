@@ -61,6 +61,9 @@ DEFAULT_SMS = 108    # the SM count a plan assumes off a GPU (an A100's): the em
 SPLIT_MIN_KEYS = 256  # auto splits: no split gets fewer keys of the average sequence than this
 MAX_SPLITS = 64
 PREFILL_ROWS = 16    # prefill: query rows per CTA to aim for
+#: the K/V storage name of an entry point -> its format macro in paged_attention.cu
+_KV_MACROS = {"f32": "PKV_F_F32", "f16": "PKV_F_F16", "bf16": "PKV_F_BF16", "e4m3": "PKV_Q_E4M3",
+              "e5m2": "PKV_Q_E5M2", "int8": "PKV_Q_INT8", "int4": "PKV_Q_INT4", "int3": "PKV_Q_INT3"}
 
 
 class Tiling(tuple):
@@ -295,11 +298,14 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
             _i64(tl.kv_tile), _i64(num_splits), _i64(tiles), ("f32", sm_scale), ("f32", soft_cap or 0.0),
             _i64(window or 0), _i64(sink_tokens)]
     grid = (min(num_splits, MAX_GRID_X), min(works, MAX_GRID_Y), 1)
-    launches = [Launch("paged_attention.cu", name, grid, (ATTN_THREADS, 1, 1), tuple(args), tuple(keep))]
+    # one storage format's entries at a time (paged_attention.cu, PKV_ATTN_KV); the merge
+    # kernels are in every part
+    defines = (("PKV_ATTN_KV", _KV_MACROS[kv_type]),)
+    launches = [Launch("paged_attention.cu", name, grid, (ATTN_THREADS, 1, 1), tuple(args), tuple(keep), defines)]
     if num_splits > 1:
         rows = num_q * hq
         mgrid, mblock = _rot_dims(rows, d, d)
         margs = [_ptr(part_o), _ptr(part_ml), _ptr(signs), _ptr(out), _i64(rows), _i64(d), _i64(num_splits)]
         launches.append(Launch("paged_attention.cu", sources.attention_merge_name(q_type), mgrid, mblock,
-                               tuple(margs), tuple(keep)))
+                               tuple(margs), tuple(keep), defines))
     return launches, out

@@ -253,28 +253,30 @@ def _build_on_disk(source: KernelSource, options: CompileOptions, key: str) -> b
 
 
 _loaded: dict[tuple[str, int], object] = {}
-_named: dict[tuple[str, int], object] = {}  # (packaged file, device) -> module, default options
+_named: dict[tuple, object] = {}  # (packaged file, device, defines) -> module, default options
 
 
-def build_and_load(source: str | KernelSource, device: int, options: CompileOptions | None = None):
+def build_and_load(source: str | KernelSource, device: int, options: CompileOptions | None = None,
+                   defines: tuple[tuple[str, str | None], ...] = ()):
     """Compile (through the caches) and load ``source`` into ``device``'s primary
     context; returns a :class:`pagedkv.kernels.driver.Module` (cached per device).
 
-    ``options`` defaults to a cubin for the device's own architecture.
+    ``options`` defaults to a cubin for the device's own architecture, compiled with
+    ``defines`` (a launch's :attr:`~pagedkv.kernels.plans.Launch.defines`).
     """
     from pagedkv.kernels import driver
 
     # A launch names a packaged file with the default options; those files do not change
     # in a process, so the module is looked up without re-reading, re-hashing or asking the
     # driver again (about 0.5 ms per call otherwise, as much as a whole decode kernel).
-    named = (source, int(device)) if isinstance(source, str) and options is None else None
+    named = (source, int(device), tuple(defines)) if isinstance(source, str) and options is None else None
     if named is not None:
         module = _named.get(named)
         if module is not None:
             return module
     if options is None:
         major, minor = driver.compute_capability(device)
-        options = CompileOptions(arch=f"sm_{major}{minor}", target="cubin")
+        options = CompileOptions(arch=f"sm_{major}{minor}", target="cubin", defines=tuple(defines))
     artifact = build(source, options)
     slot = (artifact.key, int(device))
     with _lock_for(artifact.key):

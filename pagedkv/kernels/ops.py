@@ -82,7 +82,7 @@ def _run(launches: list[plans.Launch], ts: torch.cuda.Stream, device: torch.devi
     index = device.index if device.index is not None else torch.cuda.current_device()
     for ln in launches:
         plans.check_dims(ln.grid, ln.block)
-        module = build.build_and_load(ln.source, index)
+        module = build.build_and_load(ln.source, index, defines=ln.defines)
         driver.make_current(index)
         argv, values = ln.pack_args()
         driver.launch(module.function(ln.kernel), ln.grid, ln.block, ts.cuda_stream, ctypes.addressof(argv))

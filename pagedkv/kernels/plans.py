@@ -69,6 +69,9 @@ class Launch:
     block: tuple[int, int, int]
     args: tuple[Arg, ...]
     keep: tuple[object, ...] = field(default=(), compare=False, repr=False)
+    #: preprocessor macros the source is compiled with for this launch (``(name, value)``
+    #: pairs): a source that instantiates many entries can be compiled a part at a time
+    defines: tuple[tuple[str, str | None], ...] = ()
 
     def pack_args(self):
         """``(argv, values)``: a ``void*[]`` pointing at each argument's C value, in
