@@ -50,7 +50,11 @@
 #define PKV_ATTN_MAX_TILE 64   // keys per tile (attention_plans.ATTN_MAX_TILE)
 #define PKV_ATTN_MAX_ROWS 64   // rows per CTA (attention_plans.ATTN_MAX_ROWS)
 #define PKV_ATTN_LANE_ELEMS 4  // channels of K and of V a lane loads per key before it stores any
-#define PKV_ATTN_KEYS_AHEAD 4  // keys whose channels a lane loads before it stores any
+// Keys whose channels a lane loads before it stores any. Measured on an H200 (decode,
+// batch 8 x 4096, benchmarks/attention.py): 4 keys took 9q/3kv/64 fp32 from 387 to 289 us
+// but 32q/8kv/128 from 592 to 706 us (and benchmarks/kernels.py's fp16 decode from 797
+// to 1031 us); the larger head_dim is the common one, so one key.
+#define PKV_ATTN_KEYS_AHEAD 1
 
 // K/V storage formats beyond the PKV_Q_* codes: the model dtypes, read as they are.
 #define PKV_F_F32 10
