@@ -48,7 +48,7 @@ def _kv(model, kv_dtype, num_blocks: int):
     return PagedKVCache(cfg)
 
 
-def serving(model, tok, requests: int, max_new_tokens: int, num_blocks: int) -> list[dict]:
+def serving(model, tok, requests: int, max_new_tokens: int, num_blocks: int, max_batch: int) -> list[dict]:
     from transformers import DynamicCache
 
     from pagedkv.cli import demo
@@ -60,7 +60,7 @@ def serving(model, tok, requests: int, max_new_tokens: int, num_blocks: int) -> 
             reqs = demo.make_requests(tok, requests, max_new_tokens, 2)
             kv = _kv(model, kv_dtype, num_blocks)
             c0 = time.thread_time()
-            res = demo.serve(model, tok, reqs, kv, max_batch=8, paged=paged)
+            res = demo.serve(model, tok, reqs, kv, max_batch=max_batch, paged=paged)
             cpu = time.thread_time() - c0
             if paged:
                 model.set_attn_implementation("sdpa")
@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-batch", type=int, default=None, help="requests decoding at once (the demo's default)")
     p.add_argument("--step-batch", type=int, default=8)
     p.add_argument("--step-context", type=int, default=2000)
     p.add_argument("--step-reps", type=int, default=7)
@@ -185,12 +186,16 @@ def main(argv=None) -> int:
     name = "smollm2"
     if a.smoke:
         name, a.requests, a.max_new_tokens, a.step_context, a.step_reps = "tiny", 3, 4, 64, 2
+    if a.max_batch is None:
+        from pagedkv.cli import demo
+
+        a.max_batch = demo.MAX_BATCH
     model, tok = _model(name)
     load_before = os.getloadavg()
-    res = dict(benchmark="serving", model=name, threads=torch.get_num_threads())
+    res = dict(benchmark="serving", model=name, threads=torch.get_num_threads(), max_batch=a.max_batch)
     res["decode_step"] = decode_step(model, a.step_batch, a.step_context, a.step_reps)
     if not a.skip_serving:
-        res["serving"] = serving(model, tok, a.requests, a.max_new_tokens, a.num_blocks)
+        res["serving"] = serving(model, tok, a.requests, a.max_new_tokens, a.num_blocks, a.max_batch)
     res["load"] = [load_before, os.getloadavg()]
     json.dump(res, sys.stdout, indent=1)
     print()

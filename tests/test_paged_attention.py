@@ -351,3 +351,21 @@ def test_the_cache_passes_its_layer_format(monkeypatch):
     kv.attention(0, torch.randn(1, 2, 16), indptr, indices, np.array([5], np.int32), np.array([0, 1], np.int32))
     assert seen == [kv.store.layer_format(0)] and seen[0].group_size == 8
     kv.free("a")
+
+
+@pytest.mark.skipif(not CPU_AVAILABLE, reason="the CPU attention loops are not built")
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 48, 64, 80, 96, 128, 200, 256])
+def test_cpu_rotation_of_q_and_out_is_the_definition_bit_for_bit(d):
+    """The CPU backend rotates q and unrotates its output with the C row function; it
+    must give exactly what pagedkv.store.rotation defines, and leave its input alone."""
+    from pagedkv.ops import attention_cpu
+    from pagedkv.store.rotation import rotate, unrotate
+
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(7, 3, d, generator=gen) * torch.logspace(-3, 3, d)
+    signs = rotation_signs(d, 11)
+    before = x.clone()
+    got = attention_cpu._hadamard(x, signs, inverse=False)
+    assert torch.equal(x, before)                      # q is not rotated in place
+    assert torch.equal(got, rotate(x, signs))
+    assert torch.equal(attention_cpu._hadamard(got.clone(), signs, inverse=True), unrotate(got, signs))

@@ -6,6 +6,7 @@ from typing import Any
 ROW_ISA: str
 
 def attend(*args: Any, **kwargs: Any) -> None: ...
+def hadamard_rows(y_ptr: int, rows: int, head_dim: int, signs_ptr: int, inverse: bool) -> None: ...
 
 PREFETCH_MODES: dict[str, int]
 

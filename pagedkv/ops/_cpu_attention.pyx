@@ -101,6 +101,26 @@ PREFETCH_MODES = {"auto": -1, "none": PKV_ATTN_PREFETCH_NONE, "all": PKV_ATTN_PR
                   "blocks": PKV_ATTN_PREFETCH_BLOCKS}
 
 
+cdef extern from "quant_rows.h" nogil:
+    void pkv_rotate_row(float* y, int64_t d, const float* signs)
+    void pkv_unrotate_row(float* y, int64_t d, const float* signs)
+
+
+def hadamard_rows(uintptr_t y_ptr, int64_t rows, int64_t head_dim, uintptr_t signs_ptr, bint inverse):
+    """In place over ``rows`` contiguous float32 rows of ``head_dim``: rotate (``inverse``
+    False) or unrotate them, bit for bit as pagedkv.store.rotation defines it (the same row
+    function the quantized writes and gathers use). The caller checks the sizes."""
+    cdef float* y = <float*>y_ptr
+    cdef const float* signs = <const float*>signs_ptr
+    cdef int64_t r
+    with nogil:
+        for r in range(rows):
+            if inverse:
+                pkv_unrotate_row(y + r * head_dim, head_dim, signs)
+            else:
+                pkv_rotate_row(y + r * head_dim, head_dim, signs)
+
+
 def tune(prefetch=None, key_cache=None, fused=None):
     """Set the loops' tuning knobs (benchmarks compare them); returns the previous
     ``(prefetch, key_cache, fused)``. ``prefetch``: a :data:`PREFETCH_MODES` name;
