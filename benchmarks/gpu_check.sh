@@ -5,8 +5,10 @@
 #
 # On a machine with an NVIDIA GPU, in under 8 minutes (each step has its own time
 # limit, 7.5 minutes in all):
-#   1. builds and installs pagedkv into the current Python (pip, no dependency
-#      resolution: torch, cuda-python and pytest must already be there);
+#   1. builds and installs pagedkv into the current Python (setup.py build_ext -j, then
+#      pip without dependency resolution or network: torch with CUDA, cuda-python or
+#      cuda-bindings, numpy, Cython, setuptools and pytest must already be there;
+#      pytest-xdist, when there, runs the tests in 8 processes);
 #   2. runs every test marked `cuda` (all the kernels, paged attention included,
 #      against the CPU reference);
 #   3. runs benchmarks/kernels.py and benchmarks/attention.py (on the CPU, then with
