@@ -50,11 +50,6 @@
 #define PKV_ATTN_MAX_TILE 64   // keys per tile (attention_plans.ATTN_MAX_TILE)
 #define PKV_ATTN_MAX_ROWS 64   // rows per CTA (attention_plans.ATTN_MAX_ROWS)
 #define PKV_ATTN_LANE_ELEMS 4  // channels of K and of V a lane loads per key before it stores any
-// Keys whose channels a lane loads before it stores any. Measured on an H200 (decode,
-// batch 8 x 4096, benchmarks/attention.py): 4 keys took 9q/3kv/64 fp32 from 387 to 289 us
-// but 32q/8kv/128 from 592 to 706 us (and benchmarks/kernels.py's fp16 decode from 797
-// to 1031 us); the larger head_dim is the common one, so one key.
-#define PKV_ATTN_KEYS_AHEAD 1
 
 // K/V storage formats beyond the PKV_Q_* codes: the model dtypes, read as they are.
 #define PKV_F_F32 10
@@ -237,43 +232,38 @@ __device__ __forceinline__ void pkv_attn(
         }
       });
       PKV_PHASE({  // 1b. the tile's keys and values: a warp per key, a lane per channel (coalesced)
-        // Each lane first loads its channels of K and of V for PKV_ATTN_KEYS_AHEAD keys
-        // (PKV_ATTN_LANE_ELEMS channels each) into registers and only then stores them, so
-        // that all those loads are in flight at once: a load-then-store loop waits out one
-        // memory latency per channel, and one per key.
+        // Each lane first loads its PKV_ATTN_LANE_ELEMS channels of K and of V into
+        // registers and only then stores them, so that its loads are in flight at once (a
+        // load-then-store loop waits out one memory latency per channel). Loading several
+        // keys ahead as well was measured on an H200 (decode, batch 8 x 4096): 4 keys took
+        // 9q/3kv/64 fp32 from 387 to 289 us but 32q/8kv/128 from 592 to 706 us (and
+        // benchmarks/kernels.py's fp16 decode from 797 to 1031 us), so one key at a time.
         const pkv_i64 nt = pkv_attn_threads(), lanes = nt < 32 ? nt : 32, teams = nt / lanes;
         const pkv_i64 tid = pkv_attn_tid(), team = tid / lanes, lane = tid - team * lanes;
-        for (pkv_i64 tb = team; tb < T && team < teams; tb += teams * PKV_ATTN_KEYS_AHEAD) {
+        for (pkv_i64 t = team; t < T && team < teams; t += teams) {
+          const pkv_i64 block = kblock[t], k_row = krow[t], v_row = vrow[t];
+          const bool sealed = ksealed[t];
+          float* kd = ks + t * KS;
+          float* vd = vs + t * KS;
           for (pkv_i64 d0 = lane; d0 < D; d0 += PKV_ATTN_LANE_ELEMS * lanes) {
-            float kx[PKV_ATTN_KEYS_AHEAD][PKV_ATTN_LANE_ELEMS], vx[PKV_ATTN_KEYS_AHEAD][PKV_ATTN_LANE_ELEMS];
+            float kx[PKV_ATTN_LANE_ELEMS], vx[PKV_ATTN_LANE_ELEMS];
 PKV_UNROLL
-            for (int u = 0; u < PKV_ATTN_KEYS_AHEAD; ++u) {
-              const pkv_i64 t = tb + u * teams;
-              const pkv_i64 block = t < T ? kblock[t] : -1;
-              const pkv_i64 k_row = krow[t < T ? t : 0], v_row = vrow[t < T ? t : 0];
-              const bool sealed = t < T && ksealed[t];
-PKV_UNROLL
-              for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
-                const pkv_i64 d = d0 + i * lanes;
-                kx[u][i] = vx[u][i] = 0.0f;
-                if (block >= 0 && d < D) {
-                  kx[u][i] = sealed ? pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale,
-                                                            key_zero, block, hk, num_kv_heads, D, d)
-                                    : pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
-                  vx[u][i] = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
-                }
+            for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
+              const pkv_i64 d = d0 + i * lanes;
+              kx[i] = vx[i] = 0.0f;
+              if (block >= 0 && d < D) {
+                kx[i] = sealed ? pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale,
+                                                       key_zero, block, hk, num_kv_heads, D, d)
+                               : pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
+                vx[i] = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
               }
             }
 PKV_UNROLL
-            for (int u = 0; u < PKV_ATTN_KEYS_AHEAD; ++u) {
-              const pkv_i64 t = tb + u * teams;
-PKV_UNROLL
-              for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
-                const pkv_i64 d = d0 + i * lanes;
-                if (t < T && d < D) {
-                  ks[t * KS + d] = kx[u][i];
-                  vs[t * KS + d] = vx[u][i];
-                }
+            for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
+              const pkv_i64 d = d0 + i * lanes;
+              if (d < D) {
+                kd[d] = kx[i];
+                vd[d] = vx[i];
               }
             }
           }
@@ -459,37 +449,34 @@ __device__ __forceinline__ void pkv_attn_merge(const float* __restrict__ part_o,
 #define PKV_ATTN_KV (-1)
 #endif
 
+// one storage format in both layouts
+#define PKV_ATTN_MODEL_BOTH(FN, F, Q) \
+  PKV_ATTN_MODES(nhd, PKV_NHD, FN, F, , Q) PKV_ATTN_MODES(hnd, PKV_HND, FN, F, , Q)
+#define PKV_ATTN_QUANT_BOTH(FN, F) PKV_ATTN_QUANT(nhd, PKV_NHD, FN, F) PKV_ATTN_QUANT(hnd, PKV_HND, FN, F)
+
 #if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_F_F32
-PKV_ATTN_MODES(nhd, PKV_NHD, f32, PKV_F_F32, , float)
-PKV_ATTN_MODES(hnd, PKV_HND, f32, PKV_F_F32, , float)
+PKV_ATTN_MODEL_BOTH(f32, PKV_F_F32, float)
 #endif
 #if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_F_F16
-PKV_ATTN_MODES(nhd, PKV_NHD, f16, PKV_F_F16, , pkv_f16)
-PKV_ATTN_MODES(hnd, PKV_HND, f16, PKV_F_F16, , pkv_f16)
+PKV_ATTN_MODEL_BOTH(f16, PKV_F_F16, pkv_f16)
 #endif
 #if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_F_BF16
-PKV_ATTN_MODES(nhd, PKV_NHD, bf16, PKV_F_BF16, , pkv_bf16)
-PKV_ATTN_MODES(hnd, PKV_HND, bf16, PKV_F_BF16, , pkv_bf16)
+PKV_ATTN_MODEL_BOTH(bf16, PKV_F_BF16, pkv_bf16)
 #endif
 #if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_E4M3
-PKV_ATTN_QUANT(nhd, PKV_NHD, e4m3, PKV_Q_E4M3)
-PKV_ATTN_QUANT(hnd, PKV_HND, e4m3, PKV_Q_E4M3)
+PKV_ATTN_QUANT_BOTH(e4m3, PKV_Q_E4M3)
 #endif
 #if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_E5M2
-PKV_ATTN_QUANT(nhd, PKV_NHD, e5m2, PKV_Q_E5M2)
-PKV_ATTN_QUANT(hnd, PKV_HND, e5m2, PKV_Q_E5M2)
+PKV_ATTN_QUANT_BOTH(e5m2, PKV_Q_E5M2)
 #endif
 #if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_INT8
-PKV_ATTN_QUANT(nhd, PKV_NHD, int8, PKV_Q_INT8)
-PKV_ATTN_QUANT(hnd, PKV_HND, int8, PKV_Q_INT8)
+PKV_ATTN_QUANT_BOTH(int8, PKV_Q_INT8)
 #endif
 #if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_INT4
-PKV_ATTN_QUANT(nhd, PKV_NHD, int4, PKV_Q_INT4)
-PKV_ATTN_QUANT(hnd, PKV_HND, int4, PKV_Q_INT4)
+PKV_ATTN_QUANT_BOTH(int4, PKV_Q_INT4)
 #endif
 #if PKV_ATTN_ALL || PKV_ATTN_KV == PKV_Q_INT3
-PKV_ATTN_QUANT(nhd, PKV_NHD, int3, PKV_Q_INT3)
-PKV_ATTN_QUANT(hnd, PKV_HND, int3, PKV_Q_INT3)
+PKV_ATTN_QUANT_BOTH(int3, PKV_Q_INT3)
 #endif
 
 #define PKV_ATTN_MERGE(NAME, O)                                                                                \

@@ -357,15 +357,26 @@ def test_the_cache_passes_its_layer_format(monkeypatch):
 @pytest.mark.parametrize("d", [1, 2, 3, 5, 48, 64, 80, 96, 128, 200, 256])
 def test_cpu_rotation_of_q_and_out_is_the_definition_bit_for_bit(d):
     """The CPU backend rotates q and unrotates its output with the C row function; it
-    must give exactly what pagedkv.store.rotation defines, and leave its input alone."""
+    must give exactly what pagedkv.store.rotation defines."""
     from pagedkv.ops import attention_cpu
     from pagedkv.store.rotation import rotate, unrotate
 
     gen = torch.Generator().manual_seed(d)
     x = torch.randn(7, 3, d, generator=gen) * torch.logspace(-3, 3, d)
     signs = rotation_signs(d, 11)
-    before = x.clone()
-    got = attention_cpu._hadamard(x, signs, inverse=False)
-    assert torch.equal(x, before)                      # q is not rotated in place
+    got = attention_cpu._hadamard_(x.clone(), signs, inverse=False)
     assert torch.equal(got, rotate(x, signs))
-    assert torch.equal(attention_cpu._hadamard(got.clone(), signs, inverse=True), unrotate(got, signs))
+    assert torch.equal(attention_cpu._hadamard_(got.clone(), signs, inverse=True), unrotate(got, signs))
+
+
+@pytest.mark.skipif(not CPU_AVAILABLE, reason="the CPU attention loops are not built")
+def test_a_rotated_arena_leaves_the_callers_q_unchanged():
+    """The CPU backend rotates a copy of q (a float32 contiguous q is its own float32
+    view) and matches the reference."""
+    gen = torch.Generator().manual_seed(3)
+    args, kw, vmax = build("int8", "NHD", 64, 16, 2, 6, [40, 9], [1, 3], gen, rot=True)
+    q = args[0]
+    before = q.clone()
+    got = paged_attention(*args, backend="cpu", **kw)
+    assert torch.equal(q, before)
+    check_close(got, paged_attention(*args, backend="reference", **kw), vmax, torch.float32)

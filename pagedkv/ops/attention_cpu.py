@@ -14,7 +14,6 @@ import torch
 from pagedkv.ops import _cpu_attention as _ca
 from pagedkv.ops import _cpu_quant as _q
 from pagedkv.ops.attention_reference import AttentionPlan, attend_reference
-from pagedkv.store.rotation import rotate, unrotate
 
 __all__ = ["attend"]
 
@@ -22,15 +21,13 @@ _MODEL_CODES = {torch.float32: _q.MODEL_CODES["float32"], torch.float16: _q.MODE
                 torch.bfloat16: _q.MODEL_CODES["bfloat16"]}
 
 
-def _hadamard(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool) -> torch.Tensor:
-    """rotate (or unrotate) the float32 rows of ``x`` through the C row function: the torch
-    definition's six butterfly stages cost ~30 small tensor ops per call, 8% of a decode
-    step of the int4 demo (rotated KV: one rotate of q and one unrotate per layer)."""
-    if signs.dtype != torch.float32 or signs.device.type != "cpu" or signs.dim() != 1 \
-            or signs.shape[0] != x.shape[-1]:
-        return unrotate(x, signs) if inverse else rotate(x, signs)
-    y = x.contiguous().clone() if not inverse else x.contiguous()
-    _ca.hadamard_rows(y.data_ptr(), y.numel() // max(1, y.shape[-1]), y.shape[-1], signs.data_ptr(), inverse)
+def _hadamard_(y: torch.Tensor, signs: torch.Tensor, *, inverse: bool) -> torch.Tensor:
+    """Rotate (or unrotate) the contiguous float32 rows of ``y`` in place with the C row
+    function (bit for bit :mod:`pagedkv.store.rotation`; ``signs`` as check_rotation
+    checked them: float32 ``[head_dim]`` on the CPU). The torch definition's butterfly
+    stages cost ~30 small tensor ops per call, 8% of a decode step of the int4 demo."""
+    d = y.shape[-1]
+    _ca.hadamard_rows(y.data_ptr(), y.numel() // d, d, signs.data_ptr(), inverse)
     return y
 
 
@@ -52,7 +49,7 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
     signs = None
     if rotation_signs is not None:
         signs = rotation_signs.contiguous()
-        qrot = _hadamard(qf, signs, inverse=False)
+        qrot = _hadamard_(qf.clone(), signs, inverse=False)   # qf may be q itself
     res = torch.empty(q.shape, dtype=torch.float32)
     if geo.quantized:
         kv_type = _q.QUANT_CODES[cast(str, geo.kv_dtype)]     # quantized: the name is set
@@ -77,7 +74,7 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
         plan.num_splits or 0, SPLIT_TOKENS, **ex_args,
     )
     if signs is not None:
-        res = _hadamard(res, signs, inverse=True)
+        _hadamard_(res, signs, inverse=True)    # res is this call's own
     if out is not None:
         out.copy_(res)
         return out
