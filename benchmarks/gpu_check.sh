@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh            # from the repository root
 #
 # On a machine with an NVIDIA GPU, in under 8 minutes (each step has its own time
-# limit, 7.5 minutes in all):
+# limit, 8 minutes in all; about 4 on an H200 host):
 #   1. builds and installs pagedkv into the current Python (setup.py build_ext -j, then
 #      pip without dependency resolution or network: torch with CUDA, cuda-python or
 #      cuda-bindings, numpy, Cython, setuptools and pytest must already be there;
