@@ -38,6 +38,9 @@ class NoTiers:
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool) -> int:
         return 0
 
+    def prefetch(self, tokens: np.ndarray, ns_key: bytes) -> None:
+        pass
+
     def clear(self) -> None:
         pass
 

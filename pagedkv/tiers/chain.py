@@ -28,6 +28,7 @@ import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import InternalError
+from pagedkv.tiers.verify import same_block
 
 __all__ = ["ChainIndex", "slot_dtype", "ROOT", "ROOT_HASH", "chain_hash"]
 
@@ -104,12 +105,15 @@ class ChainIndex:
         return ROOT_HASH if slot == ROOT else int(self._f["hash"][slot])
 
     def matches(self, slot: int, tokens: np.ndarray, ns: int, parent: int, parent_gen: int) -> bool:
+        """Whether ``slot`` holds ``tokens`` in ``ns`` under ``parent`` at ``parent_gen``
+        (the check every tier makes: :func:`pagedkv.tiers.verify.same_block`)."""
         f = self._f
-        if f["valid"][slot] != 1 or f["ns"][slot] != ns or f["parent"][slot] != parent:
+        if f["valid"][slot] != 1:
             return False
-        if parent != ROOT and f["parent_gen"][slot] != parent_gen:
-            return False
-        return bool(np.array_equal(f["tokens"][slot], tokens))
+        p = int(f["parent"][slot])
+        link = (p, 0 if p == ROOT else int(f["parent_gen"][slot]))
+        return same_block(f["tokens"][slot], int(f["ns"][slot]), link, tokens, ns,
+                          (parent, 0 if parent == ROOT else parent_gen))
 
     def find_child(self, parent: int, ns: int, ns_hash: int, tokens: np.ndarray) -> int:
         """The slot holding ``tokens`` under ``parent`` in namespace ``ns``, or -1."""

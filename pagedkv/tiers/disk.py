@@ -51,9 +51,10 @@ import torch
 
 from pagedkv.errors import HostMemoryError, InvalidArgumentError, TierFileError, TierStorageError, expected
 from pagedkv.store.format import differences, shown
-from pagedkv.tiers.base import Tier
+from pagedkv.tiers.base import SlotTier
 from pagedkv.tiers.chain import ROOT, ROOT_HASH, ChainIndex, chain_hash, slot_dtype
-from pagedkv.tiers.disk_rows import DiskRows, rows_format
+from pagedkv.tiers.disk_rows import rows_format
+from pagedkv.tiers.payload import PayloadLayout
 from pagedkv.tiers.tierdir import TierDir, storage_error
 
 try:
@@ -66,7 +67,6 @@ __all__ = ["DiskPrefixTier", "FORMAT_VERSION"]
 FORMAT_VERSION = 1
 ROWS_VERSION = 2          # records carry sink and window rows (meta.json names their format)
 _MAGIC = "pagedkv-prefix-tier"
-_ALIGN = 64
 MAX_SLOTS = 2**31 - 1          # slot ids and parent links are int32
 _NAMES = ("lock", "meta.json", "meta.json.tmp", "namespaces.json", "namespaces.json.tmp", "blocks.bin", "index.bin")
 _JSON_NAMES = {str: "string", int: "integer", bool: "boolean", dict: "object"}
@@ -74,11 +74,7 @@ _META_TYPES = {"magic": str, "version": int, "capacity": int, "record_bytes": in
                "weak_hash": bool, "kv_format": dict}
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-class DiskPrefixTier(Tier):
+class DiskPrefixTier(SlotTier):
     """Open (or create) the disk tier in ``path`` for KV shaped like ``store_arenas``.
 
     Args:
@@ -98,22 +94,10 @@ class DiskPrefixTier(Tier):
         self.num_write_errors = 0     # namespaces.json writes that failed (those blocks were not written down)
         self._maps: list = []
         self._loaded = False
-        sections, offset = [], 0
-        for a in store_arenas:
-            per_block = a[:, 0].numel() * a.element_size()
-            sections.append((offset, a.dtype, (a.shape[0],) + tuple(a.shape[2:])))
-            offset = _aligned(offset + per_block)
         rows_meta = rows_format(rows)
-        # the rows' section (data offset, dtype, shape, validity offset, shape): model-precision
-        # data, then a byte per layer and token
-        section: tuple[int, torch.dtype, tuple[int, ...], int, tuple[int, int]] | None = None
-        if rows_meta is not None:
-            rshape = tuple(rows_meta["shape"])
-            section = (offset, rows.data.dtype, rshape, offset + _aligned(
-                int(np.prod(rshape)) * rows.data.element_size()), (rshape[0], rshape[2]))
-            offset = _aligned(section[3] + rshape[0] * rshape[2])
-        self.rows_section = section
-        self.record_bytes = offset
+        self.layout = PayloadLayout.of(store_arenas, rows if rows_meta is not None else None)
+        offset = self.record_bytes = self.layout.record_bytes
+        self.lock = None if rows is None else rows.lock
         self.meta: dict[str, Any] = {"magic": _MAGIC, "version": FORMAT_VERSION, "capacity": capacity,
                                      "record_bytes": offset, "block_size": block_size,
                                      "weak_hash": bool(weak_hash), "kv_format": kv_format}
@@ -146,19 +130,9 @@ class DiskPrefixTier(Tier):
             self.dir.rollback()       # before close(): it removes what this open created through the directory
             self.close()
             raise
-        self.arenas, self._records_view = [], []
-        base = torch.from_numpy(self.blocks).view(capacity, self.record_bytes)
-        for off, dtype, shape in sections:
-            size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-            view = base[:, off:off + size].view(torch.uint8).view((capacity, size))
-            self._records_view.append(view)      # slot -> this arena's bytes of the block, all layers
-            self.arenas.append(view.view(dtype).view((capacity,) + shape).transpose(0, 1))
-        if section is not None:
-            off, dtype, shape, voff, vshape = section
-            size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-            data = base[:, off:off + size].view(dtype).view((capacity,) + shape)
-            valid = base[:, voff:voff + int(np.prod(vshape))].view((capacity,) + vshape)
-            self.window = DiskRows(data, valid, rows.lock)
+        self.payloads = self.layout.over(torch.from_numpy(self.blocks).view(capacity, self.record_bytes), self.lock)
+        self.arenas, self._records_view = self.payloads.arenas, self.payloads.records
+        self.window = self.payloads.window
 
     @property
     def nbytes(self) -> int:
@@ -166,9 +140,15 @@ class DiskPrefixTier(Tier):
         return sum(size for _, size in self._sizes())
 
     @property
+    def rows_section(self) -> tuple[int, int] | None:
+        """``(offset, bytes)`` of a record's sink and window rows (None without rows)."""
+        rows = self.layout.section("rows")
+        return None if rows is None else (rows.offset, self.layout.rows_bytes)
+
+    @property
     def rows_bytes(self) -> int:
         """Bytes of a record's sink and window rows (0 without rows)."""
-        return self.record_bytes - self.rows_section[0] if self.rows_section is not None else 0
+        return self.layout.rows_bytes
 
     # ---- files ----------------------------------------------------------------------
     def _file(self, name: str) -> str:
@@ -376,18 +356,11 @@ class DiskPrefixTier(Tier):
         r["stamp"][order] = np.arange(1, len(live) + 1)
 
     # ---- data ------------------------------------------------------------------------------
-    # A slot's bytes are contiguous here and strided (one run per layer) in an arena:
-    # one copy per block and arena beats a gather over the file's strided views.
     def read(self, slots, dst_arenas, dst_blocks) -> None:
-        for a, dst in enumerate(dst_arenas):
-            for s, b in zip(slots, dst_blocks):
-                _bytes(dst[:, b]).copy_(self._records_view[a][s].view(_bytes(dst[:, b]).shape))
+        self.payloads.read(slots, dst_arenas, dst_blocks)
 
     def write(self, src_arenas, src_blocks, slots) -> None:
-        for a, src in enumerate(src_arenas):
-            for b, s in zip(src_blocks, slots):
-                part = _bytes(src[:, b])
-                self._records_view[a][s].view(part.shape).copy_(part)
+        self.payloads.write(src_arenas, src_blocks, slots)
 
     # ---- data integrity ----------------------------------------------------------------
     def _block_crc(self, slot: int) -> int:
@@ -437,7 +410,7 @@ class DiskPrefixTier(Tier):
             if getattr(self, "index", None) is not None:
                 self.flush()
         finally:
-            self.arenas, self._records_view, self.window = [], [], None
+            self.arenas, self._records_view, self.window, self.payloads = [], [], None, None  # type: ignore[assignment]
             self.blocks = self._disk = self._disk_raw = None  # type: ignore[assignment]  # closed
             for m in getattr(self, "_maps", ()):
                 try:
@@ -463,6 +436,3 @@ def _unlock(fd: int) -> None:
     os.close(fd)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as bytes (the last dim widened), so any dtype copies as bytes."""
-    return t.view(torch.uint8)
