@@ -27,7 +27,7 @@ def build_tiers(cfg, store, weak_hash: bool) -> list[PrefixTier]:
             tiers.append(DiskPrefixTier(cfg.prefix_disk_dir, store.arenas, cfg.prefix_disk_blocks, cfg.block_size,
                                         kv_format(store, cfg.prefix_disk_tag), eviction=cfg.prefix_tier_eviction,
                                         weak_hash=weak_hash, rows=store.window))
-        remote = getattr(cfg, "prefix_remote", None)
+        remote = cfg.prefix_remote
         if remote is not None:
             from pagedkv.tiers.remote import RemotePrefixTier
 
