@@ -9,8 +9,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from pagedkv import BlockStored, CacheConfig
 from pagedkv.config.remote import RemoteTierConfig
@@ -221,6 +219,9 @@ def test_a_value_forged_with_a_valid_crc_is_refused_when_the_hosts_share_a_secre
 
 
 def test_a_server_that_stops_answering_costs_at_most_the_timeout(fresh_redis):
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
     a, b = prompt(100, 17), prompt(500, 17)
     written(fresh_redis.url, a)
     written(fresh_redis.url, b)
