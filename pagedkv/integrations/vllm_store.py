@@ -17,23 +17,23 @@ numbers and vLLM block ids (the step's metadata one way, the worker's report the
   with ``disk_write="through"``, written to disk. A save the worker reports failed is
   abandoned. Host evictions go to disk before their slot is reused (chain-closed, like
   :class:`~pagedkv.tiers.PrefixTiers`).
-- **Sharing a directory:** the disk tier is opened (``flock``) only for one batch of
-  lookups or writes, then closed, so several engines take turns; a block's CRC is
-  checked before it is served, and a slot is valid on disk only once sealed.
-- **Misses without opening the disk:** the closed tier's in-memory index stays as a
-  *view*, stamped with the directory's generation (``vllm-generation``: 8 bytes that
-  every session which changes the tier bumps, under the lock, before its first change).
-  While the file still holds that stamp, a lookup the view answers with no longer
-  chain than the host's, and a write-down of blocks the view already holds, cost hash
-  lookups, not a reopen. The view only decides whether to open: every hit is still
-  found, token-verified and CRC-checked in a locked session.
+- **Sharing a directory:** the disk tier is locked (``flock``) only for one batch of
+  lookups or writes, a *turn*, so several engines take turns; a block's CRC is
+  checked before it is served, and a slot is valid on disk only once sealed. The tier
+  stays open between turns; taking a turn reads what other engines changed since
+  from the tier's journal and re-checks just those slots
+  (:meth:`~pagedkv.tiers.disk.DiskPrefixTier.relock`): a turn costs what changed, not
+  the directory.
+- **Misses without a turn:** between turns the tier's in-memory index is a *view*.
+  While no engine changed the tier since (the journal did not move), a lookup the view
+  answers with no longer chain than the host's, and a write-down of blocks the view
+  already holds, cost hash lookups, not a turn. The view only decides whether to take
+  one: every hit is still found, token-verified and CRC-checked in a locked turn.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import stat
 import threading
 import time
 import weakref
@@ -63,8 +63,6 @@ _stores_lock = threading.RLock()      # get_store holds it while PrefixStore reg
 
 #: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
 LAYOUT = "vllm-cpu-kT-v"
-#: the disk directory's generation file (see the module's docstring).
-GEN_FILE = "vllm-generation"
 
 
 def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> PrefixStore:
@@ -149,11 +147,9 @@ class PrefixStore:
         self.refused: str | None = None                 # why nothing is served, if so
         self.disk_refused: str | None = None
         self.pending: set = set()                          # host slots admitted, data not yet landed
-        self._disk: DiskPrefixTier | None = None
-        self._view: DiskPrefixTier | None = None     # the last session's tier, closed: its index in memory
-        self._view_gen: tuple | None = None          # the directory's generation that index reflects
-        self._session_gen: tuple | None = None
-        self._session_bumped = False
+        self._disk: DiskPrefixTier | None = None     # the tier, during a turn
+        self._tier: DiskPrefixTier | None = None     # the tier, open between turns (its index: the view)
+        self.num_disk_turns = 0
         self.num_disk_hit_tokens = 0
         self.num_disk_written = 0
         self.num_disk_corrupt = 0
@@ -169,96 +165,61 @@ class PrefixStore:
     def serving(self) -> bool:
         return self.refused is None and self.worker_ready
 
-    # ---- disk sessions ---------------------------------------------------------------------
+    # ---- disk turns -------------------------------------------------------------------------
     @contextlib.contextmanager
     def disk(self):
-        """The disk tier, open (and locked) for one batch of work; None when unusable."""
+        """The disk tier, locked for one batch of work (a turn); None when unusable."""
         if self._disk is not None or self.cfg.disk_path is None or self.disk_refused:
             yield self._disk
             return
-        deadline = time.monotonic() + self.cfg.lock_timeout_s
-        while True:
-            try:
-                d = DiskPrefixTier(self.cfg.disk_path, self.template, self.cfg.disk_blocks, self.bs, self.format,
-                                   eviction=self.cfg.eviction, weak_hash=self.cfg.weak_hash, verify_blocks=False)
-                break
-            except TierFileError as e:
-                if "locked by another cache" in str(e):
-                    if time.monotonic() < deadline:
-                        time.sleep(0.002)
-                        continue
-                    self.num_lock_misses += 1
-                    log.info("pagedkv connector: disk tier busy for %.1f s; skipped", self.cfg.lock_timeout_s)
-                    yield None
-                    return
-                self.disk_refused = str(e)
-                log.warning("pagedkv connector: disk tier refused, using host only: %s", e)
-                yield None
-                return
+        try:
+            d = self._take_turn()
+        except TierFileError as e:
+            self.disk_refused = str(e)
+            log.warning("pagedkv connector: disk tier refused, using host only: %s", e)
+            d = None
+        if d is None:
+            yield None
+            return
         self._disk = d
-        self._view = None
-        self._session_bumped = False
-        self._session_gen = self._read_gen()
-        dropped = (getattr(d, "num_corrupt_dropped", None), getattr(d, "num_orphans_dropped", None))
-        if self._session_gen is None or any(dropped):
-            self._bump(d)                          # opening changed the files (or there is no stamp yet)
+        self.num_disk_turns += 1
         try:
             yield d
         finally:
             self._disk = None
-            gen = self._session_gen
-            d.close()
-            if gen is not None:
-                self._view, self._view_gen = d, gen
+            d.unlock()
 
-    def _gen_path(self) -> str:
-        return os.path.join(self.cfg.disk_path, GEN_FILE)      # type: ignore[arg-type]  # a disk is set
-
-    def _read_gen(self) -> tuple | None:
-        """(device, inode, counter) of the generation file; None when absent or unreadable."""
-        try:
-            fd = os.open(self._gen_path(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
+    def _take_turn(self) -> DiskPrefixTier | None:
+        path = self.cfg.disk_path
+        if path is None:
             return None
-        try:
-            st = os.fstat(fd)
-            raw = os.pread(fd, 8, 0)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        if not stat.S_ISREG(st.st_mode) or len(raw) != 8:
-            return None
-        return st.st_dev, st.st_ino, int.from_bytes(raw, "little")
-
-    def _bump(self, d: DiskPrefixTier) -> None:
-        """Before this session's first change to the tier: move the directory's generation
-        on, so other engines' views go stale (under the lock, like every change)."""
-        if self._session_bumped:
-            return
-        self._session_gen = None                   # if the bump fails, keep no view of this session
-        try:
-            fd = d.dir.open(GEN_FILE, os.O_RDWR, create=True)
-        except (OSError, TierFileError) as e:
-            log.info("pagedkv connector: could not stamp the disk tier's generation (%s); misses reopen it", e)
-            return
-        try:
-            raw = os.pread(fd, 8, 0)
-            n = (int.from_bytes(raw, "little") + 1) % 2**64 if len(raw) == 8 else 1
-            os.pwrite(fd, n.to_bytes(8, "little"), 0)
-            st = os.fstat(fd)
-            self._session_gen = (st.st_dev, st.st_ino, n)
-            self._session_bumped = True
-        except OSError as e:
-            log.info("pagedkv connector: could not stamp the disk tier's generation (%s); misses reopen it", e)
-        finally:
-            os.close(fd)
+        if self._tier is not None:
+            if self._tier.relock(self.cfg.lock_timeout_s):
+                return self._tier
+        else:
+            deadline = time.monotonic() + self.cfg.lock_timeout_s
+            while True:
+                try:
+                    self._tier = DiskPrefixTier(path, self.template, self.cfg.disk_blocks, self.bs,
+                                                self.format, eviction=self.cfg.eviction, weak_hash=self.cfg.weak_hash,
+                                                verify_blocks=False)
+                    return self._tier
+                except TierFileError as e:
+                    if "locked by another cache" not in str(e):
+                        raise
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.002)
+        self.num_lock_misses += 1
+        log.info("pagedkv connector: disk tier busy for %.1f s; skipped", self.cfg.lock_timeout_s)
+        return None
 
     def _fresh_view(self) -> DiskPrefixTier | None:
-        """The last session's index, while no engine has changed the tier since."""
-        if self._view is None or self._disk is not None or self._read_gen() != self._view_gen:
+        """The tier's index between turns, while no engine has changed the tier since."""
+        t = self._tier
+        if t is None or self._disk is not None or not t.unchanged():
             return None
-        return self._view
+        return t
 
     # ---- lookups --------------------------------------------------------------------------
     def _ns(self, tier, ns_key: bytes, create: bool):
@@ -307,9 +268,7 @@ class PrefixStore:
                             log.warning("pagedkv connector: disk slot %d failed its CRC-32; dropped (a miss)", s)
                             d.index.release(dchain[i:])
                             dchain = dchain[:i]
-                            self._bump(d)
-                            for x in d.index.descendants(s) + [s]:
-                                d.index.remove(x)
+                            d.drop(s)
                             break
                         parent = chain[-1] if chain else ROOT
                         slot, created = self.host.index.insert(parent, hns, hh, tokens[i * self.bs:(i + 1) * self.bs])
@@ -424,12 +383,8 @@ class PrefixStore:
                         parent = done[a]
                         continue
                     key = host.ns_keys[int(host.index.rec["ns"][a])]
-                    if d.namespace(key, create=False) is None:
-                        self._bump(d)
                     ns, h = self._ns(d, key, True)
                     tok = np.array(host.index.rec["tokens"][a])
-                    if d.index.find_child(parent, ns, h, tok) < 0:
-                        self._bump(d)              # an insert changes the tier (it may evict, too)
                     s, created = d.index.insert(parent, ns, h, tok)
                     if s < 0:
                         break
@@ -476,11 +431,14 @@ class PrefixStore:
             if disk:
                 with self.disk() as d:
                     if d is not None:
-                        d.index.clear()
-                        d.cleared()
+                        d.clear()
 
     def close(self) -> None:
         with _stores_lock:
             _by_arena.pop(self.arena.name, None)
+        with self.lock:
+            if self._tier is not None:
+                self._tier.close()
+                self._tier = None
         self.arena.close()
 
