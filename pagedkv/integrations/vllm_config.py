@@ -25,7 +25,8 @@ class ConnectorConfig:
             through a host staging slot, so at least 1 is used when a disk is set).
         disk_dir: directory of the disk tier (None: no disk tier). Two engines may
             share one; each opens it only for the moment of a lookup or a write.
-        disk_blocks: capacity of the disk tier (fixed when the directory is created).
+        disk_blocks: the disk tier's limit in blocks: its files start at 64 MiB (or the
+            limit, if smaller) and grow on demand up to it; a reset gives the space back.
         disk_write: ``"through"`` (every stored block also goes to disk at once, so a
             crash or a restart loses nothing) or ``"back"`` (only host evictions go down).
         eviction: ``"lru"`` or ``"frequency"`` (pagedkv's tier policies).
