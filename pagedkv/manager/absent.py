@@ -45,7 +45,7 @@ class NoTiers:
         pass
 
     def drain_events(self) -> list[KVEvent]:
-        return events_from_records(self.index.drain_events(), self.names.name, self.block_size, self.index.root)
+        return events_from_records(self.index.drain_events(tokens=True), self.names.name, self.block_size, self.index.root)
 
     def stats(self) -> list:
         return []

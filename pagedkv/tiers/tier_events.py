@@ -33,7 +33,7 @@ class TierEvents:
         self.dev_hash: dict[tuple[PrefixTier, Handle], int] = {}
 
     def pull_device(self, promoted: dict[int, str] | None = None) -> None:
-        events = events_from_records(self.index.drain_events(), self.namespaces.name, self.bs, self.index.root)
+        events = events_from_records(self.index.drain_events(tokens=True), self.namespaces.name, self.bs, self.index.root)
         if promoted:
             events = [e for ev in events for e in _split_loaded(ev, promoted)]
         self.buffer.extend(events)
@@ -71,25 +71,28 @@ class TierEvents:
         if h is None:
             return
         last = self.buffer[-1] if self.buffer else None
+        rec = tier.record(handle)
+        if rec is None:
+            return
+        group = group_of_key(rec.ns_key)
         if not stored:
-            if isinstance(last, BlockRemoved) and last.medium == tier.medium:
+            if isinstance(last, BlockRemoved) and last.medium == tier.medium and last.group == group:
                 last.block_hashes.append(h)
                 last.block_ids.append(_id(handle))
             else:
-                self.buffer.append(BlockRemoved([h], [_id(handle)], medium=tier.medium))
-            return
-        rec = tier.record(handle)
-        if rec is None:
+                self.buffer.append(BlockRemoved([h], [_id(handle)], medium=tier.medium, group=group))
             return
         ph = None if rec.parent is None else self.device_hash(tier, rec.parent[0])
         ns = self.namespaces.name_of_key(rec.ns_key)
         if (isinstance(last, BlockStored) and last.medium == tier.medium and last.block_hashes[-1] == ph
-                and last.namespace == ns):
+                and last.namespace == ns and last.group == group):
             last.block_hashes.append(h)
             last.block_ids.append(_id(handle))
+            last.token_ids.extend(rec.tokens.tolist())
             object.__setattr__(last, "token_count", last.token_count + self.bs)
         else:
-            self.buffer.append(BlockStored([h], ph, self.bs, ns, [_id(handle)], medium=tier.medium))
+            self.buffer.append(BlockStored([h], ph, self.bs, ns, [_id(handle)], medium=tier.medium,
+                                           token_ids=rec.tokens.tolist(), group=group))
 
 
 def _id(handle: Handle) -> int:
@@ -99,21 +102,31 @@ def _id(handle: Handle) -> int:
     return int(handle)
 
 
+def group_of_key(ns_key: bytes) -> int:
+    """The layer group of a tier namespace key (the inverse of
+    :func:`pagedkv.groups.tables.group_key`: group 0 keeps the cache's key)."""
+    head, sep, tail = ns_key.rpartition(b"\x00layer-group:")
+    return int(tail) if sep and tail.isdigit() else 0
+
+
 def _split_loaded(event, promoted: dict[int, str]):
     """A device BlockStored of promoted blocks, split by the tier each block came from."""
     if not isinstance(event, BlockStored) or not any(b in promoted for b in event.block_ids):
         return [event]
     out: list[Any] = []
     parent = event.parent_block_hash
-    for h, b in zip(event.block_hashes, event.block_ids):
+    per = event.token_count // len(event.block_ids)
+    for i, (h, b) in enumerate(zip(event.block_hashes, event.block_ids)):
         src = promoted.get(b)
         last = out[-1] if out else None
+        toks = event.token_ids[i * per:(i + 1) * per]
         if last is not None and last.loaded_from == src:
             last.block_hashes.append(h)
             last.block_ids.append(b)
-            object.__setattr__(last, "token_count", last.token_count + event.token_count // len(event.block_ids))
+            last.token_ids.extend(toks)
+            object.__setattr__(last, "token_count", last.token_count + per)
         else:
-            out.append(BlockStored([h], parent, event.token_count // len(event.block_ids), event.namespace, [b],
-                                   medium=event.medium, loaded_from=src))
+            out.append(BlockStored([h], parent, per, event.namespace, [b], medium=event.medium, loaded_from=src,
+                                   token_ids=list(toks), group=event.group))
         parent = h
     return out
