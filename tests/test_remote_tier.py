@@ -91,6 +91,21 @@ def test_a_value_is_a_header_and_the_record_in_its_at_rest_format(fresh_redis):
     assert (i4 - header) * 6 < f32 - header                   # int4 codes and scales: over 6x fewer bytes than fp32
 
 
+def test_a_block_without_sink_or_window_rows_leaves_them_out_of_its_value(fresh_redis):
+    opts = dict(head_dim=8, kv_dtype="int4", kv_window=4, kv_sink_tokens=2, kv_window_sequences=1)
+    a = prompt(100, 33)                                        # 8 blocks: sinks in the first, the window at the end
+    want = written(fresh_redis.url, a, **opts)
+    with make(num_blocks=12, prefix_remote=remote(fresh_redis.url), **opts) as cache:
+        tier = cache._tiers.remote
+        c = fresh_redis.client()
+        sizes = [c.strlen(k) for k in keys_of(tier, a)]
+        full = tier.wire.value_bytes
+        short = tier.wire.header_bytes + tier.layout.section("rows").offset
+        assert sizes[0] == full and short in sizes and set(sizes) <= {full, short}
+        served(cache, a, want, 32)                             # rows or none, every block reads as in place
+        assert_clean(cache)
+
+
 def test_two_caches_share_prefixes_through_one_server_and_write_back_goes_host_then_remote(fresh_redis):
     a, b = prompt(100), prompt(500)
     r = remote(fresh_redis.url)

@@ -87,7 +87,10 @@ class RemotePrefixTier(PrefixTier):
         self.lock = None if rows is None else rows.lock
         self.fingerprint = format_fingerprint(kv_format, self.layout.describe())
         secret = cfg.secret.encode() if isinstance(cfg.secret, str) else cfg.secret     # a str was encoded already
-        self.wire = Wire(cfg.key_prefix, self.fingerprint, block_size, self.layout.record_bytes, secret)
+        rows, valid = self.layout.section("rows"), self.layout.section("rows_valid")
+        self.wire = Wire(cfg.key_prefix, self.fingerprint, block_size, self.layout.record_bytes, secret,
+                         None if rows is None or valid is None else (rows.offset, valid.offset,
+                                                                     valid.offset + valid.nbytes))
         if cfg.max_landed_bytes < self.layout.record_bytes:
             raise InvalidArgumentError(expected("prefix_remote.max_landed_bytes", f">= one block's record "
                                                 f"({self.layout.record_bytes} bytes)", cfg.max_landed_bytes))
@@ -183,7 +186,7 @@ class RemotePrefixTier(PrefixTier):
                 if why != "missing":
                     self.num_corrupt += 1
                 break
-            self.landing.add(d, bytes(record))
+            self.landing.add(d, record)
             out.append(d)
         return out
 

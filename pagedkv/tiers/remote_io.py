@@ -153,9 +153,8 @@ class Writer:
         if refused:                       # e.g. OOM: the server's maxmemory with noeviction
             self.client.last_error = f"writer: {next(a for a in answers if a is not True)!r}"[:300]
             self._lost(refused)
-        ok = len(todo) - len(refused)
-        self.num_sent += ok
-        self.num_bytes_sent += ok * self.wire.value_bytes
+        self.num_sent += len(todo) - len(refused)
+        self.num_bytes_sent += sum(len(v) for (_, v), a in zip(values, answers) if a is True)
 
 
 class Landing:

@@ -8,7 +8,8 @@ Value: a header, then the block's record in pagedkv's at-rest format
 (:mod:`pagedkv.tiers.payload`: codes, scales, block keys, sink and window rows)::
 
     magic      4   b"PKVR"
-    version    2   little endian
+    version    1
+    flags      1   bit 0: the record's sink and window rows are all empty and not sent
     tag_bytes  2   4 (CRC-32) or 16 (keyed BLAKE2b)
     fingerprint 16 the format (must equal this tier's)
     digest     16  the block's chain digest (must equal the key's)
@@ -16,8 +17,12 @@ Value: a header, then the block's record in pagedkv's at-rest format
     block_size 4
     record_bytes 8 (must equal this tier's, and the value's length must agree)
     tokens     4 * block_size (int32; must equal the query block's)
-    tag        4 or 16, over everything before it and the record
-    record     record_bytes
+    tag        4 or 16, over everything before it and the record as sent
+    record     record_bytes (or, flag 0, up to its rows: the rest is zeros)
+
+A block of a quantized cache keeps model-precision rows only near a sequence's head
+(sinks) and tail (the recent window): every other block's value leaves its empty rows
+out, so the network moves its codes and scales only.
 
 Anything else (another fingerprint, a value for another key, a truncated value, a bad
 tag) is refused: a miss, counted by reason, never wrong KV.
@@ -36,7 +41,8 @@ __all__ = ["Wire", "WIRE_VERSION", "format_fingerprint"]
 
 MAGIC = b"PKVR"
 WIRE_VERSION = 1
-_FIXED = struct.Struct("<4sHH16s16s16sIQ")
+_FIXED = struct.Struct("<4sBBH16s16s16sIQ")
+_ROWS_OMITTED = 1
 
 
 def format_fingerprint(kv_format: dict, layout_description: list) -> bytes:
@@ -59,7 +65,7 @@ class Wire:
     """
 
     def __init__(self, key_prefix: str, fingerprint: bytes, block_size: int, record_bytes: int,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, rows: tuple[int, int, int] | None = None):
         self.prefix = key_prefix.encode("ascii") + b":" + fingerprint
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -68,6 +74,8 @@ class Wire:
         self.tag_bytes = 4 if secret is None else 16
         self.header_bytes = _FIXED.size + 4 * block_size + self.tag_bytes
         self.value_bytes = self.header_bytes + record_bytes
+        # (rows offset, rows_valid offset, rows_valid end) in a record, or None: no rows
+        self.rows = rows
 
     def key(self, digest: bytes) -> bytes:
         return self.prefix + digest
@@ -78,27 +86,34 @@ class Wire:
 
     def encode(self, digest: bytes, parent: bytes, tokens: np.ndarray, record) -> bytes:
         """The value of a block (``record``: its record's bytes)."""
-        head = _FIXED.pack(MAGIC, WIRE_VERSION, self.tag_bytes, self.fingerprint, digest, parent, self.block_size,
-                           self.record_bytes) + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
         rec = memoryview(record).cast("B")
+        flags = 0
+        if self.rows is not None and not any(rec[self.rows[1]:self.rows[2]]):
+            rec, flags = rec[:self.rows[0]], _ROWS_OMITTED
+        head = _FIXED.pack(MAGIC, WIRE_VERSION, flags, self.tag_bytes, self.fingerprint, digest, parent,
+                           self.block_size, self.record_bytes) + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
         return b"".join((head, checksum((head, rec), self.secret), rec))
 
-    def decode(self, value, digest: bytes, parent: bytes, tokens: np.ndarray) -> tuple[memoryview | None, str]:
-        """``(record, "")`` when ``value`` is the block ``digest`` under ``parent`` with
-        ``tokens`` in this format, else ``(None, reason)``."""
+    def decode(self, value, digest: bytes, parent: bytes, tokens: np.ndarray) -> tuple[bytes | None, str]:
+        """``(record, "")`` (the whole record) when ``value`` is the block ``digest``
+        under ``parent`` with ``tokens`` in this format, else ``(None, reason)``."""
         if value is None:
             return None, "missing"
         view = memoryview(value)
         if len(view) < _FIXED.size:
             return None, "truncated"
-        magic, version, tag_bytes, fp, got, got_parent, bs, rb = _FIXED.unpack_from(view, 0)
-        if magic != MAGIC or version != WIRE_VERSION:
+        magic, version, flags, tag_bytes, fp, got, got_parent, bs, rb = _FIXED.unpack_from(view, 0)
+        if magic != MAGIC or version != WIRE_VERSION or flags & ~_ROWS_OMITTED:
             return None, "foreign"
         if fp != self.fingerprint:
             return None, "other_format"
         if tag_bytes != self.tag_bytes or bs != self.block_size or rb != self.record_bytes:
             return None, "other_format"
-        if len(view) != self.value_bytes:
+        omitted = bool(flags & _ROWS_OMITTED)
+        if omitted and self.rows is None:
+            return None, "other_format"
+        sent = self.rows[0] if omitted else self.record_bytes       # type: ignore[index]  # checked above
+        if len(view) != self.header_bytes + sent:
             return None, "truncated"
         toks = np.frombuffer(view, dtype="<i4", count=bs, offset=_FIXED.size)
         if got != digest or not same_block(toks, 0, bytes(got_parent), tokens, 0, parent):
@@ -108,4 +123,4 @@ class Wire:
         record = view[self.header_bytes:]
         if not checksum_ok((head, record), tag, self.secret):
             return None, "checksum"
-        return record, ""
+        return (bytes(record) + bytes(self.record_bytes - sent)) if omitted else bytes(record), ""
