@@ -413,3 +413,27 @@ def test_remote_options_are_validated():
     assert cfg.prefix_remote.secret == b"k" and "k'" not in repr(cfg.prefix_remote)
     with pytest.raises(InvalidArgumentError, match=r"prefix_remote\.max_landed_bytes: expected >= one block's record"):
         make(num_blocks=4, prefix_remote={"url": "redis://h:1", "max_landed_bytes": 16})
+
+
+def test_a_block_fetched_from_the_tier_is_not_sent_back_and_existing_keys_can_be_skipped(fresh_redis):
+    a = prompt(100, 17)
+    written(fresh_redis.url, a)
+    with make(num_blocks=8, prefix_remote=remote(fresh_redis.url), prefix_tier_write="through") as cache:
+        assert fill(cache, "r", a) == 16                       # promoted from the tier, registered on the device
+        cache.free("r")
+        assert cache._tiers.remote.flush(5)
+        st = cache._tiers.remote.writer
+        assert (st.num_sent, st.num_present) == (0, 0)          # nothing went back
+    c = fresh_redis.client()
+    c.execute_command("CONFIG", "RESETSTAT")
+    with make(num_blocks=8, prefix_remote=remote(fresh_redis.url, check_existing=True, ttl_s=50.0),
+              prefix_tier_write="through") as cache:
+        cache.add_sequence("w", a, max_cached_tokens=0)         # computes a again: the same blocks
+        cache.reserve("w", len(a))
+        cache.commit("w", len(a))
+        cache.free("w")
+        assert cache._tiers.remote.flush(5)
+        st = cache._tiers.remote.writer
+        assert (st.num_sent, st.num_present) == (0, 4)          # asked first: already there, not sent
+    assert "cmdstat_set" not in c.info("commandstats")
+    assert all(0 < c.pttl(k) <= 50_000 for k in c.keys("pagedkv:*"))   # their TTL refreshed

@@ -57,8 +57,11 @@ class RemoteTierConfig:
         secret: with a secret shared by the hosts (bytes or str), every value carries a
             keyed BLAKE2b tag instead of a CRC-32: a server that rewrites values cannot
             forge one. The secret is not part of the key.
-        check_existing: the writer asks which keys the server already holds and sends
-            only the others (another host wrote them), refreshing their TTL.
+        check_existing: the writer first asks which keys the server already holds (one
+            more round trip a batch) and sends only the others, refreshing their TTL:
+            worth it when hosts often compute the same prefix at once. Without it a
+            block already there is written again (same bytes). Blocks a host fetched
+            from the tier are never sent back either way.
     """
 
     url: str
@@ -70,7 +73,7 @@ class RemoteTierConfig:
     max_landed_bytes: int = 256 << 20
     batch_blocks: int = 32
     secret: bytes | str | None = None
-    check_existing: bool = True
+    check_existing: bool = False
 
     def __post_init__(self) -> None:
         put = object.__setattr__

@@ -20,6 +20,7 @@ class NoTiers:
 
     host = None
     disk = None
+    remote = None
 
     def __init__(self, index, names, block_size: int):
         self.index = index

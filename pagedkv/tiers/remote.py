@@ -44,9 +44,9 @@ import torch
 from pagedkv.config.remote import RemoteTierConfig
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.tiers.base import Handle, PrefixTier, TierRecord
-from pagedkv.tiers.payload import Blocks, PayloadLayout, move_rows
+from pagedkv.tiers.payload import Blocks, PayloadLayout, Payloads, move_rows
 from pagedkv.tiers.remote_client import RemoteClient, Unavailable, delete_matching, exists_many, get_many
-from pagedkv.tiers.remote_io import Landing, Put, Writer
+from pagedkv.tiers.remote_io import Landing, Put, RowPool, Writer
 from pagedkv.tiers.remote_wire import Wire, format_fingerprint
 from pagedkv.tiers.stats import TierStats
 from pagedkv.tiers.verify import ROOT_DIGEST, ChainQuery, chain_digest
@@ -96,11 +96,15 @@ class RemotePrefixTier(PrefixTier):
                                                 f"({self.layout.record_bytes} bytes)", cfg.max_landed_bytes))
         self.ttl_ms = None if cfg.ttl_s is None else max(1, int(cfg.ttl_s * 1000))
         self.client = RemoteClient(cfg)
+        # rows for what the writer holds (its queue and one batch in flight) and one store
+        self.pool = RowPool(self.layout, self.wire.header_bytes,
+                            cfg.max_queue_bytes // self.wire.value_bytes + 2 * cfg.batch_blocks, self.lock)
+        self._loads: Payloads | None = None
         self.writer = Writer(self.client, self.wire, max_bytes=cfg.max_queue_bytes, batch=cfg.batch_blocks,
-                             ttl_ms=self.ttl_ms, check_existing=cfg.check_existing)
+                             ttl_ms=self.ttl_ms, check_existing=cfg.check_existing, pool=self.pool)
         self.landing = Landing(cfg.max_landed_bytes)
         self._known: OrderedDict[bytes, tuple[bytes | None, np.ndarray, bytes]] = OrderedDict()
-        self._staged: dict[bytes, tuple[Any, int]] = {}     # admitted digest -> (staging payloads, row)
+        self._staged: dict[bytes, Any] = {}     # admitted digest -> its staging row (RowPool)
         self._inflight: dict[bytes, Future] = {}
         self._inflight_lock = threading.Lock()
         self._on_removed = None
@@ -158,6 +162,8 @@ class RemotePrefixTier(PrefixTier):
             i += len(got)
             if len(got) < asked:
                 break                      # the batch ended at a block the server lacks (or refused)
+        for j, d in enumerate(out):        # on the server: a store of them (the device's copy) is not sent back
+            self._know(d, None if start + j == 0 else query.digest(start + j - 1), query.block(start + j), query.ns_key)
         return out
 
     def _fetch(self, query: ChainQuery, start: int, stop: int, deadline: float | None = None,
@@ -245,12 +251,17 @@ class RemotePrefixTier(PrefixTier):
         n = len(handles)
         if not n:
             return
-        staging = self.layout.empty(n, lock=dst.lock)
+        staging = self._loads
+        if staging is None or staging.n < n:                # reused: a fresh buffer pays page faults per load
+            staging = self._loads = self.layout.empty(max(n, 2 * (staging.n if staging is not None else 0)))
+        rows = staging.base.numpy()
         for i, d in enumerate(handles):
             record = self.landing.get(d)
             if record is None:
                 raise RuntimeError("remote tier: a leased block left the landing buffer (a bug in pagedkv)")
-            staging.base[i].numpy()[:] = np.frombuffer(record, dtype=np.uint8)
+            sent = len(record)
+            rows[i, :sent] = np.frombuffer(record, dtype=np.uint8)
+            rows[i, sent:] = 0                               # rows the value left out: none held
         ids = list(range(n))
         staging.read(ids, dst.arenas, list(dst_ids))
         move_rows(Blocks(staging.arenas, staging.window, dst.lock), dst, list(zip(ids, dst_ids)))
@@ -261,42 +272,52 @@ class RemotePrefixTier(PrefixTier):
         if d in self._known:
             self._known.move_to_end(d)
             return d, False
+        self._know(d, parent, tokens, ns_key)
+        return d, True
+
+    def _know(self, d: bytes, parent: bytes | None, tokens, ns_key: bytes) -> None:
+        """Remember a block this process knows the server has (or will have)."""
+        if d in self._known:
+            self._known.move_to_end(d)
+            return
         self._known[d] = (parent, np.array(tokens, dtype=np.int32), bytes(ns_key))
         while len(self._known) > _KNOWN:
             old = next(iter(self._known))
             if old in self._staged:
                 break
             self._forget(old)
-        return d, True
 
     def store(self, src: Blocks, src_ids, handles) -> None:
-        n = len(handles)
-        if not n:
-            return
-        staging = self.layout.empty(n, lock=src.lock)
-        ids = list(range(n))
-        staging.write(src.arenas, list(src_ids), ids)
-        move_rows(src, Blocks(staging.arenas, staging.window, src.lock), list(zip(src_ids, ids)))
-        for i, d in enumerate(handles):
-            self._staged[d] = (staging, i)
+        for b, d in zip(src_ids, handles):
+            row = self.pool.take()
+            if row is None:          # as many rows out as the writer's queue holds: this one is dropped
+                continue
+            row.payloads.write(src.arenas, [b], [0])
+            move_rows(src, Blocks(row.payloads.arenas, row.payloads.window, src.lock), [(b, 0)])
+            self._staged[d] = row
 
     def commit(self, handles) -> None:
         puts = []
         for d in handles:
-            staged = self._staged.pop(d, None)
+            row = self._staged.pop(d, None)
             known = self._known.get(d)
-            if staged is None or known is None:
+            if row is None or known is None:
+                if row is not None:
+                    self.pool.give(row)
+                self._forget(d)
+                self.writer.num_dropped += row is None
                 continue
-            staging, i = staged
             parent, tokens, _ = known
-            puts.append(Put(d, ROOT_DIGEST if parent is None else parent, tokens, staging.base[i]))
+            puts.append(Put(d, ROOT_DIGEST if parent is None else parent, tokens, row))
         for p in self.writer.put(puts):
             self._forget(p.digest)       # dropped: a later store may try again
         self.num_written += len(puts)
 
     def abandon(self, handles) -> None:
         for d in handles:
-            self._staged.pop(d, None)
+            row = self._staged.pop(d, None)
+            if row is not None:
+                self.pool.give(row)
             self._forget(d)
 
     def _forget(self, d: bytes) -> None:
@@ -347,6 +368,8 @@ class RemotePrefixTier(PrefixTier):
         hosts share them; :meth:`clear_server` removes them)."""
         held = list(self._known)
         self._known.clear()
+        for row in self._staged.values():
+            self.pool.give(row)
         self._staged.clear()
         self.landing.clear()
         return held

@@ -86,17 +86,32 @@ class Wire:
 
     def encode(self, digest: bytes, parent: bytes, tokens: np.ndarray, record) -> bytes:
         """The value of a block (``record``: its record's bytes)."""
-        rec = memoryview(record).cast("B")
-        flags = 0
-        if self.rows is not None and not any(rec[self.rows[1]:self.rows[2]]):
-            rec, flags = rec[:self.rows[0]], _ROWS_OMITTED
+        buf = np.empty(self.value_bytes, dtype=np.uint8)
+        buf[self.header_bytes:] = np.frombuffer(memoryview(record).cast("B"), dtype=np.uint8)
+        return bytes(self.encode_into(buf, digest, parent, tokens))
+
+    def encode_into(self, buf: np.ndarray, digest: bytes, parent: bytes, tokens: np.ndarray) -> memoryview:
+        """Write the header of the block whose record is ``buf[header_bytes:]`` in front
+        of it (``buf``: ``value_bytes`` uint8); returns the value, a view of ``buf``: the
+        record is not copied (the client sends it as it is)."""
+        hb = self.header_bytes
+        view = memoryview(buf.data)
+        rec = view[hb:]
+        flags, sent = 0, self.record_bytes
+        if self.rows is not None and not buf[hb + self.rows[1]:hb + self.rows[2]].any():
+            flags, sent = _ROWS_OMITTED, self.rows[0]
         head = _FIXED.pack(MAGIC, WIRE_VERSION, flags, self.tag_bytes, self.fingerprint, digest, parent,
                            self.block_size, self.record_bytes) + np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-        return b"".join((head, checksum((head, rec), self.secret), rec))
+        n = len(head)
+        buf[:n] = np.frombuffer(head, dtype=np.uint8)
+        buf[n:hb] = np.frombuffer(checksum((head, rec[:sent]), self.secret), dtype=np.uint8)
+        return view[:hb + sent]
 
-    def decode(self, value, digest: bytes, parent: bytes, tokens: np.ndarray) -> tuple[bytes | None, str]:
-        """``(record, "")`` (the whole record) when ``value`` is the block ``digest``
-        under ``parent`` with ``tokens`` in this format, else ``(None, reason)``."""
+    def decode(self, value, digest: bytes, parent: bytes, tokens: np.ndarray) -> tuple[memoryview | None, str]:
+        """``(record, "")`` when ``value`` is the block ``digest`` under ``parent`` with
+        ``tokens`` in this format, else ``(None, reason)``. ``record`` is a view of
+        ``value`` (no copy): the whole record, or the part before its rows when the value
+        left them out (the rest is zeros)."""
         if value is None:
             return None, "missing"
         view = memoryview(value)
@@ -123,4 +138,4 @@ class Wire:
         record = view[self.header_bytes:]
         if not checksum_ok((head, record), tag, self.secret):
             return None, "checksum"
-        return (bytes(record) + bytes(self.record_bytes - sent)) if omitted else bytes(record), ""
+        return record, ""
