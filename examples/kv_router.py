@@ -2,7 +2,7 @@
 
 Two caches ("replica-a" and "replica-b", here in one process; in a deployment, two
 engine processes on two hosts) publish their KV events over ZMQ in vLLM's wire format
-(:class:`pagedkv.events.KVEventPublisher`). A :class:`pagedkv.events.PrefixRouter`
+(:class:`pagedkv.kv_events.KVEventPublisher`). A :class:`pagedkv.kv_events.PrefixRouter`
 subscribes to both and sends each request to the replica that already holds the
 longest prefix of it. Run: ``python examples/kv_router.py``.
 """
@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.events import KVEventPublisher, KVEventSubscriber, PrefixRouter
+from pagedkv.kv_events import KVEventPublisher, KVEventSubscriber, PrefixRouter
 
 BLOCK = 16
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=BLOCK, num_blocks=64, enable_kv_events=True)

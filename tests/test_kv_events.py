@@ -17,7 +17,7 @@ import msgspec  # noqa: E402
 
 from pagedkv import CacheConfig, PagedKVCache  # noqa: E402
 from pagedkv.errors import InvalidArgumentError  # noqa: E402
-from pagedkv.events import KVEventPublisher, KVEventSubscriber, PrefixRouter, event_fields, wire  # noqa: E402
+from pagedkv.kv_events import KVEventPublisher, KVEventSubscriber, PrefixRouter, event_fields, wire  # noqa: E402
 
 from tier_helpers import SHAPE, fill, make  # noqa: E402
 

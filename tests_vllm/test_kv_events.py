@@ -9,7 +9,7 @@ import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.events import KVEventPublisher
+from pagedkv.kv_events import KVEventPublisher
 
 BS = 4
 

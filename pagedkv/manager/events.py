@@ -12,7 +12,7 @@ hash space. A device store of blocks promoted from a tier names it in
 token ids (a router may key blocks by tokens, not by this process's hashes) and, with
 layer groups, the group's index.
 
-:mod:`pagedkv.events` publishes them over ZMQ in vLLM's wire format.
+:mod:`pagedkv.kv_events` publishes them over ZMQ in vLLM's wire format.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.events.publisher import END_SEQ, _modules
+from pagedkv.kv_events.publisher import END_SEQ, _modules
 
 __all__ = ["KVEventSubscriber", "event_fields"]
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.events.subscriber import KVEventSubscriber
+from pagedkv.kv_events.subscriber import KVEventSubscriber
 
 __all__ = ["PrefixRouter"]
 

@@ -2,7 +2,7 @@
 
 Each :meth:`KVEventPublisher.publish` drains the cache's events
 (:meth:`pagedkv.PagedKVCache.drain_events`) into one ``EventBatch``
-(:mod:`pagedkv.events.wire`) and hands it to a background thread, which sends the
+(:mod:`pagedkv.kv_events.wire`) and hands it to a background thread, which sends the
 multipart message ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian sequence
 number (0, 1, ... per publisher), ``payload`` the msgpack batch. The thread keeps the
 last ``buffer_steps`` batches for a ROUTER replay socket: a subscriber that missed
@@ -21,7 +21,7 @@ import threading
 from collections import deque
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.events.wire import MEDIA, WIRE_FORMATS, batch, group_spec
+from pagedkv.kv_events.wire import MEDIA, WIRE_FORMATS, batch, group_spec
 from pagedkv.manager.events import AllBlocksCleared
 
 __all__ = ["KVEventPublisher", "END_SEQ"]
@@ -51,7 +51,7 @@ class KVEventPublisher:
         replay_endpoint: the ROUTER address for replays (bound), or None.
         topic: the first frame of every message (llm-d reads ``kv@<pod>@<model>``).
         data_parallel_rank: carried in every batch (None: left out).
-        media: pagedkv medium -> wire medium (default :data:`~pagedkv.events.wire.MEDIA`).
+        media: pagedkv medium -> wire medium (default :data:`~pagedkv.kv_events.wire.MEDIA`).
         wire_format: ``"map"`` (vLLM 0.32) or ``"array"`` (older vLLM, positional events).
         buffer_steps: batches kept for replay.
         hwm: the PUB socket's high-water mark.
