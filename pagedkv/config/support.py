@@ -45,7 +45,7 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("stats / sequence_info / num_blocks (per group and in total)", True),
     Capability("hold_window / slide_window", True),
     Capability("host swap (host_num_blocks, swap_out / swap_in)", True),
-    Capability("prefix tiers (prefix_host_blocks, prefix_disk_dir, warm restart)", True),
+    Capability("prefix tiers (prefix_host_blocks, prefix_disk_dir, prefix_remote, warm restart)", True),
     Capability("kv_full_precision_layers (the layers sharing such a layer's arena slot are exact too)", True),
     Capability("relocate / compact (each block moves within its group)", True),
     Capability("send_sequence / recv_sequence (every block is sent; the receiver reuses no prefix)", True),

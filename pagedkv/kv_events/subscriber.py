@@ -58,6 +58,7 @@ class KVEventSubscriber:
             self._replay = ctx.socket(zmq.DEALER)
             self._replay.connect(replay_endpoint)
         self.next_seq = 0            # the first sequence number not yet returned
+        self._caught_up = replay_endpoint is None
 
     def _batch(self, seq: int, payload: bytes) -> tuple[int, float, list[dict], int | None]:
         row = self._decode(payload)
@@ -80,8 +81,17 @@ class KVEventSubscriber:
 
     def poll(self, timeout: float = 0.0) -> list[tuple[int, float, list[dict], int | None]]:
         """``(seq, ts, events, data_parallel_rank)`` of every batch that arrived (waiting
-        up to ``timeout`` seconds for the first), in order; a gap is replayed."""
+        up to ``timeout`` seconds for the first), in order; a gap is replayed, and so is,
+        at the first poll, what was published before the subscription took hold."""
         out = []
+        if not self._caught_up:      # what was published before this subscription took hold
+            self._caught_up = True
+            for b in self.replay(self.next_seq):
+                if b[0] >= self.next_seq:
+                    out.append(b)
+                    self.next_seq = b[0] + 1
+            if out:
+                timeout = 0.0
         wait = int(timeout * 1000)
         while self._sub.poll(wait):
             wait = 0
