@@ -34,8 +34,9 @@ import argparse
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.errors import InternalError, InvalidArgumentError, PagedKVError, expected
 

@@ -194,7 +194,10 @@ class ContinuousBatcher:
         self.kv = kv
         self.max_batch = as_int(max_batch, "max_batch", 1)
         if token_budget is not None:
-            token_budget = as_int(token_budget, "token_budget", self.max_batch + 1)
+            token_budget = as_int(token_budget, "token_budget", 1)
+            if token_budget <= self.max_batch:   # decode alone could fill every step: no prefill
+                raise InvalidArgumentError(expected("token_budget", f"None or an int > max_batch ({self.max_batch})",
+                                                    token_budget))
         self.token_budget = token_budget
         if share_prefixes is not True and share_prefixes is not False:
             raise InvalidArgumentError(expected("share_prefixes", "True or False", repr(share_prefixes)))
