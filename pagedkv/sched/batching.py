@@ -184,7 +184,11 @@ class ContinuousBatcher:
     cover its worst case (prompt plus ``max_new_tokens``, less its prefix hit) and the
     growth every admitted request may still need, so a step never runs out of blocks;
     the first request that does not fit waits (first come, first served). A request
-    that cannot fit even alone raises :class:`~pagedkv.errors.OutOfBlocksError`.
+    that cannot fit even alone raises :class:`~pagedkv.errors.OutOfBlocksError` from
+    :meth:`schedule` (the request stays queued; cancel it to go on).
+
+    The batcher owns the sequences of the requests it admits: the engine frees them
+    through :meth:`finish`, :meth:`cancel` or :meth:`close`, never with ``kv.free``.
     """
 
     def __init__(self, kv: PagedKVCache, *, max_batch: int = 16, token_budget: int | None = 512,
