@@ -41,6 +41,9 @@ def test_demo_subcommand_is_registered():
     args = build_parser().parse_args(["demo", "--requests", "3", "--kv-dtype", "int8", "--block-size", "8",
                                       "--num-blocks", "64"])
     assert (args.requests, args.kv_dtype, args.block_size, args.num_blocks, args.model) == (3, "int8", 8, 64, "smollm2")
+    assert (args.token_budget, args.no_prefix_sharing) == (demo.TOKEN_BUDGET, False)
+    args = build_parser().parse_args(["demo", "--token-budget", "0", "--no-prefix-sharing"])
+    assert (args.token_budget, args.no_prefix_sharing) == (0, True)
 
 
 def test_tiny_demo_prints_requests_and_summary(capsys):
@@ -58,6 +61,7 @@ def test_tiny_demo_prints_requests_and_summary(capsys):
     (["--block-size", "0"], "block_size: expected an int >= 1, got 0"),
     (["--requests", "0"], "--requests: expected an int >= 1, got 0"),
     (["--num-blocks", "2"], "out of KV blocks: request 0 needs"),
+    (["--token-budget", "16"], "--token-budget: expected 0 or an int > --max-batch (16), got 16"),
 ])
 def test_bad_options_exit_2_with_the_message(argv, message, capsys):
     assert main(["demo", "--model", "tiny", "--no-progress", *argv]) == 2
