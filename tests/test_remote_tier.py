@@ -36,12 +36,13 @@ def written(url, tokens, **opts):
     """A cache that computes ``tokens`` and writes them through to the remote tier;
     returns the reference KV (what a hit must read back)."""
     r = opts.pop("prefix_remote", None) or remote(url)
-    with make(num_blocks=len(tokens) // BS + 2, prefix_remote=r, prefix_tier_write="through", **opts) as cache:
+    blocks = opts.pop("num_blocks", len(tokens) // BS + 2)
+    with make(num_blocks=blocks, prefix_remote=r, prefix_tier_write="through", **opts) as cache:
         fill(cache, "w", tokens)
         want = [cache.gather("w", layer) for layer in range(SHAPE["num_layers"])]
         cache.free("w")
         assert cache._tiers.remote.flush(10)
-        assert cache.stats().tiers[-1].written_blocks == len(tokens) // BS
+        assert cache.stats().tiers[-1].written_blocks == len(tokens) // BS * len(cache._tiers.groups)
     return want
 
 
@@ -437,3 +438,22 @@ def test_a_block_fetched_from_the_tier_is_not_sent_back_and_existing_keys_can_be
         assert (st.num_sent, st.num_present) == (0, 4)          # asked first: already there, not sent
     assert "cmdstat_set" not in c.info("commandstats")
     assert all(0 < c.pttl(k) <= 50_000 for k in c.keys("pagedkv:*"))   # their TTL refreshed
+
+
+def test_layer_groups_go_through_the_remote_tier_each_under_its_own_namespace(fresh_redis):
+    opts = dict(num_layers=4, layer_windows=(0, 8, 0, 8))      # a full group and a sliding one
+    a = prompt(100, 17)
+    want = written(fresh_redis.url, a, num_blocks=16, **opts)
+    with make(num_blocks=16, prefix_remote=remote(fresh_redis.url), **opts) as cache:
+        cache.prefetch_prefix(a)
+        deadline = time.monotonic() + 5
+        while len(cache._tiers.remote.landing) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(cache._tiers.remote.landing) == 8           # 4 blocks in each group's chain
+        fresh_redis.stop()
+        assert fill(cache, "r", a) == 16
+        for layer, (k, v) in enumerate(want):
+            got = cache.gather("r", layer)
+            assert torch.equal(got[0], k) and torch.equal(got[1], v)
+        cache.free("r")
+        cache.check_invariants()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import struct
+import weakref
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class Journal:
         self.dir = tierdir
         self.max_entries = max_entries
         self.fd = tierdir.open(NAME, os.O_RDWR, create=True)
+        self._close = weakref.finalize(self, os.close, self.fd)      # also when dropped unclosed
         self.epoch, self.offset = self._header(), _HEADER.size
         if self.epoch is None:
             self.restart()
@@ -121,5 +123,5 @@ class Journal:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            self._close()
             self.fd = -1
