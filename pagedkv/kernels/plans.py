@@ -53,7 +53,7 @@ _MODEL_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.MODEL}
 _QUANT_NAMES = {d.name: d.kernel_name for d in dtypes.QUANTIZED if d.kernel_name in sources.QUANT_TYPES}
 _CHUNK_NAMES = {16: "v16", 4: "e4", 2: "e2", 1: "e1"}
 
-Arg = tuple[str, object]  # ("ptr" | "i64", int) or ("f32", float)
+Arg = tuple[str, object]  # ("ptr" | "i64" | "i32", int) or ("f32", float)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Launch:
         return argv, values
 
 
-_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
 
 
 def check_dims(grid: Sequence[int], block: Sequence[int]) -> None:

@@ -38,10 +38,16 @@ __all__ = [
     "ATTENTION_MODES",
     "attention_name",
     "attention_merge_name",
+    "VARIANT_SOURCES",
+    "decode_name",
+    "decode_merge_name",
 ]
 
 SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu", "seal_keys.cu",
                 "paged_attention.cu")
+#: sources compiled one variant at a time (their defines pick it and name its entry point;
+#: pagedkv.kernels.decode_plans): not in the emulation's shared library nor SOURCE_FILES' tests
+VARIANT_SOURCES = ("decode_attention.cu",)
 
 #: variant axes, in the spelling of the entry-point names
 LAYOUTS = ("nhd", "hnd")
@@ -89,8 +95,8 @@ def _read(name: str) -> bytes:
 
 def load(name: str) -> KernelSource:
     """The packaged source ``name`` (e.g. ``"write_kv.cu"``) with its headers."""
-    if name not in SOURCE_FILES:
-        raise InvalidArgumentError(expected("name", f"one of {', '.join(SOURCE_FILES)}", repr(name)))
+    if name not in SOURCE_FILES + VARIANT_SOURCES:
+        raise InvalidArgumentError(expected("name", f"one of {', '.join(SOURCE_FILES + VARIANT_SOURCES)}", repr(name)))
     text = _read(name)
     headers: dict[str, bytes] = {}
     pending = [text]
@@ -145,6 +151,16 @@ def attention_name(mode: str, layout: str, kv_type: str, q_type: str) -> str:
 
 def attention_merge_name(out_type: str) -> str:
     return f"pkv_attn_merge_{out_type}"
+
+
+def decode_name(layout: str, kv_type: str, head_dim: int, heads: int, lane_groups: int) -> str:
+    """``pkv_decode_{layout}_{kv}_d{D}_g{G}_n{NGL}``: one variant of decode_attention.cu."""
+    return f"pkv_decode_{layout}_{kv_type}_d{head_dim}_g{heads}_n{lane_groups}"
+
+
+def decode_merge_name(out_type: str) -> str:
+    """``pkv_decode_merge_{out}`` (in every variant of decode_attention.cu, for its head_dim)."""
+    return f"pkv_decode_merge_{out_type}"
 
 
 _COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
