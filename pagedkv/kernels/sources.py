@@ -117,10 +117,11 @@ def write_kv_name(layout: str, chunk: str = "", in_type: str = "", quant: str = 
 
 
 def gather_name(table: str, layout: str, chunk: str = "", quant: str = "", out_type: str = "",
-                rotated: bool = False) -> str:
-    """``pkv_gather_{table}_{layout}_{chunk}`` or ``..._{quant}_to_{out}[_rot]``."""
+                rotated: bool = False, vec: bool = False) -> str:
+    """``pkv_gather_{table}_{layout}_{chunk}`` or ``..._{quant}_to_{out}[_rot | _v16]``
+    (``vec``: one thread per 16 output bytes)."""
     if quant:
-        return f"pkv_gather_{table}_{layout}_{quant}_to_{out_type}" + ("_rot" if rotated else "")
+        return f"pkv_gather_{table}_{layout}_{quant}_to_{out_type}" + ("_rot" if rotated else "_v16" if vec else "")
     return f"pkv_gather_{table}_{layout}_{chunk}"
 
 
@@ -178,6 +179,7 @@ def entry_points() -> dict[str, tuple[str, ...]]:
             gather += [gather_name(tb, lo, chunk=c) for c in _COPY_CHUNKS_MODEL]
             gather += [gather_name(tb, lo, quant=q, out_type=o, rotated=r) for q in QUANT_TYPES
                        for o in MODEL_TYPES for r in (False, True)]
+            gather += [gather_name(tb, lo, quant=q, out_type=o, vec=True) for q in QUANT_TYPES for o in MODEL_TYPES]
     copy = [copy_blocks_name(c, i) for c in CHUNKS for i in INDEX_TYPES]
     transpose = [transpose_name(c) for c in CHUNKS]
     seal = [seal_keys_name(lo, t) for lo in LAYOUTS for t in MODEL_TYPES]
