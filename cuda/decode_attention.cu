@@ -18,7 +18,7 @@
 //     of each (pkv_dec_lane_elems), rotated there with shuffles when the arena is;
 //   - stage the split's block ids in shared memory once (PKV_DEC_PAGES at a time);
 //   - per warp, stream tiles of KPW * KT keys (KPW keys side by side, D / E lanes each,
-//     KT keys per lane) through a PKV_DEC_STAGES-deep cp.async ring in shared memory,
+//     KT keys per lane) through a 3- or 4-deep cp.async ring in shared memory,
 //     where every lane reads back only the bytes it copied: no barrier in the loop;
 //   - score each key with FMAs against the codes (the scale and zero point of each
 //     group are applied once per group: s * sum(q c) + z * sum(q)), reduce over the
@@ -44,16 +44,19 @@ __device__ __forceinline__ void pkv_decode(
   constexpr int E = pkv_dec_lane_elems<F, G>();
   constexpr int VB = F == PKV_Q_INT3 ? 12 : E * BITS / 8;  // bytes of a lane's vector
   constexpr int LPK = D / E, KPW = 32 / LPK;                // lanes per key, keys per warp
-  constexpr int KT = NGL == 1 ? 2 : 1;                      // keys per lane per stage (shared memory)
+  constexpr int KT = NGL == 1 && G * E <= 16 ? 2 : 1;       // keys per lane per stage (registers)
+  constexpr int STAGES = KT == 2 || NGL == 4 ? 3 : 4;       // ring depth (shared memory: under 48 KiB)
   constexpr int EPG = E / NGL;                              // channels per scale group of a lane
   constexpr bool QUANT = pkv_dec_quant<F>(), ZERO = pkv_dec_has_zero<F>();
   constexpr int NP = QUANT ? 2 * NGL : 1;                   // param floats per ring slot
   constexpr pkv_i64 RB = F == PKV_Q_INT3 ? D / 8 * 3 : (pkv_i64)D * BITS / 8;
-  constexpr int SLOTS = PKV_DEC_WARPS * PKV_DEC_STAGES * KT * 2 * 32;
+  constexpr int SLOTS = PKV_DEC_WARPS * STAGES * KT * 2 * 32;
+  // a warp's part of the ring, in 16-byte slots: its stages, or its state at the end if larger
+  constexpr int WREG = STAGES * KT * 2 * 32 > (G * (D + 2) + 3) / 4 ? STAGES * KT * 2 * 32
+                                                                            : (G * (D + 2) + 3) / 4;
   static_assert(D % E == 0 && LPK <= 32 && (LPK & (LPK - 1)) == 0, "a key's lanes: a power of two <= 32");
   static_assert(E % NGL == 0 && G * E <= PKV_DEC_QREGS, "lane geometry");
-  static_assert(G * (D + 2) <= PKV_DEC_STAGES * KT * 2 * 32 * 4, "a warp's state fits its ring");
-  __shared__ uint4 ring[SLOTS];            // [warp][stage][key][K/V][lane] 16-byte slots
+  __shared__ uint4 ring[PKV_DEC_WARPS * WREG];  // [warp][stage][key][K/V][lane] 16-byte slots
   __shared__ float ring_par[QUANT ? SLOTS * NP : 1];  // the same slots' scale/zero per group
   __shared__ int pages[PKV_DEC_PAGES];     // staged block ids (-1: reads as zeros)
 
@@ -66,7 +69,7 @@ __device__ __forceinline__ void pkv_decode(
   // logits in log2 units: s * log2(e), folded into the scale (or the soft cap)
   const float log2e = 1.4426950408889634f;
   const float s2 = __fmul_rn(sm_scale, log2e), cap2 = __fmul_rn(soft_cap, log2e);
-  float* wstate = reinterpret_cast<float*>(ring) + warp * (SLOTS / PKV_DEC_WARPS) * 4;  // the warp's ring part
+  float* wstate = reinterpret_cast<float*>(ring + warp * WREG);  // the warp's ring part
 
   for (pkv_i64 w = blockIdx.y; w < works; w += gridDim.y) {
     for (pkv_i64 split = blockIdx.x; split < num_splits; split += gridDim.x) {
@@ -197,7 +200,7 @@ PKV_UNROLL
         pkv_u32 parity = 0;  // int3: which half of each staged 4-byte word is the bfloat16 parameter
 
         auto issue = [&](int it) {
-          const int st = (int)(it % PKV_DEC_STAGES);
+          const int st = (int)(it % STAGES);
           const pkv_i64 base = c0 + (warp + it * PKV_DEC_WARPS) * kps;
 PKV_UNROLL
           for (int i = 0; i < KT; ++i) {
@@ -211,16 +214,17 @@ PKV_UNROLL
             }
 PKV_UNROLL
             for (int kvp = 0; kvp < 2; ++kvp) {
-              const int si = (((warp * PKV_DEC_STAGES + st) * KT + i) * 2 + kvp) * 32 + lane;
+              const int si = (((warp * STAGES + st) * KT + i) * 2 + kvp) * 32 + lane;  // params
+              const int ri = warp * WREG + ((st * KT + i) * 2 + kvp) * 32 + lane;            // data
               const pkv_i64 row = blk < 0 ? 0 : pkv_row_index<LAYOUT>(blk, kvp, off, hk, block_size, num_kv_heads);
               const pkv_u8* src = kv + row * RB + sub * VB;
               const unsigned n = blk < 0 ? 0u : 4u;
               if constexpr (VB == 12) {
-                pkv_cp_async<4>((char*)&ring[si], src, n);
-                pkv_cp_async<4>((char*)&ring[si] + 4, src + 4, n);
-                pkv_cp_async<4>((char*)&ring[si] + 8, src + 8, n);
+                pkv_cp_async<4>((char*)&ring[ri], src, n);
+                pkv_cp_async<4>((char*)&ring[ri] + 4, src + 4, n);
+                pkv_cp_async<4>((char*)&ring[ri] + 8, src + 8, n);
               } else {
-                pkv_cp_async<VB>(&ring[si], src, n * (VB / 4));
+                pkv_cp_async<VB>(&ring[ri], src, n * (VB / 4));
               }
               if constexpr (QUANT) {
 PKV_UNROLL
@@ -232,7 +236,7 @@ PKV_UNROLL
                     const char* zp = (const char*)zero + pi * 2;
                     pkv_cp_async<4>(dst, (const void*)((size_t)sp & ~(size_t)3), n);
                     pkv_cp_async<4>(dst + 1, (const void*)((size_t)zp & ~(size_t)3), n);
-                    const pkv_u32 bit = ((st * KT + i) * 2 + kvp) * NGL + j;
+                    const pkv_u32 bit = ((st * KT + i) * 2 + kvp) * NGL + j;  // < 32: STAGES * KT * 2 * NGL <= 32
                     parity = (parity & ~(1u << bit)) | ((pkv_u32)(((size_t)sp >> 1) & 1) << bit);
                   } else {
                     pkv_cp_async<4>(dst, scale + pi, n);
@@ -251,31 +255,32 @@ PKV_UNROLL
         };
 
 PKV_UNROLL_NONE
-        for (int s = 0; s < PKV_DEC_STAGES - 1; ++s) {
+        for (int s = 0; s < STAGES - 1; ++s) {
           if (s < nst) issue(s);
           pkv_cp_commit();
         }
 PKV_UNROLL_NONE
         for (int it = 0; it < nst; ++it) {
-          if (it + PKV_DEC_STAGES - 1 < nst) issue(it + PKV_DEC_STAGES - 1);
+          if (it + STAGES - 1 < nst) issue(it + STAGES - 1);
           pkv_cp_commit();
-          pkv_cp_wait<PKV_DEC_STAGES - 1>();
-          const int st = (int)(it % PKV_DEC_STAGES);
+          pkv_cp_wait<STAGES - 1>();  // this stage's copies (the newer ones may still fly)
+          const int st = (int)(it % STAGES);
           const pkv_i64 base = c0 + (warp + it * PKV_DEC_WARPS) * kps;
           // 1. the keys' partial dot products over this lane's channels
           float dots[KT * G];
 PKV_UNROLL
           for (int i = 0; i < KT; ++i) {
-            const int si = (((warp * PKV_DEC_STAGES + st) * KT + i) * 2 + 0) * 32 + lane;
+            const int si = (((warp * STAGES + st) * KT + i) * 2 + 0) * 32 + lane;
+            const int ri = warp * WREG + ((st * KT + i) * 2 + 0) * 32 + lane;
             pkv_u32 wk[4];
             if (VB == 16 || VB == 12) {
-              const uint4 v = pkv_ld16(&ring[si]);
+              const uint4 v = pkv_ld16(&ring[ri]);
               wk[0] = v.x, wk[1] = v.y, wk[2] = v.z, wk[3] = v.w;
             } else if (VB == 8) {
-              const uint2 v = pkv_ld8(&ring[si]);
+              const uint2 v = pkv_ld8(&ring[ri]);
               wk[0] = v.x, wk[1] = v.y, wk[2] = wk[3] = 0u;
             } else {
-              wk[0] = *(const pkv_u32*)&ring[si], wk[1] = wk[2] = wk[3] = 0u;
+              wk[0] = *(const pkv_u32*)&ring[ri], wk[1] = wk[2] = wk[3] = 0u;
             }
             float kx[E];
 PKV_UNROLL
@@ -340,16 +345,17 @@ PKV_UNROLL
           // 4. the values: acc += (p * scale) * code per group, zacc += p * zero
 PKV_UNROLL
           for (int i = 0; i < KT; ++i) {
-            const int si = (((warp * PKV_DEC_STAGES + st) * KT + i) * 2 + 1) * 32 + lane;
+            const int si = (((warp * STAGES + st) * KT + i) * 2 + 1) * 32 + lane;
+            const int ri = warp * WREG + ((st * KT + i) * 2 + 1) * 32 + lane;
             pkv_u32 wv[4];
             if (VB == 16 || VB == 12) {
-              const uint4 v = pkv_ld16(&ring[si]);
+              const uint4 v = pkv_ld16(&ring[ri]);
               wv[0] = v.x, wv[1] = v.y, wv[2] = v.z, wv[3] = v.w;
             } else if (VB == 8) {
-              const uint2 v = pkv_ld8(&ring[si]);
+              const uint2 v = pkv_ld8(&ring[ri]);
               wv[0] = v.x, wv[1] = v.y, wv[2] = wv[3] = 0u;
             } else {
-              wv[0] = *(const pkv_u32*)&ring[si], wv[1] = wv[2] = wv[3] = 0u;
+              wv[0] = *(const pkv_u32*)&ring[ri], wv[1] = wv[2] = wv[3] = 0u;
             }
             float vx[E];
 PKV_UNROLL
@@ -407,7 +413,7 @@ PKV_UNROLL
       __syncthreads();
       // the 4 warps, in order, into this split's partial rows
       const float* ws0 = reinterpret_cast<const float*>(ring);
-      const pkv_i64 wstride = (SLOTS / PKV_DEC_WARPS) * 4;
+      const pkv_i64 wstride = WREG * 4;
       for (int idx = tid; idx < G * D; idx += PKV_DEC_THREADS) {
         const int g = idx / D, d = idx - g * D;
         float mx = neg_inf;

@@ -13,7 +13,6 @@
 
 #define PKV_DEC_THREADS 128
 #define PKV_DEC_WARPS 4
-#define PKV_DEC_STAGES 3    // cp.async ring depth per warp (two stages in flight while one is used)
 #define PKV_DEC_PAGES 512   // block-table entries a CTA stages in shared memory at once
 #define PKV_DEC_QREGS 32    // at most G * E query floats per thread (and as many accumulators)
 #define PKV_DEC_MIN_CTAS 3  // CTAs per SM the register cap keeps room for (168 registers)

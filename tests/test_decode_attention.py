@@ -195,7 +195,7 @@ def drawn(draw):
     return case, opts
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(drawn=drawn())
 def test_hypothesis_shapes_match_the_definition_and_the_tiled_kernel(drawn):
     case, opts = drawn

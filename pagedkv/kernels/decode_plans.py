@@ -39,7 +39,6 @@ BITS = {"f32": 32, "f16": 16, "bf16": 16, "e4m3": 8, "e5m2": 8, "int8": 8, "int4
 HEAD_DIMS = (64, 128, 256)
 HEADS = (8, 4, 3, 2, 1)  # query heads per CTA, the largest that divides the group first
 QREGS = 32               # PKV_DEC_QREGS: at most G * E query floats per thread
-STAGES = 3               # PKV_DEC_STAGES
 WARPS = 4                # PKV_DEC_WARPS
 THREADS = 128            # PKV_DEC_THREADS
 CTAS_PER_SM = 3          # PKV_DEC_MIN_CTAS: the register cap keeps room for three CTAs
@@ -92,10 +91,6 @@ def lane_elems(kv_type: str, heads: int) -> int:
     return e
 
 
-def _keys_per_stage(lane_groups: int) -> int:
-    return 2 if lane_groups == 1 else 1
-
-
 def _fits(kv_type: str, d: int, heads: int, g_len: int) -> int | None:
     """The lane scale groups of a covered (format, head_dim, heads, group length), else None."""
     e = lane_elems(kv_type, heads)
@@ -110,8 +105,6 @@ def _fits(kv_type: str, d: int, heads: int, g_len: int) -> int | None:
             ngl = e // g_len
         else:
             return None
-    if heads * (d + 2) > STAGES * _keys_per_stage(ngl) * 2 * 32 * 4:  # a warp's state in its ring part
-        return None
     return ngl
 
 

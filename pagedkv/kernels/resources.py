@@ -145,7 +145,7 @@ def decode_facts(variant: DecodeVariant, layout: str = "NHD", arch: str = "sm_90
     cubin = compile_cubin(variant, layout, arch)
     name = variant.name(layout)
     use = resource_usage(cubin)[name]
-    loop = main_loop(function_sass(cubin, name), f"DEPBAR.LE SB0, {hex(decode_plans.STAGES - 1)}")
+    loop = main_loop(function_sass(cubin, name), "DEPBAR.LE SB0")  # cp.async.wait_group
     ops = Counter(_opcode(op) for op in loop)
 
     def count(pred) -> int:
