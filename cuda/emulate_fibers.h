@@ -344,11 +344,15 @@ inline void run_cta(void (*body)(void*), void* arg) {
         gone += c.fibers[w * 32 + l].state == DONE;
       }
       if (waiting && waiting + gone == lanes) {
-        if (gone) fail("warp %u: %u lanes exited while the others wait at a warp exchange", w, gone);
+        if (gone) {  // the exchange can never complete: abandon the CTA
+          fail("warp %u: %u lanes exited while the others wait at a warp exchange", w, gone);
+          break;
+        }
         resolve_warp(c, w, lanes);
         resolved = true;
       }
     }
+    if (failed) break;
     if (!resolved && barrier && barrier + done == n) {
       for (auto& f : c.fibers)
         if (f.state == AT_BARRIER) f.state = READY;
