@@ -83,30 +83,33 @@ def decode_reference(case: Case, **opts):
     res = torch.zeros(nq, hq, d, dtype=torch.float64)
     tol = torch.zeros(nq, hq, 1, dtype=torch.float64)
     rot = 2 * (math.log2(d) + 1) if case.signs is not None else 0.0
-    base = 0
+    base, qp = 0, case.q_indptr.tolist()
     for b, n in enumerate(case.seq_lens.tolist()):
         k = k_all[base:base + n].repeat_interleave(group, 1).transpose(0, 1)  # [hq, n, d]
         v = v_all[base:base + n].repeat_interleave(group, 1).transpose(0, 1)
         base += n
-        qh = q[b:b + 1].transpose(0, 1)  # [hq, 1, d]
+        m = qp[b + 1] - qp[b]
+        if m == 0:
+            continue
+        qh = q[qp[b]:qp[b + 1]].transpose(0, 1)  # [hq, m, d]
         s = qh @ k.transpose(1, 2) * sm
         if cap is not None:
             s = cap * torch.tanh(s / cap)
-        p = n - 1
+        p = torch.arange(n - m, n)[:, None]
         j = torch.arange(n)[None, :]
         seen = j <= p
         if window is not None:
             seen &= (j > p - window) | (j < sink)
         s = s.masked_fill(~seen, float("-inf"))
-        res[b] = (s.softmax(-1) @ v)[:, 0]
+        res[qp[b]:qp[b + 1]] = (s.softmax(-1) @ v).transpose(0, 1)
         mag = k.norm(dim=-1)[:, None, :]
         if affine:
             mag = mag + 3 * math.sqrt(d) * k.abs().amax(-1)[:, None, :]
-        qk = qh.norm(dim=-1)[:, :, None] * mag * abs(sm)
+        qk = qh.norm(dim=-1)[:, :, None] * mag * abs(sm)  # [hq, m, n]
         delta = ((d + 8 + rot) * U * qk.masked_fill(~seen, 0)).amax(-1) + (8 * U * cap if cap else 0.0)
-        vmax = v.abs().amax(dim=(1, 2))[:, None] * (3 if affine else 1)
-        keys = seen.sum(-1)[None, :].double()
-        tol[b] = ((torch.expm1(2 * delta) + (keys + 32) * U) * vmax)[:, 0, None]
+        vmax = v.abs().amax(dim=(1, 2))[:, None] * (3 if affine else 1)  # [hq, 1]
+        keys = seen.sum(-1)[None, :].double()  # [1, m]
+        tol[qp[b]:qp[b + 1]] = ((torch.expm1(2 * delta) + (keys + 32) * U) * vmax).transpose(0, 1)[:, :, None]
     return res, tol
 
 
@@ -156,6 +159,19 @@ def test_windows_sinks_soft_cap_and_splits():
                  dict(soft_cap=5.0, sm_scale=0.7), dict(window=40, sink_tokens=3, soft_cap=2.0, num_splits=4),
                  dict(num_splits=1), dict(num_splits=7), dict(num_splits=300)):
         check_both(case, **opts)
+
+
+def test_several_queries_of_one_sequence_and_strided_queries():
+    """One query per sequence on average is enough: each query token is its own work item,
+    causal at its own position; q may be a strided view (a slice of a fused qkv)."""
+    case = Case(torch.float32, "NHD", 64, 16, 2, 3, [40, 9, 70], [2, 0, 1], seed=12)
+    assert plan(case)[0].kernel.startswith("pkv_decode_")
+    check_both(case)
+    wide = torch.randn(case.q.shape[0], case.q.shape[1], 3 * 64)
+    wide[:, :, 64:128] = case.q
+    case.q = wide[:, :, 64:128]
+    assert not case.q.is_contiguous()
+    check_both(case)
 
 
 def test_more_block_table_entries_than_a_cta_stages_at_once():

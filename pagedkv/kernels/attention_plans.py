@@ -21,7 +21,12 @@ sequence (estimated from the table sizes, so nothing is read from the device).
 
 Index values that live on a GPU are not read (that would sync): the kernel reads a
 bad entry as zeros and skips a query tile it cannot place. Index tensors on the CPU
-are checked like the public op checks them.
+are checked like the public op checks them (and copied first, so the checks and the
+kernel see the same values; a GPU's are neither read nor copied).
+
+One query per sequence goes to the decode kernel (cuda/decode_attention.cu,
+:mod:`pagedkv.kernels.decode_plans`) wherever it covers the call; this module's tiled
+kernel serves the rest (``kernel=`` picks one explicitly).
 """
 from __future__ import annotations
 

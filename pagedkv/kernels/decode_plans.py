@@ -22,6 +22,7 @@ tables can hold) is the one that wastes the least of the last wave.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -67,16 +68,19 @@ class DecodeVariant(NamedTuple):
         return 12 if self.kv_type == "int3" else self.lane_elems * BITS[self.kv_type] // 8
 
     def defines(self, layout: str) -> tuple[tuple[str, str], ...]:
-        from pagedkv.kernels.attention_plans import _KV_MACROS
-
-        lo = layout.lower()
-        return (("PKV_DEC_F", _KV_MACROS[self.kv_type]), ("PKV_DEC_D", str(self.head_dim)),
-                ("PKV_DEC_G", str(self.heads)), ("PKV_DEC_NGL", str(self.lane_groups)),
-                ("PKV_DEC_LAYOUT", "PKV_NHD" if lo == "nhd" else "PKV_HND"),
-                ("PKV_DEC_NAME", self.name(layout)))
+        return _defines(self, layout.lower())
 
     def name(self, layout: str) -> str:
         return sources.decode_name(layout.lower(), self.kv_type, self.head_dim, self.heads, self.lane_groups)
+
+
+@functools.lru_cache(maxsize=256)
+def _defines(variant: DecodeVariant, lo: str) -> tuple[tuple[str, str], ...]:
+    from pagedkv.kernels.attention_plans import _KV_MACROS
+
+    return (("PKV_DEC_F", _KV_MACROS[variant.kv_type]), ("PKV_DEC_D", str(variant.head_dim)),
+            ("PKV_DEC_G", str(variant.heads)), ("PKV_DEC_NGL", str(variant.lane_groups)),
+            ("PKV_DEC_LAYOUT", "PKV_NHD" if lo == "nhd" else "PKV_HND"), ("PKV_DEC_NAME", variant.name(lo)))
 
 
 def lane_elems(kv_type: str, heads: int) -> int:
@@ -108,6 +112,7 @@ def _fits(kv_type: str, d: int, heads: int, g_len: int) -> int | None:
     return ngl
 
 
+@functools.lru_cache(maxsize=1024)
 def decode_variant(kv_type: str, head_dim: int, group: int, groups: int = 1) -> DecodeVariant | None:
     """The variant that serves a GQA ``group`` at ``head_dim`` (``groups`` scale groups a
     row), or None when the decode kernel does not cover it."""
@@ -122,6 +127,7 @@ def decode_variant(kv_type: str, head_dim: int, group: int, groups: int = 1) -> 
     return None
 
 
+@functools.lru_cache(maxsize=1024)
 def auto_splits(works: int, max_keys: int, num_sms: int) -> int:
     """Splits per work item: the count in [1, max_keys / SPLIT_MIN_KEYS] whose CTAs fill the
     last of their waves best (``num_sms * CTAS_PER_SM`` CTAs a wave), the fewest on a tie."""

@@ -166,13 +166,16 @@ def decode_facts(variant: DecodeVariant, layout: str = "NHD", arch: str = "sm_90
 #: the variants the resource check compiles (tests/test_decode_resources.py): every format at
 #: head_dim 128 with one and four heads a CTA, the extremes of head_dim and heads, the lane
 #: scale-group counts of int4/int3, and the HND layout
-CHECKED_VARIANTS: tuple[tuple[DecodeVariant, str], ...] = tuple(dict.fromkeys(
-    [(decode_plans.decode_variant(f, 128, g, 128 // 32 if f in ("int4", "int3") else 1), "NHD")  # type: ignore[misc]
-     for f in decode_plans.BITS for g in (1, 4)]
-    + [(decode_plans.decode_variant("f16", 64, 8), "NHD"), (decode_plans.decode_variant("bf16", 256, 2), "NHD"),
-       (decode_plans.decode_variant("int4", 128, 1, 8), "NHD"), (decode_plans.decode_variant("int4", 64, 1, 8), "NHD"),
-       (decode_plans.decode_variant("int3", 128, 2, 8), "NHD"), (decode_plans.decode_variant("e4m3", 128, 3), "HND"),
-       (decode_plans.decode_variant("int8", 64, 3), "HND")]))
+def _checked() -> tuple[tuple[DecodeVariant, str], ...]:
+    v = decode_plans.decode_variant
+    picks = [(v(f, 128, g, 4 if f in ("int4", "int3") else 1), "NHD") for f in decode_plans.BITS for g in (1, 4)]
+    picks += [(v("f16", 64, 8), "NHD"), (v("bf16", 256, 2), "NHD"), (v("int4", 128, 1, 16), "NHD"),
+              (v("int4", 64, 1, 8), "NHD"), (v("int3", 128, 2, 8), "NHD"), (v("e4m3", 128, 3), "HND"),
+              (v("int8", 64, 3), "HND")]
+    return tuple(dict.fromkeys((x, lo) for x, lo in picks if x is not None))
+
+
+CHECKED_VARIANTS: tuple[tuple[DecodeVariant, str], ...] = _checked()
 
 
 def main(argv=None) -> int:
