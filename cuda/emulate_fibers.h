@@ -106,6 +106,9 @@ struct Fiber {
   pkv_emu_dim3 tid{0, 0, 0};
   std::vector<Copy> open;                 // cp.async issued since the last commit
   std::vector<std::vector<Copy>> groups;  // committed, oldest first
+#if PKV_EMU_ASAN
+  void* fake = nullptr;  // AddressSanitizer's fake stack while switched out
+#endif
 };
 
 struct Cta {
@@ -119,8 +122,8 @@ struct Cta {
   unsigned char* stacks = nullptr;
   std::size_t stack_bytes = 0, stacks_len = 0;
 #if PKV_EMU_ASAN
-  void* fake = nullptr;
-  const void* sched_bottom = nullptr;
+  void* sched_fake = nullptr;
+  const void* sched_bottom = nullptr;  // the scheduler's stack, learnt by the first fiber
   std::size_t sched_size = 0;
 #endif
 };
@@ -143,12 +146,12 @@ inline void yield_fiber() {
 #if PKV_EMU_ASM_SWITCH
   switch_to(&f.sp, cta->sched_sp);
 #else
-#if PKV_EMU_ASAN
-  __sanitizer_start_switch_fiber(&cta->fake, cta->sched_bottom, cta->sched_size);
+#if PKV_EMU_ASAN  // a finished fiber leaves for good: its fake stack can go
+  __sanitizer_start_switch_fiber(f.state == DONE ? nullptr : &f.fake, cta->sched_bottom, cta->sched_size);
 #endif
   swapcontext(&f.ctx, &cta->sched_ctx);
 #if PKV_EMU_ASAN
-  __sanitizer_finish_switch_fiber(cta->fake, nullptr, nullptr);
+  __sanitizer_finish_switch_fiber(cta->fibers[cta->current].fake, nullptr, nullptr);
 #endif
 #endif
   threadIdx = f.tid;
@@ -175,7 +178,12 @@ inline void fiber_main() {
   __builtin_unreachable();
 }
 #else
-inline void fiber_entry_uc() { fiber_main(); }
+inline void fiber_entry_uc() {
+#if PKV_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &cta->sched_bottom, &cta->sched_size);
+#endif
+  fiber_main();
+}
 #endif
 
 // ---- what the kernels call (warp.cuh maps the CUDA names here) ----------------------
@@ -265,11 +273,11 @@ inline void run_fiber(Cta& c, unsigned i) {
   switch_to(&c.sched_sp, f.sp);
 #else
 #if PKV_EMU_ASAN
-  __sanitizer_start_switch_fiber(&c.fake, c.stacks + (std::size_t)i * c.stack_bytes, c.stack_bytes);
+  __sanitizer_start_switch_fiber(&c.sched_fake, c.stacks + (std::size_t)i * c.stack_bytes, c.stack_bytes);
 #endif
   swapcontext(&c.sched_ctx, &f.ctx);
 #if PKV_EMU_ASAN
-  __sanitizer_finish_switch_fiber(c.fake, &c.sched_bottom, &c.sched_size);
+  __sanitizer_finish_switch_fiber(c.sched_fake, nullptr, nullptr);
 #endif
 #endif
 }
