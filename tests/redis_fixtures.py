@@ -146,6 +146,7 @@ def fresh_redis(redis_server):
     c.flushall()
     c.config_set("maxmemory", 0)
     c.config_set("maxmemory-policy", "noeviction")
+    c.config_set("maxmemory-samples", 5)
     return redis_server
 
 
