@@ -10,7 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.config.remote import RemoteTierConfig
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 
 __all__ = ["ConnectorConfig", "STORAGE_FORMATS"]
 
@@ -36,6 +37,11 @@ class ConnectorConfig:
         lock_timeout_s: how long to wait for another engine's hold on the disk tier
             before counting a miss (or skipping a write).
         rotation_seed: the fp8 format's Hadamard sign seed (part of the format).
+        remote: a remote tier shared by engines on many hosts (a Redis server or a
+            Redis Cluster; :mod:`pagedkv.tiers.remote`): its URL or a mapping of
+            :class:`~pagedkv.config.remote.RemoteTierConfig`'s fields. Lookups that the
+            host and disk tiers cannot serve ask it (each block verified: tokens, chain
+            link, format, checksum); committed blocks go to it in the background.
         weak_hash: tests only: a 4-valued tier hash, so collisions happen constantly.
     """
 
@@ -49,6 +55,7 @@ class ConnectorConfig:
     lock_timeout_s: float = 5.0
     rotation_seed: int = 0x5EED
     weak_hash: bool = False
+    remote: str | dict | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -89,10 +96,20 @@ class ConnectorConfig:
             bad("lock_timeout_s", "a number >= 0")
         if not isinstance(self.weak_hash, bool):
             bad("weak_hash", "a bool")
+        if self.remote is not None and not isinstance(self.remote, (str, dict)):
+            bad("remote", "a URL (str), a mapping of RemoteTierConfig fields, or None")
+        try:
+            self.remote_config
+        except (InvalidArgumentError, ArgumentTypeError) as e:
+            raise type(e)(f"kv_connector_extra_config['remote']: {e}") from None
 
     @property
     def disk_path(self) -> str | None:
         return None if self.disk_dir is None else os.path.abspath(os.path.expanduser(self.disk_dir))
+
+    @property
+    def remote_config(self) -> RemoteTierConfig | None:
+        return RemoteTierConfig.of(self.remote)
 
     @property
     def staging_blocks(self) -> int:

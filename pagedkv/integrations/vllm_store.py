@@ -24,6 +24,12 @@ numbers and vLLM block ids (the step's metadata one way, the worker's report the
   from the tier's journal and re-checks just those slots
   (:meth:`~pagedkv.tiers.disk.DiskPrefixTier.relock`): a turn costs what changed, not
   the directory.
+- **A remote tier** (``remote``: a Redis server or Cluster that engines on several
+  hosts share, :mod:`pagedkv.tiers.remote`): what the host and disk tiers cannot
+  serve is asked of it; each fetched block is checked (format, key, tokens, chain
+  link, checksum) before it is promoted into a host slot like a disk hit. Committed
+  blocks are copied out at once and sent by its background writer; blocks fetched
+  from it are not sent back.
 - **Misses without a turn:** between turns the tier's in-memory index is a *view*.
   While no engine changed the tier since (the journal did not move), a lookup the view
   answers with no longer chain than the host's, and a write-down of blocks the view
@@ -51,6 +57,9 @@ from pagedkv.integrations.vllm_worker import KVSpec
 from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ChainIndex, slot_dtype
+from pagedkv.tiers.payload import Blocks
+from pagedkv.tiers.remote import RemotePrefixTier
+from pagedkv.tiers.verify import ChainQuery
 
 __all__ = ["PrefixStore", "KVSpec", "get_store", "lookup_store", "store_of_arena", "replace_store", "drop_store"]
 
@@ -138,6 +147,14 @@ class PrefixStore:
                                         dict(self.format, **spec.as_dict()))
         self.host = SharedHostTier(self.arena, self.bs, eviction=cfg.eviction, weak_hash=cfg.weak_hash,
                                    on_evict=self._host_evicting)
+        self.remote: RemotePrefixTier | None = None
+        remote = cfg.remote_config
+        if remote is not None:
+            try:
+                self.remote = RemotePrefixTier(remote, self.template, self.bs, self.format)
+            except BaseException:
+                self.arena.close()
+                raise
         with _stores_lock:
             _by_arena[self.arena.name] = self
         self.lock = threading.RLock()
@@ -238,59 +255,101 @@ class PrefixStore:
 
     def lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> list[int]:
         """Host slots of the longest verified prefix of ``tokens`` (at most ``max_blocks``),
-        promoting disk hits into the host tier. The caller leases what it will load."""
+        promoting disk and remote hits into the host tier. The caller leases what it will load."""
         with self.lock:
             chain = self._host_chain(tokens, ns_key, max_blocks)
-            if len(chain) >= max_blocks or self.cfg.disk_path is None or self.disk_refused:
-                return chain
-            view = self._fresh_view()
-            if view is not None:
-                ns, h = self._ns(view, ns_key, False)
-                if ns is None or len(view.index.lookup(tokens, ns, h, max_blocks)) <= len(chain):
-                    return chain                   # the disk holds no longer prefix: no need to open it
-            with self.disk() as d:
-                if d is None:
-                    return chain
-                ns, h = self._ns(d, ns_key, False)
-                if ns is None:
-                    return chain
-                dchain = d.index.lookup(tokens, ns, h, max_blocks)
-                if len(dchain) <= len(chain):
-                    return chain
-                hns, hh = self._ns(self.host, ns_key, True)
-                self.host.index.lease(chain)               # the promotion must not evict our own prefix
-                d.index.lease(dchain)                      # nor a host eviction's write-down the disk's
-                try:
-                    for i in range(len(chain), len(dchain)):
-                        s = dchain[i]
-                        if not d.verify(s):
-                            self.num_disk_corrupt += 1
-                            log.warning("pagedkv connector: disk slot %d failed its CRC-32; dropped (a miss)", s)
-                            d.index.release(dchain[i:])
-                            dchain = dchain[:i]
-                            d.drop(s)
-                            break
-                        parent = chain[-1] if chain else ROOT
-                        slot, created = self.host.index.insert(parent, hns, hh, tokens[i * self.bs:(i + 1) * self.bs])
-                        if slot < 0:
-                            break
-                        if created:
-                            try:
-                                d.read([s], self.host.arenas, [slot])
-                            except BaseException:
-                                self.host.index.release([slot])
-                                self.host.index.remove(slot)
-                                raise
-                            self.host.written(np.asarray([slot]))
-                            self.host.index.release([slot])
-                        d.index.touch(s, hit=True)
-                        self.num_disk_hit_tokens += self.bs
-                        self.host.index.lease([slot])
-                        chain.append(slot)
-                finally:
-                    self.host.index.release(chain)
-                    d.index.release(dchain)
+            if len(chain) < max_blocks and self.cfg.disk_path is not None and not self.disk_refused:
+                chain = self._disk_lookup(tokens, ns_key, max_blocks, chain)
+            if len(chain) < max_blocks and self.remote is not None:
+                chain = self._remote_lookup(self.remote, tokens, ns_key, max_blocks, chain)
             return chain
+
+    def _disk_lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int, chain: list[int]) -> list[int]:
+        """``chain`` (host slots) extended by the disk tier's verified blocks."""
+        view = self._fresh_view()
+        if view is not None:
+            ns, h = self._ns(view, ns_key, False)
+            if ns is None or len(view.index.lookup(tokens, ns, h, max_blocks)) <= len(chain):
+                return chain                   # the disk holds no longer prefix: no need to open it
+        with self.disk() as d:
+            if d is None:
+                return chain
+            ns, h = self._ns(d, ns_key, False)
+            if ns is None:
+                return chain
+            dchain = d.index.lookup(tokens, ns, h, max_blocks)
+            if len(dchain) <= len(chain):
+                return chain
+            hns, hh = self._ns(self.host, ns_key, True)
+            self.host.index.lease(chain)               # the promotion must not evict our own prefix
+            d.index.lease(dchain)                      # nor a host eviction's write-down the disk's
+            try:
+                for i in range(len(chain), len(dchain)):
+                    s = dchain[i]
+                    if not d.verify(s):
+                        self.num_disk_corrupt += 1
+                        log.warning("pagedkv connector: disk slot %d failed its CRC-32; dropped (a miss)", s)
+                        d.index.release(dchain[i:])
+                        dchain = dchain[:i]
+                        d.drop(s)
+                        break
+                    parent = chain[-1] if chain else ROOT
+                    slot, created = self.host.index.insert(parent, hns, hh, tokens[i * self.bs:(i + 1) * self.bs])
+                    if slot < 0:
+                        break
+                    if created:
+                        try:
+                            d.read([s], self.host.arenas, [slot])
+                        except BaseException:
+                            self.host.index.release([slot])
+                            self.host.index.remove(slot)
+                            raise
+                        self.host.written(np.asarray([slot]))
+                        self.host.index.release([slot])
+                    d.index.touch(s, hit=True)
+                    self.num_disk_hit_tokens += self.bs
+                    self.host.index.lease([slot])
+                    chain.append(slot)
+            finally:
+                self.host.index.release(chain)
+                d.index.release(dchain)
+        return chain
+
+    def _remote_lookup(self, remote: RemotePrefixTier, tokens: np.ndarray, ns_key: bytes, max_blocks: int,
+                       chain: list[int]) -> list[int]:
+        """``chain`` (host slots) extended by the remote tier's verified blocks."""
+        got = remote.lookup(ChainQuery(tokens, ns_key, self.bs), len(chain), max_blocks)
+        if not got:
+            return chain
+        hns, hh = self._ns(self.host, ns_key, True)
+        dst = Blocks(self.host.arenas, None, None)
+        self.host.index.lease(chain)                       # the promotion must not evict our own prefix
+        remote.lease(got)
+        try:
+            for d in got:
+                i = len(chain)
+                if not remote.verify(d):                   # left the landing buffer: a miss from here
+                    break
+                slot, created = self.host.index.insert(chain[-1] if chain else ROOT, hns, hh,
+                                                       tokens[i * self.bs:(i + 1) * self.bs])
+                if slot < 0:
+                    break
+                if created:
+                    try:
+                        remote.load([d], dst, [slot])
+                    except BaseException:
+                        self.host.index.release([slot])
+                        self.host.index.remove(slot)
+                        raise
+                    self.host.written(np.asarray([slot]))
+                    self.host.index.release([slot])
+                remote.num_hit_tokens += self.bs
+                self.host.index.lease([slot])
+                chain.append(slot)
+        finally:
+            self.host.index.release(chain)
+            remote.release(got)
+        return chain
 
     def lease(self, slots: Sequence[int]) -> None:
         with self.lock:
@@ -334,6 +393,32 @@ class PrefixStore:
             self.host.index.release(landed)
             if self.cfg.disk_path is not None and self.cfg.disk_write == "through":
                 self.to_disk(landed)
+            if self.remote is not None:
+                self.to_remote(landed)
+
+    def to_remote(self, slots: Sequence[int]) -> None:
+        """Queue these committed host slots' chains for the remote tier (copied out now,
+        sent by its writer; blocks it already holds, or that came from it, are skipped)."""
+        remote, host = self.remote, self.host
+        if remote is None:
+            return
+        with self.lock:
+            parents = {int(host.index.rec["parent"][s]) for s in slots}
+            src = Blocks(host.arenas, None, None)
+            for s in slots:
+                if s in parents:
+                    continue                               # a child's chain carries it
+                chain = host.index.chain(s)
+                # the chain up to the first block whose data has not landed or that is
+                # filed under another namespace (a query has one)
+                ns = int(host.index.rec["ns"][chain[0]])
+                n = 0
+                while n < len(chain) and chain[n] not in self.pending and int(host.index.rec["ns"][chain[n]]) == ns:
+                    n += 1
+                if not n:
+                    continue
+                tokens = np.concatenate([np.asarray(host.index.rec["tokens"][a]) for a in chain[:n]])
+                remote.batched_put(ChainQuery(tokens, host.ns_keys[ns], self.bs), 0, src, chain[:n])
 
     def loaded(self, slots: Sequence[int], ok: bool) -> None:
         """The worker copied (``ok``) or failed to copy these leased slots: release them."""
@@ -418,6 +503,8 @@ class PrefixStore:
             out.append(TierStats(medium="disk", capacity=self.cfg.disk_blocks, used_blocks=used, pinned_blocks=0,
                                  hit_tokens=self.num_disk_hit_tokens, written_blocks=self.num_disk_written,
                                  eviction_count=0, corrupt_blocks=self.num_disk_corrupt))
+        if self.remote is not None:
+            out.append(self.remote.stats())
         return out
 
     def clear(self, disk: bool = False) -> None:
@@ -428,6 +515,8 @@ class PrefixStore:
                 return
             self.host.index.clear()
             self.pending.clear()
+            if self.remote is not None:
+                self.remote.clear()                        # what this engine knows; the server's keys stay
             if disk:
                 with self.disk() as d:
                     if d is not None:
@@ -440,5 +529,7 @@ class PrefixStore:
             if self._tier is not None:
                 self._tier.close()
                 self._tier = None
+            if self.remote is not None:
+                self.remote.close()
         self.arena.close()
 
