@@ -215,6 +215,50 @@ def test_a_restarted_journal_makes_the_other_process_check_everything(tmp_path):
             t.close()
 
 
+def test_a_hostile_journal_costs_checks_never_wrong_kv(tmp_path, monkeypatch):
+    """Whatever another process (or a damaged disk) leaves in the journal names at most
+    slots to re-check: out-of-range ids, a torn entry, a garbage header, a shortened or
+    a huge journal cost a re-check or a full check, and the hits stay exact."""
+    journal = tmp_path / "journal.bin"
+    with make(num_blocks=16) as cache:
+        a, b = two_tiers(tmp_path, cache)
+        put(a, cache, prompt(100), "a")
+        assert found(b, prompt(100), cache) == 3
+        checks = b.num_full_checks
+        with open(journal, "ab") as f:                                    # ids no slot has, and a torn entry
+            f.write(np.array([10**12, -7, 2**63 - 1, 64, -(2**63)], dtype="<i8").tobytes() + b"\x01\x02\x03")
+        assert found(b, prompt(100), cache) == 3 and b.num_full_checks == checks
+        slot = 1
+        with open(journal, "ab") as f:                                    # a live slot named again (after the torn bytes)
+            f.write(np.array([slot] * 3, dtype="<i8").tobytes())
+        assert found(b, prompt(100), cache) == 3
+        for damage in ("shortened", "header", "huge"):
+            if damage == "header":
+                with open(journal, "r+b") as f:
+                    f.write(b"\xff" * 16)
+            elif damage == "shortened":
+                os.truncate(journal, 20)
+            else:                                                         # 16 M entries naming slot 0 (sparse)
+                os.truncate(journal, os.path.getsize(journal) + (128 << 20))
+                reads = []
+                pread = os.pread
+                monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(n) or pread(fd, n, off))
+            assert found(b, prompt(100), cache) == 3, damage
+            assert b.num_full_checks == checks + 1, damage
+            checks = b.num_full_checks
+        assert max(reads) < 1 << 20                                       # the huge journal was not read
+        monkeypatch.undo()
+        assert found(a, prompt(100), cache) == 3                          # the writer copes as well
+        put(a, cache, prompt(500), "b")                                   # and restarts the journal it outgrew
+        assert found(b, prompt(500), cache) == 3 and b.num_full_checks == checks + 1
+        put(a, cache, prompt(900), "c")                                   # from there on, turns cost changes again
+        assert found(b, prompt(900), cache) == 3 and b.num_full_checks == checks + 1
+        for t in (a, b):
+            assert t.relock(1.0)
+            t.check_invariants()
+            t.close()
+
+
 def test_growth_by_one_process_is_mapped_by_the_other_at_its_turn(tmp_path, monkeypatch):
     monkeypatch.setattr(disk_module, "INITIAL_BYTES", 2 * (512 + slot_dtype(BS).itemsize))
     with make(num_blocks=16) as cache:
@@ -246,7 +290,7 @@ def test_a_locked_turn_waits_then_gives_up(tmp_path):
 @pytest.mark.parametrize("n", [1000, 20000])
 def test_a_turn_after_a_small_change_does_not_scale_with_the_directory(tmp_path, n):
     """Behaviour, not speed: the turn re-checks the changed slots only (num_refreshed),
-    at any directory size (the figures are in benchmarks/tiers.py)."""
+    at any directory size (the figures are in benchmarks/shared_tiers.py)."""
     with make(num_blocks=16) as cache:
         a, b = two_tiers(tmp_path, cache, limit=n + 64)
         assert a.relock(1.0)

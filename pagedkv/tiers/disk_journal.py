@@ -9,8 +9,10 @@ slot index (write-ahead): a slot id, :data:`NAMESPACES` (``namespaces.json`` gre
 A reader remembers ``(epoch, offset)``. Taking the lock again it reads the entries
 past its offset and re-checks just those slots. Another epoch (the journal was
 restarted: it grew past its bound, or the tier was cleared), a journal shorter than
-the offset, or a header it cannot read means "anything may have changed": a full
-check, as at a first open. A torn last entry (a writer killed mid-append) is ignored;
+the offset, far more new entries than writers let it hold, or a header it cannot read
+means "anything may have changed": a full check, as at a first open. Entries are
+never trusted beyond naming slots to re-check: an id out of range is ignored, and a
+named slot is checked like a first open checks it. A torn last entry (a writer killed mid-append) is ignored;
 its slot's record was not changed yet (write-ahead), or it is the valid-byte-last
 seal of :mod:`pagedkv.tiers.disk`, which a reader's checks cover.
 """
@@ -109,6 +111,9 @@ class Journal:
         n = (size - self.offset) // 8
         if n == 0:
             return np.empty(0, dtype=np.int64)
+        if n > 2 * self.max_entries:       # past what writers let it reach (a damaged or hostile file):
+            self.offset = self._aligned(size)      # a full check costs less than reading it
+            return None
         raw = os.pread(self.fd, n * 8, self.offset)
         self.offset += len(raw) - len(raw) % 8
         return np.frombuffer(raw[:len(raw) - len(raw) % 8], dtype="<i8").astype(np.int64)
