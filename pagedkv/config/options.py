@@ -16,8 +16,8 @@ from typing import Any
 
 from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
+from pagedkv.format import dtypes
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
-from pagedkv.store import dtypes
 
 __all__ = [
     "CacheConfig",
@@ -217,7 +217,7 @@ class CacheConfig:
     - ``kv_key_quant``: int4 only: ``"token"`` (default: keys quantized per token, as
       values) or ``"block"``: once a block's ``block_size`` keys are all written, they
       are requantized per channel over the block (KIVI's per-channel keys, aligned to
-      blocks; :func:`pagedkv.store.quant.quantize_key_block`), from the model-precision
+      blocks; :func:`pagedkv.format.quant.quantize_key_block`), from the model-precision
       copies the window arena holds. A block that never fills, or whose copies left the
       window arena first (more than ``kv_window_sequences`` sequences writing at once),
       keeps its per-token keys. The window arena exists even with ``kv_window=0``.

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.format import op_checks as checks
+from pagedkv.format.quant import MODEL_DTYPES
 from pagedkv.kernels import sources
 from pagedkv.kernels.plans import (
     _MODEL_NAMES,
@@ -47,8 +49,6 @@ from pagedkv.kernels.plans import (
     _ptr,
     _rot_dims,
 )
-from pagedkv.store import op_checks as checks
-from pagedkv.store.quant import MODEL_DTYPES
 
 __all__ = ["ATTN_FLOATS", "ATTN_MAX_TILE", "ATTN_MAX_ROWS", "ATTN_THREADS", "DEFAULT_SMS", "Tiling",
            "tiling", "auto_splits", "plan_paged_attention"]

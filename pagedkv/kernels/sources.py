@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = [
     "KernelSource",

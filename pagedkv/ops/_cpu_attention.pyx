@@ -108,7 +108,7 @@ cdef extern from "quant_rows.h" nogil:
 
 def hadamard_rows(uintptr_t y_ptr, int64_t rows, int64_t head_dim, uintptr_t signs_ptr, bint inverse):
     """In place over ``rows`` contiguous float32 rows of ``head_dim``: rotate (``inverse``
-    False) or unrotate them, bit for bit as pagedkv.store.rotation defines it (the same row
+    False) or unrotate them, bit for bit as pagedkv.format.rotation defines it (the same row
     function the quantized writes and gathers use). The caller checks the sizes."""
     cdef float* y = <float*>y_ptr
     cdef const float* signs = <const float*>signs_ptr

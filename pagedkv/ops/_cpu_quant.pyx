@@ -4,7 +4,7 @@
 """Quantizing write and dequantizing gather of the fast CPU ops, on raw tensor pointers.
 
 The row arithmetic is ``quant_rows.h`` and, for int4 block keys, ``key_rows.h`` (gather)
-and ``key_seal.h`` (``seal_key_blocks``) (pagedkv/store/quant.py's, bit for bit). As in :mod:`pagedkv.ops._cpu_copy`, the Python side
+and ``key_seal.h`` (``seal_key_blocks``) (pagedkv/format/quant.py's, bit for bit). As in :mod:`pagedkv.ops._cpu_copy`, the Python side
 (:mod:`pagedkv.ops.cpu`) has checked every shape, dtype, device and contiguity, and
 hands over addresses, byte strides and counts; slot values are checked here, from a
 private snapshot, before the first byte moves. Block tables arrive already snapshotted and validated (``validate_csr`` /
@@ -17,7 +17,7 @@ byte ``r * row_bytes`` of the data and at element ``r * groups`` of the scale/ze
 (float32; bfloat16 for int3: the row functions read them as such).
 
 An int4 gather may pass ``key_scale_ptr``/``key_zero_ptr``: the bfloat16
-``[num_blocks, H, head_dim]`` per-channel parameters of block keys (pagedkv/store/quant.py).
+``[num_blocks, H, head_dim]`` per-channel parameters of block keys (pagedkv/format/quant.py).
 A K row whose (block, head) has a nonzero first key scale is dequantized from them
 (never unrotated); every other row as above.
 
@@ -375,7 +375,7 @@ def seal_key_blocks(
     int64_t num_heads,
     int64_t head_dim,
 ):
-    """Requantize whole blocks' keys per channel (pagedkv.store.quant.quantize_key_block) into
+    """Requantize whole blocks' keys per channel (pagedkv.format.quant.quantize_key_block) into
     their K planes of an int4 layer and their rows of the contiguous bfloat16
     ``[num_blocks, num_heads, head_dim]`` key scale and zero views.
 

@@ -48,8 +48,8 @@ from pagedkv.errors import (
     ShapeError,
     expected,
 )
-from pagedkv.store import op_checks
-from pagedkv.store.quant import MODEL_DTYPES
+from pagedkv.format import op_checks
+from pagedkv.format.quant import MODEL_DTYPES
 
 __all__ = ["ExactRows", "AttentionPlan", "check_attention", "paged_attention", "index_array"]
 

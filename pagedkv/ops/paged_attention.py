@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import DeviceError, KernelUnavailableError, expected
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops import backends
 from pagedkv.ops.attention_reference import ExactRows, attend_reference, check_attention
-from pagedkv.store.layer_format import LayerFormat
 
 try:
     from pagedkv.ops import _cpu_attention as _ca
@@ -91,7 +91,7 @@ def paged_attention(
         out: optional contiguous output shaped and typed as ``q``.
         exact_rows: model-precision rows read instead of the arena's
             (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window).
-        layer_format: the layer's :class:`~pagedkv.store.layer_format.LayerFormat` (the
+        layer_format: the layer's :class:`~pagedkv.format.layer_format.LayerFormat` (the
             store passes its own); the tensors are verified against it. None: the format
             the tensors imply (the group size read off ``kv_scale``'s trailing dim).
         backend: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"reference"``.
@@ -126,4 +126,4 @@ def paged_attention(
     from pagedkv.ops import attention_cpu
 
     return attention_cpu.attend(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero,
-                                rotation_signs, out)
+                                rotation_signs, out, SPLIT_TOKENS)

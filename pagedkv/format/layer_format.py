@@ -19,7 +19,7 @@ from functools import cached_property
 from typing import Any
 
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS"]
 
@@ -34,13 +34,13 @@ class LayerFormat:
     """The stored format of a layer.
 
     Attributes:
-        kv_dtype: canonical dtype name (:mod:`pagedkv.store.dtypes`): a model dtype
+        kv_dtype: canonical dtype name (:mod:`pagedkv.format.dtypes`): a model dtype
             (``"float16"``: stored as is) or a storage format (``"int4"``).
         group_size: elements of ``head_dim`` per scale/zero group for the grouped
             formats (int4, int3); None for every other format.
         key_quant: ``"token"``, or ``"block"`` (int4 only): full blocks' keys are
             requantized per channel (:mod:`pagedkv.store.block_keys`).
-        rotation: rows are stored rotated (:mod:`pagedkv.store.rotation`; quantized only).
+        rotation: rows are stored rotated (:mod:`pagedkv.format.rotation`; quantized only).
     """
 
     kv_dtype: str
