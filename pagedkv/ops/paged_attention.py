@@ -10,8 +10,9 @@ defined by :mod:`pagedkv.ops.attention_reference` (float64); the backends:
   sequence's keys are cut into splits of at most :data:`SPLIT_TOKENS` tokens
   (flash-decoding) whose partial results are merged exactly (log-sum-exp), and the
   (sequence, KV head, split) items run in one OpenMP loop (serially below a size
-  threshold). The split points do not depend on the thread count, so the result is
-  the same on one thread as on many;
+  threshold; threads as :func:`pagedkv.set_num_threads` says). The split points follow
+  the thread setting, not the cores idle at the time, so a call's result does not
+  change with the machine's load;
 - ``"reference"``: the float64 definition;
 - ``"cuda"``: the ``paged_attention`` function of the CUDA backend module
   (:data:`pagedkv.ops.backends.MODULES`), with this function's signature less
