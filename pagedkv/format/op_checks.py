@@ -135,7 +135,9 @@ def check_layer(
     """Validate a per-layer view (and its scale/zero views when quantized).
 
     ``layer_format``: the layer's format; the tensors are verified against it. None (the
-    compatibility path): the format the tensors imply (:meth:`LayerFormat.infer`)."""
+    compatibility path): the format the tensors imply, read off them here and nowhere else
+    (the data dtype; for the packed formats that share uint8 the scale's dtype, bfloat16
+    for int3; the group size from the scale view's trailing dim)."""
     layout = check_layout(layout)
     fmt = check_format(layer_format)
     kv_layer = check_tensor(name, kv_layer)

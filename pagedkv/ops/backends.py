@@ -7,7 +7,8 @@ A backend is any object (in practice a module) with the six data ops of
 reads or writes a layer's K/V takes ``layer_format``
 (:class:`~pagedkv.format.layer_format.LayerFormat`): the store passes the format it
 built, and the backend verifies the tensors against it instead of reading the format
-off them (None: the compatibility path, :meth:`LayerFormat.infer`). The backends:
+off them (None: the compatibility path, the format the tensors imply,
+:func:`pagedkv.format.op_checks.check_layer`). The backends:
 
 - ``"reference"``: :mod:`pagedkv.ops.reference`, plain torch on any device;
 - ``"cpu"``: :mod:`pagedkv.ops.cpu`, the Cython loops for CPU tensors;
