@@ -78,16 +78,23 @@ def paged_attention(
 
     Args:
         q: the queries, in the model dtype (the arena's dtype when it is not quantized).
-        kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero, rotation_signs: one
-            layer's arena and its parameters, exactly as :func:`pagedkv.ops.gather_kv` takes them.
-        indptr, indices, seq_lens: the CSR page table (int32 tensors on the arena's
-            device, or NumPy integer arrays).
+        kv_layer: one layer's arena, exactly as :func:`pagedkv.ops.gather_kv` takes it.
+        indptr: the CSR page table's offsets (an int32 tensor on the arena's device, or a
+            NumPy integer array), as :func:`pagedkv.ops.gather_kv` takes them.
+        indices: the CSR page table's block ids (likewise).
+        seq_lens: each sequence's length in tokens (likewise).
         q_indptr: ``[batch + 1]``: sequence ``b``'s queries are
             ``q[q_indptr[b]:q_indptr[b+1]]``, its last tokens (causal within the chunk).
         sm_scale: logit scale (default ``1 / sqrt(head_dim)``).
         soft_cap: optional logit soft-cap ``cap * tanh(logits / cap)``.
-        window, sink_tokens: a query at position ``p`` sees keys ``> p - window`` and the
-            first ``sink_tokens`` positions (``window=None``: all earlier keys).
+        layout: ``"NHD"`` or ``"HND"``, the arena's layout.
+        kv_scale: the quantized arena's scale view (as :func:`pagedkv.ops.gather_kv`).
+        kv_zero: its zero-point view (int8, int4, int3).
+        key_scale: the per-channel key scales of int4 block keys.
+        key_zero: their zero points.
+        rotation_signs: the signs of a rotated arena (float32 ``[head_dim]``).
+        window: a query at position ``p`` sees keys ``> p - window`` (None: all earlier keys)...
+        sink_tokens: ... and the first ``sink_tokens`` positions.
         num_splits: CPU: splits per sequence (default: one per :data:`SPLIT_TOKENS` keys).
         out: optional contiguous output shaped and typed as ``q``.
         exact_rows: model-precision rows read instead of the arena's
