@@ -116,8 +116,8 @@ def check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     """Every check of paged attention that all backends make (see the module).
 
     ``snapshot_on_cpu``: the tables are snapshot to the CPU and their values checked (the
-    CPU and reference backends); else they are snapshot on their device and their values
-    checked only where that is the CPU (a kernel does not sync to read a GPU's)."""
+    CPU and reference backends); else (the kernels) CPU tables are snapshot and checked
+    there, and a GPU's are neither read (that would sync) nor copied."""
     geo = op_checks.check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=layer_format)
     device = kv_layer.device
     explicit = layer_format is not None
@@ -156,8 +156,10 @@ def check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     if snapshot_on_cpu:
         indptr, indices = indptr.cpu().clone(), indices.cpu().clone()
         seq_lens, q_indptr = seq_lens.cpu().clone(), q_indptr.cpu().clone()
-    else:
-        indptr, indices, seq_lens, q_indptr = (t.contiguous().clone() for t in (indptr, indices, seq_lens, q_indptr))
+    else:   # a GPU's values are not read here, so they are not copied either (no clone on the launch path)
+        copy = device.type == "cpu"
+        indptr, indices, seq_lens, q_indptr = (t.contiguous().clone() if copy else t.contiguous()
+                                               for t in (indptr, indices, seq_lens, q_indptr))
     if indptr.device.type == "cpu":
         check_table_values(indptr, indices, seq_lens, q_indptr, geo, q.shape[0])
     if out is not None:
