@@ -64,8 +64,7 @@ SPLIT_MIN_KEYS = 256  # auto splits: no split gets fewer keys of the average seq
 MAX_SPLITS = 64
 PREFILL_ROWS = 16    # prefill: query rows per CTA to aim for
 #: the K/V storage name of an entry point -> its format macro in paged_attention.cu
-_KV_MACROS = {"f32": "PKV_F_F32", "f16": "PKV_F_F16", "bf16": "PKV_F_BF16", "e4m3": "PKV_Q_E4M3",
-              "e5m2": "PKV_Q_E5M2", "int8": "PKV_Q_INT8", "int4": "PKV_Q_INT4", "int3": "PKV_Q_INT3"}
+_KV_MACROS = sources.KV_MACROS
 
 
 class Tiling(tuple):
