@@ -1,17 +1,16 @@
 """Block keys (``kv_key_quant="block"``): full blocks' keys requantized per channel,
-through the store and the manager, against the reference definition in pagedkv.store.quant."""
+through the store and the manager, against the reference definition in pagedkv.format.quant."""
 import numpy as np
 import pytest
 import torch
+from test_lowbit_store import BS, D, H, L, config, expected_quantized, fill, kv_data
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.errors import InvalidArgumentError
-from pagedkv.store.format import kv_format
 from pagedkv.config.planner import plan
-from pagedkv.store.quant import dequantize_key_channels, quantize_key_block
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.format.fingerprint import kv_format
+from pagedkv.format.quant import dequantize_key_channels, quantize_key_block
 from pagedkv.store.kvstore import KVStore
-
-from test_lowbit_store import BS, D, H, L, config, expected_quantized, fill, kv_data
 
 
 def block_config(**kw):

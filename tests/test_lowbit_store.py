@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError
 from pagedkv.config.planner import plan
-from pagedkv.store.quant import dequantize, quantize
-from pagedkv.store.rotation import rotate, rotation_signs, unrotate
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError
+from pagedkv.format.quant import dequantize, quantize
+from pagedkv.format.rotation import rotate, rotation_signs, unrotate
 from pagedkv.store.kvstore import KVStore
 
 L, H, D, BS = 3, 2, 32, 4
@@ -103,7 +103,7 @@ def test_plan_reports_int3_bytes():
 
 
 def test_kv_format_tells_int3_from_int4():
-    from pagedkv.store.format import kv_format
+    from pagedkv.format.fingerprint import kv_format
 
     f3, f4 = (kv_format(KVStore(config(kv_dtype=q, kv_window=0))) for q in ("int3", "int4"))
     assert f3["cache_dtype"] == "int3" and f4["cache_dtype"] == "int4" and f3 != f4

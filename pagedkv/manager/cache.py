@@ -52,11 +52,11 @@ from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv.config.options import CacheConfig, format_bytes
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
+from pagedkv.events import KVEvent
 from pagedkv.manager.absent import NoHost, NoTiers, OwedCopies, StoreCopies
 from pagedkv.manager.arguments import as_token_ids
 from pagedkv.manager.coordinator import coordinator
 from pagedkv.manager.data import DataPath
-from pagedkv.manager.events import KVEvent
 from pagedkv.manager.lifecycle import CallerLock, Lifecycle
 from pagedkv.manager.moves import Moves
 from pagedkv.manager.namespaces import NamespaceRegistry, namespace_key  # noqa: F401 (imported from here)
@@ -512,7 +512,7 @@ class PagedKVCache:
         ``rotated=True`` (a cache with ``kv_rotation``): K/V in the rotated domain, as
         stored, without the per-row unrotation, which costs more than the dequantization.
         The rotation is orthonormal, so an attention that rotates its queries
-        (``pagedkv.store.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
+        (``pagedkv.format.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
         its output is unrotated once per query (``unrotate(out, signs)``) instead of once
         per cached token."""
         return self._data.gather_pages(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
@@ -530,7 +530,7 @@ class PagedKVCache:
     @property
     def rotation_signs(self):
         """The float32 ``[head_dim]`` signs of the cache's rotation (a copy), or None
-        without ``kv_rotation``: what :func:`pagedkv.store.rotation.rotate` takes."""
+        without ``kv_rotation``: what :func:`pagedkv.format.rotation.rotate` takes."""
         return self._data.rotation_signs()
 
     def copy_blocks(self, pairs) -> None:

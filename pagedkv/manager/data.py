@@ -152,7 +152,7 @@ class DataPath:
         if self.store is not None and self.store.rotation_signs is not None:   # a kv_rotation store has them
             return self.store.rotation_signs.clone()
 
-        from pagedkv.store.rotation import rotation_signs
+        from pagedkv.format.rotation import rotation_signs
 
         return rotation_signs(self.config.head_dim, self.config.kv_rotation_seed)
 

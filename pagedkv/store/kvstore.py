@@ -8,7 +8,7 @@ The store moves bytes; which block goes where is the caller's decision.
 
 Low-bit options (see :class:`~pagedkv.config.options.CacheConfig`): layers named in
 ``kv_full_precision_layers`` live in a second, model-dtype arena; a rotated cache
-stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.store.rotation`) and unrotates on read,
+stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.format.rotation`) and unrotates on read,
 both inside the data ops (``rotation_signs``, fused into the CPU loops and kernels); a
 cache with ``kv_window`` also keeps each sequence's newest tokens in model precision
 (:mod:`pagedkv.store.window`).
@@ -27,10 +27,10 @@ from pagedkv import ops
 from pagedkv.config.memory import arena_bytes, check_device, check_fits
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.store import dtypes, op_checks
+from pagedkv.format import dtypes, op_checks
+from pagedkv.format.layer_format import LayerFormat
+from pagedkv.format.rotation import rotate, rotation_signs
 from pagedkv.store.block_keys import BlockKeys
-from pagedkv.store.layer_format import LayerFormat
-from pagedkv.store.rotation import rotate, rotation_signs
 from pagedkv.store.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
@@ -74,7 +74,7 @@ class KVStore:
             bfloat16), or None.
         kv_full: model-dtype arena of ``kv_full_precision_layers``, or None.
         window: the :class:`~pagedkv.store.window.RecentWindow`, or None.
-        format, full_format: the :class:`~pagedkv.store.layer_format.LayerFormat` of the
+        format, full_format: the :class:`~pagedkv.format.layer_format.LayerFormat` of the
             main arena's layers (``kv_dtype``; the model dtype when not quantized) and of
             the model-precision layers (``kv_full_precision_layers``).
         rotation_signs: float32 ``[head_dim]`` signs of the rotation, or None.
@@ -243,7 +243,7 @@ class KVStore:
 
     def layer_key_params(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer block-key ``(scale, zero)`` views ``[NB, H, D]`` (bfloat16; see
-        :func:`pagedkv.store.quant.quantize_key_block`), or ``(None, None)``."""
+        :func:`pagedkv.format.quant.quantize_key_block`), or ``(None, None)``."""
         main, i = self._where[self._layer_index(layer)]
         if not main or self.key_scale is None:
             return None, None

@@ -88,7 +88,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = [
     "FP8_E4M3_MAX",

@@ -24,7 +24,7 @@ import torch
 
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = ["layer_sensitivity", "choose_full_precision_layers"]
 
