@@ -55,6 +55,10 @@ class CacheStats:
     group_hit_limits: tuple = ()   # layer groups: admissions whose prefix hit each group limited
     groups: tuple = ()             # layer groups: GroupStats per group (the totals above add them up)
     window_bytes: int = 0          # the window arena (model-precision rows), allocated up front
+    # sequence reads (once per pass) that found a sink or recent-window row no longer held
+    # exact and read it quantized: with more live sequences than kv_window_sequences, or a
+    # prefix hit whose blocks lost their window copies (pagedkv.store.window)
+    window_fallbacks: int = 0
 
     @property
     def is_full(self) -> bool:

@@ -314,7 +314,7 @@ class KVStore:
         if self.window is not None and self.window.sink:
             self.window.pin(blocks, held_only=held_only)
 
-    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
+    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False, sink=None):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
         inside the data op), overlay the window, fill outputs.
 
@@ -340,7 +340,7 @@ class KVStore:
         op_checks.check_out(out_key, out_value, total, geo, model, view.device)
         k, v = read(model, signs, None, None)
         if main and window is not None:     # main: the early return above left only a window to overlay
-            window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated)
+            window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated, sink)
         elif to_rotated is not None:        # a model-precision layer read in the rotated domain
             k, v = to_rotated(k).to(model), to_rotated(v).to(model)
         if out_key is not None:
@@ -360,10 +360,12 @@ class KVStore:
         out_value: torch.Tensor | None = None,
         pending: np.ndarray | None = None,
         rotated: bool = False,
+        sink: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables).
 
-        ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`."""
+        ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`; ``sink``:
+        see :meth:`RecentWindow.overlay`."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
@@ -378,7 +380,7 @@ class KVStore:
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
 
-        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending, rotated)
+        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending, rotated, sink)
 
     def gather_padded(
         self,
