@@ -102,6 +102,7 @@ class KVStore:
         # arenas against them instead of reading the format off the tensors.
         self.format = LayerFormat.of_config(config)
         self.full_format = LayerFormat.of_config(config, quantized=False)
+        self._check_layers()      # before anything is built per layer slot
         # With layer groups the "layers" here are a block's layer slots (pagedkv.groups.layers).
         full = config.full_precision_slots
         quant = config.quantized_slots if config.quantized else tuple(range(config.arena_layers))
@@ -166,6 +167,23 @@ class KVStore:
         """Size-check entries (see :mod:`pagedkv.config.memory`) of the arenas for ``num_blocks``."""
         return [(option, value, arena_bytes(option, value, spec[0], spec[1].itemsize))
                 for spec in self._arena_specs(num_blocks) if spec is not None]
+
+    def _check_layers(self) -> None:
+        """The size a layer count implies, checked from the count alone (no per-layer
+        structure is built first: ``num_layers=10**9`` is an OutOfMemoryError, not a
+        billion-entry tuple): every layer slot of every block holds at least its K and V
+        rows in the smallest format (int3, 3 bits an element), and each slot costs the
+        host about 256 bytes of bookkeeping. :meth:`_check_sizes` then sizes exactly."""
+        cfg = self.config
+        slots = cfg.arena_layers
+        rows = arena_bytes("num_layers", cfg.num_layers, (slots, cfg.resolved_num_blocks, 2 * cfg.block_size,
+                                                          cfg.kv_heads_per_rank), max(1, cfg.head_dim * 3 // 8))
+        host = [("num_layers", cfg.num_layers, arena_bytes("num_layers", cfg.num_layers, (slots,), 256))]
+        if self.device.type == "cpu":
+            check_fits(self.device, [("num_layers", cfg.num_layers, rows)] + host)
+        else:
+            check_fits(self.device, [("num_layers", cfg.num_layers, rows)])
+            check_fits("cpu", host)
 
     def _check_sizes(self) -> None:
         """Every arena this store allocates, sized and compared with its device's free
