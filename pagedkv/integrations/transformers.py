@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -301,7 +301,8 @@ class PagedCache(Cache):
         if self._owned:  # they would be orphaned: nothing would free them
             raise InvalidArgumentError(expected("select", "a PagedCache without admitted rows (call release() first)",
                                                 f"{len(self._owned)} admitted rows"))
-        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):   # "ab" is not two ids
+        # "ab" is not two ids, and a set or a dict has no row order
+        if isinstance(seq_ids, (str, bytes, Mapping, set, frozenset)) or not hasattr(seq_ids, "__iter__"):
             raise ArgumentTypeError(expected("seq_ids", "a sequence of sequence ids", type(seq_ids).__name__))
         seq_ids = list(seq_ids)
         if not seq_ids:

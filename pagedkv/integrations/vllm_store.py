@@ -48,11 +48,12 @@ import numpy as np
 import torch
 
 from pagedkv.config.memory import arena_bytes, check_fits
-from pagedkv.errors import TierFileError
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, TierFileError, expected
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.integrations.vllm_shm import SharedArena
 from pagedkv.integrations.vllm_worker import KVSpec
+from pagedkv.manager.arguments import as_int, as_token_ids
 from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ChainIndex, slot_dtype
@@ -110,6 +111,18 @@ def drop_store(key: str) -> None:
         store = _stores.pop(key, None)
     if store is not None:
         store.close()
+
+
+def _checked(tokens, ns_key, length: int | None = None) -> tuple[np.ndarray, bytes]:
+    """A request's token ids (int32, flat; ``length`` of them for one block) and its
+    namespace key (bytes), or a typed error: what vLLM hands the scheduler side is
+    checked before it reaches the tier index."""
+    tokens = as_token_ids(tokens, "tokens")
+    if length is not None and tokens.shape != (length,):
+        raise InvalidArgumentError(expected("tokens", f"{length} token ids (one block)", tokens.shape[0]))
+    if not isinstance(ns_key, bytes):
+        raise ArgumentTypeError(expected("ns_key", "bytes", type(ns_key).__name__))
+    return tokens, ns_key
 
 
 class SharedHostTier(HostPrefixTier):
@@ -287,6 +300,8 @@ class PrefixStore:
     def lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> list[int]:
         """Host slots of the longest verified prefix of ``tokens`` (at most ``max_blocks``),
         promoting disk hits into the host tier. The caller leases what it will load."""
+        tokens, ns_key = _checked(tokens, ns_key)
+        max_blocks = as_int(max_blocks, "max_blocks")
         with self.lock:
             chain = self._host_chain(tokens, ns_key, max_blocks)
             if len(chain) >= max_blocks or self.cfg.disk_path is None or self.disk_refused:
@@ -354,6 +369,10 @@ class PrefixStore:
     def admit(self, parent: int, tokens: np.ndarray, ns_key: bytes) -> tuple[int, bool]:
         """``(slot, created)`` for one full block under host ``parent``; a created slot is
         pending until :meth:`save` fills it. ``(-1, False)``: not admitted (collision or full)."""
+        tokens, ns_key = _checked(tokens, ns_key, self.bs)
+        parent = as_int(parent, "parent", ROOT, self.host.capacity - 1)
+        if parent != ROOT and self.host.index.rec["valid"][parent] != 1:
+            raise InvalidArgumentError(expected("parent", "the root (-1) or a host slot that holds a block", parent))
         with self.lock:
             ns, h = self._ns(self.host, ns_key, True)
             slot, created = self.host.index.insert(parent, ns, h, tokens)
@@ -516,6 +535,7 @@ class PrefixStore:
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool = True) -> int:
         """(Un)pin the host blocks of this prefix (pinned slots are never evicted);
         returns the tokens covered."""
+        tokens, ns_key = _checked(tokens, ns_key)
         with self.lock:
             chain = self._host_chain(tokens, ns_key, len(tokens) // self.bs)
             for s in chain:

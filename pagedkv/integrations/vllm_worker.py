@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pagedkv.errors import ArgumentTypeError, InternalError, InvalidArgumentError, PagedKVError, TierFileError, expected
@@ -98,10 +99,10 @@ def _pairs(pairs: Sequence[tuple[int, int]], src: tuple[str, int], dst: tuple[st
         if isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or len(p) != 2:
             raise ArgumentTypeError(expected("pairs", want, repr(p)[:80]))
         for v in p:
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
                 raise ArgumentTypeError(expected("pairs", want, f"a {type(v).__name__} in {p!r}"[:120]))
-        a.append(p[0])
-        b.append(p[1])
+        a.append(int(p[0]))
+        b.append(int(p[1]))
     for name, n, vals in ((src[0], src[1], a), (dst[0], dst[1], b)):
         bad = [v for v in vals if not 0 <= v < n]
         if bad:
