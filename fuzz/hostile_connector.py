@@ -19,10 +19,10 @@ import hashlib
 import json
 import os
 import secrets
-from typing import Any, Callable, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-
 from hostile_surfaces import _deep, judge, scratch
 
 BS, H, D, L, N = 4, 2, 8, 2, 6
@@ -37,6 +37,7 @@ def store():
     global _STORE
     if _STORE is None:
         import torch
+
         from pagedkv.integrations.vllm_config import ConnectorConfig
         from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
         from pagedkv.integrations.vllm_worker import BlockMover
@@ -62,7 +63,7 @@ def store():
 PROMPT = np.arange(500, 500 + 2 * BS + 1, dtype=np.int32)
 
 
-def store_state(s) -> Tuple:
+def store_state(s) -> tuple:
     h = hashlib.sha256()
     for t in s.arena.tensors + s.kv:
         h.update(t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
@@ -389,7 +390,7 @@ def config_cases(smoke: bool):
     return out
 
 
-def surface_cases(smoke: bool) -> List[Tuple[str, str, Callable[[], str]]]:
+def surface_cases(smoke: bool) -> list[tuple[str, str, Callable[[], str]]]:
     cases = shm_cases(smoke)
     plants = SWEEP_PLANTS[:3] if smoke else SWEEP_PLANTS
     cases += [("connector", f"connector: engine-start sweep with {label}", lambda p=plant: sweep_case(p))

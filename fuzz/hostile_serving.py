@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-
 from hostile_surfaces import PROMPT, cli_case, dir_state, fill, fresh_dir, judge, kv_right, tier_config
 
 L, H, D, BS = 4, 2, 8, 4
@@ -31,6 +31,7 @@ def cache():
     """The child's cache: two sequences written (13 and 6 tokens), both committed."""
     if "kv" not in _CACHES:
         import torch
+
         from pagedkv import CacheConfig, PagedKVCache
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -48,7 +49,7 @@ def cache():
     return _CACHES["kv"]
 
 
-def observe(kv) -> Tuple:
+def observe(kv) -> tuple:
     import hashlib
 
     import torch
@@ -340,6 +341,13 @@ def tier_case(call: Callable[[Any], Any], accept=None) -> str:
     return judge(lambda: call(kv), state=state, accept=accept)
 
 
+def _same_as_prompt(name: str):
+    def accept(r):
+        want = getattr(tiered()[0], name)(PROMPT) if name != "unpin_prefix" else 0
+        return "accepted" if np.array_equal(np.asarray(r), np.asarray(want)) else "wrong-kv"
+    return accept
+
+
 def tier_cases(smoke: bool):
     """The prefix tiers through the calls that reach them: lookups, pins, events, stats."""
     cases = []
@@ -351,13 +359,11 @@ def tier_cases(smoke: bool):
             ("np >i4", np.array(PROMPT, ">i4"))]
     for label, t in toks[:3] if smoke else toks:
         for name in ("match_prefix", "pin_prefix", "unpin_prefix", "match_prefix_groups"):
-            ok = None
-            if label == "np >i4":       # converted, not misread: the same answer as for PROMPT
-                ok = (lambda r, n=name: "accepted" if np.array_equal(np.asarray(r), np.asarray(
-                    getattr(tiered()[0], n)(PROMPT) if n != "unpin_prefix" else 0)) else "wrong-kv")
             if label == "np >i4" and name == "pin_prefix":
-                continue           # a pin changes the tiers' state: its own control below
-            add(f"{name}({label})", lambda kv, n=name, t=t: getattr(kv, n)(t), ok)
+                continue           # a pin changes the tiers' state
+            # big-endian ids are converted, not misread: the same answer as for PROMPT
+            add(f"{name}({label})", lambda kv, n=name, t=t: getattr(kv, n)(t),
+                _same_as_prompt(name) if label == "np >i4" else None)
     if not smoke:
         for label, salt in [("an int", 5), ("a list", ["x"]), ("bytes", b"x")]:
             add(f"pin_prefix(cache_salt={label})", lambda kv, s=salt: kv.pin_prefix(PROMPT, cache_salt=s))
@@ -376,7 +382,7 @@ def tier_cases(smoke: bool):
     return cases
 
 
-def surface_cases(smoke: bool) -> List[Tuple[str, str, Callable[[], str]]]:
+def surface_cases(smoke: bool) -> list[tuple[str, str, Callable[[], str]]]:
     return (attention_cases(smoke) + gather_cases(smoke) + select_cases(smoke) + table_cases(smoke)
             + tier_cases(smoke) + cli_cases(smoke))
 

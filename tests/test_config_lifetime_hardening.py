@@ -37,7 +37,7 @@ def test_a_huge_layer_count_is_a_typed_out_of_memory_error(layers, kv_dtype):
     p = subprocess.run([sys.executable, "-c", HUGE, str(layers), kv_dtype], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-1500:]
-    assert p.stdout.startswith(f"typed: num_layers: expected arenas that fit") and f"got {layers} (" in p.stdout
+    assert p.stdout.startswith("typed: num_layers: expected arenas that fit") and f"got {layers} (" in p.stdout
 
 
 def test_a_config_json_with_a_6000_digit_number_is_typed(tmp_path):

@@ -18,7 +18,7 @@ import torch
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, PagedKVError, TierFileError
 from pagedkv.integrations import vllm_shm
 from pagedkv.integrations.vllm_config import ConnectorConfig
-from pagedkv.integrations.vllm_shm import HEADER, MAGIC, SharedArena, shm_dir, sweep_stale
+from pagedkv.integrations.vllm_shm import HEADER, MAGIC, SharedArena, shm_dir
 from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
 from pagedkv.integrations.vllm_worker import BlockMover
 

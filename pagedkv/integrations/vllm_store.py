@@ -429,7 +429,9 @@ class PrefixStore:
     def _settle(self, slot: int) -> None:
         self.pending.discard(slot)
         step = self._pending_step.pop(slot, None)
-        rec = self._sent.get(step) if step is not None else None
+        if step is None:
+            return
+        rec = self._sent.get(step)
         if rec is not None and slot in rec[1]:
             rec[1].remove(slot)
             self._drop_settled(step)
