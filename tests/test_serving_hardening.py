@@ -269,3 +269,15 @@ def test_the_cuda_kernel_source_emulated_gives_nan_too(bad, splits):
     keep = torch.ones(2, 4, dtype=torch.bool)
     keep[1, 1] = False
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_as_many_sequences_as_kv_window_sequences_keep_their_rows_when_each_pass_starts_or_decodes():
+    # exactly kv_window_sequences=4 sequences: first prefills then decode steps, in turn
+    steps = PREFILL + DECODE
+    shared, fallbacks = run(range(4), steps, kv_window=4, kv_window_sequences=4)
+    assert fallbacks == 0
+    for s in (0, 3):
+        alone, _ = run([s], steps, kv_window=4, kv_window_sequences=4)
+        for layer in range(L):
+            assert torch.equal(shared[s][layer][0][0], alone[s][layer][0][0])
+            assert torch.equal(shared[s][layer][1], alone[s][layer][1])

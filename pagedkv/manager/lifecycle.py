@@ -233,11 +233,18 @@ class Lifecycle:
         (a decode step: its newest ``kv_window + 1`` tokens), what the arena holds."""
         bs = self.block_size
         blocks = slots // bs
-        keep = slots >= 0
         window = self.sink_store.window
         if type(reserved) is int and reserved <= self.recent_tokens:   # decode: every block is warm
-            window.mark(blocks[keep], WARM)
+            # (a reservation's slots are >= 0; one assignment: the lock adds nothing here;
+            # a decode step runs these few array operations, nothing per sequence)
+            window.cold[blocks] = WARM
+            # a one-token commit marks nothing (see left_window): the block whose last row
+            # left the newest kv_window with the previous token goes cold here, found by
+            # each sequence's first reserved slot (position = slot mod block_size), rarely
+            if np.count_nonzero(slots[..., ::reserved] % bs == self.recent_tokens % bs):
+                self._mark_previous(keys, internal, reserved)
             return
+        keep = slots >= 0
         lens = np.atleast_1d(self.first.seq_lens(keys, False, internal=internal)).astype(np.int64)
         counts = np.broadcast_to(np.asarray(reserved, dtype=np.int64), lens.shape)
         total = int(counts.sum())
@@ -250,12 +257,21 @@ class Lifecycle:
         before = lens - counts
         lo, hi = self._recent_from(before), np.minimum(self._recent_from(lens), -(-before // bs))
         self._mark_blocks(keys, internal, lo, hi, SOON)
+        self._mark_blocks(keys, internal, self._recent_from(before - 1), self._recent_from(before), COLD)
+
+    def _mark_previous(self, keys, internal: bool, reserved: int) -> None:
+        """Cold: the block each sequence's token before this reservation pushed out of its
+        newest ``kv_window`` (a one-token commit leaves that to the next reservation)."""
+        before = np.atleast_1d(self.first.seq_lens(keys, False, internal=internal)).astype(np.int64) - reserved
+        self._mark_blocks(keys, internal, self._recent_from(before - 1), self._recent_from(before), COLD)
 
     def left_window(self, keys, internal: bool, committed) -> None:
         """After a commit: the blocks whose rows all left their sequence's newest
         ``kv_window`` committed tokens (and hold no sink token) become cold, so their
         window slots are the first to go and the sequences that still read theirs keep
         them (least-recently-written alone would take a paused sequence's window first)."""
+        if type(committed) is int and committed == 1:   # a decode step: its next reservation marks it
+            return
         lens = np.atleast_1d(self.first.seq_lens(keys, True, internal=internal)).astype(np.int64)
         before = lens - np.asarray(committed, dtype=np.int64)
         self._mark_blocks(keys, internal, self._recent_from(before), self._recent_from(lens), COLD)

@@ -21,13 +21,17 @@ last ``window`` tokens. A pin that outlives its sequence (the block freed and re
 elsewhere) only occupies a slot until it is the oldest: rows are valid only once
 written since the slot was claimed, so no read ever gets another block's rows.
 
-Claims follow what a sequence will read exactly: the manager marks a reservation's blocks
-that lie wholly between the sinks and the newest ``window`` tokens as *cold*
-(:meth:`RecentWindow.mark`), and a write claims no slot for a cold block (a prefill of
-thousands of tokens claims its last blocks, not every block, so it displaces no other
-sequence's window). So up to ``kv_window_sequences`` sequences keep their sink and
-recent rows exact, and a read that finds one of them gone (more sequences than that, a
-prefix hit whose block lost its slot) counts a fallback (:attr:`RecentWindow.fallbacks`).
+Claims follow what a sequence will read exactly: the manager marks blocks warm, soon
+cold or cold (:meth:`RecentWindow.mark`; ``pagedkv.manager.lifecycle``): a reservation's
+fresh blocks that lie wholly between the sinks and the newest ``window`` tokens are cold,
+and so are blocks that left their sequence's window; a write gives a cold block only a
+spare slot (a prefill of thousands of tokens claims its last blocks, not every block,
+so it displaces no other sequence's window), and a claim takes free, then cold, then
+soon-cold slots before the least recently written warm one. So up to ``kv_window_sequences`` sequences keep their sink and
+recent rows exact (a pass that extends a sequence by several tokens reads its previous
+window while it writes its next: it counts twice until it commits), and a read that
+finds one of them gone (past that count, or a prefix hit whose block lost its slot)
+counts a fallback (:attr:`RecentWindow.fallbacks`).
 
 Threads: the slot map is shared by every sequence, so a write of one sequence's block
 can take the slot another sequence's block is read from, and two claims at once can
@@ -311,10 +315,14 @@ class RecentWindow:
         if not len(ok):
             return
         blocks = slots[ok] // self.block_size
+        # warm blocks, and the partly written block a pass completes (its earlier rows:
+        # this pass's reads, the block keys' seal), claim and refresh slots; cold ones
+        # take spare slots only
         cold = self.cold[blocks] == COLD
-        if not cold.all():
-            self._claim(_distinct_by_last(blocks[~cold]))
-        if cold.any():
+        n_cold = np.count_nonzero(cold)
+        if n_cold < len(blocks):
+            self._claim(_distinct_by_last(blocks[~cold] if n_cold else blocks))
+        if n_cold:
             self._spare(_distinct_by_last(blocks[cold]))
         wslot = self.slot_of[blocks]
         held = wslot >= 0
