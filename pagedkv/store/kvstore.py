@@ -60,6 +60,10 @@ def _window_option(cfg: CacheConfig):
     return "kv_sink_tokens", sink
 
 
+#: past this many layer slots the layer count alone is checked first (no model has so many)
+_MANY_LAYERS = 1 << 16
+
+
 class KVStore:
     """Device arenas (and an optional host tier) for one :class:`CacheConfig`.
 
@@ -176,6 +180,8 @@ class KVStore:
         host about 256 bytes of bookkeeping. :meth:`_check_sizes` then sizes exactly."""
         cfg = self.config
         slots = cfg.arena_layers
+        if slots <= _MANY_LAYERS:      # a real model's count: the exact check below names the option
+            return
         rows = arena_bytes("num_layers", cfg.num_layers, (slots, cfg.resolved_num_blocks, 2 * cfg.block_size,
                                                           cfg.kv_heads_per_rank), max(1, cfg.head_dim * 3 // 8))
         host = [("num_layers", cfg.num_layers, arena_bytes("num_layers", cfg.num_layers, (slots,), 256))]
