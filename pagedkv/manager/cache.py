@@ -41,7 +41,6 @@ and a part the cache was configured without is a stand-in with the same interfac
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -65,7 +64,7 @@ from pagedkv.manager.pool_view import PoolView
 from pagedkv.manager.prefix import Prefixes
 from pagedkv.manager.queries import Queries
 from pagedkv.manager.seq_ids import SequenceIds
-from pagedkv.manager.stats import CacheStats
+from pagedkv.manager.stats import CacheStats, with_window_figures
 
 if TYPE_CHECKING:
     from pagedkv.groups.tables import AttentionTables
@@ -559,9 +558,7 @@ class PagedKVCache:
         """A snapshot of the cache's counters (:class:`pagedkv.CacheStats`): blocks free /
         in use / cached, live and swapped sequences, prefix hits per medium, evictions.
         ``stats().describe()`` renders it as text."""
-        s = self._queries.stats()
-        w = self.store.window if self.store is not None else None
-        return s if w is None else dataclasses.replace(s, window_fallbacks=w.fallbacks)
+        return with_window_figures(self._queries.stats(), self.store)
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""

@@ -1,13 +1,13 @@
 """Cache statistics and the block map (seeds 001 and 002)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from pagedkv.config.options import format_bytes
 
-__all__ = ["CacheStats", "GroupStats", "render_block_map"]
+__all__ = ["CacheStats", "GroupStats", "render_block_map", "with_window_figures"]
 
 
 @dataclass(frozen=True)
@@ -162,3 +162,9 @@ def render_block_map(pool, width: int = 64) -> str:
                 chars[b] = ord("p")
     text = chars.tobytes().decode()
     return "\n".join(text[i:i + width] for i in range(0, len(text), width))
+
+
+def with_window_figures(stats: CacheStats, store) -> CacheStats:
+    """``stats`` with the window arena's own counters (the KV store's, when it has one)."""
+    window = getattr(store, "window", None)
+    return stats if window is None else replace(stats, window_fallbacks=window.fallbacks)
