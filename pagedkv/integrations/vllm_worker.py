@@ -108,7 +108,7 @@ def _pairs(pairs: Sequence[tuple[int, int]], src: tuple[str, int], dst: tuple[st
         if bad:
             raise InvalidArgumentError(expected(f"pairs: {name}", f"ids in [0, {n})", bad[0]))
     if len(set(b)) != len(b):
-        raise InvalidArgumentError(expected(f"pairs: {dst[0]}", "each destination once", sorted(b)))
+        raise InvalidArgumentError(expected(f"pairs: {dst[0]}", "each destination once", sorted(b)[:16]))
     return torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64)
 
 
