@@ -196,7 +196,9 @@ class CacheConfig:
     Low-bit options (quantized ``kv_dtype`` only; see README "Low-bit KV"):
 
     - ``kv_group_size``: int4/int3 elements per scale/zero group along ``head_dim``
-      (int4: default 64, capped at ``head_dim``; int3: a multiple of 8, default 32 or
+      (int4: default the largest divisor of ``head_dim`` up to 64 that is a multiple of
+      8, or even where ``head_dim`` is no multiple of 8: 64 for 128, 24 for 72, 40 for
+      80, 48 for 96, 56 for 112, ``head_dim`` itself up to 64; int3: a multiple of 8, default 32 or
       the largest multiple of 8 below it that divides ``head_dim``, which int3 needs to
       be a multiple of 8).
     - ``kv_rotation``: store K/V rotated by a randomized Hadamard transform of
@@ -453,7 +455,7 @@ class CacheConfig:
             if self.head_dim % 2:
                 raise InvalidArgumentError(expected("head_dim", "an even head_dim for int4 (two codes per byte)",
                                                     self.head_dim))
-            g = min(DEFAULT_INT4_GROUP, self.head_dim) if self.kv_group_size is None else self.kv_group_size
+            g = dtypes.default_int4_group(self.head_dim) if self.kv_group_size is None else self.kv_group_size
             g = _check_int("kv_group_size", g, 1)
             if self.head_dim % g:
                 raise InvalidArgumentError(expected("kv_group_size", f"a divisor of head_dim ({self.head_dim})", g))
@@ -841,6 +843,9 @@ def _as_mapping(config: Any) -> Mapping[str, Any]:
         except RecursionError:   # the decoder's own depth guard: nesting no config has
             raise InvalidArgumentError(expected("config", "a JSON object nested as a model config is",
                                                 f"{path!r} (nested too deep to decode)")) from None
+        except ValueError as e:  # Python's int-conversion limit: a number of thousands of digits
+            raise InvalidArgumentError(expected("config", "a JSON object with numbers a model config has",
+                                                f"{path!r} ({str(e)[:80]})")) from None
         if not isinstance(data, dict):
             raise InvalidArgumentError(expected("config", "a JSON object", f"{type(data).__name__} in {path!r}"))
         return data
@@ -862,12 +867,18 @@ def _layer_windows(windows: Any, num_layers: int) -> tuple[Any, ...]:
                 sorted(int(k) for k in keys) != list(range(num_layers)):
             raise InvalidArgumentError(expected("layer_windows", f"{want[:-1]}: a dict keyed by every layer "
                                                 f"0..{num_layers - 1})", f"a dict keyed by {show(sorted(keys, key=str))}"))
-        return tuple(windows[k] for k in sorted(keys))
-    if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence):
-        raise ArgumentTypeError(expected("layer_windows", want, show(windows)))
-    if len(windows) != num_layers:
-        raise InvalidArgumentError(expected("layer_windows", want, show(windows)))
-    return tuple(windows)
+        out = tuple(windows[k] for k in sorted(keys))
+    else:
+        if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence):
+            raise ArgumentTypeError(expected("layer_windows", want, show(windows)))
+        if len(windows) != num_layers:
+            raise InvalidArgumentError(expected("layer_windows", want, show(windows)))
+        out = tuple(windows)
+    for i, w in enumerate(out):      # a wrong type is a TypeError, as for every int option
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise ArgumentTypeError(expected("layer_windows", "ints >= 0 (0 = full attention)",
+                                             f"{show(w)} at layer {i}"))
+    return out
 
 
 class _ObjectView(Mapping):

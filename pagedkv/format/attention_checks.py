@@ -82,6 +82,8 @@ def opt_int(name: str, x: object, lo: int, allow_none: bool = True) -> int | Non
         return None
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < lo:
         raise InvalidArgumentError(expected(name, f"{'None or ' if allow_none else ''}an int >= {lo}", repr(x)))
+    if int(x) > 2**62:   # the loops add and subtract positions in int64: a larger value would overflow
+        raise InvalidArgumentError(expected(name, f"an int in [{lo}, 2**62]", repr(x)))
     return int(x)
 
 
