@@ -43,7 +43,7 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.config.remote import RemoteTierConfig
-from pagedkv.store.format import kv_format
+from pagedkv.format.fingerprint import kv_format
 from pagedkv.tiers.disk import DiskPrefixTier
 from pagedkv.tiers.payload import Blocks
 from pagedkv.tiers.remote import RemotePrefixTier

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.store.format import kv_format
+from pagedkv.format.fingerprint import kv_format
 from pagedkv.tiers import disk as disk_module
 from pagedkv.tiers.chain import slot_dtype
 from pagedkv.tiers.disk import DiskPrefixTier

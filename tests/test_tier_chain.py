@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.store.format import kv_format
+from pagedkv.format.fingerprint import kv_format
 from pagedkv.tiers import ChainQuery, DiskPrefixTier, HostPrefixTier, PayloadLayout
 from pagedkv.tiers import manager as tier_manager
 from pagedkv.tiers.payload import Blocks

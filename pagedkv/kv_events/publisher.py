@@ -22,7 +22,7 @@ from collections import deque
 
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.kv_events.wire import MEDIA, WIRE_FORMATS, batch, group_spec
-from pagedkv.manager.events import AllBlocksCleared
+from pagedkv.events import AllBlocksCleared
 
 __all__ = ["KVEventPublisher", "END_SEQ"]
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventsLost
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventsLost
 
 __all__ = ["MEDIA", "WIRE_FORMATS", "GroupSpec", "batch", "group_spec", "int64", "to_wire"]
 

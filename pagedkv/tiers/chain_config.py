@@ -3,7 +3,7 @@ host (``prefix_host_blocks``), disk (``prefix_disk_dir`` + ``prefix_disk_blocks`
 remote (``prefix_remote``), in that order."""
 from __future__ import annotations
 
-from pagedkv.store.format import kv_format
+from pagedkv.format.fingerprint import kv_format
 from pagedkv.tiers.base import PrefixTier
 
 __all__ = ["build_tiers"]

@@ -96,7 +96,7 @@ class DiskPrefixTier(SlotTier):
     Args:
         capacity: the tier's limit in blocks (the files grow up to it).
         kv_format: what the files must have been written for (see
-            :func:`pagedkv.store.format.kv_format`); any difference refuses the directory.
+            :func:`pagedkv.format.fingerprint.kv_format`); any difference refuses the directory.
         verify_blocks: check every block's CRC when opening (a full read).
         initial_blocks: the files' slots at creation (default: the limit, or
             :data:`INITIAL_BYTES` worth, whichever is less).

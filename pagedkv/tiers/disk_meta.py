@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.errors import TierFileError, expected
-from pagedkv.store.format import differences, shown
+from pagedkv.format.fingerprint import differences, shown
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "ROWS_VERSION", "check_meta"]
 

@@ -69,7 +69,7 @@ class RemotePrefixTier(PrefixTier):
         store_arenas: the store's arenas (``[L, num_blocks, ...]`` each).
         block_size: tokens per block.
         kv_format: what the values must have been written for
-            (:func:`pagedkv.store.format.kv_format`): part of every key.
+            (:func:`pagedkv.format.fingerprint.kv_format`): part of every key.
         rows: the store's window arena (its sink and window rows travel with a block).
     """
 

@@ -2,7 +2,7 @@
 
 Hashes are always this process's device hashes (a router mirrors one hash space); a
 tier block's device hash is the one its copy source had, or is recomputed from the
-tokens of its chain. See :mod:`pagedkv.manager.events`.
+tokens of its chain. See :mod:`pagedkv.events`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
 from pagedkv.tiers.base import Handle, PrefixTier
 
 __all__ = ["TierEvents"]
