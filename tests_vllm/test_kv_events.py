@@ -55,3 +55,46 @@ def test_vllms_decoder_reads_every_event_pagedkv_publishes(tmp_path):
     assert all(isinstance(h, int) and -2**63 <= h < 2**63 for e in stored for h in e.block_hashes)
     assert removed and removed[0].medium == "GPU" and set(removed[0].block_hashes) == set(gpu[0].block_hashes)
     assert len(cleared) == 3
+
+
+def test_vllms_decoder_reads_the_connectors_tier_events(tmp_path):
+    """The connector's take_events: its store's host and disk events as vLLM's objects,
+    through vLLM's encoder and decoder."""
+    import torch
+
+    from pagedkv.events import EventsLost
+    from pagedkv.events import BlockStored as PStored
+    from pagedkv.integrations.vllm_config import ConnectorConfig
+    from pagedkv.integrations.vllm_events import to_vllm
+    from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
+    from pagedkv.integrations.vllm_worker import BlockMover
+
+    bs = 16
+    store = PrefixStore(ConnectorConfig.from_extra({"host_blocks": 4, "disk_dir": str(tmp_path), "disk_blocks": 16}),
+                        KVSpec(2, 2, bs, 32, torch.bfloat16), "model")
+    try:
+        kv = [torch.zeros(8, 2, bs, 64, dtype=torch.bfloat16) for _ in range(2)]
+        store.mover = BlockMover()
+        assert store.mover.register(store.spec, kv) is None
+        store.worker_ready = True
+        store.enable_events()
+        t = np.arange(2 * bs + 1, dtype=np.int32)
+        s0, _ = store.admit(-1, t[:bs], b"ns")
+        s1, _ = store.admit(s0, t[bs:2 * bs], b"ns")
+        got, why, _ = store.mover.arena(store.arena.name)
+        store.mover.save(*got, [(1, s0), (2, s1)])
+        store.committed([s0, s1])
+        store.clear(disk=True)
+        ours = store.events.drain() + [EventsLost(2),
+                                       PStored([5], 7, bs, None, [0], medium="remote", token_ids=list(range(bs)))]
+    finally:
+        store.close()
+    payload = msgspec.msgpack.Encoder().encode(KVEventBatch(ts=time.time(), events=to_vllm(ours, bs)))
+    batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
+    stored = [e for e in batch.events if isinstance(e, BlockStored)]
+    assert [e.medium for e in stored] == ["CPU", "STORAGE", "REMOTE"]
+    assert stored[0].token_ids == t[:2 * bs].tolist() and stored[0].block_size == bs
+    assert stored[0].parent_block_hash is None and len(stored[0].block_hashes) == 2
+    assert stored[1].block_hashes == stored[0].block_hashes and stored[1].locality == "LOCAL"
+    assert stored[2].locality == "REMOTE" and stored[2].parent_block_hash == 7
+    assert sum(isinstance(e, AllBlocksCleared) for e in batch.events) == 3      # host, disk, the lost stretch

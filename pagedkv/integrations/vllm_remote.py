@@ -34,6 +34,7 @@ def remote_lookup(store: PrefixStore, remote: RemotePrefixTier, tokens: np.ndarr
     dst = Blocks(host.arenas, None, None)
     host.index.lease(chain)                       # the promotion must not evict our own prefix
     remote.lease(got)
+    promoted: list[int] = []
     try:
         for d in got:
             i = len(chain)
@@ -51,12 +52,15 @@ def remote_lookup(store: PrefixStore, remote: RemotePrefixTier, tokens: np.ndarr
                     raise
                 host.written(np.asarray([slot]))
                 host.index.release([slot])
+                promoted.append(slot)
             remote.num_hit_tokens += bs
             host.index.lease([slot])
             chain.append(slot)
     finally:
         host.index.release(chain)
         remote.release(got)
+        if store.events is not None and promoted:
+            store.events.stored("host", promoted)
     return chain
 
 
@@ -80,4 +84,8 @@ def to_remote(store: PrefixStore, remote: RemotePrefixTier, slots: Sequence[int]
             n += 1
         if n:
             tokens = np.concatenate([np.asarray(rec["tokens"][a]) for a in chain[:n]])
+            before = remote.num_written
             remote.batched_put(ChainQuery(tokens, host.ns_keys[ns], store.bs), 0, src, chain[:n])
+            sent = remote.num_written - before         # the chain's new blocks: its last ones
+            if store.events is not None and sent > 0:
+                store.events.stored("remote", chain[n - sent:n])

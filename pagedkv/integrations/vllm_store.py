@@ -57,6 +57,7 @@ from pagedkv.config.memory import arena_bytes, check_fits
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, TierFileError, expected
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.integrations.vllm_events import StoreEvents
 from pagedkv.integrations.vllm_remote import remote_lookup, to_remote
 from pagedkv.integrations.vllm_shm import SharedArena
 from pagedkv.integrations.vllm_worker import KVSpec
@@ -192,6 +193,14 @@ class PrefixStore:
         self.num_disk_written = 0
         self.num_disk_corrupt = 0
         self.num_lock_misses = 0
+        self.events: StoreEvents | None = None       # KV events of the tiers, once enabled
+
+    def enable_events(self) -> None:
+        """Record KV events of the host, disk and remote tiers (drained by the connector's
+        ``take_events`` into vLLM's event stream; :mod:`.vllm_events`)."""
+        with self.lock:
+            if self.events is None:
+                self.events = StoreEvents(self.host.index, self.bs)
 
     # ---- refusals -------------------------------------------------------------------------
     def refuse(self, reason: str) -> None:
@@ -306,6 +315,7 @@ class PrefixStore:
             hns, hh = self._ns(self.host, ns_key, True)
             self.host.index.lease(chain)               # the promotion must not evict our own prefix
             d.index.lease(dchain)                      # nor a host eviction's write-down the disk's
+            promoted: list[int] = []
             try:
                 for i in range(len(chain), len(dchain)):
                     s = dchain[i]
@@ -329,6 +339,7 @@ class PrefixStore:
                             raise
                         self.host.written(np.asarray([slot]))
                         self.host.index.release([slot])
+                        promoted.append(slot)
                     d.index.touch(s, hit=True)
                     self.num_disk_hit_tokens += self.bs
                     self.host.index.lease([slot])
@@ -336,6 +347,8 @@ class PrefixStore:
             finally:
                 self.host.index.release(chain)
                 d.index.release(dchain)
+                if self.events is not None and promoted:
+                    self.events.stored("host", promoted)
         return chain
 
     def lease(self, slots: Sequence[int]) -> None:
@@ -433,6 +446,8 @@ class PrefixStore:
             for s in landed:
                 self._settle(s)
             self.host.index.release(landed)
+            if self.events is not None:
+                self.events.stored("host", landed)
             if self.cfg.disk_path is not None and self.cfg.disk_write == "through":
                 self.to_disk(landed)
             if self.remote is not None:
@@ -463,6 +478,8 @@ class PrefixStore:
     def _host_evicting(self, slot: int) -> None:
         if self.cfg.disk_path is not None and slot not in self.pending:
             self.to_disk([slot])
+        if self.events is not None and slot not in self.pending:
+            self.events.removed("host", [slot])
 
     def to_disk(self, slots: Sequence[int]) -> None:
         """Admit these host slots' chains to the disk tier (ancestors first)."""
@@ -491,6 +508,7 @@ class PrefixStore:
                 return
             host = self.host
             done: dict[int, int] = {}
+            new: list[int] = []                         # host slots written down (for events)
             for slot in slots:
                 parent = ROOT
                 for a in host.index.chain(slot):
@@ -510,7 +528,10 @@ class PrefixStore:
                         finally:
                             d.index.release([s])
                         self.num_disk_written += 1
+                        new.append(a)
                     done[a] = parent = s
+            if self.events is not None and new:
+                self.events.stored("disk", new)
 
     # ---- pins, stats, reset -----------------------------------------------------------------
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool = True) -> int:
@@ -550,10 +571,14 @@ class PrefixStore:
             self._sent.clear()
             if self.remote is not None:
                 self.remote.clear()                        # what this engine knows; the server's keys stay
+            if self.events is not None:
+                self.events.cleared("host")
             if disk:
                 with self.disk() as d:
                     if d is not None:
                         d.clear()
+                        if self.events is not None:
+                            self.events.cleared("disk")
 
     def close(self) -> None:
         with _stores_lock:
