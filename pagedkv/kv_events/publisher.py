@@ -21,8 +21,8 @@ import threading
 from collections import deque
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.kv_events.wire import MEDIA, WIRE_FORMATS, batch, group_spec
 from pagedkv.events import AllBlocksCleared
+from pagedkv.kv_events.wire import MEDIA, WIRE_FORMATS, batch, group_spec
 
 __all__ = ["KVEventPublisher", "END_SEQ"]
 

@@ -35,8 +35,6 @@ import numpy as np
 import torch
 
 from pagedkv.errors import TierFileError
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
-from pagedkv.format.fingerprint import kv_format
 from pagedkv.groups.tables import GROUP_NS_BITS, group_key
 from pagedkv.tiers.base import Handle, PrefixTier
 from pagedkv.tiers.chain_config import build_tiers
