@@ -59,6 +59,9 @@ cdef extern from "attention_rows.h" nogil:
         const uint8_t* exact_valid
         int64_t exact_recent, exact_sink
         const float* signs
+        const float* new_k
+        const float* new_v
+        const int32_t* pending
         pkv_dequantize_row_fn deq
         pkv_key_row_fn key_row
         int64_t row_bytes, param_row, elem_bytes
@@ -150,13 +153,18 @@ def attend(
     float sm_scale, float soft_cap, int64_t window, int64_t sink_tokens, int64_t num_splits, int64_t split_tokens,
     uintptr_t exact_data_ptr=0, int exact_type=0, uintptr_t exact_slot_ptr=0, uintptr_t exact_valid_ptr=0,
     int64_t exact_recent=0, int64_t exact_sink=0, uintptr_t signs_ptr=0, int64_t tile_floats=0,
+    uintptr_t new_k_ptr=0, uintptr_t new_v_ptr=0, uintptr_t pending_ptr=0,
 ):
     """``out`` (float32 ``[num_q, Hq, D]``, rotated domain when ``qrot_ptr``) of checked tables.
 
     ``num_splits`` > 0 forces that many splits per sequence; else one per
     ``split_tokens`` keys for sequences of at most 16 queries (a prefill chunk has
     parallelism enough across its rows' heads and would need a partial result per split
-    and row). ``tile_floats`` > 0 overrides the tile budget (benchmarks)."""
+    and row). ``tile_floats`` > 0 overrides the tile budget (benchmarks).
+
+    ``new_k_ptr``/``new_v_ptr``: float32 ``[num_q, H, D]``, the pass's own K/V (rotated
+    when ``qrot_ptr`` is), read for each sequence's last ``pending[b]`` positions
+    (``pending_ptr``: int32 ``[batch]``, checked; 0: every query's own position)."""
     if head_dim < 1 or num_heads < 1 or num_q_heads % num_heads or batch < 0 or split_tokens < 1:
         raise ValueError("attend: bad sizes")
     if num_q > INT64_MAX // (num_q_heads * head_dim * 8):
@@ -193,6 +201,11 @@ def attend(
     a.exact_recent = exact_recent
     a.exact_sink = exact_sink
     a.signs = <const float*> signs_ptr
+    a.new_k = <const float*> new_k_ptr
+    a.new_v = <const float*> new_v_ptr
+    a.pending = <const int32_t*> pending_ptr
+    if (new_k_ptr == 0) != (new_v_ptr == 0) or (pending_ptr != 0 and new_k_ptr == 0):
+        raise ValueError("attend: new_k, new_v and pending go together")
     a.deq = dequantize_row
     a.key_row = key_row
     a.elem_bytes = elem_bytes

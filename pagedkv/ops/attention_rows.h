@@ -81,6 +81,9 @@ typedef struct {
     const uint8_t* exact_valid;
     int64_t exact_recent, exact_sink;
     const float* signs;      /* rotation signs (rotating exact V rows), NULL without rotation */
+    const float* new_k;      /* [num_q, H, D] float32: the pass's own K/V (rotated with the arena), or NULL */
+    const float* new_v;
+    const int32_t* pending;  /* [batch] positions read from new_k/new_v, or NULL: each query's own */
     pkv_dequantize_row_fn deq;
     pkv_key_row_fn key_row;
     int64_t row_bytes, param_row, elem_bytes;
@@ -459,18 +462,36 @@ typedef struct {
     uint8_t sealed[256];
 } pkv_attn_keys;
 
+/* Sequence b's positions from ``end`` on are the pass's own rows: its last ``pending``
+ * (the caller checked 0 <= pending[b] <= its queries), or every query's without a count;
+ * position pos >= end is row pos + (q_end - n) of new_k/new_v. Without new rows: n. */
+static inline int64_t pkv_attn_new_end(const pkv_attn_args* a, int64_t b) {
+    if (!a->new_k) return a->seq_lens[b];
+    const int64_t nq = a->q_indptr[b + 1] - a->q_indptr[b];
+    return a->seq_lens[b] - (a->pending ? a->pending[b] : nq);
+}
+
 /* Read K/V of token ``pos`` of sequence b into k/v (float32); returns whether the K row
- * is in the unrotated domain (a sealed block key or an exact row). A float32 arena's rows
+ * is in the unrotated domain (a sealed block key or an exact row). ``end``: the first of
+ * the pass's own rows (pkv_attn_new_end), read from new_k/new_v row pos + qshift (they
+ * are rotated as the arena is). The window's exact rows are the ``exact_recent`` before
+ * ``end``. A float32 arena's rows
  * are copied too: scoring them in place (the tile holding row pointers) was measured
  * slower (1 thread, 32q/8kv/128, batch 8 x 4096: 57 ms against 33): the copy streams each
  * block's rows in address order, and the scoring then reads them from L1/L2. */
-static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_args* a, int64_t first, int64_t n,
-                                                               int64_t pos, int64_t h, float* k, float* v,
-                                                               float* tmp, pkv_attn_keys* kc) {
+static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_args* a, int64_t first, int64_t end,
+                                                               int64_t qshift, int64_t pos, int64_t h, float* k,
+                                                               float* v, float* tmp, pkv_attn_keys* kc) {
     const int64_t D = a->head_dim;
+    if (pos >= end) {
+        const int64_t r = ((pos + qshift) * a->num_heads + h) * D;
+        memcpy(k, a->new_k + r, (size_t)D * sizeof(float));
+        memcpy(v, a->new_v + r, (size_t)D * sizeof(float));
+        return 0;
+    }
     const int64_t blk = a->indices[first + pos / a->block_size], off = pos % a->block_size;
     if (a->exact_data) {
-        const int64_t lo = n - a->exact_recent > 0 ? n - a->exact_recent : 0;
+        const int64_t lo = end - a->exact_recent > 0 ? end - a->exact_recent : 0;
         const int64_t head = a->exact_sink < lo ? a->exact_sink : lo;
         if (pos < head || pos >= lo) {
             const int64_t s = a->exact_slot[blk];
@@ -769,14 +790,14 @@ static inline __attribute__((always_inline)) void pkv_attn_fkind(const pkv_attn_
     }
 }
 
-/* pkv_attn_item_body for code rows (a->kind >= 0) without exact rows */
+/* pkv_attn_item_body for code rows (a->kind >= 0) without exact rows, over arena rows only */
 static inline __attribute__((always_inline)) void pkv_attn_item_fused(const pkv_attn_args* a, int64_t b,
                                                                       int64_t h0, int64_t h1, int64_t t0,
                                                                       int64_t t1, float* m, float* l, float* acc,
                                                                       float* scratch) {
     const int64_t D = a->head_dim, Hq = a->num_q_heads, T = a->tile, nh = h1 - h0, nc = a->groups;
     const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0;
-    const int64_t first = a->indptr[b], G = a->group;
+    const int64_t first = a->indptr[b];
     const int64_t rows = nh * T;
     float* s = scratch;                       /* [PKV_ATTN_ROWS, T] */
     pkv_attn_ftile ft;
@@ -790,12 +811,6 @@ static inline __attribute__((always_inline)) void pkv_attn_item_fused(const pkv_
     ft.ng = a->groups;
     for (int64_t c = 0; c < D >> 3; ++c) cg[c] = (int32_t)(c / ((D >> 3) / a->groups));
     ft.cg = cg;
-    for (int64_t i = 0; i < nq; ++i)
-        for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-            memset(acc + r * D, 0, (size_t)D * sizeof(float));
-        }
     const int64_t p_min = n - nq;
     for (int64_t c0 = t0; c0 < t1; c0 += T) {
         const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
@@ -870,17 +885,14 @@ static inline int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64
     return widened > fused ? widened : fused;
 }
 
-static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
-                                                                     int64_t h0, int64_t h1, int64_t t0,
-                                                                     int64_t t1, float* m, float* l, float* acc,
-                                                                     float* scratch) {
-    if (a->fused && a->kind >= 0 && !a->exact_data && a->head_dim <= 8 * 512) {  /* cg: 512 chunks */
-        pkv_attn_item_fused(a, b, h0, h1, t0, t1, m, l, acc, scratch);
-        return;
-    }
+/* the item's keys [t0, t1) through widened tiles (any row source), taken into (m, l, acc) */
+static inline __attribute__((always_inline)) void pkv_attn_item_tiles(const pkv_attn_args* a, int64_t b,
+                                                                      int64_t h0, int64_t h1, int64_t t0,
+                                                                      int64_t t1, float* m, float* l, float* acc,
+                                                                      float* scratch) {
     const int64_t D = a->head_dim, G = a->group, Hq = a->num_q_heads, T = a->tile, nh = h1 - h0;
     const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0;
-    const int64_t first = a->indptr[b];
+    const int64_t first = a->indptr[b], end = pkv_attn_new_end(a, b), qshift = q0 + nq - n;
     float* kt = scratch;                 /* [nh, T, D] */
     float* vt = kt + nh * T * D;
     float* tmp = vt + nh * T * D;
@@ -891,12 +903,6 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
     kc.h0 = h0;
     for (int64_t hh = 0; hh < nh; ++hh) kc.blk[hh] = -1;
     uint8_t plain[PKV_ATTN_MAX_TILE_ROWS];
-    for (int64_t i = 0; i < nq; ++i)
-        for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-            memset(acc + r * D, 0, (size_t)D * sizeof(float));
-        }
     const int64_t p_min = n - nq;  /* the first query's position */
     for (int64_t c0 = t0; c0 < t1; c0 += T) {
         const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
@@ -907,13 +913,15 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
         if (a->hnd) {
             for (int64_t hh = 0; hh < nh; ++hh)
                 for (int64_t t = 0; t < nt; ++t)
-                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, n, c0 + t, h0 + hh, kt + (hh * T + t) * D,
-                                                               vt + (hh * T + t) * D, tmp, &kc);
+                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, end, qshift, c0 + t, h0 + hh,
+                                                               kt + (hh * T + t) * D, vt + (hh * T + t) * D, tmp,
+                                                               &kc);
         } else {
             for (int64_t t = 0; t < nt; ++t)
                 for (int64_t hh = 0; hh < nh; ++hh)
-                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, n, c0 + t, h0 + hh, kt + (hh * T + t) * D,
-                                                               vt + (hh * T + t) * D, tmp, &kc);
+                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, end, qshift, c0 + t, h0 + hh,
+                                                               kt + (hh * T + t) * D, vt + (hh * T + t) * D, tmp,
+                                                               &kc);
         }
         for (int64_t hh = 0; hh < nh; ++hh) {
             const float* kh = kt + hh * T * D;
@@ -933,6 +941,30 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
             }
         }
     }
+}
+
+/* The item: its rows' state starts empty; code rows without exact rows are decoded in
+ * registers (pkv_attn_item_fused) up to the pass's own rows, which (and everything else)
+ * go through widened tiles. */
+static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
+                                                                     int64_t h0, int64_t h1, int64_t t0,
+                                                                     int64_t t1, float* m, float* l, float* acc,
+                                                                     float* scratch) {
+    const int64_t D = a->head_dim, G = a->group, Hq = a->num_q_heads;
+    const int64_t nq = a->q_indptr[b + 1] - a->q_indptr[b];
+    for (int64_t i = 0; i < nq; ++i)
+        for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+            memset(acc + r * D, 0, (size_t)D * sizeof(float));
+        }
+    if (a->fused && a->kind >= 0 && !a->exact_data && a->head_dim <= 8 * 512) {  /* cg: 512 chunks */
+        const int64_t end = pkv_attn_new_end(a, b);
+        pkv_attn_item_fused(a, b, h0, h1, t0, t1 < end ? t1 : end, m, l, acc, scratch);
+        if (t1 > end) pkv_attn_item_tiles(a, b, h0, h1, t0 > end ? t0 : end, t1, m, l, acc, scratch);
+        return;
+    }
+    pkv_attn_item_tiles(a, b, h0, h1, t0, t1, m, l, acc, scratch);
 }
 
 static void pkv_attn_item_base(const pkv_attn_args* a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1,
