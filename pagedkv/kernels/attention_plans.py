@@ -19,9 +19,15 @@ and a merge kernel combines them exactly. ``num_splits=None`` picks enough split
 to give the GPU about four CTAs per SM, at most one per 256 keys of the average
 sequence (estimated from the table sizes, so nothing is read from the device).
 
+The pass's own rows (``k_new``, ``v_new``, ``pending``; :mod:`pagedkv.store.new_rows`)
+go to the kernel as one float32 ``[2, num_q_tokens, Hkv, D]`` tensor, rotated here
+once when the arena is rotated, so that the kernel reads them as it reads a
+dequantized arena row.
+
 Index values that live on a GPU are not read (that would sync): the kernel reads a
-bad entry as zeros and skips a query tile it cannot place. Index tensors on the CPU
-are checked like the public op checks them.
+bad entry as zeros and skips a query tile it cannot place (and clamps ``pending`` to
+each sequence's query count). Index tensors on the CPU are checked like the public
+op checks them.
 """
 from __future__ import annotations
 
@@ -48,7 +54,9 @@ from pagedkv.kernels.plans import (
     _rot_dims,
 )
 from pagedkv.store import op_checks as checks
+from pagedkv.store.new_rows import check_new_rows, check_pending_values
 from pagedkv.store.quant import MODEL_DTYPES
+from pagedkv.store.rotation import rotate
 
 __all__ = ["ATTN_FLOATS", "ATTN_MAX_TILE", "ATTN_MAX_ROWS", "ATTN_THREADS", "DEFAULT_SMS", "Tiling",
            "tiling", "auto_splits", "plan_paged_attention"]
@@ -189,7 +197,8 @@ def _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q: int) ->
 def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                          kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                          soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None, exact_rows=None,
-                         layer_format=None, num_sms: int = DEFAULT_SMS) -> tuple[list[Launch], torch.Tensor]:
+                         layer_format=None, k_new=None, v_new=None, pending=None,
+                         num_sms: int = DEFAULT_SMS) -> tuple[list[Launch], torch.Tensor]:
     """Plan :func:`pagedkv.ops.paged_attention` (same arguments); returns ``(launches, out)``.
 
     ``num_sms``: the device's SM count, for the automatic ``num_splits``.
@@ -210,6 +219,7 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         raise DeviceError(expected("q", f"device {device} (the kv_layer's)", q.device))
     if not geo.quantized and q.dtype != kv_layer.dtype:
         raise DTypeError(expected("q", f"dtype {kv_layer.dtype} (the kv_layer dtype)", q.dtype))
+    k_new, v_new = check_new_rows(k_new, v_new, pending, q, geo, device)
     num_q, hq, d = q.shape
     if geo.num_heads == 0 or hq == 0 or hq % geo.num_heads:
         raise ShapeError(expected("q", f"num_q_heads a positive multiple of {geo.num_heads} (the KV heads)",
@@ -229,6 +239,8 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     indices = _index("indices", indices, device)
     seq_lens = _index("seq_lens", seq_lens, device)
     q_indptr = _index("q_indptr", q_indptr, device)
+    if pending is not None:
+        pending = _index("pending", pending, device).contiguous().clone()
     batch = checks.check_csr(indptr, indices, seq_lens, device)
     if q_indptr.shape[0] != batch + 1:
         raise ShapeError(expected("q_indptr", f"[{batch + 1}] (len(indptr))", tuple(q_indptr.shape)))
@@ -236,6 +248,10 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     indptr, indices, seq_lens, q_indptr = (t.contiguous().clone() for t in (indptr, indices, seq_lens, q_indptr))
     if device.type == "cpu":
         _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q)
+        if pending is not None:
+            check_pending_values(pending.tolist(), q_indptr.tolist())
+    elif pending is not None and pending.shape[0] != batch:
+        raise ShapeError(expected("pending", f"[{batch}] (one count per sequence)", tuple(pending.shape)))
     if out is not None:
         out = checks.check_tensor("out", out)
         if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
@@ -287,11 +303,20 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         keep += [part_o, part_ml]
     if signs is not None:
         keep.append(signs)
+    new_kv = None
+    if k_new is not None:
+        new_kv = torch.stack((k_new, v_new)).to(torch.float32).contiguous()   # a copy: the caller's stay as given
+        if signs is not None:
+            new_kv = rotate(new_kv, signs)
+        keep.append(new_kv)
+        if pending is not None:
+            keep.append(pending)
     kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named
     q_type = _MODEL_NAMES[q.dtype]
     name = sources.attention_name(tl.mode, layout.lower(), kv_type, q_type)
     args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key_scale), _ptr(key_zero), _ptr(signs), _ptr(q),
-            _ptr(out), _ptr(part_o), _ptr(part_ml), _ptr(indptr), _ptr(indices), _ptr(seq_lens), _ptr(q_indptr),
+            _ptr(out), _ptr(part_o), _ptr(part_ml), _ptr(new_kv), _ptr(pending), _ptr(indptr), _ptr(indices),
+            _ptr(seq_lens), _ptr(q_indptr),
             _ptr(tile_ends), _i64(batch), _i64(indices.shape[0]), _i64(geo.num_blocks), _i64(geo.block_size),
             _i64(geo.num_heads), _i64(d), _i64(geo.groups), _i64(num_q),
             _i64(hq), _i64(q.stride(0)), _i64(q.stride(1)), _i64(tl.heads_per_cta), _i64(tl.q_tile),
