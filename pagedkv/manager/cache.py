@@ -517,15 +517,25 @@ class PagedKVCache:
         per cached token."""
         return self._data.gather_pages(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
 
-    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
+    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, *, k_new=None, v_new=None,
+                  pending=None, **options):
         """:func:`pagedkv.ops.paged_attention` of ``q`` over ``layer``'s pages, reading
-        exactly what :meth:`gather_pages` (no ``pending``) reads: the quantized rows in
-        place, the window and sink rows in model precision from the window arena, the
-        rotation folded into ``q`` and the output. The table is as for :meth:`gather_pages`
-        (with layer groups, the layer's group's). ``options``: the op's keywords
-        (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``, ``num_splits``, ``out``,
-        ``backend``)."""
-        return self._data.attention(layer, q, indptr, indices, seq_lens, q_indptr, **options)
+        what :meth:`gather_pages` reads (one definition of what a read returns): the rows
+        this forward pass wrote at model precision, from ``k_new``/``v_new``
+        (``[num_q_tokens, H, D]``, q's dtype: each query token's own K/V as computed;
+        ``pending``: ints ``[B]``, each row's last positions they cover, default every
+        query's); older rows in place in their stored format, except the ``kv_window``
+        rows before the pass's and the sink rows, in model precision from the window
+        arena; the rotation folded into ``q`` and the output. The table is as for
+        :meth:`gather_pages` (with layer groups, the layer's group's).
+
+        A quantized layer needs ``k_new``/``v_new``, or ``pending`` of zeros when no query's
+        row was written by this pass: reading the pass's rows back quantized would differ
+        from every other read, so it is refused (``InvalidArgumentError``). ``options``: the
+        op's keywords (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``,
+        ``num_splits``, ``out``, ``backend``)."""
+        return self._data.attention(layer, q, indptr, indices, seq_lens, q_indptr, k_new=k_new, v_new=v_new,
+                                    pending=pending, **options)
 
     @property
     def rotation_signs(self):

@@ -92,16 +92,20 @@ class DataPath:
             pending = self.pending_rows(pending, seq_lens)
         return self.require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
 
-    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
+    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, *, k_new=None, v_new=None,
+                  pending=None, **options):
         from pagedkv.ops import ExactRows, paged_attention
 
         store = self.require_store()
         layer = self.groups.layer_slot(layer)[1]
+        fmt = store.layer_format(layer)
+        if k_new is None and v_new is None and fmt.quantized:
+            pending = self._no_pass_rows(pending, q_indptr)
+        options.update(k_new=k_new, v_new=v_new, pending=pending)
         view = store.layer(layer)
         scale, zero = store.layer_scales(layer)
         kscale, kzero = store.layer_key_params(layer)
         main, i = store._where[layer]
-        fmt = store.layer_format(layer)
         w, exact = store.window, None
         if main and w is not None and (w.window or w.sink):
             exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
@@ -126,6 +130,7 @@ class DataPath:
             ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
                 indices.cpu() if hasattr(indices, "cpu") else indices)
             lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
+            lens = lens - _pass_rows(options, q_indptr)     # the window ends where the pass's rows begin
             heads = np.minimum(w.sink, np.maximum(lens - w.window, 0))
             first = [idx[ptr[b]:ptr[b] + (n - 1) // w.block_size + 1] for b, n in enumerate(heads.tolist()) if n]
             if first:
@@ -134,6 +139,27 @@ class DataPath:
                 w.clock += 1
                 w.stamp[ws[w.pinned[ws]]] = w.clock
         return out
+
+    def _no_pass_rows(self, pending, q_indptr):
+        """A quantized layer read without the pass's own K/V: only when the caller says
+        that no query's row was written by this pass (``pending`` all zeros); otherwise
+        the op would read those rows back quantized, silently unlike every other read
+        (one definition of what a read returns: see :mod:`pagedkv.store.new_rows`)."""
+        import torch
+
+        want = ("the pass's own K/V (k_new, v_new) for a quantized layer: the rows a forward pass wrote "
+                "are read at model precision; pending=0 (ints [B]) where no query's row was written by this pass")
+        if pending is None:
+            raise InvalidArgumentError(expected("k_new", want, None))
+        try:
+            p = np.asarray(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArgumentTypeError(expected("pending", "ints [B]", type(pending).__name__)) from None
+        qp = np.asarray(q_indptr.cpu() if isinstance(q_indptr, torch.Tensor) else q_indptr)
+        if p.dtype.kind not in "iu" or p.ndim != 1 or p.shape[0] != max(qp.shape[0] - 1, 0) or p.any():
+            raise InvalidArgumentError(expected("pending", "zeros [B] without k_new and v_new (" + want + ")",
+                                                p.tolist() if p.ndim == 1 else repr(pending)))
+        return None
 
     def table_tensor(self, a, name: str):
         """A NumPy integer page-table array as an int32 tensor on the cache's device;
@@ -190,6 +216,17 @@ class DataPath:
                 raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
                                                  f"a {type(pairs).__name__} of other values")) from None
         store.copy_blocks(pairs)
+
+
+def _pass_rows(options, q_indptr) -> np.ndarray:
+    """Each row's positions read from the pass's own K/V (the op checked the counts)."""
+    if options.get("k_new") is None:
+        return np.zeros(1, dtype=np.int64)
+    pending = options.get("pending")
+    if pending is not None:
+        return np.asarray(pending.cpu() if hasattr(pending, "cpu") else pending).astype(np.int64)
+    qp = np.asarray(q_indptr.cpu() if hasattr(q_indptr, "cpu") else q_indptr).astype(np.int64)
+    return np.diff(qp)
 
 
 def _slots_tensor(slot_mapping, device):
