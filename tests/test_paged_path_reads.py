@@ -142,3 +142,59 @@ def test_smollm2_greedy_through_the_paged_path_agrees_with_the_gather_path(smoll
         gather_vs_fp32 = float((gathered == fp32).float().mean())
         paged_vs_gather = float((paged == gathered).float().mean())
         assert paged_vs_gather >= gather_vs_fp32, (kw, paged_vs_gather, gather_vs_fp32)
+
+
+def test_a_gather_by_sequence_reads_committed_rows_of_a_quantized_layer_only(tiny):
+    """Rows reserved and written but not committed are the pass's own: a quantized layer
+    holds them quantized, so gathering them is refused; committed rows read as stored."""
+    model, _ = tiny
+    for fmt, refused in (("int8", True), (None, False)):
+        kv = make_kv(model, **({"kv_dtype": fmt} if fmt else {}))
+        kv.add_sequence("a")
+        slots = kv.reserve("a", 6)
+        k = torch.randn(6, 2, 16)
+        for layer in range(2):
+            kv.write(layer, slots, k, -k)
+        kv.commit("a", 4)
+        if refused:
+            with pytest.raises(InvalidArgumentError, match=r"num_tokens: expected at most the committed tokens of a "
+                                                           r"quantized layer's sequence .*, got 6 tokens of 'a', 4 "
+                                                           r"committed"):
+                kv.gather("a", 0)
+        else:
+            assert torch.equal(kv.gather("a", 0)[0], k)
+        got, _ = kv.gather("a", 1, num_tokens=4)      # the committed rows
+        assert got.shape[0] == 4
+        kv.commit("a", 2)
+        assert kv.gather("a", 1)[0].shape[0] == 6
+        kv.free("a")
+
+
+def test_a_prefill_chunk_reads_its_own_rows_as_computed():
+    """chunked_prefill's chunk.gather(layer, k, v): the committed context from the cache,
+    the chunk's own rows as computed; without them a quantized cache refuses."""
+    from pagedkv.sched.prefill import chunked_prefill
+    from pagedkv.sched.chunking import ChunkPolicy
+
+    kv = PagedKVCache(CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=16,
+                                  dtype="float32", kv_dtype="int8"))
+    gen = torch.Generator().manual_seed(0)
+    k_all = torch.randn(10, 2, 16, generator=gen)
+    seen = []
+
+    def forward(chunk):
+        k = k_all[chunk.start:chunk.end]
+        kv.write(0, chunk.slot_mapping, k, -k)
+        if chunk.start:
+            with pytest.raises(InvalidArgumentError, match="num_tokens: expected at most the committed tokens"):
+                chunk.gather(0)
+        got, gotv = chunk.gather(0, k, -k)
+        assert got.shape[0] == chunk.end and torch.equal(got[chunk.start:], k)
+        seen.append(got[:chunk.start].clone())
+        return torch.zeros(3)
+
+    chunked_prefill(kv, "p", np.arange(10), forward, policy=ChunkPolicy.fixed(4))
+    assert len(seen) == 3 and seen[0].shape[0] == 0
+    stored = kv.gather("p", 0)[0]                   # committed: the int8 rows
+    assert torch.equal(seen[2], stored[:8]) and not torch.equal(stored[:8], k_all[:8])
+    kv.free("p")

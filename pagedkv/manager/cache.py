@@ -471,7 +471,8 @@ class PagedKVCache:
     def gather(self, seq_id: SeqId, layer: int, num_tokens: int | None = None):
         """Contiguous K and V ``[n, num_kv_heads, head_dim]`` in token order: the first
         ``num_tokens`` tokens, by default every token holding a slot (committed plus
-        reserved this step)."""
+        reserved this step). A quantized layer reads committed tokens only (see
+        :meth:`gather_batch`)."""
         k, v, _ = self.gather_batch([seq_id], layer, None if num_tokens is None else [num_tokens])
         return k, v
 
@@ -481,7 +482,14 @@ class PagedKVCache:
         ``num_tokens`` (optional, one per sequence) gathers only each sequence's first
         tokens; by default all reserved tokens. A sliding-window layer returns the
         tokens its group holds (sinks, then the window; :meth:`gather_window` adds
-        their positions)."""
+        their positions).
+
+        One definition of what a read returns: the rows a forward pass wrote are read at
+        model precision until they are committed. A quantized layer's arena holds them
+        quantized, so gathering a sequence's reserved but uncommitted tokens from it is
+        refused (``InvalidArgumentError``): gather the committed ones (``num_tokens``)
+        and use the pass's K/V as computed, or read before writing with
+        :meth:`gather_pages` (``pending=``)."""
         return self._data.gather(seq_ids, layer, num_tokens, False)
 
     def gather_window(self, seq_ids: SeqIds, layer: int, num_tokens=None):
@@ -508,6 +516,10 @@ class PagedKVCache:
         not written yet. Their rows hold stale bytes for the caller to overwrite, and
         ``kv_window`` then keeps the ``kv_window`` tokens *before* them in model
         precision, so every query of the pass sees at least that many exact tokens.
+        Within a forward pass, a caller that has written the pass's rows to a quantized
+        layer reads them from its own K/V, not from here: the pass's rows are read at
+        model precision (one definition of what a read returns; :meth:`attention` takes
+        them as ``k_new``/``v_new``). Without ``pending`` every row is read as stored.
 
         ``rotated=True`` (a cache with ``kv_rotation``): K/V in the rotated domain, as
         stored, without the per-row unrotation, which costs more than the dequantization.

@@ -55,6 +55,7 @@ class DataPath:
             tables = self.groups.tables[g]
             indptr, indices, _ = tables.csr(keys, internal=internal)
             lens = tables.seq_lens(keys, internal=internal)
+            done = tables.seq_lens(keys, computed=True, internal=internal)
             gone = tables.released_tokens(keys, internal=internal) if tables.window else None
         if gone is not None and gone.any():
             if want is not None:
@@ -66,6 +67,9 @@ class DataPath:
                 raise InvalidArgumentError(expected(
                     "num_tokens", f"{len(lens)} counts within the reserved lengths {lens.tolist()}", want.tolist()))
             lens = want
+        if store.layer_format(slot).quantized:
+            ends = lens if gone is None else lens + gone
+            _refuse_pass_rows(seq_ids, ends, done)
         dev = store.device
         k, v = store.gather(slot, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
                             torch.from_numpy(lens.astype(np.int32)).to(dev))
@@ -216,6 +220,20 @@ class DataPath:
                 raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
                                                  f"a {type(pairs).__name__} of other values")) from None
         store.copy_blocks(pairs)
+
+
+def _refuse_pass_rows(seq_ids, ends: np.ndarray, done: np.ndarray) -> None:
+    """A gather by sequence of a quantized layer reads committed rows only: rows written
+    by the forward pass in progress (reserved, not committed) are read at model precision
+    (one definition of what a read returns), which the arena no longer holds."""
+    over = np.nonzero(np.asarray(ends) > np.asarray(done))[0]
+    if len(over):
+        b = int(over[0])
+        sid = seq_ids if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__") else list(seq_ids)[b]
+        raise InvalidArgumentError(expected(
+            "num_tokens", "at most the committed tokens of a quantized layer's sequence (the forward pass's own "
+            "rows are read at model precision: gather before writing, gather_pages(pending=), or commit first)",
+            f"{int(ends[b])} tokens of {sid!r}, {int(done[b])} committed"))
 
 
 def _pass_rows(options, q_indptr) -> np.ndarray:
