@@ -103,7 +103,7 @@ class DataPath:
         store = self.require_store()
         layer = self.groups.layer_slot(layer)[1]
         fmt = store.layer_format(layer)
-        if k_new is None and v_new is None and fmt.quantized:
+        if k_new is None and v_new is None and (fmt.quantized or pending is not None):
             pending = self._no_pass_rows(pending, q_indptr)
         options.update(k_new=k_new, v_new=v_new, pending=pending)
         view = store.layer(layer)
