@@ -1,6 +1,7 @@
 """How many threads pagedkv's CPU loops use (see docs/threads.md).
 
-The compiled loops (``pagedkv.ops._cpu_copy``, ``pagedkv.ops._cpu_quant``) follow
+The compiled loops (``pagedkv.ops._cpu_copy``, ``pagedkv.ops._cpu_quant``,
+``pagedkv.ops._cpu_attention``) follow
 OpenMP's thread count, which ``torch.set_num_threads`` and ``OMP_NUM_THREADS`` set,
 unless pagedkv has its own: ``set_num_threads(n)`` or ``PAGEDKV_NUM_THREADS=n`` (read
 at import). ``0`` means "follow torch". A call never uses more threads than it has
@@ -17,7 +18,7 @@ ENV = "PAGEDKV_NUM_THREADS"
 
 def _modules():
     mods = []
-    for name in ("_cpu_copy", "_cpu_quant"):
+    for name in ("_cpu_copy", "_cpu_quant", "_cpu_attention"):
         try:
             mods.append(__import__(f"pagedkv.ops.{name}", fromlist=[name]))
         except ImportError:   # not built: the reference ops are single-threaded torch code

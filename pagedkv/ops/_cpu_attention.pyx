@@ -9,8 +9,15 @@ snapshots), and hands over addresses and counts. Work items are (sequence, KV he
 split): a decode sequence (at most 16 queries) takes all its KV heads in one item, so
 an NHD page is streamed once rather than once per head; a prefill chunk takes one head
 per item (its rows are parallelism enough, and its reads are shared by many queries).
-One OpenMP loop runs the items (``schedule(static)``; one thread below
-``_PARALLEL_WORK``), then a second merges each sequence's splits exactly.
+One OpenMP loop runs the items, then a second merges each sequence's splits exactly.
+
+Threads follow pagedkv's policy (docs/threads.md, ``omp_policy.h``), as the copy and
+quantization loops do: at most one thread per ``_PARALLEL_WORK`` multiply-adds,
+``pagedkv.set_num_threads`` when set, else OpenMP's count (torch's) capped by the cores
+idle right now, so a decode step takes the second core when nothing else runs there and
+stays serial on a loaded machine (a descheduled worker would hold the loop's closing
+barrier). Items are handed out one at a time (``schedule(dynamic)``): a preempted worker
+holds back one item.
 """
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.stdlib cimport free, malloc
@@ -73,6 +80,10 @@ cdef extern from "attention_rows.h" nogil:
                                       float*, float*, float*) noexcept
     pkv_attn_item_fn pkv_pick_attn_item()
 
+cdef extern from "omp_policy.h":
+    int pkv_threads(long long parts, int setting, int omp_max) noexcept nogil
+    long pkv_runnable_override
+
 cdef pkv_attn_item_fn attn_item = pkv_pick_attn_item()
 cdef pkv_dequantize_row_fn dequantize_row = pkv_pick_dequantize_row()
 cdef pkv_key_row_fn key_row = pkv_pick_key_row()
@@ -90,7 +101,9 @@ cdef int64_t _TILE_FLOATS = 32768
 # a decode item's KV heads at most (its tile rows are tile x heads)
 cdef int64_t _ITEM_HEADS = 256
 # what an item prefetches of its next tile (attention_rows.h's PKV_ATTN_PREFETCH_), -1:
-# every line of float rows, each block's first lines of code rows (the measured best)
+# each block's first lines (the measured best since model-dtype rows are copied a run at
+# a time: 1 thread, batch 8, fp32 9q/3kv/64 x 2,000 3.7 ms against 4.3 for every line,
+# 32q/8kv/128 x 4,096 32 ms against 39; code rows about even)
 cdef int _PREFETCH = -1
 # sealed block keys: widen each block's parameters once per item (else per row)
 cdef int _KEY_CACHE = 1
@@ -122,6 +135,31 @@ def hadamard_rows(uintptr_t y_ptr, int64_t rows, int64_t head_dim, uintptr_t sig
                 pkv_unrotate_row(y + r * head_dim, head_dim, signs)
             else:
                 pkv_rotate_row(y + r * head_dim, head_dim, signs)
+
+
+cdef int _num_threads = 0
+
+
+def set_num_threads(int n):
+    """pagedkv's thread count for these loops (0: follow OpenMP's max, i.e. torch's)."""
+    global _num_threads
+    _num_threads = n if n > 0 else 0
+
+
+def get_num_threads():
+    """pagedkv's own setting (0: following OpenMP's max)."""
+    return _num_threads
+
+
+def planned_threads(int64_t work):
+    """Threads a call of ``work`` multiply-adds would take now (the policy above)."""
+    return pkv_threads(work // _PARALLEL_WORK, _num_threads, openmp.omp_get_max_threads())
+
+
+def _pretend_runnable(long n):
+    """Tests: pretend the kernel reports ``n`` runnable tasks (-1: read /proc/loadavg)."""
+    global pkv_runnable_override
+    pkv_runnable_override = n
 
 
 def tune(prefetch=None, key_cache=None, fused=None):
@@ -211,7 +249,7 @@ def attend(
     a.elem_bytes = elem_bytes
     a.prefetch = _PREFETCH
     if _PREFETCH == -1:
-        a.prefetch = PKV_ATTN_PREFETCH_BLOCKS if quantized else PKV_ATTN_PREFETCH_ALL
+        a.prefetch = PKV_ATTN_PREFETCH_BLOCKS
     a.key_cache = _KEY_CACHE
     if kv_type == PKV_INT4 and quantized:
         a.row_bytes = head_dim // 2
@@ -236,7 +274,11 @@ def attend(
         nq = a.q_indptr[b + 1] - a.q_indptr[b]
         if nq > 0 and n > 0:
             work += n * nq * G * D * num_heads
-    cdef int nth = 1 if work < _PARALLEL_WORK else openmp.omp_get_max_threads()
+    cdef int nth = pkv_threads(work // _PARALLEL_WORK, _num_threads, openmp.omp_get_max_threads())
+    # the splits follow the threads the call could take, not the idle cores now: the same
+    # call gives the same bits however loaded the machine is
+    cdef int nth_plan = 1 if work < 2 * _PARALLEL_WORK else (
+        _num_threads if _num_threads > 0 else openmp.omp_get_max_threads())
     # per sequence: splits, heads per item, first item, first partial row
     cdef int64_t* seq_info = <int64_t*> malloc(<size_t> (4 * batch + 1) * 8)
     if seq_info == NULL:
@@ -251,8 +293,8 @@ def attend(
                 ns = num_splits if num_splits < n else n
             elif nq <= 16:
                 ns = (n + split_tokens - 1) // split_tokens
-                if batch * ns < nth:  # all heads in one item: split for the threads instead
-                    ns = (nth + batch - 1) // batch
+                if batch * ns < nth_plan:  # all heads in one item: split for the threads instead
+                    ns = (nth_plan + batch - 1) // batch
                     if ns > (n + 255) // 256:
                         ns = (n + 255) // 256
             else:
@@ -306,7 +348,7 @@ def attend(
     cdef float mx, c, lsum
     cdef int64_t base, rows, q0, row_off, hq
     with nogil:
-        for it in prange(num_items, num_threads=nth, schedule="static"):
+        for it in prange(num_items, num_threads=nth, schedule="dynamic"):
             b = items[6 * it]
             rows = (a.q_indptr[b + 1] - a.q_indptr[b]) * Hq
             # the split's partials: m [rows], l [rows], acc [rows, D], rows in query order
