@@ -302,15 +302,39 @@ static inline __attribute__((always_inline)) void pkv_attn_vtile(const int R, fl
         }
 }
 
+/* The next tile's bytes, prefetched a few lines per scored token rather than all at once:
+ * a burst of prefetches waits for free line-fill buffers and leaves the scoring idle, while
+ * prefetches spread over the scoring overlap the reads with it. Runs of contiguous bytes
+ * (model-dtype NHD rows: pkv_attn_load_runs' runs), prefetched into L2. */
+#define PKV_ATTN_STREAM_RUNS (2 * PKV_ATTN_TILE)
+typedef struct {
+    const char* p[PKV_ATTN_STREAM_RUNS];
+    int64_t bytes[PKV_ATTN_STREAM_RUNS];
+    int n, i;
+    int64_t off, per;     /* the cursor (run i, byte off), lines per step */
+} pkv_attn_stream;
+
+static inline __attribute__((always_inline)) void pkv_attn_stream_step(pkv_attn_stream* st) {
+    for (int64_t k = 0; k < st->per && st->i < st->n; ++k) {
+        __builtin_prefetch(st->p[st->i] + st->off, 0, 2);
+        st->off += 64;
+        if (st->off >= st->bytes[st->i]) {
+            ++st->i;
+            st->off = 0;
+        }
+    }
+}
+
 /* The rows [r0, r0 + R) (R constant) of one query token at position p and one KV head
  * take in a tile (token t's float32 K and V rows at kr[t], vr[t]): scores, the online
- * softmax, then the values. s: R * T floats. */
+ * softmax, then the values. s: R * T floats. st: the next tile's stream, or NULL. */
 static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_attn_args* a, const int R,
                                                                      int64_t r0, int64_t qoff, int64_t p,
                                                                      int64_t c0, int64_t nt,
                                                                      const float* const* kr,
                                                                      const float* const* vr, const uint8_t* ph,
-                                                                     float* m, float* l, float* acc, float* s) {
+                                                                     float* m, float* l, float* acc, float* s,
+                                                                     pkv_attn_stream* st) {
     const int64_t D = a->head_dim, T = a->tile;
     uint8_t vis[PKV_ATTN_TILE];
     float mx[PKV_ATTN_ROWS], dots[PKV_ATTN_ROWS];
@@ -326,6 +350,7 @@ static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_a
             continue;
         }
         any = 1;
+        if (st) pkv_attn_stream_step(st);
         const float* qv = (a->qrot && !ph[t]) ? a->qrot + qoff : a->q + qoff;
         pkv_attn_dots(R, qv, kr[t], D, dots);
 #pragma GCC unroll 4
@@ -606,6 +631,35 @@ static inline __attribute__((always_inline)) void pkv_attn_load_runs(const pkv_a
             }
         t += len;
     }
+}
+
+/* The runs pkv_attn_load_runs will copy for tokens [c0, c0 + nt) (the pass's own rows
+ * excluded), as a stream spread over ``calls`` steps */
+static inline __attribute__((always_inline)) void pkv_attn_stream_plan(const pkv_attn_args* a, int64_t first,
+                                                                       int64_t end, int64_t c0, int64_t nt,
+                                                                       int64_t h0, int64_t nh, int64_t calls,
+                                                                       pkv_attn_stream* st) {
+    const int64_t D = a->head_dim, H = a->num_heads, bs = a->block_size;
+    const int64_t whole = nh == H, row = D * a->elem_bytes;
+    int64_t lines = 0;
+    st->n = st->i = 0;
+    st->off = 0;
+    for (int64_t t = 0; t < nt && st->n + 2 <= PKV_ATTN_STREAM_RUNS;) {
+        const int64_t pos = c0 + t;
+        if (pos >= end) break;
+        const int64_t blk = a->indices[first + pos / bs], off = pos % bs;
+        int64_t len = whole ? bs - off : 1;
+        if (len > nt - t) len = nt - t;
+        if (len > end - pos) len = end - pos;
+        for (int kv = 0; kv < 2; ++kv) {
+            st->p[st->n] = (const char*)a->layer + pkv_attn_row(a, blk, kv, off, h0) * row;
+            st->bytes[st->n] = len * nh * row;
+            lines += (st->bytes[st->n] + 63) / 64;
+            ++st->n;
+        }
+        t += len;
+    }
+    st->per = calls > 0 ? (lines + calls - 1) / calls : lines;
 }
 
 /* Prefetch the K and V rows (and their parameters) of tokens [c0, c1) of heads [h0, h1):
@@ -973,8 +1027,15 @@ static inline __attribute__((always_inline)) void pkv_attn_item_tiles(const pkv_
         const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
         if (c0 > n - 1) break;
         if (a->window && c1 - 1 <= p_min - a->window && c0 >= a->sink_tokens) continue;  /* seen by no query */
-        if (c1 < t1 && a->prefetch != PKV_ATTN_PREFETCH_NONE)
+        pkv_attn_stream stream, *sp = NULL;
+        if (c1 < t1 && runs && a->prefetch != PKV_ATTN_PREFETCH_NONE) {
+            /* the scoring calls per tile: heads x queries x ceil(G / 4) x tokens */
+            const int64_t calls = nh * nq * ((G + PKV_ATTN_ROWS - 1) / PKV_ATTN_ROWS) * nt;
+            pkv_attn_stream_plan(a, first, end, c1, (c1 + T < t1 ? c1 + T : t1) - c1, h0, nh, calls, &stream);
+            sp = &stream;
+        } else if (c1 < t1 && a->prefetch != PKV_ATTN_PREFETCH_NONE) {
             pkv_attn_prefetch(a, first, h0, h1, c1, c1 + T < t1 ? c1 + T : t1);
+        }
         if (runs) {
             pkv_attn_load_runs(a, first, end, qshift, c0, nt, h0, nh, kt, vt, kp, vp, plain);
         } else if (a->hnd) {
@@ -999,10 +1060,10 @@ static inline __attribute__((always_inline)) void pkv_attn_item_tiles(const pkv_
                 for (int64_t g0 = 0; g0 < G; g0 += PKV_ATTN_ROWS) {
                     const int64_t r0 = i * Hq + (h0 + hh) * G + g0, qoff = (q0 * Hq + r0) * D;
                     switch (G - g0 < PKV_ATTN_ROWS ? G - g0 : PKV_ATTN_ROWS) {
-                        case 1: pkv_attn_rows_tile(a, 1, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
-                        case 2: pkv_attn_rows_tile(a, 2, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
-                        case 3: pkv_attn_rows_tile(a, 3, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
-                        default: pkv_attn_rows_tile(a, 4, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
+                        case 1: pkv_attn_rows_tile(a, 1, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s, sp); break;
+                        case 2: pkv_attn_rows_tile(a, 2, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s, sp); break;
+                        case 3: pkv_attn_rows_tile(a, 3, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s, sp); break;
+                        default: pkv_attn_rows_tile(a, 4, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s, sp); break;
                     }
                 }
             }
