@@ -33,8 +33,9 @@ GPU's are neither read nor copied).
 One query per sequence goes to the decode kernel (cuda/decode_attention.cu,
 :mod:`pagedkv.kernels.decode_plans`) wherever it covers the call; this module's tiled
 kernel serves the rest (``kernel=`` picks one explicitly). The decode kernel does not
-read the pass's own rows: a call with ``k_new`` over a quantized arena takes the tiled
-kernel (a model-dtype arena holds them as computed, so ``k_new`` is not needed there).
+read the pass's own rows: a call with ``k_new`` takes the tiled kernel
+(``PagedKVCache.attention`` passes none for a model-dtype layer, whose arena holds them
+as computed).
 """
 from __future__ import annotations
 
@@ -295,8 +296,6 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     if num_q == 0 or batch == 0:
         return [], out
 
-    if not geo.quantized:   # a model-dtype arena holds the pass's rows as computed: it reads the same
-        k_new = v_new = pending = None
     group = hq // geo.num_heads
     decode = num_q == batch  # one query per sequence (any split of them is still served right)
     kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named

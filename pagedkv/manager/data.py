@@ -105,8 +105,10 @@ class DataPath:
         fmt = store.layer_format(layer)
         if k_new is None and v_new is None and (fmt.quantized or pending is not None):
             pending = self._no_pass_rows(pending, q_indptr)
-        options.update(k_new=k_new, v_new=v_new, pending=pending)
         view = store.layer(layer)
+        if not fmt.quantized and k_new is not None:
+            k_new = v_new = pending = _held_pass_rows(q, view, store.layout, fmt, k_new, v_new, pending, q_indptr)
+        options.update(k_new=k_new, v_new=v_new, pending=pending)
         scale, zero = store.layer_scales(layer)
         kscale, kzero = store.layer_key_params(layer)
         main, i = store._where[layer]
@@ -234,6 +236,28 @@ def _refuse_pass_rows(seq_ids, ends: np.ndarray, done: np.ndarray) -> None:
             "num_tokens", "at most the committed tokens of a quantized layer's sequence (the forward pass's own "
             "rows are read at model precision: gather before writing, gather_pages(pending=), or commit first)",
             f"{int(ends[b])} tokens of {sid!r}, {int(done[b])} committed"))
+
+
+def _held_pass_rows(q, view, layout, fmt, k_new, v_new, pending, q_indptr) -> None:
+    """A model-precision layer holds the pass's rows as computed, so the arena reads the
+    same as ``k_new``/``v_new`` (and a CUDA decode keeps the decode kernel, which reads
+    only the arena): checked as the op would check them, then not passed on."""
+    import torch
+
+    from pagedkv.store.new_rows import check_new_rows, check_pending_values
+    from pagedkv.store.op_checks import check_layer
+
+    if not isinstance(q, torch.Tensor):
+        return None          # the op names the problem
+    geo = check_layer(view, layout, None, None, layer_format=fmt)
+    check_new_rows(k_new, v_new, pending, q, geo, view.device)
+    if pending is not None:
+        qp = np.asarray(q_indptr.cpu() if isinstance(q_indptr, torch.Tensor) else q_indptr).astype(np.int64)
+        p = np.asarray(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise ArgumentTypeError(expected("pending", "ints [B]", f"{p.dtype} array of shape {p.shape}"))
+        check_pending_values(p.astype(np.int64).tolist(), qp.tolist())
+    return None
 
 
 def _pass_rows(options, q_indptr) -> np.ndarray:
