@@ -166,7 +166,7 @@ def quantize(
             matching torch dtype; ``"int4"`` (storage ``torch.uint8``, which also names
             it); ``"int3"`` (by name only: its storage dtype is uint8 too).
         group_size: int4/int3 only: elements per scale group (divides ``D``; int4
-            default :func:`~pagedkv.store.dtypes.default_int4_group`; int3: a multiple of 8,
+            default :func:`~pagedkv.format.dtypes.default_int4_group`; int3: a multiple of 8,
             default :data:`DEFAULT_INT3_GROUP` or the largest multiple of 8 below it
             that divides ``D``).
 
