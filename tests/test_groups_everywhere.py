@@ -163,6 +163,14 @@ def r_match_prefix(kv):
     assert per[0] == 12 and kv.match_prefix(list(range(100, 114))) == min(per)
 
 
+def r_prefetch(kv):
+    kv.free("a")
+    prompt = list(range(100, 114))
+    before = kv.match_prefix_groups(prompt)
+    assert kv.prefetch_prefix(prompt) is None           # no remote tier: nothing to bring close
+    assert kv.match_prefix_groups(prompt) == before
+
+
 def r_pin(kv):
     kv.free("a")
     prompt = list(range(100, 114))
@@ -290,7 +298,7 @@ RECIPES = {
     "num_reserved": lambda kv: kv.num_reserved("a") == 14,
     "num_tokens": lambda kv: kv.num_tokens("a") == 14,
     "page_table_csr": r_gather_pages,
-    "pin_prefix": r_pin, "unpin_prefix": r_pin,
+    "pin_prefix": r_pin, "unpin_prefix": r_pin, "prefetch_prefix": r_prefetch,
     "_relocate_all_or_nothing": r_relocate_all_or_nothing,
     "released_tokens": lambda kv: kv.released_tokens(["a"], group=1)[0] > 0,
     "reset_prefix_cache": lambda kv: (kv.free("a"), kv.reset_prefix_cache()),

@@ -1,4 +1,5 @@
 """Prefix tiers below the device: host memory and a disk arena that survives restarts."""
+import json
 import os
 
 import numpy as np
@@ -383,9 +384,15 @@ def test_a_tier_written_for_another_model_shape_is_refused(tmp_path):
         make(**dict(opts, head_dim=8))
     with pytest.raises(TierFileError, match=r"expected a tier written .* \(tag='llama'\), got tag=''"):
         make(**dict(opts, prefix_disk_tag="llama"))
-    with pytest.raises(TierFileError, match=r"expected capacity=16 \(this cache\), got capacity=8"):
-        make(**dict(opts, prefix_disk_blocks=16))
-    with make(**opts) as fine:                                      # the original settings still work
+    # prefix_disk_blocks is a limit the files grow to: one below what they hold is refused,
+    # a larger one is taken (and written down)
+    with pytest.raises(TierFileError, match=r"prefix_disk_blocks: expected >= 8 \(the slots .*index\.bin holds; "
+                                            r"a smaller limit would drop blocks\), got 4"):
+        make(**dict(opts, prefix_disk_blocks=4))
+    with make(**dict(opts, prefix_disk_blocks=16)) as bigger:
+        assert bigger.match_prefix(prompt(100)) == 12
+    assert json.loads((tmp_path / "meta.json").read_text())["capacity"] == 16
+    with make(**dict(opts, prefix_disk_blocks=16)) as fine:         # the settings still work
         assert fine.match_prefix(prompt(100)) == 12
 
 

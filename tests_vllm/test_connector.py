@@ -145,3 +145,38 @@ def test_other_model_or_shape_is_refused(engine, reference, caplog):
         assert cached_of(res)[0] == 0 and tokens_of(res) == tokens_of(reference["A"])
     finally:
         replace_store(key, store)
+
+
+def test_the_connectors_tier_events_reach_vllms_event_stream(engine, reference, monkeypatch):
+    """vLLM's scheduler takes the connector's events each step (take_events) for its own
+    publisher: the host tier's stores of a prompt set's blocks, with their tokens."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from pagedkv.integrations import vllm_connector as vc
+
+    llm, _, store, _ = engine
+    seen = []
+    take = vc.PagedKVConnector.take_events
+
+    def spy(self):
+        out = take(self)
+        seen.extend(out)
+        return out
+
+    monkeypatch.setattr(vc.PagedKVConnector, "take_events", spy)
+    store.clear(disk=True)
+    store.enable_events()
+    try:
+        assert tokens_of(fresh_run(llm, "B")) == tokens_of(reference["B"])
+    finally:
+        store.events = None
+    batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(
+        msgspec.msgpack.Encoder().encode(KVEventBatch(ts=1.0, events=seen)))
+    stored = [e for e in batch.events if isinstance(e, BlockStored)]
+    host = [e for e in stored if e.medium == "CPU"]
+    assert host and {e.medium for e in stored} <= {"CPU", "STORAGE"}
+    prefix = ve.prompt_set("B")[0][:PREFIX]
+    roots = [e for e in host if e.parent_block_hash is None]
+    assert any(e.token_ids[:PREFIX] == prefix for e in roots), [len(e.token_ids) for e in roots]
+    assert all(len(e.token_ids) == len(e.block_hashes) * ve.BLOCK for e in stored)

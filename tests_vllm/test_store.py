@@ -278,56 +278,44 @@ def test_replace_store_checks_the_engines_shape_not_the_replaced_ones():
         drop_store("engine-x")
 
 
-def _count_opens(monkeypatch):
-    from pagedkv.integrations import vllm_store
-
-    opened = []
-
-    class Counting(vllm_store.DiskPrefixTier):
-        def __init__(self, *a, **k):
-            opened.append(1)
-            super().__init__(*a, **k)
-
-    monkeypatch.setattr(vllm_store, "DiskPrefixTier", Counting)
-    return opened
-
-
-def test_a_miss_on_an_unchanged_disk_tier_does_not_reopen_it(tmp_path, monkeypatch):
+def test_a_miss_on_an_unchanged_disk_tier_takes_no_turn(tmp_path):
     s = make(tmp_path, host_blocks=2)
     store_blocks(s, toks(BS + 1, 30), [1])
-    opened = _count_opens(monkeypatch)
+    turns = s.num_disk_turns
     for seed in range(31, 35):                # new prompts: misses; each admission evicts a written-through block
         t = toks(BS + 1, seed)
         assert s.lookup(t, NS, 1) == []
         saves = admit_blocks(s, t, [2])
         s.mover.save(*mapped(s), saves)
         s.committed([slot for _, slot in saves])
-    assert len(opened) == 4                   # one write-through per commit; no lookup, no eviction opened it
+    assert s.num_disk_turns - turns == 4      # one write-through per commit; no lookup, no eviction took one
     assert len(s.lookup(toks(BS + 1, 31), NS, 1)) == 1     # and what went down is still found
+    assert s._tier.num_full_checks == 0       # the directory was new: nothing to check, ever
 
 
-def test_another_engines_write_makes_the_view_stale(tmp_path, monkeypatch):
+def test_another_engines_write_makes_the_view_stale_and_the_turn_reads_only_it(tmp_path):
     a, b = make(tmp_path), make(tmp_path)
     t = toks(2 * BS + 1, 40)
     assert b.lookup(t, NS, 2) == []           # b's view: the tier without t
-    opened = _count_opens(monkeypatch)
-    assert b.lookup(t, NS, 2) == [] and opened == []      # unchanged: answered from the view
-    store_blocks(a, t, [6, 7])                # a writes t through (one open)
+    turns = b.num_disk_turns
+    assert b.lookup(t, NS, 2) == [] and b.num_disk_turns == turns     # unchanged: answered from the view
+    store_blocks(a, t, [6, 7])                # a writes t through (one turn)
     want = [layer[[6, 7]].clone() for layer in a.kv]
-    chain = b.lookup(t, NS, 2)                # the generation moved: b reopens and finds it
-    assert len(chain) == 2 and len(opened) == 2
+    chain = b.lookup(t, NS, 2)                # the journal moved: b takes a turn and finds it
+    assert len(chain) == 2 and b.num_disk_turns == turns + 1
+    assert b._tier.num_refreshed == 2 and b._tier.num_full_checks <= 1   # the two slots a wrote, no full check
     load_into(b, chain, [12, 13])
     for layer, w in zip(b.kv, want):
         assert torch.equal(layer[[12, 13]], w)
 
 
-def test_a_generation_file_changed_behind_the_view_forces_a_reopen(tmp_path, monkeypatch):
-    a = make(tmp_path)
+def test_a_journal_restarted_behind_the_view_forces_a_full_check(tmp_path):
+    a, b = make(tmp_path), make(tmp_path)
     t = toks(BS + 1, 41)
-    assert a.lookup(t, NS, 1) == []
-    gen = tmp_path / "tier" / "vllm-generation"
-    assert gen.stat().st_size == 8
-    gen.unlink()                              # a recreated directory, say: no stamp to trust
-    opened = _count_opens(monkeypatch)
-    assert a.lookup(t, NS, 1) == [] and len(opened) == 1
-    assert gen.stat().st_size == 8            # the session stamped it again
+    store_blocks(a, t, [3])
+    assert len(b.lookup(t, NS, 1)) == 1       # b's first turn checks everything (the directory existed)
+    checks = b._tier.num_full_checks
+    a.clear(disk=True)                        # restarts the journal (and gives the space back)
+    b.clear()                                 # b's host tier forgets t too
+    assert b.lookup(t, NS, 1) == []           # the view is stale: a turn, a full check, nothing there
+    assert b._tier.num_full_checks == checks + 1

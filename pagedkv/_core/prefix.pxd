@@ -45,6 +45,7 @@ cdef struct EventBuf:
     uint64_t* parent     # parent block hash; for a first block, the namespace root
     int32_t* ns          # interned namespace id
     int32_t* block       # block id
+    token_t* tokens      # block_size token ids per record (EV_STORED: the block's; others: 0)
     int64_t n            # records held, <= cap
     int64_t cap
     int64_t lost         # records dropped since the last drain (buffer full or out of memory)

@@ -17,7 +17,7 @@ import os
 
 cimport numpy as cnp
 from libc.stdlib cimport calloc, realloc, free as c_free
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 from pagedkv._core._hashmap cimport hm_init, hm_dealloc, hm_clear, hm_get, hm_put_new, hm_delete
 from pagedkv._core._arrays cimport (load_ints, check_int, check_u64, new_u64, new_i32, new_u8, new_u32)
@@ -90,6 +90,7 @@ cdef class PrefixIndex:
         c_free(self.ev.parent)
         c_free(self.ev.ns)
         c_free(self.ev.block)
+        c_free(self.ev.tokens)
         c_free(self.tl.kind)
         c_free(self.tl.block)
         c_free(self.tl.gen)
@@ -223,7 +224,8 @@ cdef class PrefixIndex:
             if cap <= e.cap or not (
                     _grow(<void**>&e.kind, cap, sizeof(uint8_t)) and _grow(<void**>&e.hash, cap, sizeof(uint64_t))
                     and _grow(<void**>&e.parent, cap, sizeof(uint64_t)) and _grow(<void**>&e.ns, cap, sizeof(int32_t))
-                    and _grow(<void**>&e.block, cap, sizeof(int32_t))):
+                    and _grow(<void**>&e.block, cap, sizeof(int32_t))
+                    and _grow(<void**>&e.tokens, cap, <size_t>self.block_size * sizeof(token_t))):
                 e.lost += 1
                 return
             e.cap = cap
@@ -232,6 +234,13 @@ cdef class PrefixIndex:
         e.parent[e.n] = parent
         e.ns[e.n] = ns
         e.block[e.n] = b
+        # a stored block's tokens travel with its event (a router may rebuild its own
+        # hashes from them): the block is reused later, its tokens with it
+        if kind == EV_STORED:
+            memcpy(e.tokens + <size_t>e.n * self.block_size, self.block_tokens + <size_t>b * self.block_size,
+                   self.block_size * sizeof(token_t))
+        else:
+            memset(e.tokens + <size_t>e.n * self.block_size, 0, self.block_size * sizeof(token_t))
         e.n += 1
 
     cdef void log_tier(self, uint8_t kind, block_id_t b) noexcept nogil:
@@ -362,22 +371,29 @@ cdef class PrefixIndex:
                 n += 1
         return out
 
-    def drain_events(self):
+    def drain_events(self, bint tokens=False):
         """Pending events as arrays ``(kind, hash, parent_hash, ns, block)``, oldest first,
         and the number of events lost since the last drain (the buffer holds at most
-        ``max_events``; a consumer that lost events must resync). Clears them."""
+        ``max_events``; a consumer that lost events must resync). Clears them.
+        ``tokens``: a seventh item, the int32 token ids ``[n, block_size]`` of each stored
+        block (zeros for other events)."""
         cdef EventBuf* e = &self.ev
         cdef int64_t n = e.n
         cdef cnp.ndarray kind = new_u8(n), h = new_u64(n), p = new_u64(n), ns = new_i32(n), b = new_i32(n)
+        cdef cnp.ndarray toks = new_i32(n * self.block_size if tokens else 0)
         if n:
             memcpy(cnp.PyArray_DATA(kind), e.kind, n * sizeof(uint8_t))
             memcpy(cnp.PyArray_DATA(h), e.hash, n * sizeof(uint64_t))
             memcpy(cnp.PyArray_DATA(p), e.parent, n * sizeof(uint64_t))
             memcpy(cnp.PyArray_DATA(ns), e.ns, n * sizeof(int32_t))
             memcpy(cnp.PyArray_DATA(b), e.block, n * sizeof(int32_t))
+            if tokens:
+                memcpy(cnp.PyArray_DATA(toks), e.tokens, n * self.block_size * sizeof(token_t))
         lost = e.lost
         e.n = 0
         e.lost = 0
+        if tokens:
+            return kind, h, p, ns, b, lost, toks.reshape(n, self.block_size)
         return kind, h, p, ns, b, lost
 
     def drain_tier_log(self):

@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedkv.config import support
 from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
+from pagedkv.config.remote import RemoteTierConfig
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
 from pagedkv.format import dtypes
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
@@ -238,7 +239,10 @@ class CacheConfig:
     ``prefix_disk_dir`` (reused across restarts when ``prefix_disk_tag``, the model
     shape and the settings match); ``prefix_tier_write`` is ``"back"`` (copy a block
     down when the device evicts it) or ``"through"`` (also when it is registered);
-    ``prefix_tier_eviction`` is ``"lru"`` or ``"frequency"``.
+    ``prefix_tier_eviction`` is ``"lru"`` or ``"frequency"``; ``prefix_remote`` (a URL or a
+    :class:`~pagedkv.config.remote.RemoteTierConfig`) adds a Redis / Redis Cluster tier
+    that several hosts share, below the others. ``prefix_disk_tag`` names the weights for
+    both persistent tiers.
 
     Sliding-window layers (see :mod:`pagedkv.groups.layers`): ``layer_windows`` gives
     each layer's window in tokens (0 = full attention; ``from_hf_config`` reads it from
@@ -284,6 +288,7 @@ class CacheConfig:
     prefix_disk_tag: str = ""
     prefix_tier_write: str = "back"
     prefix_tier_eviction: str = "lru"
+    prefix_remote: Any = None
     layer_windows: tuple[int, ...] | None = None
     attention_sinks: int = 0
     _groups: GroupPlan | None = field(default=None, init=False, repr=False, compare=False)
@@ -397,6 +402,7 @@ class CacheConfig:
         if self.prefix_tier_eviction not in TIER_EVICTION_POLICIES:
             raise InvalidArgumentError(expected("prefix_tier_eviction", "'lru' or 'frequency'",
                                                 repr(self.prefix_tier_eviction)))
+        put("prefix_remote", RemoteTierConfig.of(self.prefix_remote))
         support.require(support.PREFIX_TIERS, self)
 
     def _validate_options(self, put) -> None:
@@ -632,8 +638,8 @@ class CacheConfig:
 
     @property
     def has_prefix_tiers(self) -> bool:
-        """True when a host or disk prefix tier is configured."""
-        return bool(self.prefix_host_blocks or self.prefix_disk_blocks)
+        """True when a host, disk or remote prefix tier is configured."""
+        return bool(self.prefix_host_blocks or self.prefix_disk_blocks or self.prefix_remote is not None)
 
     @property
     def element_bytes(self) -> float:

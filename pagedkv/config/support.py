@@ -71,7 +71,7 @@ class Capability:
 
 
 #: the rows the configuration's validation asks for by name
-PREFIX_TIERS = "prefix tiers (prefix_host_blocks, prefix_disk_dir, warm restart)"
+PREFIX_TIERS = "prefix tiers (prefix_host_blocks, prefix_disk_dir, prefix_remote, warm restart)"
 ATTENTION_SINKS = "attention_sinks (first positions every sliding-window layer keeps)"
 LOW_BIT = ("low-bit options (kv_group_size, kv_rotation, kv_key_quant, kv_window, kv_sink_tokens, "
            "kv_full_precision_layers)")

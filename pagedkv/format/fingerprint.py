@@ -92,6 +92,7 @@ NOT_STORED: dict[str, str] = {
     "prefix_disk_blocks": "tier capacity (the disk tier checks its own capacity)",
     "prefix_tier_write": "tier policy",
     "prefix_tier_eviction": "tier policy",
+    "prefix_remote": "where the remote tier lives (its keys and values carry this fingerprint)",
 }
 
 

@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from pagedkv.config.remote import RemoteTierConfig
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 
 __all__ = ["ConnectorConfig", "STORAGE_FORMATS"]
@@ -26,7 +27,8 @@ class ConnectorConfig:
             through a host staging slot, so at least 1 is used when a disk is set).
         disk_dir: directory of the disk tier (None: no disk tier). Two engines may
             share one; each opens it only for the moment of a lookup or a write.
-        disk_blocks: capacity of the disk tier (fixed when the directory is created).
+        disk_blocks: the disk tier's limit in blocks: its files start at 64 MiB (or the
+            limit, if smaller) and grow on demand up to it; a reset gives the space back.
         disk_write: ``"through"`` (every stored block also goes to disk at once, so a
             crash or a restart loses nothing) or ``"back"`` (only host evictions go down).
         eviction: ``"lru"`` or ``"frequency"`` (pagedkv's tier policies).
@@ -42,6 +44,11 @@ class ConnectorConfig:
             good; counted in ``PrefixStore.num_report_timeouts``. A report that comes
             later is ignored. Finite, > 0, at most a day.
         rotation_seed: the fp8 format's Hadamard sign seed (part of the format).
+        remote: a remote tier shared by engines on many hosts (a Redis server or a
+            Redis Cluster; :mod:`pagedkv.tiers.remote`): its URL or a mapping of
+            :class:`~pagedkv.config.remote.RemoteTierConfig`'s fields. Lookups that the
+            host and disk tiers cannot serve ask it (each block verified: tokens, chain
+            link, format, checksum); committed blocks go to it in the background.
         weak_hash: tests only: a 4-valued tier hash, so collisions happen constantly.
     """
 
@@ -56,6 +63,7 @@ class ConnectorConfig:
     report_timeout_s: float = 60.0
     rotation_seed: int = 0x5EED
     weak_hash: bool = False
+    remote: str | dict | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -105,10 +113,20 @@ class ConnectorConfig:
                 bad(key, "a finite number of seconds in " + ("[0, 86400]" if lo is not None else "(0, 86400]"))
         if not isinstance(self.weak_hash, bool):
             bad("weak_hash", "a bool")
+        if self.remote is not None and not isinstance(self.remote, (str, dict)):
+            bad("remote", "a URL (str), a mapping of RemoteTierConfig fields, or None")
+        try:
+            self.remote_config
+        except (InvalidArgumentError, ArgumentTypeError) as e:
+            raise type(e)(f"kv_connector_extra_config['remote']: {e}") from None
 
     @property
     def disk_path(self) -> str | None:
         return None if self.disk_dir is None else os.path.abspath(os.path.expanduser(self.disk_dir))
+
+    @property
+    def remote_config(self) -> RemoteTierConfig | None:
+        return RemoteTierConfig.of(self.remote)
 
     @property
     def staging_blocks(self) -> int:

@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pagedkv.errors import InternalError
 from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.integrations.vllm_events import to_vllm
 from pagedkv.integrations.vllm_shm import _alive, read_status, shm_dir
 from pagedkv.integrations.vllm_store import PrefixStore, get_store, lookup_store, store_of_arena
 from pagedkv.integrations.vllm_worker import BlockMover, KVSpec
@@ -141,6 +142,9 @@ class PagedKVConnector(KVConnectorBase_V1):
         elif self._scheduler:
             store = get_store(self._key, self.cfg, self._spec, self._tag)
             self._read_worker_status(store)
+            events = getattr(vllm_config, "kv_events_config", None)
+            if events is not None and getattr(events, "enable_kv_cache_events", False):
+                store.enable_events()             # vLLM publishes them with its own (take_events)
         # scheduler side
         self._lookups: dict[str, tuple[int, list[int]]] = {}   # req -> (first block, leased slots)
         self._loads: list[tuple[int, int]] = []
@@ -340,6 +344,16 @@ class PagedKVConnector(KVConnectorBase_V1):
         # The step that completed a block already copied it (wait_for_save is synchronous),
         # so vLLM may free the blocks now; the commit waits for the worker's report.
         return False, None
+
+    def take_events(self):
+        """The tiers' KV events since the last call, as vLLM's event objects (vLLM sends
+        them in its own stream with its device events; :mod:`.vllm_events`)."""
+        s = self.store
+        if s is None or s.events is None:
+            return ()
+        with s.lock:
+            drained = s.events.drain()
+        return to_vllm(drained, s.bs)
 
     def reset_cache(self) -> bool:
         if self.store is not None:

@@ -22,23 +22,29 @@ numbers and vLLM block ids (the step's metadata one way, the worker's report the
   counted in ``num_report_timeouts``), so a lost report never holds host slots for good
   and a late one changes nothing. Host evictions go to disk before their slot is reused (chain-closed, like
   :class:`~pagedkv.tiers.PrefixTiers`).
-- **Sharing a directory:** the disk tier is opened (``flock``) only for one batch of
-  lookups or writes, then closed, so several engines take turns; a block's CRC is
-  checked before it is served, and a slot is valid on disk only once sealed.
-- **Misses without opening the disk:** the closed tier's in-memory index stays as a
-  *view*, stamped with the directory's generation (``vllm-generation``: 8 bytes that
-  every session which changes the tier bumps, under the lock, before its first change).
-  While the file still holds that stamp, a lookup the view answers with no longer
-  chain than the host's, and a write-down of blocks the view already holds, cost hash
-  lookups, not a reopen. The view only decides whether to open: every hit is still
-  found, token-verified and CRC-checked in a locked session.
+- **Sharing a directory:** the disk tier is locked (``flock``) only for one batch of
+  lookups or writes, a *turn*, so several engines take turns; a block's CRC is
+  checked before it is served, and a slot is valid on disk only once sealed. The tier
+  stays open between turns; taking a turn reads what other engines changed since
+  from the tier's journal and re-checks just those slots
+  (:meth:`~pagedkv.tiers.disk.DiskPrefixTier.relock`): a turn costs what changed, not
+  the directory.
+- **A remote tier** (``remote``: a Redis server or Cluster that engines on several
+  hosts share, :mod:`pagedkv.tiers.remote`): what the host and disk tiers cannot
+  serve is asked of it; each fetched block is checked (format, key, tokens, chain
+  link, checksum) before it is promoted into a host slot like a disk hit. Committed
+  blocks are copied out at once and sent by its background writer; blocks fetched
+  from it are not sent back.
+- **Misses without a turn:** between turns the tier's in-memory index is a *view*.
+  While no engine changed the tier since (the journal did not move), a lookup the view
+  answers with no longer chain than the host's, and a write-down of blocks the view
+  already holds, cost hash lookups, not a turn. The view only decides whether to take
+  one: every hit is still found, token-verified and CRC-checked in a locked turn.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import stat
 import threading
 import time
 import weakref
@@ -51,12 +57,15 @@ from pagedkv.config.memory import arena_bytes, check_fits
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, TierFileError, expected
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.integrations.vllm_events import StoreEvents
+from pagedkv.integrations.vllm_remote import remote_lookup, to_remote
 from pagedkv.integrations.vllm_shm import SharedArena
 from pagedkv.integrations.vllm_worker import KVSpec
 from pagedkv.manager.arguments import as_int, as_token_ids
 from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ChainIndex, slot_dtype
+from pagedkv.tiers.remote import RemotePrefixTier
 
 __all__ = ["PrefixStore", "KVSpec", "get_store", "lookup_store", "store_of_arena", "replace_store", "drop_store"]
 
@@ -69,8 +78,6 @@ _stores_lock = threading.RLock()      # get_store holds it while PrefixStore reg
 
 #: the layout this module reads and writes (see :mod:`.vllm_codec`); part of the format.
 LAYOUT = "vllm-cpu-kT-v"
-#: the disk directory's generation file (see the module's docstring).
-GEN_FILE = "vllm-generation"
 
 
 def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> PrefixStore:
@@ -158,6 +165,14 @@ class PrefixStore:
                                         dict(self.format, **spec.as_dict()))
         self.host = SharedHostTier(self.arena, self.bs, eviction=cfg.eviction, weak_hash=cfg.weak_hash,
                                    on_evict=self._host_evicting)
+        self.remote: RemotePrefixTier | None = None
+        remote = cfg.remote_config
+        if remote is not None:
+            try:
+                self.remote = RemotePrefixTier(remote, self.template, self.bs, self.format)
+            except BaseException:
+                self.arena.close()
+                raise
         with _stores_lock:
             _by_arena[self.arena.name] = self
         self.lock = threading.RLock()
@@ -171,15 +186,21 @@ class PrefixStore:
         # step -> (deadline, its pending saves' slots, its loads' leased slots) until its report
         self._sent: dict[int, tuple[float, list[int], list[int]]] = {}
         self.num_report_timeouts = 0                       # slots a step's report never settled in time
-        self._disk: DiskPrefixTier | None = None
-        self._view: DiskPrefixTier | None = None     # the last session's tier, closed: its index in memory
-        self._view_gen: tuple | None = None          # the directory's generation that index reflects
-        self._session_gen: tuple | None = None
-        self._session_bumped = False
+        self._disk: DiskPrefixTier | None = None     # the tier, during a turn
+        self._tier: DiskPrefixTier | None = None     # the tier, open between turns (its index: the view)
+        self.num_disk_turns = 0
         self.num_disk_hit_tokens = 0
         self.num_disk_written = 0
         self.num_disk_corrupt = 0
         self.num_lock_misses = 0
+        self.events: StoreEvents | None = None       # KV events of the tiers, once enabled
+
+    def enable_events(self) -> None:
+        """Record KV events of the host, disk and remote tiers (drained by the connector's
+        ``take_events`` into vLLM's event stream; :mod:`.vllm_events`)."""
+        with self.lock:
+            if self.events is None:
+                self.events = StoreEvents(self.host.index, self.bs)
 
     # ---- refusals -------------------------------------------------------------------------
     def refuse(self, reason: str) -> None:
@@ -191,96 +212,61 @@ class PrefixStore:
     def serving(self) -> bool:
         return self.refused is None and self.worker_ready
 
-    # ---- disk sessions ---------------------------------------------------------------------
+    # ---- disk turns -------------------------------------------------------------------------
     @contextlib.contextmanager
     def disk(self):
-        """The disk tier, open (and locked) for one batch of work; None when unusable."""
+        """The disk tier, locked for one batch of work (a turn); None when unusable."""
         if self._disk is not None or self.cfg.disk_path is None or self.disk_refused:
             yield self._disk
             return
-        deadline = time.monotonic() + self.cfg.lock_timeout_s
-        while True:
-            try:
-                d = DiskPrefixTier(self.cfg.disk_path, self.template, self.cfg.disk_blocks, self.bs, self.format,
-                                   eviction=self.cfg.eviction, weak_hash=self.cfg.weak_hash, verify_blocks=False)
-                break
-            except TierFileError as e:
-                if "locked by another cache" in str(e):
-                    if time.monotonic() < deadline:
-                        time.sleep(0.002)
-                        continue
-                    self.num_lock_misses += 1
-                    log.info("pagedkv connector: disk tier busy for %.1f s; skipped", self.cfg.lock_timeout_s)
-                    yield None
-                    return
-                self.disk_refused = str(e)
-                log.warning("pagedkv connector: disk tier refused, using host only: %s", e)
-                yield None
-                return
+        try:
+            d = self._take_turn()
+        except TierFileError as e:
+            self.disk_refused = str(e)
+            log.warning("pagedkv connector: disk tier refused, using host only: %s", e)
+            d = None
+        if d is None:
+            yield None
+            return
         self._disk = d
-        self._view = None
-        self._session_bumped = False
-        self._session_gen = self._read_gen()
-        dropped = (getattr(d, "num_corrupt_dropped", None), getattr(d, "num_orphans_dropped", None))
-        if self._session_gen is None or any(dropped):
-            self._bump(d)                          # opening changed the files (or there is no stamp yet)
+        self.num_disk_turns += 1
         try:
             yield d
         finally:
             self._disk = None
-            gen = self._session_gen
-            d.close()
-            if gen is not None:
-                self._view, self._view_gen = d, gen
+            d.unlock()
 
-    def _gen_path(self) -> str:
-        return os.path.join(self.cfg.disk_path, GEN_FILE)      # type: ignore[arg-type]  # a disk is set
-
-    def _read_gen(self) -> tuple | None:
-        """(device, inode, counter) of the generation file; None when absent or unreadable."""
-        try:
-            fd = os.open(self._gen_path(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
+    def _take_turn(self) -> DiskPrefixTier | None:
+        path = self.cfg.disk_path
+        if path is None:
             return None
-        try:
-            st = os.fstat(fd)
-            raw = os.pread(fd, 8, 0)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        if not stat.S_ISREG(st.st_mode) or len(raw) != 8:
-            return None
-        return st.st_dev, st.st_ino, int.from_bytes(raw, "little")
-
-    def _bump(self, d: DiskPrefixTier) -> None:
-        """Before this session's first change to the tier: move the directory's generation
-        on, so other engines' views go stale (under the lock, like every change)."""
-        if self._session_bumped:
-            return
-        self._session_gen = None                   # if the bump fails, keep no view of this session
-        try:
-            fd = d.dir.open(GEN_FILE, os.O_RDWR, create=True)
-        except (OSError, TierFileError) as e:
-            log.info("pagedkv connector: could not stamp the disk tier's generation (%s); misses reopen it", e)
-            return
-        try:
-            raw = os.pread(fd, 8, 0)
-            n = (int.from_bytes(raw, "little") + 1) % 2**64 if len(raw) == 8 else 1
-            os.pwrite(fd, n.to_bytes(8, "little"), 0)
-            st = os.fstat(fd)
-            self._session_gen = (st.st_dev, st.st_ino, n)
-            self._session_bumped = True
-        except OSError as e:
-            log.info("pagedkv connector: could not stamp the disk tier's generation (%s); misses reopen it", e)
-        finally:
-            os.close(fd)
+        if self._tier is not None:
+            if self._tier.relock(self.cfg.lock_timeout_s):
+                return self._tier
+        else:
+            deadline = time.monotonic() + self.cfg.lock_timeout_s
+            while True:
+                try:
+                    self._tier = DiskPrefixTier(path, self.template, self.cfg.disk_blocks, self.bs,
+                                                self.format, eviction=self.cfg.eviction, weak_hash=self.cfg.weak_hash,
+                                                verify_blocks=False)
+                    return self._tier
+                except TierFileError as e:
+                    if "locked by another cache" not in str(e):
+                        raise
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.002)
+        self.num_lock_misses += 1
+        log.info("pagedkv connector: disk tier busy for %.1f s; skipped", self.cfg.lock_timeout_s)
+        return None
 
     def _fresh_view(self) -> DiskPrefixTier | None:
-        """The last session's index, while no engine has changed the tier since."""
-        if self._view is None or self._disk is not None or self._read_gen() != self._view_gen:
+        """The tier's index between turns, while no engine has changed the tier since."""
+        t = self._tier
+        if t is None or self._disk is not None or not t.unchanged():
             return None
-        return self._view
+        return t
 
     # ---- lookups --------------------------------------------------------------------------
     def _ns(self, tier, ns_key: bytes, create: bool):
@@ -299,63 +285,71 @@ class PrefixStore:
 
     def lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> list[int]:
         """Host slots of the longest verified prefix of ``tokens`` (at most ``max_blocks``),
-        promoting disk hits into the host tier. The caller leases what it will load."""
+        promoting disk and remote hits into the host tier. The caller leases what it will load."""
         tokens, ns_key = _checked(tokens, ns_key)
         max_blocks = as_int(max_blocks, "max_blocks")
         with self.lock:
             chain = self._host_chain(tokens, ns_key, max_blocks)
-            if len(chain) >= max_blocks or self.cfg.disk_path is None or self.disk_refused:
-                return chain
-            view = self._fresh_view()
-            if view is not None:
-                ns, h = self._ns(view, ns_key, False)
-                if ns is None or len(view.index.lookup(tokens, ns, h, max_blocks)) <= len(chain):
-                    return chain                   # the disk holds no longer prefix: no need to open it
-            with self.disk() as d:
-                if d is None:
-                    return chain
-                ns, h = self._ns(d, ns_key, False)
-                if ns is None:
-                    return chain
-                dchain = d.index.lookup(tokens, ns, h, max_blocks)
-                if len(dchain) <= len(chain):
-                    return chain
-                hns, hh = self._ns(self.host, ns_key, True)
-                self.host.index.lease(chain)               # the promotion must not evict our own prefix
-                d.index.lease(dchain)                      # nor a host eviction's write-down the disk's
-                try:
-                    for i in range(len(chain), len(dchain)):
-                        s = dchain[i]
-                        if not d.verify(s):
-                            self.num_disk_corrupt += 1
-                            log.warning("pagedkv connector: disk slot %d failed its CRC-32; dropped (a miss)", s)
-                            d.index.release(dchain[i:])
-                            dchain = dchain[:i]
-                            self._bump(d)
-                            for x in d.index.descendants(s) + [s]:
-                                d.index.remove(x)
-                            break
-                        parent = chain[-1] if chain else ROOT
-                        slot, created = self.host.index.insert(parent, hns, hh, tokens[i * self.bs:(i + 1) * self.bs])
-                        if slot < 0:
-                            break
-                        if created:
-                            try:
-                                d.read([s], self.host.arenas, [slot])
-                            except BaseException:
-                                self.host.index.release([slot])
-                                self.host.index.remove(slot)
-                                raise
-                            self.host.written(np.asarray([slot]))
-                            self.host.index.release([slot])
-                        d.index.touch(s, hit=True)
-                        self.num_disk_hit_tokens += self.bs
-                        self.host.index.lease([slot])
-                        chain.append(slot)
-                finally:
-                    self.host.index.release(chain)
-                    d.index.release(dchain)
+            if len(chain) < max_blocks and self.cfg.disk_path is not None and not self.disk_refused:
+                chain = self._disk_lookup(tokens, ns_key, max_blocks, chain)
+            if len(chain) < max_blocks and self.remote is not None:
+                chain = remote_lookup(self, self.remote, tokens, ns_key, max_blocks, chain)
             return chain
+
+    def _disk_lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int, chain: list[int]) -> list[int]:
+        """``chain`` (host slots) extended by the disk tier's verified blocks."""
+        view = self._fresh_view()
+        if view is not None:
+            ns, h = self._ns(view, ns_key, False)
+            if ns is None or len(view.index.lookup(tokens, ns, h, max_blocks)) <= len(chain):
+                return chain                   # the disk holds no longer prefix: no need to open it
+        with self.disk() as d:
+            if d is None:
+                return chain
+            ns, h = self._ns(d, ns_key, False)
+            if ns is None:
+                return chain
+            dchain = d.index.lookup(tokens, ns, h, max_blocks)
+            if len(dchain) <= len(chain):
+                return chain
+            hns, hh = self._ns(self.host, ns_key, True)
+            self.host.index.lease(chain)               # the promotion must not evict our own prefix
+            d.index.lease(dchain)                      # nor a host eviction's write-down the disk's
+            promoted: list[int] = []
+            try:
+                for i in range(len(chain), len(dchain)):
+                    s = dchain[i]
+                    if not d.verify(s):
+                        self.num_disk_corrupt += 1
+                        log.warning("pagedkv connector: disk slot %d failed its CRC-32; dropped (a miss)", s)
+                        d.index.release(dchain[i:])
+                        dchain = dchain[:i]
+                        d.drop(s)
+                        break
+                    parent = chain[-1] if chain else ROOT
+                    slot, created = self.host.index.insert(parent, hns, hh, tokens[i * self.bs:(i + 1) * self.bs])
+                    if slot < 0:
+                        break
+                    if created:
+                        try:
+                            d.read([s], self.host.arenas, [slot])
+                        except BaseException:
+                            self.host.index.release([slot])
+                            self.host.index.remove(slot)
+                            raise
+                        self.host.written(np.asarray([slot]))
+                        self.host.index.release([slot])
+                        promoted.append(slot)
+                    d.index.touch(s, hit=True)
+                    self.num_disk_hit_tokens += self.bs
+                    self.host.index.lease([slot])
+                    chain.append(slot)
+            finally:
+                self.host.index.release(chain)
+                d.index.release(dchain)
+                if self.events is not None and promoted:
+                    self.events.stored("host", promoted)
+        return chain
 
     def lease(self, slots: Sequence[int]) -> None:
         with self.lock:
@@ -452,8 +446,12 @@ class PrefixStore:
             for s in landed:
                 self._settle(s)
             self.host.index.release(landed)
+            if self.events is not None:
+                self.events.stored("host", landed)
             if self.cfg.disk_path is not None and self.cfg.disk_write == "through":
                 self.to_disk(landed)
+            if self.remote is not None:
+                to_remote(self, self.remote, landed)
 
     def loaded(self, slots: Sequence[int], ok: bool, step: int | None = None) -> None:
         """The worker copied (``ok``) or failed to copy these leased slots: release them.
@@ -480,6 +478,8 @@ class PrefixStore:
     def _host_evicting(self, slot: int) -> None:
         if self.cfg.disk_path is not None and slot not in self.pending:
             self.to_disk([slot])
+        if self.events is not None and slot not in self.pending:
+            self.events.removed("host", [slot])
 
     def to_disk(self, slots: Sequence[int]) -> None:
         """Admit these host slots' chains to the disk tier (ancestors first)."""
@@ -508,6 +508,7 @@ class PrefixStore:
                 return
             host = self.host
             done: dict[int, int] = {}
+            new: list[int] = []                         # host slots written down (for events)
             for slot in slots:
                 parent = ROOT
                 for a in host.index.chain(slot):
@@ -515,12 +516,8 @@ class PrefixStore:
                         parent = done[a]
                         continue
                     key = host.ns_keys[int(host.index.rec["ns"][a])]
-                    if d.namespace(key, create=False) is None:
-                        self._bump(d)
                     ns, h = self._ns(d, key, True)
                     tok = np.array(host.index.rec["tokens"][a])
-                    if d.index.find_child(parent, ns, h, tok) < 0:
-                        self._bump(d)              # an insert changes the tier (it may evict, too)
                     s, created = d.index.insert(parent, ns, h, tok)
                     if s < 0:
                         break
@@ -531,7 +528,10 @@ class PrefixStore:
                         finally:
                             d.index.release([s])
                         self.num_disk_written += 1
+                        new.append(a)
                     done[a] = parent = s
+            if self.events is not None and new:
+                self.events.stored("disk", new)
 
     # ---- pins, stats, reset -----------------------------------------------------------------
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool = True) -> int:
@@ -555,6 +555,8 @@ class PrefixStore:
             out.append(TierStats(medium="disk", capacity=self.cfg.disk_blocks, used_blocks=used, pinned_blocks=0,
                                  hit_tokens=self.num_disk_hit_tokens, written_blocks=self.num_disk_written,
                                  eviction_count=0, corrupt_blocks=self.num_disk_corrupt))
+        if self.remote is not None:
+            out.append(self.remote.stats())
         return out
 
     def clear(self, disk: bool = False) -> None:
@@ -567,14 +569,25 @@ class PrefixStore:
             self.pending.clear()
             self._pending_step.clear()
             self._sent.clear()
+            if self.remote is not None:
+                self.remote.clear()                        # what this engine knows; the server's keys stay
+            if self.events is not None:
+                self.events.cleared("host")
             if disk:
                 with self.disk() as d:
                     if d is not None:
-                        d.index.clear()
-                        d.cleared()
+                        d.clear()
+                        if self.events is not None:
+                            self.events.cleared("disk")
 
     def close(self) -> None:
         with _stores_lock:
             _by_arena.pop(self.arena.name, None)
+        with self.lock:
+            if self._tier is not None:
+                self._tier.close()
+                self._tier = None
+            if self.remote is not None:
+                self.remote.close()
         self.arena.close()
 

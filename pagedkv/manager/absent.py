@@ -20,6 +20,7 @@ class NoTiers:
 
     host = None
     disk = None
+    remote = None
 
     def __init__(self, index, names, block_size: int):
         self.index = index
@@ -38,11 +39,14 @@ class NoTiers:
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool) -> int:
         return 0
 
+    def prefetch(self, tokens: np.ndarray, ns_key: bytes) -> None:
+        pass
+
     def clear(self) -> None:
         pass
 
     def drain_events(self) -> list[KVEvent]:
-        return events_from_records(self.index.drain_events(), self.names.name, self.block_size, self.index.root)
+        return events_from_records(self.index.drain_events(tokens=True), self.names.name, self.block_size, self.index.root)
 
     def stats(self) -> list:
         return []

@@ -384,6 +384,13 @@ class PagedKVCache:
         layer groups: the longest prefix every group holds (:meth:`match_prefix_groups`)."""
         return self._prefix.match_prefix(token_ids, cache_salt, adapter_id)
 
+    def prefetch_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
+                        adapter_id: Any = None) -> None:
+        """Start bringing the blocks of ``token_ids`` from a remote prefix tier in the
+        background (no effect without one), so a later :meth:`add_sequence` of them
+        finds them landed instead of waiting on the network."""
+        self._prefix.prefetch_prefix(token_ids, cache_salt, adapter_id)
+
     def match_prefix_groups(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
                             adapter_id: Any = None) -> dict:
         """Per layer group, the cached prefix of ``token_ids``: a dict of ``tokens`` (what

@@ -53,6 +53,11 @@ class Prefixes:
             return max(found, self.tiers.match(tokens, namespace_key(cache_salt, adapter_id),
                                                None if ns is None else ns[0]))
 
+    def prefetch_prefix(self, token_ids, cache_salt, adapter_id) -> None:
+        tokens = as_token_ids(token_ids)
+        with self.lock:
+            self.tiers.prefetch(tokens, namespace_key(cache_salt, adapter_id))
+
     def match_prefix_groups(self, token_ids, cache_salt, adapter_id) -> dict:
         tokens = as_token_ids(token_ids)
         with self.lock:

@@ -51,6 +51,7 @@ class CacheStats:
     device_hit_tokens: int = 0     # hit tokens the device index served
     host_hit_tokens: int = 0       # hit tokens promoted from the host prefix tier
     disk_hit_tokens: int = 0       # hit tokens promoted from the disk prefix tier
+    remote_hit_tokens: int = 0     # hit tokens promoted from the remote prefix tier
     tiers: tuple = ()              # TierStats per prefix tier below the device
     group_hit_limits: tuple = ()   # layer groups: admissions whose prefix hit each group limited
     groups: tuple = ()             # layer groups: GroupStats per group (the totals above add them up)
@@ -85,7 +86,9 @@ class CacheStats:
         bpb = cfg.bytes_per_block
         q, h = tables.num_query_tokens, tables.num_hit_tokens
         tiers = tuple(tiers.stats()) if tiers is not None else ()
-        by_medium = {t.medium: t.hit_tokens for t in tiers}
+        by_medium: dict[str, int] = {}
+        for t in tiers:
+            by_medium[t.medium] = by_medium.get(t.medium, 0) + t.hit_tokens
         device_hits = h
         h += sum(by_medium.values())
         return cls(
@@ -114,6 +117,7 @@ class CacheStats:
             device_hit_tokens=device_hits,
             host_hit_tokens=by_medium.get("host", 0),
             disk_hit_tokens=by_medium.get("disk", 0),
+            remote_hit_tokens=by_medium.get("remote", 0),
             tiers=tiers,
             window_bytes=cfg.window_bytes,
             group_hit_limits=tuple(groups.limited_by) if groups is not None else (),
@@ -139,7 +143,7 @@ class CacheStats:
             f"{self.eviction_count} evictions, {self.cow_copies} copy-on-write copies",
             f"Counters: {self.allocation_count} blocks allocated, {self.deallocation_count} released",
         ] + ([f"Hits by medium: device {self.device_hit_tokens}, host {self.host_hit_tokens}, "
-              f"disk {self.disk_hit_tokens} tokens"] if self.tiers else [])
+              f"disk {self.disk_hit_tokens}, remote {self.remote_hit_tokens} tokens"] if self.tiers else [])
           + [t.describe() for t in self.tiers]
           + [f"Layer group {g.group} ({'window ' + str(g.window) if g.window else 'full attention'}, "
              f"{len(g.layers)} layers): {g.blocks_held} blocks held, {g.cow_copies} copy-on-write copies, "

@@ -28,6 +28,7 @@ import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import InternalError
+from pagedkv.tiers.verify import same_block
 
 __all__ = ["ChainIndex", "slot_dtype", "ROOT", "ROOT_HASH", "chain_hash"]
 
@@ -63,15 +64,18 @@ class ChainIndex:
         weak_hash: tests only: a 4-valued hash, so collisions happen constantly.
         on_evict: called with a slot just before it is emptied to make room.
         on_removed: called with a slot just after it was emptied (for any reason).
+        on_full: called when no slot is free, before evicting; True when it made room
+            (:meth:`grow` was called: a disk tier grows its files up to its limit).
+
+    The free list is lazy: a slot in it may have been filled since by :meth:`adopt`
+    (another process's change, read back); taking a slot skips those.
     """
 
     def __init__(self, records: np.ndarray, block_size: int, *, eviction: str = "lru",
                  weak_hash: bool = False, on_evict: Callable[[int], None] | None = None,
-                 on_removed: Callable[[int], None] | None = None):
-        self.rec = records
-        # field views, made once: a lookup reads a few fields of each block's record
-        self._f = {k: records[k] for k in ("valid", "ns", "parent", "parent_gen", "gen", "hash", "tokens")}
-        self.capacity = len(records)
+                 on_removed: Callable[[int], None] | None = None, on_full: Callable[[], bool] | None = None):
+        self._use(records)
+        self.on_full = on_full
         self.block_size = block_size
         self.weak_hash = weak_hash
         self.frequency = eviction == "frequency"
@@ -104,12 +108,15 @@ class ChainIndex:
         return ROOT_HASH if slot == ROOT else int(self._f["hash"][slot])
 
     def matches(self, slot: int, tokens: np.ndarray, ns: int, parent: int, parent_gen: int) -> bool:
+        """Whether ``slot`` holds ``tokens`` in ``ns`` under ``parent`` at ``parent_gen``
+        (the check every tier makes: :func:`pagedkv.tiers.verify.same_block`)."""
         f = self._f
-        if f["valid"][slot] != 1 or f["ns"][slot] != ns or f["parent"][slot] != parent:
+        if f["valid"][slot] != 1:
             return False
-        if parent != ROOT and f["parent_gen"][slot] != parent_gen:
-            return False
-        return bool(np.array_equal(f["tokens"][slot], tokens))
+        p = int(f["parent"][slot])
+        link = (p, 0 if p == ROOT else int(f["parent_gen"][slot]))
+        return same_block(f["tokens"][slot], int(f["ns"][slot]), link, tokens, ns,
+                          (parent, 0 if parent == ROOT else parent_gen))
 
     def find_child(self, parent: int, ns: int, ns_hash: int, tokens: np.ndarray) -> int:
         """The slot holding ``tokens`` under ``parent`` in namespace ``ns``, or -1."""
@@ -184,9 +191,39 @@ class ChainIndex:
         self.touch(s)
         return s, True
 
+    def _use(self, records: np.ndarray) -> None:
+        self.rec = records
+        # field views, made once: a lookup reads a few fields of each block's record
+        self._f = {k: records[k] for k in ("valid", "ns", "parent", "parent_gen", "gen", "hash", "tokens")}
+        self.capacity = len(records)
+
+    def grow(self, records: np.ndarray) -> None:
+        """Take ``records``, a longer copy of the records (the new slots empty)."""
+        old = self.capacity
+        n = len(records)
+        self._use(records)
+        for name in ("children", "pins", "busy"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.zeros(n - old, dtype=a.dtype)]))
+        self.where = np.concatenate([self.where, np.full(n - old, -1, dtype=np.int8)])
+        self.free[:0] = range(n - 1, old - 1, -1)        # taken after the older free slots
+
+    def _pop_free(self) -> int:
+        valid = self._f["valid"]
+        while self.free:
+            s = self.free.pop()
+            if valid[s] != 1:
+                return s
+        return -1
+
     def _take_slot(self) -> int:
-        if self.free:
-            return self.free.pop()
+        s = self._pop_free()
+        if s >= 0:
+            return s
+        if self.on_full is not None and self.on_full():
+            s = self._pop_free()
+            if s >= 0:
+                return s
         for bucket in self.buckets:
             if bucket:
                 victim = next(iter(bucket))
@@ -194,7 +231,7 @@ class ChainIndex:
                     self.on_evict(victim)
                 self.num_evictions += 1
                 self.remove(victim)
-                return self.free.pop()
+                return self._pop_free()
         return -1
 
     def remove(self, slot: int) -> None:
@@ -248,6 +285,50 @@ class ChainIndex:
         self.num_used = 0
         self.free = list(range(self.capacity))[::-1]
         return held.tolist()
+
+    # ---- another process's changes, read back ------------------------------------------------
+    def forget(self, slots) -> bool:
+        """Drop these slots' current occupants from the index (their records changed on
+        disk), without callbacks; the records themselves are the caller's to replace.
+        False when an occupant has a child outside ``slots`` (its chain changed under
+        it: the caller must check everything)."""
+        r = self.rec
+        gone = [s for s in slots if r["valid"][s] == 1]
+        for s in gone:
+            self._unlist(s)
+            h = int(r["hash"][s])
+            if self.by_hash.get(h) == s:
+                del self.by_hash[h]
+            r["valid"][s] = 0
+            self.pins[s] = 0
+            self.num_used -= 1
+            self.free.append(s)
+        for s in gone:
+            p = int(r["parent"][s])
+            if p != ROOT:
+                self.children[p] -= 1
+                self._refresh(p)
+        return not any(self.children[s] for s in gone)
+
+    def adopt(self, slot: int, ns_hash: int) -> bool:
+        """Take a valid record another process wrote into an empty slot, if its parent
+        is held (same generation), its hash is its tokens' and no other slot has it.
+        The caller checked its CRC and namespace. False: not taken (a miss)."""
+        r, f = self.rec, self._f
+        p = int(f["parent"][slot])
+        if p != ROOT and not (0 <= p < self.capacity and f["valid"][p] == 1 and f["gen"][p] == f["parent_gen"][slot]):
+            return False
+        h = chain_hash(self.slot_hash(p), ns_hash, np.asarray(f["tokens"][slot]), self.weak_hash)
+        if h != int(f["hash"][slot]) or h in self.by_hash:
+            return False
+        r["valid"][slot] = 1
+        self.by_hash[h] = slot
+        self.num_used += 1
+        if p != ROOT:
+            self.children[p] += 1
+            self._refresh(p)
+        self._refresh(slot)
+        return True
 
     # ---- use, pins, leases --------------------------------------------------------------
     def touch(self, slot: int, hit: bool = False) -> None:
@@ -307,9 +388,10 @@ class ChainIndex:
     def check_invariants(self) -> None:
         r = self.rec
         valid = r["valid"] == 1
-        if int(valid.sum()) != self.num_used or self.num_used + len(self.free) != self.capacity:
+        free = {s for s in self.free if not valid[s]}
+        if int(valid.sum()) != self.num_used or self.num_used + len(free) != self.capacity:
             raise InternalError(f"tier index: {int(valid.sum())} valid slots, {self.num_used} counted, "
-                                f"{len(self.free)} free of {self.capacity}")
+                                f"{len(free)} free of {self.capacity}")
         kids = np.bincount(r["parent"][valid][r["parent"][valid] >= 0], minlength=self.capacity)
         if not np.array_equal(kids[:self.capacity], self.children):
             raise InternalError("tier index: child counts disagree with the parent links")

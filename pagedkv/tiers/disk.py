@@ -1,48 +1,64 @@
-"""The disk prefix tier: a memory-mapped block file, a memory-mapped slot index, and a
-small JSON header, in one directory that a later process can reopen.
+"""The disk prefix tier: a memory-mapped block file, a memory-mapped slot index, a
+journal and a small JSON header, in one directory that a later process (or several
+processes taking turns) can reopen.
 
 Files (``dir/``):
 
-- ``meta.json``: format version, capacity, record size, and the KV format this tier
-  was written for (model shape, dtypes, layout, tensor-parallel heads, tag); with sink
-  and window rows (version 2), their format too (``kv_window``, ``kv_sink_tokens``);
-- ``blocks.bin``: ``capacity`` records, one per slot. A record holds every arena's
+- ``meta.json``: format version, the tier's limit in blocks (``capacity``), record
+  size, and the KV format this tier was written for (model shape, dtypes, layout,
+  tensor-parallel heads, tag); with sink and window rows (version 2), their format too
+  (``kv_window``, ``kv_sink_tokens``); see :mod:`pagedkv.tiers.disk_meta`;
+- ``blocks.bin``: one record per slot (:mod:`pagedkv.tiers.payload`): every arena's
   bytes of one block (all layers), so a block is one contiguous read, and, for a
   quantized cache with ``kv_window``/``kv_sink_tokens``, the block's model-precision
   sink and window rows (:mod:`pagedkv.tiers.disk_rows`), under the same CRC;
-- ``index.bin``: ``capacity`` slot records (:func:`~pagedkv.tiers.chain.slot_dtype`):
+- ``index.bin``: one slot record per slot (:func:`~pagedkv.tiers.chain.slot_dtype`):
   tokens, namespace, parent link, tier hash, the block's CRC-32 and a CRC-32 of the
   record itself;
+- ``journal.bin``: the slots changed, appended before each change
+  (:mod:`pagedkv.tiers.disk_journal`);
 - ``namespaces.json``: the namespace keys (hex) that slot records refer to;
-- ``lock``: held (``flock``) while a cache has the tier open.
+- ``lock``: held (``flock``) while a cache uses the tier.
 
-Nothing here depends on a per-process secret: hits are verified by tokens and chain
-links, and the tier hash uses a fixed seed. Opening verifies the header against this
-cache, every slot record (its CRC, its parent link, its hash recomputed from its
-tokens) and, unless ``verify_blocks=False``, every block's CRC. A header or file
-size that does not match raises :class:`~pagedkv.errors.TierFileError` and the directory
-is not used; a record that fails its checks is dropped with its descendants, a miss
-each (corruption, or a write torn by a power loss), and the rest is served. Reads verify the block's CRC again before its data reaches the device; a
-block that fails is dropped (with its descendants) and costs a miss.
+**Capacity grows on demand.** The files start at the limit or :data:`INITIAL_BYTES`,
+whichever is less, and double (their space reserved first) when every slot is taken,
+up to the limit; only then does the tier evict. A filesystem that refuses to grow them
+stops the growth (a warning), never the cache. :meth:`DiskPrefixTier.clear` empties the
+tier and gives the space back.
 
-A slot becomes valid on disk only after its data is written and sealed (CRC, then the
-record, whose ``valid`` byte is stored last; emptying stores it first), so a process
-killed mid-write leaves at worst an empty slot. A record a crash can orphan (its parent
-slot emptied, its namespace never written) costs that record, a miss, never the tier;
-``hits`` and ``stamp``, which only order eviction, are renumbered at open.
+**Reopening costs what changed.** A first open in a process checks everything: the
+header against this cache, every slot record (its CRC, its parent link, its hash
+recomputed from its tokens) and, unless ``verify_blocks=False``, every block's CRC. A
+process that keeps the tier between turns (:meth:`DiskPrefixTier.unlock`,
+:meth:`DiskPrefixTier.relock`: the vLLM connector's engines sharing a directory) reads
+only the journal's new entries and checks just those slots, so a lookup, a hit or a
+commit after another engine wrote costs in proportion to what it wrote, not to the
+directory. A header or file size that does not match raises
+:class:`~pagedkv.errors.TierFileError` and the directory is not used; a record that
+fails its checks is dropped with its descendants, a miss each (corruption, or a write
+torn by a power loss), and the rest is served. Reads verify the block's CRC again
+before its data reaches the device; a block that fails is dropped (with its
+descendants) and costs a miss.
+
+A slot becomes valid on disk only after its data is written and sealed (journal entry,
+CRC, then the record, whose ``valid`` byte is stored last; emptying stores it first),
+so a process killed mid-write leaves at worst an empty slot. A record a crash can
+orphan (its parent slot emptied, its namespace never written) costs that record, a
+miss, never the tier; ``hits`` and ``stamp``, which only order eviction, are
+renumbered at open.
 
 The files are opened only through :class:`~pagedkv.tiers.tierdir.TierDir` (no symbolic
 link, no FIFO, no file of another user; see docs/tier-directory.md), with their space
 reserved, so a full filesystem is a :class:`~pagedkv.errors.TierStorageError` when the
-tier is opened, never a ``SIGBUS`` later.
+tier is opened or grows, never a ``SIGBUS`` later.
 """
 from __future__ import annotations
 
 import errno
 import os
+import time
 import warnings
 import weakref
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -50,10 +66,14 @@ import numpy as np
 import torch
 
 from pagedkv.errors import HostMemoryError, InvalidArgumentError, TierFileError, TierStorageError, expected
-from pagedkv.format.fingerprint import differences, shown
-from pagedkv.tiers.base import Tier
-from pagedkv.tiers.chain import ROOT, ROOT_HASH, ChainIndex, chain_hash, slot_dtype
-from pagedkv.tiers.disk_rows import DiskRows, rows_format
+from pagedkv.tiers.base import SlotTier
+from pagedkv.tiers.chain import ChainIndex, slot_dtype
+from pagedkv.tiers.disk_journal import GROWN, NAMESPACES, Journal
+from pagedkv.tiers.disk_journal import NAME as JOURNAL
+from pagedkv.tiers.disk_meta import FORMAT_VERSION, MAGIC, ROWS_VERSION, check_meta
+from pagedkv.tiers.disk_records import check_all, check_changed
+from pagedkv.tiers.disk_rows import rows_format
+from pagedkv.tiers.payload import PayloadLayout, record_crc
 from pagedkv.tiers.tierdir import TierDir, storage_error
 
 try:
@@ -61,104 +81,102 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["DiskPrefixTier", "FORMAT_VERSION"]
+__all__ = ["DiskPrefixTier", "FORMAT_VERSION", "INITIAL_BYTES"]
 
-FORMAT_VERSION = 1
-ROWS_VERSION = 2          # records carry sink and window rows (meta.json names their format)
-_MAGIC = "pagedkv-prefix-tier"
-_ALIGN = 64
 MAX_SLOTS = 2**31 - 1          # slot ids and parent links are int32
-_NAMES = ("lock", "meta.json", "meta.json.tmp", "namespaces.json", "namespaces.json.tmp", "blocks.bin", "index.bin")
-_JSON_NAMES = {str: "string", int: "integer", bool: "boolean", dict: "object"}
-_META_TYPES = {"magic": str, "version": int, "capacity": int, "record_bytes": int, "block_size": int,
-               "weak_hash": bool, "kv_format": dict}
+#: the files' size at creation when the limit is larger (they grow on demand)
+INITIAL_BYTES = 64 << 20
+_NAMES = ("lock", "meta.json", "meta.json.tmp", "namespaces.json", "namespaces.json.tmp", "blocks.bin", "index.bin",
+          JOURNAL)
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-class DiskPrefixTier(Tier):
+class DiskPrefixTier(SlotTier):
     """Open (or create) the disk tier in ``path`` for KV shaped like ``store_arenas``.
 
     Args:
+        capacity: the tier's limit in blocks (the files grow up to it).
         kv_format: what the files must have been written for (see
             :func:`pagedkv.format.fingerprint.kv_format`); any difference refuses the directory.
         verify_blocks: check every block's CRC when opening (a full read).
+        initial_blocks: the files' slots at creation (default: the limit, or
+            :data:`INITIAL_BYTES` worth, whichever is less).
     """
 
     medium = "disk"
 
     def __init__(self, path: str, store_arenas: list[torch.Tensor], capacity: int, block_size: int,
                  kv_format: dict, *, eviction: str, weak_hash: bool, verify_blocks: bool = True,
-                 on_evict: Callable[[int], None] | None = None, rows=None):
+                 on_evict: Callable[[int], None] | None = None, rows=None, initial_blocks: int | None = None):
         super().__init__()
         self.block_size = block_size
         self.weak_hash = weak_hash
+        self.eviction = eviction
         self.num_write_errors = 0     # namespaces.json writes that failed (those blocks were not written down)
+        self.num_grown = 0            # times the files grew
+        self.num_refreshed = 0        # slots re-checked after other processes' changes
+        self.num_full_checks = 0      # opens or re-opens that checked every record
         self._maps: list = []
         self._loaded = False
-        sections, offset = [], 0
-        for a in store_arenas:
-            per_block = a[:, 0].numel() * a.element_size()
-            sections.append((offset, a.dtype, (a.shape[0],) + tuple(a.shape[2:])))
-            offset = _aligned(offset + per_block)
+        self._locked = False
+        self.journal: Journal | None = None
         rows_meta = rows_format(rows)
-        # the rows' section (data offset, dtype, shape, validity offset, shape): model-precision
-        # data, then a byte per layer and token
-        section: tuple[int, torch.dtype, tuple[int, ...], int, tuple[int, int]] | None = None
-        if rows_meta is not None:
-            rshape = tuple(rows_meta["shape"])
-            section = (offset, rows.data.dtype, rshape, offset + _aligned(
-                int(np.prod(rshape)) * rows.data.element_size()), (rshape[0], rshape[2]))
-            offset = _aligned(section[3] + rshape[0] * rshape[2])
-        self.rows_section = section
-        self.record_bytes = offset
-        self.meta: dict[str, Any] = {"magic": _MAGIC, "version": FORMAT_VERSION, "capacity": capacity,
-                                     "record_bytes": offset, "block_size": block_size,
+        self.layout = PayloadLayout.of(store_arenas, rows if rows_meta is not None else None)
+        self.record_bytes = self.layout.record_bytes
+        self.lock = None if rows is None else rows.lock
+        self._slot_bytes = slot_dtype(block_size).itemsize
+        self.meta: dict[str, Any] = {"magic": MAGIC, "version": FORMAT_VERSION, "capacity": capacity,
+                                     "record_bytes": self.record_bytes, "block_size": block_size,
                                      "weak_hash": bool(weak_hash), "kv_format": kv_format}
         if rows_meta is not None:
             self.meta.update(version=ROWS_VERSION, rows=rows_meta)
-        if not 0 < capacity <= MAX_SLOTS:               # before anything is created or allocated
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 < capacity <= MAX_SLOTS:
             raise InvalidArgumentError(expected("prefix_disk_blocks", f"an int in [1, {MAX_SLOTS}] (tier slot "
                                                 "ids are int32)", capacity))
+        self.limit = capacity
+        per = self.record_bytes + self._slot_bytes
+        first = initial_blocks if initial_blocks is not None else max(1, INITIAL_BYTES // per)
+        self._initial = min(capacity, max(1, int(first)))
         self._check_host_memory(capacity)
         self.dir = TierDir(path)
         self.path = self.dir.path
         try:
-            self._unlock = weakref.finalize(self, _unlock, self._lock())   # also on garbage collection
+            self._lock_fd = self._lock()
+            self._unlock = weakref.finalize(self, _unlock, self._lock_fd)   # also on garbage collection
+            self._locked = True
             for name in _NAMES:                         # nothing but our own regular files, before any change
                 self.dir.check(name)
             fresh = self.dir.lstat("meta.json") is None
             if fresh:
                 self._create()
             else:
-                self._check_meta()
+                check_meta(self._file("meta.json"), self.meta, self._read_json("meta.json"))
             self._open_maps()
+            self.journal = Journal(self.dir, max_entries=4 * capacity + 4096)
             if not fresh:
+                self._check_limit()
                 self._load_namespaces()
-                self._check_records(verify_blocks)
+                self.num_full_checks += 1
+                check_all(self, verify_blocks)
             self._loaded = True
-            self.index = ChainIndex(self.records, block_size, eviction=eviction, weak_hash=weak_hash,
-                                    on_evict=on_evict, on_removed=self._persist)
-            self.index.pins[:] = 0
+            self._new_index()
         except BaseException:
             self.dir.rollback()       # before close(): it removes what this open created through the directory
             self.close()
             raise
-        self.arenas, self._records_view = [], []
-        base = torch.from_numpy(self.blocks).view(capacity, self.record_bytes)
-        for off, dtype, shape in sections:
-            size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-            view = base[:, off:off + size].view(torch.uint8).view((capacity, size))
-            self._records_view.append(view)      # slot -> this arena's bytes of the block, all layers
-            self.arenas.append(view.view(dtype).view((capacity,) + shape).transpose(0, 1))
-        if section is not None:
-            off, dtype, shape, voff, vshape = section
-            size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-            data = base[:, off:off + size].view(dtype).view((capacity,) + shape)
-            valid = base[:, voff:voff + int(np.prod(vshape))].view((capacity,) + vshape)
-            self.window = DiskRows(data, valid, rows.lock)
+
+    def _new_index(self) -> None:
+        callbacks = (self.index.on_evict, self.index.on_removed) if hasattr(self, "index") else (None, None)
+        self.index = ChainIndex(self.records, self.block_size, eviction=self.eviction, weak_hash=self.weak_hash,
+                                on_evict=callbacks[0], on_removed=callbacks[1] or self._persist, on_full=self._grow)
+        self.index.pins[:] = 0
+        self._views()
+
+    def _views(self) -> None:
+        n = len(self.records)
+        self.payloads = self.layout.over(torch.from_numpy(self.blocks[:n * self.record_bytes]).view(n, self.record_bytes),
+                                         self.lock)
+        self.arenas, self._records_view = self.payloads.arenas, self.payloads.records
+        self.window = self.payloads.window
 
     @property
     def nbytes(self) -> int:
@@ -166,21 +184,27 @@ class DiskPrefixTier(Tier):
         return sum(size for _, size in self._sizes())
 
     @property
+    def rows_section(self) -> tuple[int, int] | None:
+        """``(offset, bytes)`` of a record's sink and window rows (None without rows)."""
+        rows = self.layout.section("rows")
+        return None if rows is None else (rows.offset, self.layout.rows_bytes)
+
+    @property
     def rows_bytes(self) -> int:
         """Bytes of a record's sink and window rows (0 without rows)."""
-        return self.record_bytes - self.rows_section[0] if self.rows_section is not None else 0
+        return self.layout.rows_bytes
 
     # ---- files ----------------------------------------------------------------------
     def _file(self, name: str) -> str:
         return self.dir.file(name)
 
-    def _sizes(self):
-        n = self.meta["capacity"]
-        return (("blocks.bin", n * self.record_bytes), ("index.bin", n * slot_dtype(self.block_size).itemsize))
+    def _sizes(self, n: int | None = None):
+        n = len(self.records) if n is None else n
+        return (("blocks.bin", n * self.record_bytes), ("index.bin", n * self._slot_bytes))
 
     def _check_host_memory(self, capacity: int) -> None:
         # The index is a private copy in host memory, plus four per-slot arrays.
-        need = capacity * (slot_dtype(self.block_size).itemsize + 16)
+        need = capacity * (self._slot_bytes + 16)
         try:
             have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):   # pragma: no cover - no sysconf
@@ -191,27 +215,34 @@ class DiskPrefixTier(Tier):
 
     def _lock(self):
         fd = self.dir.open("lock", os.O_RDWR, create=True)
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise TierFileError(expected("prefix_disk_dir", "a directory no other cache has open",
-                                                 f"{self.path!r} (locked by another cache)")) from None
-                raise storage_error(self._file("lock"), "a file pagedkv can lock", e) from None
+        try:
+            self._flock(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
+    def _flock(self, fd: int) -> None:
+        if fcntl is None:      # pragma: no cover - Windows
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise TierFileError(expected("prefix_disk_dir", "a directory no other cache has open",
+                                             f"{self.path!r} (locked by another cache)")) from None
+            raise storage_error(self._file("lock"), "a file pagedkv can lock", e) from None
+
     def _create(self) -> None:
-        need = sum(size for _, size in self._sizes())
+        need = self.limit * (self.record_bytes + self._slot_bytes)
         free = self.dir.free_bytes()
-        if need > free:
-            per = self.record_bytes + slot_dtype(self.block_size).itemsize
+        if need > free:       # a limit the filesystem cannot hold now is a mistake to name at once
+            per = self.record_bytes + self._slot_bytes
             err = TierStorageError(expected("prefix_disk_blocks", f"at most {free // per} blocks ({free} bytes "
-                                            f"free in {self.path!r})", f"{self.meta['capacity']} ({need} bytes)"))
+                                            f"free in {self.path!r})", f"{self.limit} ({need} bytes)"))
             err.errno = errno.ENOSPC
             raise err
-        for name, size in self._sizes():
+        for name, size in self._sizes(self._initial):
             self.dir.create_file(name, size)
         self._write_json("namespaces.json", [])
         self._write_json("meta.json", self.meta)     # last: its presence marks a complete tier
@@ -223,85 +254,172 @@ class DiskPrefixTier(Tier):
         return self.dir.read_json(name)
 
     def _open_maps(self) -> None:
-        n = self.meta["capacity"]
+        """Map the files at their current size (the index's sets the slot count)."""
         dt = slot_dtype(self.block_size)
-        for name, size in self._sizes():
-            self._maps.append(self.dir.map(name, size))
-        self.blocks = np.frombuffer(self._maps[0], dtype=np.uint8)
+        st = self.dir.check("index.bin")
+        size = 0 if st is None else st.st_size
+        if size % dt.itemsize or not size:
+            raise TierFileError(expected(self._file("index.bin"), f"a positive multiple of {dt.itemsize} bytes",
+                                         f"{size} bytes (truncated or foreign)"))
+        n = size // dt.itemsize
+        maps = [self.dir.map("blocks.bin", n * self.record_bytes, at_least=True), self.dir.map("index.bin", size)]
+        self._maps = maps
+        self.blocks = np.frombuffer(maps[0], dtype=np.uint8)
         # The index works on a private copy; a record reaches the file only when it is
         # sealed (data written) or emptied, so the file never shows a half-written slot.
-        self._disk = np.frombuffer(self._maps[1], dtype=dt)
+        self._disk = np.frombuffer(maps[1], dtype=dt)
         self._disk_raw = self._disk.view(np.uint8).reshape(n, dt.itemsize)
         self.records = np.array(self._disk)
         self._raw_records = self.records.view(np.uint8).reshape(n, dt.itemsize)
         self._checked_bytes = dt.fields["rec_crc"][1]  # type: ignore[index]  # a record dtype has fields
 
-    def _check_meta_types(self, meta: dict) -> None:
-        # Before any comparison: a field of the wrong type is a foreign header, not a crash.
-        for key, kind in _META_TYPES.items():
-            v = meta.get(key)
-            if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-                raise TierFileError(expected(self._file("meta.json"), f"{key} as a JSON {_JSON_NAMES[kind]}",
-                                             f"{type(v).__name__} {v!r}"[:200]))
-
-    def _check_meta(self) -> None:
+    def _check_limit(self) -> None:
+        """A limit below what the files hold is refused; a new limit is written down."""
+        held = len(self.records)
+        if self.limit < held:
+            raise TierFileError(expected("prefix_disk_blocks", f">= {held} (the slots {self._file('index.bin')} "
+                                         "holds; a smaller limit would drop blocks)", self.limit))
         meta = self._read_json("meta.json")
-        if not isinstance(meta, dict) or meta.get("magic") != _MAGIC:
-            raise TierFileError(expected(self._file("meta.json"), "a pagedkv prefix-tier header",
-                                         f"magic {meta.get('magic') if isinstance(meta, dict) else meta!r}"))
-        if meta.get("version") not in (FORMAT_VERSION, ROWS_VERSION):
-            raise TierFileError(expected(self._file("meta.json"), f"version={self.meta['version']}",
-                                         f"version={meta.get('version')!r}"))
-        self._check_meta_types(meta)
-        diff = differences(self.meta["kv_format"], meta.get("kv_format"))
-        if diff:     # every differing setting, both values: the directory is left as it is
-            raise TierFileError(expected(
-                self._file("meta.json"), "a tier written for this model shape and settings ("
-                + ", ".join(f"{k}={shown(m)}" for k, _, m in diff) + ")",
-                ", ".join(f"{k}={shown(t)}" for k, t, _ in diff)))
-        self._check_rows(meta)
-        for key in ("capacity", "record_bytes", "block_size", "weak_hash"):
-            if meta.get(key) != self.meta[key]:
-                raise TierFileError(expected(self._file("meta.json"), f"{key}={self.meta[key]!r} (this cache)",
-                                             f"{key}={meta.get(key)!r}"))
+        if meta.get("capacity") != self.limit:
+            self._write_json("meta.json", dict(meta, capacity=self.limit))
 
-    def _check_rows(self, meta: dict) -> None:
-        """The sink and window rows: a tier is used only with the rows this cache keeps,
-        for the same ``kv_window`` and ``kv_sink_tokens``. A tier without rows (version 1:
-        an older pagedkv, or a cache that kept none) would serve a prefix without them,
-        and one with rows to a cache without them would keep them stale: both refused."""
-        mine = self.meta.get("rows")
-        theirs = meta.get("rows") if meta["version"] == ROWS_VERSION else None
-        if mine is None and theirs is None:
-            if meta["version"] != self.meta["version"]:    # version 2 that names no rows: not ours
-                raise TierFileError(expected(self._file("meta.json"), f"version={self.meta['version']}",
-                                             f"version={meta['version']} without rows"))
+    def _grow(self) -> bool:
+        """Every slot is taken: double the files (up to the limit). False: at the limit,
+        or the filesystem refused (then the tier stops growing and evicts)."""
+        n = len(self.records)
+        if n >= self.limit:
+            return False
+        new = min(self.limit, max(2 * n, n + 1))
+        try:
+            self.journal.append([GROWN])              # type: ignore[union-attr]  # open
+            for name, size in self._sizes(new):      # blocks first: a crash between leaves the index's count
+                self.dir.extend(name, size)
+        except TierFileError as e:
+            warnings.warn(f"pagedkv: the disk tier stops growing at {n} blocks: {e}", RuntimeWarning, stacklevel=4)
+            self.limit = n
+            return False
+        old = self.records
+        self._open_maps()
+        self.records[:n] = old                        # this process's view of its own slots
+        self._raw_records = self.records.view(np.uint8).reshape(new, self._slot_bytes)
+        self.index.grow(self.records)
+        self._views()
+        self.num_grown += 1
+        return True
+
+    # ---- turns between processes -------------------------------------------------------------
+    def unlock(self) -> None:
+        """Let another process use the directory; this one keeps its view (its index,
+        its maps) and must :meth:`relock` before touching the tier again."""
+        if self._locked and fcntl is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        self._locked = False
+
+    def relock(self, timeout: float = 0.0) -> bool:
+        """Take the directory back (waiting up to ``timeout`` seconds for another
+        process's turn) and take in what others changed since this process last looked:
+        the journal's new entries, the namespaces, grown files. False: still locked by
+        another process (nothing changed here)."""
+        if self._locked:
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._flock(self._lock_fd)
+                break
+            except TierFileError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.001)
+        self._locked = True
+        try:
+            self.refresh()
+        except BaseException:
+            self.unlock()
+            raise
+        return True
+
+    def unchanged(self) -> bool:
+        """Whether no process changed the tier since this one last looked (no lock
+        taken: a hint for whether a turn is needed; the turn itself re-checks)."""
+        return self.journal is not None and self.journal.unchanged()
+
+    def refresh(self) -> None:
+        """Take in other processes' changes (the lock is held): what the journal lists,
+        or everything when it cannot say (:mod:`pagedkv.tiers.disk_journal`)."""
+        changed = self.journal.since()               # type: ignore[union-attr]  # open
+        if changed is not None and not len(changed):
             return
-        name = self._file("meta.json")
-        if theirs is None:
-            raise TierFileError(expected(name, "a tier whose records carry sink and window rows (" + _settings(mine)
-                                         + ": this cache keeps them in model precision)",
-                                         f"version={meta['version']}, no rows (written by an older pagedkv or by "
-                                         "a cache without kv_window/kv_sink_tokens)"))
-        if mine is None:
-            raise TierFileError(expected(name, "a tier without sink and window rows (this cache keeps none)",
-                                         "rows for " + (_settings(theirs) if isinstance(theirs, dict) else shown(theirs))))
-        diff = differences(mine, theirs) if isinstance(theirs, dict) else [("rows", theirs, mine)]
-        if diff:
-            raise TierFileError(expected(name, "a tier whose rows were written for this cache ("
-                                         + ", ".join(f"{k}={shown(m)}" for k, _, m in diff) + ")",
-                                         ", ".join(f"{k}={shown(t)}" for k, t, _ in diff)))
+        if changed is not None and ((changed == GROWN).any() or self._index_size() != len(self.records)):
+            if self._index_size() < len(self.records):
+                changed = None                        # shrunk (cleared): everything
+            else:
+                self._regrow()
+        if changed is not None and ((changed == NAMESPACES).any() or self._names_missing(changed)):
+            if not self._reload_namespaces():
+                changed = None
+        if changed is None or not check_changed(self, changed):
+            self._reload()
+            return
+        self.num_refreshed += int((changed >= 0).sum())
 
-    def _load_namespaces(self) -> None:
+    def _names_missing(self, changed: np.ndarray) -> bool:
+        slots = changed[(changed >= 0) & (changed < len(self.records))]
+        return bool(len(slots)) and int(self._disk["ns"][slots].max()) >= len(self.ns_keys)
+
+    def _index_size(self) -> int:
+        st = self.dir.check("index.bin")
+        return 0 if st is None else st.st_size // self._slot_bytes
+
+    def _regrow(self) -> None:
+        n, old = len(self.records), self.records
+        if self._index_size() <= n:
+            return
+        self._open_maps()
+        self.records[:n] = old
+        self.records[n:] = np.zeros(1, dtype=self.records.dtype)  # empty here until their journal entries are checked
+        self._raw_records = self.records.view(np.uint8).reshape(len(self.records), self._slot_bytes)
+        self.index.grow(self.records)
+        self._views()
+
+    def _reload(self) -> None:
+        """Check everything again, as a first open does (the journal cannot say what changed)."""
+        self._open_maps()
+        self.ns_ids, self.ns_keys, self.ns_hashes = {}, [], []
+        self._loaded = False
+        self._load_namespaces()
+        self._loaded = True
+        self.num_full_checks += 1
+        check_all(self, verify_blocks=False)
+        self._new_index()
+
+    def _reload_namespaces(self) -> bool:
+        keys = self._namespace_file()
+        if [bytes.fromhex(k) for k in keys[:len(self.ns_keys)]] != self.ns_keys:
+            return False                      # not an extension of ours: check everything
+        loaded, self._loaded = self._loaded, False
+        try:
+            for k in keys[len(self.ns_keys):]:
+                self.namespace(bytes.fromhex(k), create=True)
+        finally:
+            self._loaded = loaded
+        return True
+
+    # ---- namespaces -----------------------------------------------------------------------------
+    def _namespace_file(self) -> list[str]:
         keys = self._read_json("namespaces.json")
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise TierFileError(expected(self._file("namespaces.json"), "a list of hex namespace keys", type(keys).__name__))
         try:
-            raw = [bytes.fromhex(k) for k in keys]
+            for k in keys:
+                bytes.fromhex(k)
         except ValueError:
             raise TierFileError(expected(self._file("namespaces.json"), "hex namespace keys", "non-hex text")) from None
-        for key in raw:
-            self.namespace(key, create=True)
+        return keys
+
+    def _load_namespaces(self) -> None:
+        for key in self._namespace_file():
+            self.namespace(bytes.fromhex(key), create=True)
 
     def namespace(self, key: bytes, create: bool):
         # namespaces.json is written before the namespace exists in memory: a failed
@@ -313,86 +431,23 @@ class DiskPrefixTier(Tier):
             except TierFileError:
                 self.num_write_errors += 1
                 raise
+            try:        # a hint for other processes (a record naming a namespace they lack is one too)
+                self.journal.append([NAMESPACES])      # type: ignore[union-attr]  # open
+            except TierFileError:
+                pass
         return super().namespace(key, create)
 
-    def _check_records(self, verify_blocks: bool = True) -> None:
-        """Drop, as a miss, every record that cannot be trusted, and keep the rest: a bad
-        valid flag, a record or (``verify_blocks``) block whose CRC-32 disagrees, a hash
-        that disagrees with its tokens or repeats another's (corruption, or a write torn
-        by a crash), and what an interrupted writer can leave (a record whose parent slot
-        was emptied or whose namespace never reached namespaces.json). A dropped
-        record's descendants go with it (their chain is broken). Counted in
-        ``num_corrupt_dropped`` and ``num_orphans_dropped``, and warned about: a damaged
-        record costs that record, never the tier, and is never served."""
-        r = self.records
-        raw_valid = np.array(r["valid"])
-        bad = set(np.flatnonzero(~np.isin(raw_valid, (0, 1))).tolist())
-        valid = np.where(np.isin(raw_valid, (0, 1)), raw_valid, 0)
-        n = self.meta["capacity"]
-        parent, pgen, gen = np.array(r["parent"]), np.array(r["parent_gen"]), np.array(r["gen"])
-        ns, stored, rec_crc = np.array(r["ns"]), np.array(r["hash"]), np.array(r["rec_crc"])
-        held = np.flatnonzero(valid == 1).tolist()
-        kids: dict[int, list[int]] = {}
-        for s in held:
-            if zlib.crc32(self._raw_records[s, :self._checked_bytes]) != int(rec_crc[s]) or (  # type: ignore[arg-type]
-                    verify_blocks and not self.verify(s)):
-                bad.add(s)
-                continue
-            p = int(parent[s])
-            if (p == ROOT or (0 <= p < n and valid[p] == 1 and gen[p] == pgen[s])) and 0 <= ns[s] < len(self.ns_keys):
-                kids.setdefault(p, []).append(s)
-        # Recompute every hash from the root down (parents first): a record that decodes
-        # but lies about its content is dropped too, with its subtree.
-        hashes, owner = {ROOT: ROOT_HASH}, {}
-        frontier = kids.get(ROOT, [])
-        while frontier:
-            nxt: list[int] = []
-            for s in frontier:
-                h = chain_hash(hashes[int(parent[s])], self.ns_hashes[int(ns[s])], np.asarray(r["tokens"][s]),
-                               self.weak_hash)
-                if h != int(stored[s]) or h in owner:
-                    bad.add(s)
-                    continue
-                hashes[s], owner[h] = h, s
-                nxt.extend(kids.get(s, ()))
-            frontier = nxt
-        kept = set(owner.values())
-        dropped = sorted(bad | (set(held) - kept))
-        for s in dropped:
-            r["valid"][s] = 0
-            r["gen"][s] += 1
-            self._persist(s)
-        self.num_corrupt_dropped = len(bad)
-        self.num_orphans_dropped = len(dropped) - len(bad)
-        if bad:
-            warnings.warn(f"pagedkv: {self._file('index.bin')}: dropped {len(bad)} damaged record(s) and "
-                          f"{self.num_orphans_dropped} record(s) below them (a miss each, never served)",
-                          RuntimeWarning, stacklevel=3)
-        # hits and stamp are outside the CRC and only order eviction: renumber the stamps
-        # (any stored value, 2**64-1 included, becomes a rank) so the clock cannot overflow.
-        live = np.flatnonzero(r["valid"] == 1)
-        order = live[np.argsort(np.array(r["stamp"][live]), kind="stable")]
-        r["stamp"][:] = 0
-        r["stamp"][order] = np.arange(1, len(live) + 1)
-
     # ---- data ------------------------------------------------------------------------------
-    # A slot's bytes are contiguous here and strided (one run per layer) in an arena:
-    # one copy per block and arena beats a gather over the file's strided views.
     def read(self, slots, dst_arenas, dst_blocks) -> None:
-        for a, dst in enumerate(dst_arenas):
-            for s, b in zip(slots, dst_blocks):
-                _bytes(dst[:, b]).copy_(self._records_view[a][s].view(_bytes(dst[:, b]).shape))
+        self.payloads.read(slots, dst_arenas, dst_blocks)
 
     def write(self, src_arenas, src_blocks, slots) -> None:
-        for a, src in enumerate(src_arenas):
-            for b, s in zip(src_blocks, slots):
-                part = _bytes(src[:, b])
-                self._records_view[a][s].view(part.shape).copy_(part)
+        self.payloads.write(src_arenas, src_blocks, slots)
 
     # ---- data integrity ----------------------------------------------------------------
     def _block_crc(self, slot: int) -> int:
         start = slot * self.record_bytes
-        return zlib.crc32(self.blocks[start:start + self.record_bytes])  # type: ignore[arg-type]  # numpy: a buffer
+        return record_crc(self.blocks[start:start + self.record_bytes])
 
     def verify(self, slot: int) -> bool:
         ok = self._block_crc(slot) == int(self.records["crc"][slot])
@@ -404,25 +459,53 @@ class DiskPrefixTier(Tier):
     # it first, so a writer killed between any two stores leaves the slot empty on disk.
     def written(self, slots: np.ndarray) -> None:
         r, raw, disk = self.records, self._raw_records, self._disk_raw
-        for s in np.asarray(slots).tolist():
+        slots = np.asarray(slots)
+        self.journal.append(slots)                    # type: ignore[union-attr]  # open
+        for s in slots.tolist():
             r["crc"][s] = self._block_crc(s)
-            r["rec_crc"][s] = zlib.crc32(raw[s, :self._checked_bytes])  # type: ignore[arg-type]  # numpy: a buffer
+            r["rec_crc"][s] = record_crc(raw[s, :self._checked_bytes])
             disk[s, 1:] = raw[s, 1:]
             disk[s, 0] = raw[s, 0]
         super().written(slots)
+        if self.journal.due():                        # type: ignore[union-attr]
+            self.journal.restart()                    # type: ignore[union-attr]  # readers check everything once
 
-    def _persist(self, slot: int) -> None:
+    def _store_record(self, slot: int) -> None:
         # An emptied slot is marked so on disk before anything can overwrite its data.
         self._disk_raw[slot, 0] = self._raw_records[slot, 0]
         self._disk_raw[slot, 1:] = self._raw_records[slot, 1:]
 
+    def _persist(self, slot: int) -> None:
+        self.journal.append([slot])                   # type: ignore[union-attr]  # open
+        self._store_record(slot)
+
+    def clear(self) -> list:
+        """Empty every slot and give the files' space back (down to their size at
+        creation); other processes check everything at their next turn."""
+        held = self.index.clear()
+        self.cleared()
+        return held
+
     def cleared(self) -> None:
+        self.journal.restart()                        # type: ignore[union-attr]  # open
         self._disk_raw[:, 0] = self._raw_records[:, 0]
         self._disk_raw[:, 1:] = self._raw_records[:, 1:]
+        n = len(self.records)
+        if n > self._initial and not self.index.busy.any():
+            keep = self.records[:self._initial].copy()
+            self.payloads = self.arenas = self.window = self._records_view = None  # type: ignore[assignment]
+            self.blocks = self._disk = self._disk_raw = None  # type: ignore[assignment]
+            self._maps = []
+            for name, size in self._sizes(self._initial):
+                self.dir.truncate(name, size)
+            self._open_maps()
+            self.records[:] = keep
+            self._raw_records = self.records.view(np.uint8).reshape(self._initial, self._slot_bytes)
+            self._new_index()
 
     def flush(self) -> None:
         """Write the eviction order (hits, recency) and push the maps to the file."""
-        if getattr(self, "_disk", None) is None:
+        if getattr(self, "_disk", None) is None or not self._locked:
             return
         sealed = (self.records["valid"] == 1) & (self.index.busy == 0)
         self._disk["hits"][sealed] = self.records["hits"][sealed]
@@ -437,7 +520,7 @@ class DiskPrefixTier(Tier):
             if getattr(self, "index", None) is not None:
                 self.flush()
         finally:
-            self.arenas, self._records_view, self.window = [], [], None
+            self.arenas, self._records_view, self.window, self.payloads = [], [], None, None  # type: ignore[assignment]
             self.blocks = self._disk = self._disk_raw = None  # type: ignore[assignment]  # closed
             for m in getattr(self, "_maps", ()):
                 try:
@@ -445,24 +528,22 @@ class DiskPrefixTier(Tier):
                 except BufferError:      # a caller still holds a view: the map goes with it
                     pass
             self._maps = []
+            j = getattr(self, "journal", None)
+            if j is not None:
+                j.close()
             unlock = getattr(self, "_unlock", None)
             if unlock is not None:
                 unlock()
+            self._locked = False
             d = getattr(self, "dir", None)
             if d is not None:
                 d.close()
 
 
-def _settings(rows: Any) -> str:
-    return f"kv_window={shown(rows.get('kv_window'))}, kv_sink_tokens={shown(rows.get('kv_sink_tokens'))}"
-
-
 def _unlock(fd: int) -> None:
     if fcntl is not None:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:
+            pass
     os.close(fd)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as bytes (the last dim widened), so any dtype copies as bytes."""
-    return t.view(torch.uint8)

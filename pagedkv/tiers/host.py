@@ -7,18 +7,18 @@ import numpy as np
 import torch
 
 from pagedkv.config.memory import arena_bytes, check_fits
-from pagedkv.tiers.base import Tier, mirror_arenas
+from pagedkv.tiers.base import SlotTier, mirror_arenas
 from pagedkv.tiers.chain import ChainIndex, slot_dtype
 
 __all__ = ["HostPrefixTier"]
 
 
-class HostPrefixTier(Tier):
+class HostPrefixTier(SlotTier):
     medium = "host"
 
     def __init__(self, store_arenas: list[torch.Tensor], capacity: int, block_size: int, *,
                  eviction: str, weak_hash: bool, pin: bool,
-                 on_evict: Callable[[int], None] | None = None):
+                 on_evict: Callable[[int], None] | None = None, window=None):
         super().__init__()
         # sized before anything is allocated: a huge prefix_host_blocks is a typed error
         check_fits("cpu", [("prefix_host_blocks", capacity,
@@ -28,6 +28,9 @@ class HostPrefixTier(Tier):
         self.arenas = mirror_arenas(store_arenas, capacity, pin=pin)
         records = np.zeros(capacity, dtype=slot_dtype(block_size))
         self.index = ChainIndex(records, block_size, eviction=eviction, weak_hash=weak_hash, on_evict=on_evict)
+        # the sink/window rows of its slots (a host window arena sharing the store's lock)
+        self.window = window
+        self.lock = None if window is None else window.lock
 
     @property
     def nbytes(self) -> int:

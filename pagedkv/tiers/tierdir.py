@@ -159,19 +159,40 @@ class TierDir:
         except OSError as e:
             raise storage_error("prefix_disk_blocks", f"room for {size} bytes in {self.file(name)!r}", e) from None
 
-    def map(self, name: str, size: int) -> mmap.mmap:
-        """A shared, writable map of ``name``, which must hold exactly ``size`` bytes; its
-        space is reserved first (a tier written sparse by an older pagedkv included)."""
+    def map(self, name: str, size: int, *, at_least: bool = False) -> mmap.mmap:
+        """A shared, writable map of the first ``size`` bytes of ``name``, which must hold
+        exactly ``size`` bytes (``at_least``: or more, e.g. a growth a crash interrupted);
+        its space is reserved first (a tier written sparse by an older pagedkv included)."""
         fd = self.open(name, os.O_RDWR)
         try:
             have = os.fstat(fd).st_size
-            if have != size:
+            if have < size or (have != size and not at_least):
                 raise TierFileError(expected(self.file(name), f"{size} bytes", f"{have} bytes (truncated or foreign)"))
             self.reserve(fd, name, size)
             try:
                 return mmap.mmap(fd, size)
             except OSError as e:
                 raise storage_error(self.file(name), "a file pagedkv can map", e) from None
+        finally:
+            os.close(fd)
+
+    def extend(self, name: str, size: int) -> None:
+        """Grow ``name`` to ``size`` bytes, its space reserved (ENOSPC: a typed error,
+        the file as it was, give or take reserved space past its end)."""
+        fd = self.open(name, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < size:
+                self.reserve(fd, name, size)
+        finally:
+            os.close(fd)
+
+    def truncate(self, name: str, size: int) -> None:
+        """Shrink ``name`` to ``size`` bytes (nobody may touch a map past it again)."""
+        fd = self.open(name, os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+        except OSError as e:
+            raise storage_error(self.file(name), "a file pagedkv can shrink", e) from None
         finally:
             os.close(fd)
 
