@@ -744,6 +744,22 @@ class CacheConfig:
         d = dtypes.info(self.cache_dtype).stored_dim(self.head_dim)
         return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
 
+    def sequence_bits_per_element(self, num_tokens: int) -> float:
+        """Stored bits per K/V element of one sequence of ``num_tokens`` tokens, every
+        byte counted: its blocks (codes, scales and zero points, block keys' parameters,
+        the layers kept in model precision) and its share of the window arena (the
+        recent, staging and sink blocks of one of ``kv_window_sequences`` sequences, in
+        model precision, with their validity bytes). The window share is fixed per
+        sequence, so short sequences pay more per element: :attr:`bits_per_element`
+        counts the quantized layers' blocks alone. Caches with layer groups are refused
+        (their sliding groups hold fewer blocks than the sequence has tokens)."""
+        n = _check_int("num_tokens", num_tokens, 1)
+        if self._groups is not None:
+            raise InvalidArgumentError(expected("config", "a cache without layer groups (layer_windows all 0)",
+                                                "layer groups"))
+        stored = self.blocks_for_tokens(n) * self.bytes_per_block + self.window_bytes // self.kv_window_sequences
+        return 8.0 * stored / (n * 2 * self.num_layers * self.kv_heads_per_rank * self.head_dim)
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (``ceil(num_tokens / block_size)``)."""
         n = _check_int("num_tokens", num_tokens, 0)
