@@ -18,6 +18,7 @@ from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, r
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
 from pagedkv.store import dtypes
+from pagedkv.store.layer_format import key_spare_bits
 
 __all__ = [
     "CacheConfig",
@@ -222,6 +223,11 @@ class CacheConfig:
       window arena first (more than ``kv_window_sequences`` sequences writing at once),
       keeps its per-token keys. The window arena exists even with ``kv_window=0``.
       Costs ``32 / block_size`` bits per key element for the bfloat16 parameters.
+    - ``kv_key_bits``: with ``kv_key_quant="block"``, the code width of a sealed block's
+      keys: 4, or 5, 6 or 8 where the K rows' per-token parameters (a float32 scale and
+      zero per group, which a sealed row no longer needs) hold the high bits: at most
+      ``4 + 64 // kv_group_size`` (rounded down to 5, 6 or 8). Default: the most they hold
+      (5 for groups of 64): twice the precision for no byte more. 4 only for token keys.
     - ``kv_full_precision_layers``: layer indices (negative counts from the end) kept
       in model precision (no scales, no window).
 
@@ -272,6 +278,7 @@ class CacheConfig:
     kv_window_sequences: int = 16
     kv_sink_tokens: int | None = None
     kv_key_quant: str | None = None
+    kv_key_bits: int | None = None
     kv_full_precision_layers: tuple[int, ...] = ()
     tp_size: int = 1
     tp_rank: int = 0
@@ -442,6 +449,7 @@ class CacheConfig:
             _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
             for name, ok in (("kv_group_size", self.kv_group_size is None), ("kv_rotation", not self.kv_rotation),
                              ("kv_key_quant", self.kv_key_quant in (None, "token")),
+                             ("kv_key_bits", self.kv_key_bits in (None, 4)),
                              ("kv_window", not self.kv_window), ("kv_sink_tokens", not self.kv_sink_tokens),
                              ("kv_full_precision_layers",
                                                                  not self.kv_full_precision_layers)):
@@ -452,6 +460,7 @@ class CacheConfig:
             put("kv_window", 0)
             put("kv_sink_tokens", 0)
             put("kv_key_quant", "token")
+            put("kv_key_bits", 4)
             put("kv_full_precision_layers", ())
             return
         kq = "token" if self.kv_key_quant is None else self.kv_key_quant
@@ -475,6 +484,7 @@ class CacheConfig:
         elif self.kv_group_size is not None:
             raise InvalidArgumentError(expected("kv_group_size", "None unless kv_dtype is 'int4' or 'int3'",
                                                 repr(self.kv_group_size)))
+        self._validate_key_bits(put, kq)
         rot = dtypes.info(q).grouped if self.kv_rotation is None else _check_bool("kv_rotation", self.kv_rotation)
         put("kv_rotation", rot)
         seed = _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
@@ -501,6 +511,20 @@ class CacheConfig:
             raise InvalidArgumentError(expected("kv_full_precision_layers", "at least one quantized layer "
                                                 "(use kv_dtype=None for none)", sorted(norm)))
         put("kv_full_precision_layers", tuple(sorted(norm)))
+
+    def _validate_key_bits(self, put, key_quant: str) -> None:
+        kb = self.kv_key_bits
+        room = 4 + key_spare_bits(self.kv_group_size or 0) if key_quant == "block" else 4
+        if kb is None:
+            put("kv_key_bits", room)
+            return
+        if isinstance(kb, bool) or not isinstance(kb, numbers.Integral):
+            raise ArgumentTypeError(expected("kv_key_bits", "an int (4, 5, 6 or 8)", show(kb)))
+        if kb not in (4, 5, 6, 8) or kb > room:
+            what = ("4 (token keys)" if key_quant != "block" else
+                    f"4, or up to {room} for kv_group_size {self.kv_group_size} (its parameters hold the high bits)")
+            raise InvalidArgumentError(expected("kv_key_bits", what, repr(kb)))
+        put("kv_key_bits", int(kb))
 
     def _int3_group(self) -> int:
         if self.head_dim % 8:

@@ -14,6 +14,7 @@ import torch
 from pagedkv.ops import _cpu_attention as _ca
 from pagedkv.ops import _cpu_quant as _q
 from pagedkv.ops.attention_reference import AttentionPlan, attend_reference
+from pagedkv.store import op_checks
 
 __all__ = ["attend"]
 
@@ -41,7 +42,9 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
 
     geo = plan.geo
     exact = plan.exact
-    if not _contig(kv_layer, kv_scale, kv_zero) or (exact is not None and not _contig(exact.data, exact.valid)):
+    extra = op_checks.key_extra_bits(geo, key_scale)
+    if (not _contig(kv_layer, kv_scale, kv_zero) or (exact is not None and not _contig(exact.data, exact.valid))
+            or geo.head_dim * extra > 8 * _ca.KEY_HIGH_MAX):
         return attend_reference(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero,
                                 rotation_signs, out)
     qf = q.detach().to(torch.float32).contiguous()
@@ -71,7 +74,7 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
         plan.indptr.data_ptr(), plan.indices.data_ptr(), plan.seq_lens.data_ptr(), plan.q_indptr.data_ptr(),
         plan.batch, geo.block_size, geo.num_heads, geo.head_dim, groups, layout == "HND",
         plan.sm_scale, 0.0 if plan.soft_cap is None else plan.soft_cap, plan.window or 0, plan.sink_tokens,
-        plan.num_splits or 0, SPLIT_TOKENS, **ex_args,
+        plan.num_splits or 0, SPLIT_TOKENS, **ex_args, key_extra=extra,
     )
     if signs is not None:
         _hadamard_(res, signs, inverse=True)    # res is this call's own
