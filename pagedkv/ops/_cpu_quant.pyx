@@ -336,7 +336,7 @@ def gather_quant(
         free(token_row)
         free(signs)
         raise MemoryError("gather_quant: cannot allocate the row buffers")
-    cdef int64_t need = head_dim * key_extra // 8
+    cdef int64_t need = (head_dim * key_extra + 7) // 8
     cdef const uint8_t* high
     with nogil:
         for b in range(batch):

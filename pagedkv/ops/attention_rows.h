@@ -413,7 +413,7 @@ static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_high(const uin
 /* the high-bit bytes of the sealed K row r (its scale row's bytes, then its zero row's) */
 static inline const uint8_t* pkv_attn_key_high(const pkv_attn_args* a, int64_t r, uint8_t* buf) {
     return pkv_key_high(a->scale + r * a->param_row, a->zero + r * a->param_row, a->param_row,
-                        a->head_dim * a->key_extra / 8, buf);
+                        (a->head_dim * a->key_extra + 7) / 8, buf);
 }
 
 /* The per-token parameters of a quantized row as per-group float scales ``s`` and offsets

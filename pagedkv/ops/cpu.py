@@ -520,7 +520,7 @@ def _seal(kv_layer, lst, blocks, m, keys, kst, key_scale, key_zero, in_code, nb,
           extra=0, kv_scale=None, kv_zero=None) -> None:
     es = keys.element_size()
     tok, head = (lst[3], lst[2]) if hnd else (lst[2], lst[3])
-    params = ()
+    params: tuple = ()
     if extra:   # the K plane's per-token parameter rows (float32, a dense groups dim), byte strides
         pst = kv_scale.stride()
         ptok, phead = (pst[3], pst[2]) if hnd else (pst[2], pst[3])

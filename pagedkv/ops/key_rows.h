@@ -32,7 +32,7 @@ static inline int pkv_key_sealed(const uint16_t* scale) { return (scale[0] & 0x7
 /* the most high-bit bytes of a row: head_dim 1,024 at 4 bits */
 #define PKV_KEY_HIGH_MAX 512
 
-/* The high-bit bytes of a sealed K row: the ``need`` = head_dim * extra / 8 first bytes of
+/* The high-bit bytes of a sealed K row: the ``need`` = ceil(head_dim * extra / 8) first bytes of
  * its scale row (``param_row`` bytes) followed by its zero row; copied into ``buf`` (at
  * least need bytes) unless the scale row alone holds them. */
 static inline const uint8_t* pkv_key_high(const char* srow, const char* zrow, int64_t param_row, int64_t need,

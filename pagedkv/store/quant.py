@@ -388,17 +388,18 @@ def split_key_codes(codes: torch.Tensor, extra_bits: int, row_bytes: int) -> tup
     low nibbles packed two per byte ``[..., D / 2]``, and the high bits laid out in a
     row's ``row_bytes`` parameter bytes ``[..., row_bytes]`` (zero past ``D * e / 8``)."""
     d = codes.shape[-1]
-    if d * extra_bits > 8 * row_bytes:
-        raise ShapeError(expected("row_bytes", f"at least {d * extra_bits // 8} ({d} channels x {extra_bits} bits)",
-                                  row_bytes))
+    need = -(-d * extra_bits // 8)
+    if need > row_bytes:
+        raise ShapeError(expected("row_bytes", f"at least {need} ({d} channels x {extra_bits} bits)", row_bytes))
     lo = (codes & 15).reshape(codes.shape[:-1] + (d // 2, 2))
     packed = lo[..., 0] | (lo[..., 1] << 4)
     high = torch.zeros(codes.shape[:-1] + (row_bytes,), dtype=torch.uint8, device=codes.device)
     if extra_bits:
-        per = 8 // extra_bits   # channels per byte
-        hi = (codes >> 4).to(torch.int32).reshape(codes.shape[:-1] + (d // per, per))
+        per = 8 // extra_bits   # channels per byte (the last byte may hold fewer)
+        hi = torch.zeros(codes.shape[:-1] + (need * per,), dtype=torch.int32, device=codes.device)
+        hi[..., :d] = (codes >> 4).to(torch.int32)
         shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * extra_bits
-        high[..., :d // per] = (hi << shifts).sum(-1).to(torch.uint8)
+        high[..., :need] = (hi.reshape(codes.shape[:-1] + (need, per)) << shifts).sum(-1).to(torch.uint8)
     return packed, high
 
 
@@ -409,9 +410,10 @@ def join_key_codes(packed: torch.Tensor, high: torch.Tensor | None, extra_bits: 
     if extra_bits and high is not None:
         per = 8 // extra_bits
         d = c.shape[-1]
+        need = -(-d * extra_bits // 8)
         shifts = torch.arange(per, device=c.device, dtype=torch.int32) * extra_bits
-        hi = (high[..., :d // per].to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << extra_bits) - 1)
-        c = c | (hi.reshape(c.shape).to(torch.uint8) << 4)
+        hi = (high[..., :need].to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << extra_bits) - 1)
+        c = c | (hi.reshape(c.shape[:-1] + (need * per,))[..., :d].to(torch.uint8) << 4)
     return c
 
 
