@@ -21,7 +21,12 @@ sequence (estimated from the table sizes, so nothing is read from the device).
 
 Index values that live on a GPU are not read (that would sync): the kernel reads a
 bad entry as zeros and skips a query tile it cannot place. Index tensors on the CPU
-are checked like the public op checks them.
+are checked like the public op checks them (and copied first, so the checks and the
+kernel see the same values; a GPU's are neither read nor copied).
+
+One query per sequence goes to the decode kernel (cuda/decode_attention.cu,
+:mod:`pagedkv.kernels.decode_plans`) wherever it covers the call; this module's tiled
+kernel serves the rest (``kernel=`` picks one explicitly).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.kernels import sources
+from pagedkv.kernels import decode_plans, sources
 from pagedkv.kernels.plans import (
     _MODEL_NAMES,
     _QUANT_NAMES,
@@ -189,11 +194,18 @@ def _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q: int) ->
 def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                          kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                          soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None, exact_rows=None,
-                         layer_format=None, num_sms: int = DEFAULT_SMS) -> tuple[list[Launch], torch.Tensor]:
+                         layer_format=None, num_sms: int = DEFAULT_SMS, kernel: str = "auto",
+                         workspace=None) -> tuple[list[Launch], torch.Tensor]:
     """Plan :func:`pagedkv.ops.paged_attention` (same arguments); returns ``(launches, out)``.
 
-    ``num_sms``: the device's SM count, for the automatic ``num_splits``.
+    ``num_sms``: the device's SM count, for the automatic ``num_splits``. ``kernel``:
+    ``"auto"`` takes the decode kernel (:mod:`pagedkv.kernels.decode_plans`) where it
+    covers the call, else the tiled one; ``"decode"`` insists on it (an error where it
+    does not cover the call); ``"tiled"`` takes paged_attention.cu. ``workspace``: the
+    decode kernel's float32 scratch (``decode_plans.workspace_floats``), allocated when None.
     """
+    if kernel not in ("auto", "decode", "tiled"):
+        raise InvalidArgumentError(expected("kernel", "'auto', 'decode' or 'tiled'", repr(kernel)))
     geo = checks.check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=layer_format)
     device = kv_layer.device
     explicit = layer_format is not None
@@ -232,8 +244,11 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     batch = checks.check_csr(indptr, indices, seq_lens, device)
     if q_indptr.shape[0] != batch + 1:
         raise ShapeError(expected("q_indptr", f"[{batch + 1}] (len(indptr))", tuple(q_indptr.shape)))
-    # read once: the checks and the kernel see the same values
-    indptr, indices, seq_lens, q_indptr = (t.contiguous().clone() for t in (indptr, indices, seq_lens, q_indptr))
+    # read once: the checks and the kernel see the same values (a GPU's are not read here,
+    # so they are not copied either: no per-call clone on the launch path)
+    snapshot = device.type == "cpu"
+    indptr, indices, seq_lens, q_indptr = (t.contiguous().clone() if snapshot else t.contiguous()
+                                           for t in (indptr, indices, seq_lens, q_indptr))
     if device.type == "cpu":
         _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q)
     if out is not None:
@@ -264,6 +279,20 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
 
     group = hq // geo.num_heads
     decode = num_q == batch  # one query per sequence (any split of them is still served right)
+    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named
+    fast = None
+    if kernel != "tiled" and decode and key_scale is None:
+        fast = decode_plans.covers(geo, kv_layer, kv_scale, kv_zero, kv_type, group)
+    if fast is not None:
+        return decode_plans.plan_decode(
+            fast, q=q, kv_layer=kv_layer, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, signs=signs, out=out,
+            indptr=indptr, indices=indices, seq_lens=seq_lens, q_indptr=q_indptr, geo=geo, batch=batch,
+            sm_scale=sm_scale, soft_cap=soft_cap, window=window, sink_tokens=sink_tokens, num_splits=num_splits,
+            num_sms=num_sms, workspace=workspace, keep=(indptr, indices, seq_lens, q_indptr, signs)), out
+    if kernel == "decode":
+        raise InvalidArgumentError(expected(
+            "kernel", "'auto' or 'tiled' for this call (the decode kernel covers one query per sequence, "
+            "head_dim 64/128/256, no block keys, aligned rows: see pagedkv.kernels.decode_plans)", "'decode'"))
     tl = tiling(decode, group, d, signs is not None)
     chunks = -(-group // tl.heads_per_cta)
     keep = [indptr, indices, seq_lens, q_indptr]
@@ -287,7 +316,6 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         keep += [part_o, part_ml]
     if signs is not None:
         keep.append(signs)
-    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named
     q_type = _MODEL_NAMES[q.dtype]
     name = sources.attention_name(tl.mode, layout.lower(), kv_type, q_type)
     args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key_scale), _ptr(key_zero), _ptr(signs), _ptr(q),
