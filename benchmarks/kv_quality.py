@@ -38,10 +38,11 @@ from pagedkv.testing.quality import PATHS, Stats, Variant, evaluate, greedy, log
 
 
 class Calibrated:
-    """A ``kv_full_precision_layers`` placeholder: the ``count`` layers calibrate() chooses."""
+    """A ``kv_full_precision_layers`` placeholder: the ``count`` layers calibrate() chooses
+    (after its first step, among the ``shortlist`` best)."""
 
-    def __init__(self, count: int):
-        self.count = count
+    def __init__(self, count: int, shortlist: int | None = None):
+        self.count, self.shortlist = count, shortlist
 
 
 BLOCK = dict(kv_dtype="int4", kv_key_quant="block")   # keys per channel over each full block: 5-bit codes
@@ -59,6 +60,9 @@ PRECISIONS = {
     # no window (it cost 5 bits per element at 1,024 tokens and bought nothing measurable)
     "int4_block5_sink4_w0": (dict(BLOCK, kv_window=0), 0.1),
     "int4_block5_sink4_w0_cal1": (dict(BLOCK, kv_window=0, kv_full_precision_layers=Calibrated(1)), 0.1),
+    # three calibrated layers in int8 (9 bits) instead of one in float32 (32)
+    "int4_block5_sink4_w0_int8x3": (dict(BLOCK, kv_window=0, kv_full_precision_dtype="int8",
+                                         kv_full_precision_layers=Calibrated(3, shortlist=6)), 0.1),
     "int3_g32_sink4_w0": (dict(kv_dtype="int3", kv_window=0), 3.0),
 }
 #: more variants, by name with --only (or all with --probe)
@@ -88,10 +92,11 @@ def calibrate_layers(model, v: Variant, texts, cache_file, chunk) -> None:
     """Resolve ``v``'s :class:`Calibrated` placeholder (reusing ``cache_file``'s record)."""
     from pagedkv.store.calibration import calibrate
 
-    want = v.overrides["kv_full_precision_layers"].count
+    placeholder = v.overrides["kv_full_precision_layers"]
+    want, shortlist = placeholder.count, placeholder.shortlist
     opts = {k: x for k, x in v.overrides.items() if k != "kv_full_precision_layers"}
-    key = json.dumps({"options": opts, "count": want, "texts": [t[0, :4].tolist() + [t.shape[1]] for t in texts],
-                      "chunk": chunk}, sort_keys=True)
+    key = json.dumps({"options": opts, "count": want, "shortlist": shortlist, "chunk": chunk,
+                      "texts": [t[0, :4].tolist() + [t.shape[1]] for t in texts]}, sort_keys=True)
     records = {}
     if cache_file and os.path.exists(cache_file):
         with open(cache_file) as f:
@@ -99,7 +104,7 @@ def calibrate_layers(model, v: Variant, texts, cache_file, chunk) -> None:
     rec = records.get(key)
     if rec is None:
         t0 = time.perf_counter()
-        cal = calibrate(model, texts, want, chunk=chunk, **opts)
+        cal = calibrate(model, texts, want, shortlist=shortlist, chunk=chunk, **opts)
         rec = {"layers": list(cal.layers), "order": list(cal.order), "kl": cal.kl, "kl_quantized": cal.kl_quantized,
                "steps": [list(s) for s in cal.steps], "wins": list(cal.wins), "margins": list(cal.margins),
                "texts": cal.texts, "tokens": cal.tokens, "seconds": round(time.perf_counter() - t0, 1)}

@@ -148,6 +148,12 @@ def test_calibrate_chooses_greedily_and_within_the_candidates(planted):
     restricted = calibrate(planted, texts, 1, candidates=[0, -1], **LOWBIT)
     assert restricted.layers[0] in (0, 3)
     assert restricted.steps[0][1] is None and restricted.steps[0][2] is None
+    # a shortlist: the steps after the first try only the first step's best candidates
+    short = calibrate(planted, texts, 2, shortlist=2, **LOWBIT)
+    first = sorted(range(4), key=lambda i: (short.steps[0][i], i))[:2]
+    assert short.order[0] == 2 and set(short.layers) == set(first)
+    assert [i for i, v in enumerate(short.steps[1]) if v is not None] == [i for i in first if i != 2]
+    assert short.steps[0] == cal.steps[0]
     none = calibrate(planted, texts, 0, **LOWBIT)
     assert none.layers == () and none.steps == () and none.kl == none.kl_quantized == cal.kl_quantized
 
@@ -175,6 +181,8 @@ def test_calibrate_chooses_greedily_and_within_the_candidates(planted):
     (dict(count=1.0), ArgumentTypeError, r"count: expected an int >= 0, got 1.0$"),
     (dict(count=-1), InvalidArgumentError, r"count: expected an int >= 0, got -1$"),
     (dict(chunk=0), InvalidArgumentError, r"chunk: expected an int >= 1, got 0$"),
+    (dict(count=2, shortlist=1), InvalidArgumentError, r"shortlist: expected None or an int >= count \(2\), got 1$"),
+    (dict(shortlist=2.0), ArgumentTypeError, r"shortlist: expected an int >= 1, got 2.0$"),
     (dict(kv_full_precision_layers=(1,)), InvalidArgumentError, r"kv_full_precision_layers: expected not given"),
     (dict(kv_dtype=None), InvalidArgumentError, r"kv_dtype: expected a quantized kv dtype .*got None$"),
     (dict(kv_window_sequences=2), InvalidArgumentError, r"kv_window_sequences: expected not given"),

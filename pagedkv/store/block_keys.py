@@ -104,9 +104,10 @@ class BlockKeys:
               zero: torch.Tensor) -> None:
         """Requantize ``blocks``' keys per channel from their exact ``keys`` ``[n, bs, H, D]``
         (wider keys: their high bits into the K rows of the per-token ``scale``/``zero``)."""
-        wide = dict(kv_scale=scale, kv_zero=zero) if self.format.key_extra_bits else {}
+        wide = self.format.key_extra_bits > 0
         ops.seal_key_blocks(view, torch.from_numpy(blocks).to(view.device), keys, self.store.key_scale[layer],
-                            self.store.key_zero[layer], layout=self.store.layout, layer_format=self.format, **wide)
+                            self.store.key_zero[layer], layout=self.store.layout, layer_format=self.format,
+                            kv_scale=scale if wide else None, kv_zero=zero if wide else None)
 
     def _unseal(self, layer: int, view, scale, zero, blocks: np.ndarray, live: np.ndarray) -> None:
         """Requantize rows ``[0, live[i])`` of ``blocks[i]``'s keys per token (from their

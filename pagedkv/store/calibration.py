@@ -287,7 +287,7 @@ class _Pass:
 
 @torch.no_grad()
 def calibrate(model: Any, texts: Any, count: int = 1, *, candidates: Sequence[int] | None = None,
-              chunk: int = 128, block_size: int = 16, **lowbit: Any) -> Calibration:
+              shortlist: int | None = None, chunk: int = 128, block_size: int = 16, **lowbit: Any) -> Calibration:
     """Choose ``count`` layers to keep in model precision by end-to-end KL.
 
     Greedy: step ``i`` tries each candidate layer with the ``i`` layers chosen before,
@@ -297,15 +297,19 @@ def calibrate(model: Any, texts: Any, count: int = 1, *, candidates: Sequence[in
     :func:`layer_sensitivity`; deterministic for the same model, texts and options.
 
     Cost: ``count * (len(candidates) + 1)`` forward passes over the texts (one more
-    when ``count`` is 0). Several pieces of varied text (a few thousand tokens in all)
-    rank the layers more stably than one: check the choice on text it did not see
-    (:func:`kv_divergence`).
+    when ``count`` is 0); with ``shortlist``, the steps after the first try only the
+    ``shortlist`` candidates the first step ranked best (a layer that saves little alone
+    seldom saves the most later), for ``len(candidates) + 1 + (count - 1) * shortlist``.
+    Several pieces of varied text (a few thousand tokens in all) rank the layers more
+    stably than one: check the choice on text it did not see (:func:`kv_divergence`).
 
     Args:
         model: a transformers causal LM (its ``config`` sizes the cache).
         texts: a ``[1, n]`` int64 tensor (``n >= 2``), or a sequence of them.
         count: layers to choose (``0 <= count < num_layers``, at most the candidates).
         candidates: the layer indices to choose from (default: every layer).
+        shortlist: after the first step, try only this many of its best candidates
+            (``>= count``; default: every candidate at every step).
         chunk, block_size: tokens per forward pass; the cache's block size.
         **lowbit: the quantized cache's options (``kv_dtype`` required, quantized), as
             for :func:`layer_sensitivity`.
@@ -325,6 +329,8 @@ def calibrate(model: Any, texts: Any, count: int = 1, *, candidates: Sequence[in
     if count > len(cands) or count >= n:
         raise InvalidArgumentError(expected("count", f"an int in [0, {min(len(cands) + 1, n)}) (at most the "
                                             f"{len(cands)} candidates; one layer must stay quantized)", count))
+    if shortlist is not None and _check_count("shortlist", shortlist, 1) < count:
+        raise InvalidArgumentError(expected("shortlist", f"None or an int >= count ({count})", shortlist))
     tokens = sum(t.shape[1] for t in pieces)
     order: list[int] = []
     steps: list[tuple[float | None, ...]] = []
@@ -341,6 +347,8 @@ def calibrate(model: Any, texts: Any, count: int = 1, *, candidates: Sequence[in
         if not tried:
             break
         means = [max(0.0, sum(row) / tokens) for row in per_text]
+        if step == 0 and shortlist is not None:     # later steps try the first step's best only
+            cands = tuple(sorted(sorted(tried, key=lambda c: (means[tried.index(c)], c))[:shortlist]))
         best = min(range(len(tried)), key=lambda j: (means[j], tried[j]))
         order.append(tried[best])
         kl = means[best]
