@@ -37,9 +37,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pagedkv.format import dtypes
 from pagedkv.ops import gather_kv, paged_attention
 from pagedkv.ops import reference as ref
-from pagedkv.store import dtypes
 
 SHAPES = [(9, 3, 64), (32, 8, 128)]
 FORMATS = ["float32", "int8", "int4_block_keys", "int3"]

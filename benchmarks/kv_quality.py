@@ -16,7 +16,7 @@ paged/gather KL ratio; stored bits per element, of the quantized blocks alone an
 whole sequence of 1,024 and 8,192 tokens with every byte counted (codes, scales, block-key
 parameters, window and sink rows, model-precision layers).
 
-Calibrated variants keep the layers :func:`pagedkv.store.calibration.calibrate` chooses
+Calibrated variants keep the layers :func:`pagedkv.tools.calibration.calibrate` chooses
 by end-to-end KL on the corpus's calibration pieces (8 x 512 tokens, apart from every
 slice); ``--calibration FILE`` keeps its results for later runs (it costs about
 ``num_layers + 1`` passes over 4,096 tokens per layer). ``--greedy`` adds greedy
@@ -90,7 +90,7 @@ def variants(names=None, probe=False) -> list[Variant]:
 
 def calibrate_layers(model, v: Variant, texts, cache_file, chunk) -> None:
     """Resolve ``v``'s :class:`Calibrated` placeholder (reusing ``cache_file``'s record)."""
-    from pagedkv.store.calibration import calibrate
+    from pagedkv.tools.calibration import calibrate
 
     placeholder = v.overrides["kv_full_precision_layers"]
     want, shortlist = placeholder.count, placeholder.shortlist

@@ -467,7 +467,7 @@ PKV_UNROLL
       for (int e = 0; e < EPL; ++e) x[e] = pkv_fma(ps[lane * EPL + e], f, x[e]);
     }
 PKV_UNROLL
-    for (int e = 0; e < EPL; ++e) x[e] = lsum > 0.0f ? __fdiv_rn(x[e], lsum) : 0.0f;
+    for (int e = 0; e < EPL; ++e) x[e] = lsum != 0.0f ? __fdiv_rn(x[e], lsum) : 0.0f;  // a NaN row stays NaN
     if (signs) {  // unrotate(y) = signs * H(y)
 PKV_UNROLL
       for (int h = 1; h < EPL; h *= 2)

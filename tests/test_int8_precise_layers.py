@@ -9,8 +9,8 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
-from pagedkv.store.format import kv_format
-from pagedkv.store.quant import dequantize, quantize
+from pagedkv.format.fingerprint import kv_format
+from pagedkv.format.quant import dequantize, quantize
 from test_lowbit_store import BS, D, H, L, config, expected_quantized, fill, kv_data
 
 INT8 = dict(kv_dtype="int4", kv_key_quant="block", kv_window=0, kv_full_precision_layers=(0, 2),

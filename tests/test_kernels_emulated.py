@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from backend_cases import BS, LAYOUTS, NB, H, assert_same, layer_shape, name, random_layer, tokens
 
 from pagedkv.errors import (
     DeviceError,
@@ -25,7 +26,6 @@ from pagedkv.errors import (
     InvalidArgumentError,
     ShapeError,
 )
-from backend_cases import BS, H, LAYOUTS, NB, assert_same, layer_shape, name, random_layer, tokens
 from pagedkv.kernels import emulation as emu
 from pagedkv.kernels import plans
 from pagedkv.ops import reference as ref
@@ -348,7 +348,7 @@ def test_address_sanitizer_catches_an_out_of_bounds_launch(tmp_path):
 def test_quantizing_write_shares_each_scale_group_among_a_cta_row(kv_dtype, d, groups, block):
     # A CTA row of threads reduces one scale group together; the grid's CTAs stride
     # over the (token, K/V, head) rows, so its x is 1.
-    from pagedkv.store import dtypes
+    from pagedkv.format import dtypes
 
     row = dtypes.info(kv_dtype)
     shape = layer_shape("NHD", NB, BS, H, row.stored_dim(d))

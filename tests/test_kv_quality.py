@@ -7,7 +7,7 @@ stride 512, chunks of 256, against float32 ``DynamicCache``), through the gather
 import pytest
 
 from model_fixtures import smollm2  # noqa: F401
-from pagedkv.store.calibration import calibrate, kv_divergence
+from pagedkv.tools.calibration import calibrate, kv_divergence
 from pagedkv.testing import corpus
 from pagedkv.testing.quality import Variant, evaluate
 

@@ -28,16 +28,16 @@ import math
 
 import pytest
 import torch
+from backend_cases import NO_GPU, ONE_THREAD, SMALL_GRID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend_cases import NO_GPU, ONE_THREAD, SMALL_GRID
-from pagedkv.store import dtypes
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
+from pagedkv.format import dtypes
+from pagedkv.format.quant import quantize_key_block
+from pagedkv.format.rotation import rotation_signs
 from pagedkv.kernels import attention_plans, sources
 from pagedkv.ops import reference as ref
-from pagedkv.store.quant import quantize_key_block
-from pagedkv.store.rotation import rotation_signs
 
 try:  # the public op's float64 definition, where the CPU backend's branch has landed
     from pagedkv.ops.attention_reference import paged_attention as _defined

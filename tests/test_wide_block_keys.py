@@ -17,10 +17,10 @@ from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, ShapeError
 from pagedkv.ops import attention_reference as aref
 from pagedkv.ops import reference as ref
-from pagedkv.store import quant
-from pagedkv.store.format import kv_format
-from pagedkv.store.layer_format import LayerFormat, key_spare_bits
-from pagedkv.store.rotation import rotation_signs
+from pagedkv.format import quant
+from pagedkv.format.fingerprint import kv_format
+from pagedkv.format.layer_format import LayerFormat, key_spare_bits
+from pagedkv.format.rotation import rotation_signs
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 LAYOUTS = ("NHD", "HND")
@@ -232,7 +232,7 @@ def test_the_baseline_build_seals_and_gathers_as_the_reference():
     script = """
 import torch
 from pagedkv.ops import cpu, reference as ref, _cpu_quant
-from pagedkv.store.layer_format import LayerFormat
+from pagedkv.format.layer_format import LayerFormat
 assert _cpu_quant.ROW_ISA == "baseline"
 for d, g, kb in ((64, 64, 5), (64, 32, 6), (40, 40, 5), (16, 16, 8)):
     for layout in ("NHD", "HND"):

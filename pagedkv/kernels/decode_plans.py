@@ -76,9 +76,7 @@ class DecodeVariant(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def _defines(variant: DecodeVariant, lo: str) -> tuple[tuple[str, str], ...]:
-    from pagedkv.kernels.attention_plans import _KV_MACROS
-
-    return (("PKV_DEC_F", _KV_MACROS[variant.kv_type]), ("PKV_DEC_D", str(variant.head_dim)),
+    return (("PKV_DEC_F", sources.KV_MACROS[variant.kv_type]), ("PKV_DEC_D", str(variant.head_dim)),
             ("PKV_DEC_G", str(variant.heads)), ("PKV_DEC_NGL", str(variant.lane_groups)),
             ("PKV_DEC_LAYOUT", "PKV_NHD" if lo == "nhd" else "PKV_HND"), ("PKV_DEC_NAME", variant.name(lo)))
 

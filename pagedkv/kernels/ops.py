@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, expected
+from pagedkv.format import op_checks as checks
 from pagedkv.kernels import attention_plans, build, driver, plans
 from pagedkv.kernels.plans import as_tensor
-from pagedkv.store import op_checks as checks
 
 __all__ = ["write_kv", "seal_key_blocks", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks", "convert_layout",
            "paged_attention"]
@@ -111,8 +111,8 @@ def write_kv(
         key, value: ``[num_tokens, H, D]``, any token/head strides, dense head_dim.
         kv_scale, kv_zero: quantized storage only, contiguous float32 views.
         rotation_signs: quantized storage only: float32 ``[D]`` signs; each row is
-            rotated (:mod:`pagedkv.store.rotation`) in the kernel before it is quantized.
-        layer_format: the layer's :class:`~pagedkv.store.layer_format.LayerFormat`
+            rotated (:mod:`pagedkv.format.rotation`) in the kernel before it is quantized.
+        layer_format: the layer's :class:`~pagedkv.format.layer_format.LayerFormat`
             (None: the one the tensors imply); see :func:`pagedkv.ops.reference.write_kv`.
         stream: see the module docstring.
     """
@@ -243,7 +243,7 @@ def convert_layout(arena, src_layout: str, dst_layout: str, *, scale: bool = Fal
 def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD", layer_format=None,
                     kv_scale=None, kv_zero=None, stream=None) -> None:
     """Requantize whole blocks' keys per channel (int4 block keys): block ``blocks[i]``
-    gets :func:`pagedkv.store.quant.quantize_key_channels` of ``keys[i]`` in its K plane's
+    gets :func:`pagedkv.format.quant.quantize_key_channels` of ``keys[i]`` in its K plane's
     codes and its rows of ``key_scale``/``key_zero`` (and, for wider keys, the high bits in
     its K rows of ``kv_scale``/``kv_zero``); nothing else changes.
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.format import dtypes
+from pagedkv.format import op_checks as checks
 from pagedkv.kernels import sources
-from pagedkv.store import dtypes
-from pagedkv.store import op_checks as checks
 
 __all__ = [
     "Launch",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = [
     "KernelSource",
@@ -41,6 +41,7 @@ __all__ = [
     "VARIANT_SOURCES",
     "decode_name",
     "decode_merge_name",
+    "KV_MACROS",
 ]
 
 SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu", "seal_keys.cu",
@@ -55,6 +56,10 @@ CHUNKS = {"v16": 16, "e4": 4, "e2": 2, "e1": 1}  # copy unit -> bytes
 MODEL_TYPES = tuple(d.kernel_name for d in dtypes.MODEL)
 QUANT_TYPES = tuple(d.kernel_name for d in dtypes.QUANTIZED)
 TABLES = ("csr", "pad")
+#: the K/V storage name of an attention entry point -> its format macro (the tiled kernel's
+#: PKV_ATTN_KV, the decode kernel's PKV_DEC_F); both attention plans read it here
+KV_MACROS = {"f32": "PKV_F_F32", "f16": "PKV_F_F16", "bf16": "PKV_F_BF16", "e4m3": "PKV_Q_E4M3",
+             "e5m2": "PKV_Q_E5M2", "int8": "PKV_Q_INT8", "int4": "PKV_Q_INT4", "int3": "PKV_Q_INT3"}
 INDEX_TYPES = ("i32", "i64")
 
 _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)

@@ -52,11 +52,11 @@ from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv.config.options import CacheConfig, format_bytes
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
+from pagedkv.events import KVEvent
 from pagedkv.manager.absent import NoHost, NoTiers, OwedCopies, StoreCopies
-from pagedkv.manager.arguments import as_token_ids
+from pagedkv.manager.arguments import as_token_ids, check_attention_call
 from pagedkv.manager.coordinator import coordinator
 from pagedkv.manager.data import DataPath
-from pagedkv.manager.events import KVEvent
 from pagedkv.manager.lifecycle import CallerLock, Lifecycle
 from pagedkv.manager.moves import Moves
 from pagedkv.manager.namespaces import NamespaceRegistry, namespace_key  # noqa: F401 (imported from here)
@@ -64,7 +64,7 @@ from pagedkv.manager.pool_view import PoolView
 from pagedkv.manager.prefix import Prefixes
 from pagedkv.manager.queries import Queries
 from pagedkv.manager.seq_ids import SequenceIds
-from pagedkv.manager.stats import CacheStats
+from pagedkv.manager.stats import CacheStats, with_window_figures
 
 if TYPE_CHECKING:
     from pagedkv.groups.tables import AttentionTables
@@ -142,9 +142,9 @@ class PagedKVCache:
             self._host = HostSwap(self._groups, store, config.host_num_blocks, self._namespaces.hash_of,
                                   sync=self._tiers.sync)
         copies = OwedCopies() if store is None else StoreCopies(store)
-        sinks = store if store is not None and store.window is not None and config.kv_sink_tokens else None
+        window = store if store is not None and store.window is not None else None
         self._life = Lifecycle(config, self._lock, self._caller_lock, self._ids, self._namespaces, self._groups,
-                               self._tiers, self._host, copies, sinks)
+                               self._tiers, self._host, copies, window)
         settle = self._life.settle
         self._prefix = Prefixes(config, self._lock, settle, self.index, self._pool, self._namespaces, self._groups,
                                 self._tiers)
@@ -512,7 +512,7 @@ class PagedKVCache:
         ``rotated=True`` (a cache with ``kv_rotation``): K/V in the rotated domain, as
         stored, without the per-row unrotation, which costs more than the dequantization.
         The rotation is orthonormal, so an attention that rotates its queries
-        (``pagedkv.store.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
+        (``pagedkv.format.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
         its output is unrotated once per query (``unrotate(out, signs)``) instead of once
         per cached token."""
         return self._data.gather_pages(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
@@ -524,13 +524,14 @@ class PagedKVCache:
         rotation folded into ``q`` and the output. The table is as for :meth:`gather_pages`
         (with layer groups, the layer's group's). ``options``: the op's keywords
         (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``, ``num_splits``, ``out``,
-        ``backend``)."""
+        ``backend``; :func:`~.arguments.check_attention_call`)."""
+        check_attention_call(options, q, self.config.torch_dtype)
         return self._data.attention(layer, q, indptr, indices, seq_lens, q_indptr, **options)
 
     @property
     def rotation_signs(self):
         """The float32 ``[head_dim]`` signs of the cache's rotation (a copy), or None
-        without ``kv_rotation``: what :func:`pagedkv.store.rotation.rotate` takes."""
+        without ``kv_rotation``: what :func:`pagedkv.format.rotation.rotate` takes."""
         return self._data.rotation_signs()
 
     def copy_blocks(self, pairs) -> None:
@@ -557,7 +558,7 @@ class PagedKVCache:
         """A snapshot of the cache's counters (:class:`pagedkv.CacheStats`): blocks free /
         in use / cached, live and swapped sequences, prefix hits per medium, evictions.
         ``stats().describe()`` renders it as text."""
-        return self._queries.stats()
+        return with_window_figures(self._queries.stats(), self.store)
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""

@@ -68,7 +68,7 @@ class DataPath:
             lens = want
         dev = store.device
         k, v = store.gather(slot, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
-                            torch.from_numpy(lens.astype(np.int32)).to(dev))
+                            torch.from_numpy(lens.astype(np.int32)).to(dev), sink=self.group_sink(g))
         cu = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
         if not with_positions:
@@ -85,26 +85,40 @@ class DataPath:
             raise InvalidArgumentError(expected("rotated", "False for a cache without kv_rotation", True))
         if rotated and self.config.block_keys:   # full blocks' keys are stored unrotated, per channel
             raise InvalidArgumentError(expected("rotated", "False for a cache with kv_key_quant='block'", True))
-        layer = self.groups.layer_slot(layer)[1]
+        g, layer = self.groups.layer_slot(layer)
         indptr, indices, seq_lens = (self.table_tensor(a, n) for a, n in
                                      ((indptr, "indptr"), (indices, "indices"), (seq_lens, "seq_lens")))
         if pending is not None:
             pending = self.pending_rows(pending, seq_lens)
-        return self.require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
+        return self.require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated,
+                                           sink=self.group_sink(g))
+
+    def group_sink(self, g: int) -> int | None:
+        """The sink tokens layer group ``g``'s tables start with when that is not every
+        sequence's first ``kv_sink_tokens`` (None): a sliding group releases the blocks
+        that leave its window, so only the sink blocks it keeps (its attention sinks)
+        begin its tables; its other rows are read exact only in the recent window."""
+        plan = self.config.layer_groups
+        group = plan.groups[g] if plan is not None else None
+        if group is None or not group.window:
+            return None
+        bs = self.config.block_size
+        return min(self.config.kv_sink_tokens or 0, -(-group.sinks // bs) * bs)
 
     def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
         from pagedkv.ops import ExactRows, paged_attention
 
         store = self.require_store()
-        layer = self.groups.layer_slot(layer)[1]
+        g, layer = self.groups.layer_slot(layer)
         view = store.layer(layer)
         scale, zero = store.layer_scales(layer)
         kscale, kzero = store.layer_key_params(layer)
         main, i = store._where[layer]
         fmt = store.layer_format(layer)
         w, exact = store.window, None
+        sink = self.group_sink(g) if w is not None else None
         if main and w is not None and (w.window or w.sink):
-            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
+            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink if sink is None else sink)
         if exact is None:
             return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout,
                                    kv_scale=scale, kv_zero=zero, key_scale=kscale, key_zero=kzero,
@@ -112,21 +126,24 @@ class DataPath:
                                    layer_format=fmt, **options)
         with w.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
             return self._attention_exact(w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale,
-                                         kzero, exact, fmt, options)
+                                         kzero, exact, fmt, options, sink)
 
     def _attention_exact(self, w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale, kzero,
-                         exact, fmt, options):
+                         exact, fmt, options, sink=None):
         from pagedkv.ops import paged_attention
+        from pagedkv.store.window import blocks_of_csr
 
         store = self.require_store()
         out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
                               kv_zero=zero, key_scale=kscale, key_zero=kzero, rotation_signs=store.rotation_signs,
                               exact_rows=exact, layer_format=fmt, **options)
-        if i == 0 and w.sink:     # the sinks' pins stay most recently used, as a gather's
+        if i == 0:      # once per pass, as a gather: count fallbacks, keep the sinks' pins recent
             ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
                 indices.cpu() if hasattr(indices, "cpu") else indices)
             lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
-            heads = np.minimum(w.sink, np.maximum(lens - w.window, 0))
+            w.count_fallbacks(blocks_of_csr(ptr, idx), lens, sink)
+        if i == 0 and exact.sink:
+            heads = np.minimum(exact.sink, np.maximum(lens - w.window, 0))
             first = [idx[ptr[b]:ptr[b] + (n - 1) // w.block_size + 1] for b, n in enumerate(heads.tolist()) if n]
             if first:
                 ws = w.slot_of[np.concatenate(first).astype(np.int64)]
@@ -152,7 +169,7 @@ class DataPath:
         if self.store is not None and self.store.rotation_signs is not None:   # a kv_rotation store has them
             return self.store.rotation_signs.clone()
 
-        from pagedkv.store.rotation import rotation_signs
+        from pagedkv.format.rotation import rotation_signs
 
         return rotation_signs(self.config.head_dim, self.config.kv_rotation_seed)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops import backends
 from pagedkv.ops.backends import BACKENDS, resolve_backend
 from pagedkv.ops.paged_attention import ExactRows, paged_attention
-from pagedkv.store.layer_format import LayerFormat
 
 __all__ = [
     "BACKENDS",

@@ -16,7 +16,7 @@
  * 16-bit shift, exact. ``scale``/``zero`` point at the (block, head)'s head_dim values;
  * ``tmp`` is head_dim floats of scratch for a narrowed output.
  *
- * Wider block keys (``extra`` > 0, pagedkv.store.quant "wider block keys"): c[d] also has
+ * Wider block keys (``extra`` > 0, pagedkv.format.quant "wider block keys"): c[d] also has
  * ``extra`` high bits, read from ``high``, the row's per-token parameter bytes (its scale
  * groups' bytes, then its zero points', as pkv_key_high lays them out): channel d's at bit
  * (d * extra) % 8 of byte (d * extra) / 8; c[d] = nibble | high << 4. */

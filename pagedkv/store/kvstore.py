@@ -8,7 +8,7 @@ The store moves bytes; which block goes where is the caller's decision.
 
 Low-bit options (see :class:`~pagedkv.config.options.CacheConfig`): layers named in
 ``kv_full_precision_layers`` live in a second, model-dtype (or int8) arena; a rotated cache
-stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.store.rotation`) and unrotates on read,
+stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.format.rotation`) and unrotates on read,
 both inside the data ops (``rotation_signs``, fused into the CPU loops and kernels); a
 cache with ``kv_window`` also keeps each sequence's newest tokens in model precision
 (:mod:`pagedkv.store.window`).
@@ -27,10 +27,10 @@ from pagedkv import ops
 from pagedkv.config.memory import arena_bytes, check_device, check_fits
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.store import dtypes, op_checks
+from pagedkv.format import dtypes, op_checks
+from pagedkv.format.layer_format import LayerFormat
+from pagedkv.format.rotation import rotate, rotation_signs
 from pagedkv.store.block_keys import BlockKeys
-from pagedkv.store.layer_format import LayerFormat
-from pagedkv.store.rotation import rotate, rotation_signs
 from pagedkv.store.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
@@ -60,6 +60,10 @@ def _window_option(cfg: CacheConfig):
     return "kv_sink_tokens", sink
 
 
+#: past this many layer slots the layer count alone is checked first (no model has so many)
+_MANY_LAYERS = 1 << 16
+
+
 class KVStore:
     """Device arenas (and an optional host tier) for one :class:`CacheConfig`.
 
@@ -77,7 +81,7 @@ class KVStore:
         kv_full_scale, kv_full_zero: the int8 full-precision layers' per-token float32
             scale and zero point arenas (``[L_full, NB, 2, bs, H]``), or None.
         window: the :class:`~pagedkv.store.window.RecentWindow`, or None.
-        format, full_format: the :class:`~pagedkv.store.layer_format.LayerFormat` of the
+        format, full_format: the :class:`~pagedkv.format.layer_format.LayerFormat` of the
             main arena's layers (``kv_dtype``; the model dtype when not quantized) and of
             the model-precision layers (``kv_full_precision_layers``).
         rotation_signs: float32 ``[head_dim]`` signs of the rotation, or None.
@@ -106,6 +110,7 @@ class KVStore:
         self.format = LayerFormat.of_config(config)
         self.full_format = (LayerFormat("int8") if config.quantized and config.kv_full_precision_dtype == "int8"
                             else LayerFormat.of_config(config, quantized=False))
+        self._check_layers()      # before anything is built per layer slot
         # With layer groups the "layers" here are a block's layer slots (pagedkv.groups.layers).
         full = config.full_precision_slots
         quant = config.quantized_slots if config.quantized else tuple(range(config.arena_layers))
@@ -174,6 +179,25 @@ class KVStore:
         """Size-check entries (see :mod:`pagedkv.config.memory`) of the arenas for ``num_blocks``."""
         return [(option, value, arena_bytes(option, value, spec[0], spec[1].itemsize))
                 for spec in self._arena_specs(num_blocks) if spec is not None]
+
+    def _check_layers(self) -> None:
+        """The size a layer count implies, checked from the count alone (no per-layer
+        structure is built first: ``num_layers=10**9`` is an OutOfMemoryError, not a
+        billion-entry tuple): every layer slot of every block holds at least its K and V
+        rows in the smallest format (int3, 3 bits an element), and each slot costs the
+        host about 256 bytes of bookkeeping. :meth:`_check_sizes` then sizes exactly."""
+        cfg = self.config
+        slots = cfg.arena_layers
+        if slots <= _MANY_LAYERS:      # a real model's count: the exact check below names the option
+            return
+        rows = arena_bytes("num_layers", cfg.num_layers, (slots, cfg.resolved_num_blocks, 2 * cfg.block_size,
+                                                          cfg.kv_heads_per_rank), max(1, cfg.head_dim * 3 // 8))
+        host = [("num_layers", cfg.num_layers, arena_bytes("num_layers", cfg.num_layers, (slots,), 256))]
+        if self.device.type == "cpu":
+            check_fits(self.device, [("num_layers", cfg.num_layers, rows)] + host)
+        else:
+            check_fits(self.device, [("num_layers", cfg.num_layers, rows)])
+            check_fits("cpu", host)
 
     def _check_sizes(self) -> None:
         """Every arena this store allocates, sized and compared with its device's free
@@ -253,7 +277,7 @@ class KVStore:
 
     def layer_key_params(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer block-key ``(scale, zero)`` views ``[NB, H, D]`` (bfloat16; see
-        :func:`pagedkv.store.quant.quantize_key_block`), or ``(None, None)``."""
+        :func:`pagedkv.format.quant.quantize_key_block`), or ``(None, None)``."""
         main, i = self._where[self._layer_index(layer)]
         if not main or self.key_scale is None:
             return None, None
@@ -324,7 +348,7 @@ class KVStore:
         if self.window is not None and self.window.sink:
             self.window.pin(blocks, held_only=held_only)
 
-    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
+    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False, sink=None):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
         inside the data op), overlay the window, fill outputs.
 
@@ -350,7 +374,7 @@ class KVStore:
         op_checks.check_out(out_key, out_value, total, geo, model, view.device)
         k, v = read(model, signs, None, None)
         if main and window is not None:     # main: the early return above left only a window to overlay
-            window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated)
+            window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated, sink)
         elif to_rotated is not None:        # a model-precision layer read in the rotated domain
             k, v = to_rotated(k).to(model), to_rotated(v).to(model)
         if out_key is not None:
@@ -370,10 +394,12 @@ class KVStore:
         out_value: torch.Tensor | None = None,
         pending: np.ndarray | None = None,
         rotated: bool = False,
+        sink: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables).
 
-        ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`."""
+        ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`; ``sink``:
+        see :meth:`RecentWindow.overlay`."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
@@ -388,7 +414,7 @@ class KVStore:
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
 
-        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending, rotated)
+        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending, rotated, sink)
 
     def gather_padded(
         self,

@@ -22,7 +22,7 @@ tokens                        read by
 14,336 - 18,431               :data:`DEV_SLICE`: where int4's layout was tuned (issue 33)
 20,000 - 21,900, 30,000 -     vLLM tests and ``benchmarks/vllm_connector.py`` (speed, not quality)
 74,800, 90,000 - 90,063
-:data:`CALIBRATION` pieces    :func:`pagedkv.store.calibration.calibrate` in tests and benchmarks
+:data:`CALIBRATION` pieces    :func:`pagedkv.tools.calibration.calibrate` in tests and benchmarks
 :data:`HELD_OUT` slices       only the held-out report of ``benchmarks/kv_quality.py``
 ============================  ==================================================================
 """
