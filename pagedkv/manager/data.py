@@ -55,6 +55,7 @@ class DataPath:
             tables = self.groups.tables[g]
             indptr, indices, _ = tables.csr(keys, internal=internal)
             lens = tables.seq_lens(keys, internal=internal)
+            done = tables.seq_lens(keys, computed=True, internal=internal)
             gone = tables.released_tokens(keys, internal=internal) if tables.window else None
         if gone is not None and gone.any():
             if want is not None:
@@ -66,6 +67,9 @@ class DataPath:
                 raise InvalidArgumentError(expected(
                     "num_tokens", f"{len(lens)} counts within the reserved lengths {lens.tolist()}", want.tolist()))
             lens = want
+        if store.layer_format(slot).quantized:
+            ends = lens if gone is None else lens + gone
+            _refuse_pass_rows(seq_ids, ends, done)
         dev = store.device
         k, v = store.gather(slot, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
                             torch.from_numpy(lens.astype(np.int32)).to(dev), sink=self.group_sink(g))
@@ -105,16 +109,23 @@ class DataPath:
         bs = self.config.block_size
         return min(self.config.kv_sink_tokens or 0, -(-group.sinks // bs) * bs)
 
-    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
+    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, *, k_new=None, v_new=None,
+                  pending=None, **options):
         from pagedkv.ops import ExactRows, paged_attention
 
         store = self.require_store()
         g, layer = self.groups.layer_slot(layer)
+        fmt = store.layer_format(layer)
+        if k_new is None and v_new is None and (fmt.quantized or pending is not None):
+            pending = self._no_pass_rows(pending, q_indptr)
         view = store.layer(layer)
+        if not fmt.quantized and k_new is not None:
+            _held_pass_rows(q, view, store.layout, fmt, k_new, v_new, pending, q_indptr)
+            k_new = v_new = pending = None
+        options.update(k_new=k_new, v_new=v_new, pending=pending)
         scale, zero = store.layer_scales(layer)
         kscale, kzero = store.layer_key_params(layer)
         main, i = store._where[layer]
-        fmt = store.layer_format(layer)
         w, exact = store.window, None
         sink = self.group_sink(g) if w is not None else None
         if main and w is not None and (w.window or w.sink):
@@ -141,6 +152,7 @@ class DataPath:
             ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
                 indices.cpu() if hasattr(indices, "cpu") else indices)
             lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
+            lens = lens - _pass_rows(options, q_indptr)     # the window ends where the pass's rows begin
             w.count_fallbacks(blocks_of_csr(ptr, idx), lens, sink)
         if i == 0 and exact.sink:
             heads = np.minimum(exact.sink, np.maximum(lens - w.window, 0))
@@ -151,6 +163,27 @@ class DataPath:
                 w.clock += 1
                 w.stamp[ws[w.pinned[ws]]] = w.clock
         return out
+
+    def _no_pass_rows(self, pending, q_indptr):
+        """A quantized layer read without the pass's own K/V: only when the caller says
+        that no query's row was written by this pass (``pending`` all zeros); otherwise
+        the op would read those rows back quantized, silently unlike every other read
+        (one definition of what a read returns: see :mod:`pagedkv.format.new_rows`)."""
+        import torch
+
+        want = ("the pass's own K/V (k_new, v_new) for a quantized layer: the rows a forward pass wrote "
+                "are read at model precision; pending=0 (ints [B]) where no query's row was written by this pass")
+        if pending is None:
+            raise InvalidArgumentError(expected("k_new", want, None))
+        try:
+            p = np.asarray(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArgumentTypeError(expected("pending", "ints [B]", type(pending).__name__)) from None
+        qp = np.asarray(q_indptr.cpu() if isinstance(q_indptr, torch.Tensor) else q_indptr)
+        if p.dtype.kind not in "iu" or p.ndim != 1 or p.shape[0] != max(qp.shape[0] - 1, 0) or p.any():
+            raise InvalidArgumentError(expected("pending", "zeros [B] without k_new and v_new (" + want + ")",
+                                                p.tolist() if p.ndim == 1 else repr(pending)))
+        return None
 
     def table_tensor(self, a, name: str):
         """A NumPy integer page-table array as an int32 tensor on the cache's device;
@@ -207,6 +240,53 @@ class DataPath:
                 raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
                                                  f"a {type(pairs).__name__} of other values")) from None
         store.copy_blocks(pairs)
+
+
+def _refuse_pass_rows(seq_ids, ends: np.ndarray, done: np.ndarray) -> None:
+    """A gather by sequence of a quantized layer reads committed rows only: rows written
+    by the forward pass in progress (reserved, not committed) are read at model precision
+    (one definition of what a read returns), which the arena no longer holds."""
+    over = np.nonzero(np.asarray(ends) > np.asarray(done))[0]
+    if len(over):
+        b = int(over[0])
+        sid = seq_ids if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__") else list(seq_ids)[b]
+        raise InvalidArgumentError(expected(
+            "num_tokens", "at most the committed tokens of a quantized layer's sequence (the forward pass's own "
+            "rows are read at model precision: gather before writing, gather_pages(pending=), or commit first)",
+            f"{int(ends[b])} tokens of {sid!r}, {int(done[b])} committed"))
+
+
+def _held_pass_rows(q, view, layout, fmt, k_new, v_new, pending, q_indptr) -> None:
+    """A model-precision layer holds the pass's rows as computed, so the arena reads the
+    same as ``k_new``/``v_new`` (and a CUDA decode keeps the decode kernel, which reads
+    only the arena): checked as the op would check them, then not passed on."""
+    import torch
+
+    from pagedkv.format.new_rows import check_new_rows, check_pending_values
+    from pagedkv.format.op_checks import check_layer
+
+    if not isinstance(q, torch.Tensor):
+        return None          # the op names the problem
+    geo = check_layer(view, layout, None, None, layer_format=fmt)
+    check_new_rows(k_new, v_new, pending, q, geo, view.device)
+    if pending is not None:
+        qp = np.asarray(q_indptr.cpu() if isinstance(q_indptr, torch.Tensor) else q_indptr).astype(np.int64)
+        p = np.asarray(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise ArgumentTypeError(expected("pending", "ints [B]", f"{p.dtype} array of shape {p.shape}"))
+        check_pending_values(p.astype(np.int64).tolist(), qp.tolist())
+    return None
+
+
+def _pass_rows(options, q_indptr) -> np.ndarray:
+    """Each row's positions read from the pass's own K/V (the op checked the counts)."""
+    if options.get("k_new") is None:
+        return np.zeros(1, dtype=np.int64)
+    pending = options.get("pending")
+    if pending is not None:
+        return np.asarray(pending.cpu() if hasattr(pending, "cpu") else pending).astype(np.int64)
+    qp = np.asarray(q_indptr.cpu() if hasattr(q_indptr, "cpu") else q_indptr).astype(np.int64)
+    return np.diff(qp)
 
 
 def _slots_tensor(slot_mapping, device):
