@@ -187,7 +187,7 @@ __device__ __forceinline__ void pkv_gather_dequant_v16(
     const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
     pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
     pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
-    const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero) {
+    const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero, pkv_i64 key_extra) {
   constexpr int CE = 16 / (int)sizeof(O);  // elements per 16-byte chunk
   const pkv_i64 head_chunks = head_dim / CE, row_chunks = num_heads * head_chunks;
   const pkv_i64 out_chunks = total_tokens * row_chunks;
@@ -225,7 +225,9 @@ __device__ __forceinline__ void pkv_gather_dequant_v16(
             vz = has_zero ? pkv_param_load<Q>(zero, v_row * groups + g) : 0.0f;
           }
           const pkv_u32 k_code = pkv_code_at<Q>(kv, k_row, head_dim, d);
-          k[c] = sealed ? pkv_key_channel_value(k_code, key_scale, key_zero, e.block, h, num_heads, head_dim, d)
+          const pkv_u32 k_high = pkv_key_high_at(scale, zero, k_row, groups, key_extra, d);  // wider keys
+          k[c] = sealed ? pkv_key_channel_value(k_code | (k_high << 4), key_scale, key_zero, e.block, h, num_heads,
+                                                head_dim, d)
                         : pkv_dequantize<Q>(k_code, ks, kz);
           v[c] = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), vs, vz);
         }
@@ -396,10 +398,11 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
                                         O* __restrict__ out_key, O* __restrict__ out_value,  \
                                         PKV_GATHER_TABLE_PARAMS, pkv_i64 head_dim,           \
                                         pkv_i64 groups, const pkv_u16* __restrict__ key_scale, \
-                                        const pkv_u16* __restrict__ key_zero) {              \
+                                        const pkv_u16* __restrict__ key_zero,                \
+                                        pkv_i64 key_extra) {                                 \
     pkv_gather_dequant_v16<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,         \
                                                 PKV_GATHER_TABLE_ARGS, head_dim, groups,     \
-                                                key_scale, key_zero);                        \
+                                                key_scale, key_zero, key_extra);             \
   }                                                                                          \
   extern "C" __global__ void NAME##_rot(const pkv_u8* __restrict__ kv,                       \
                                         const float* __restrict__ scale,                     \
