@@ -13,10 +13,10 @@ from typing import cast
 
 import torch
 
+from pagedkv.format import op_checks
 from pagedkv.ops import _cpu_attention as _ca
 from pagedkv.ops import _cpu_quant as _q
 from pagedkv.ops.attention_reference import AttentionPlan, attend_reference
-from pagedkv.format import op_checks
 
 __all__ = ["attend"]
 
