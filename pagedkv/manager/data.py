@@ -179,8 +179,13 @@ class DataPath:
             p = np.asarray(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
         except (TypeError, ValueError, RuntimeError):
             raise ArgumentTypeError(expected("pending", "ints [B]", type(pending).__name__)) from None
-        qp = np.asarray(q_indptr.cpu() if isinstance(q_indptr, torch.Tensor) else q_indptr)
-        if p.dtype.kind not in "iu" or p.ndim != 1 or p.shape[0] != max(qp.shape[0] - 1, 0) or p.any():
+        try:
+            qp = np.asarray(q_indptr.cpu() if isinstance(q_indptr, torch.Tensor) else q_indptr)
+        except (TypeError, ValueError, RuntimeError):
+            qp = None
+        # a q_indptr that is no 1-D table: the op names it (its length is not compared here)
+        batch = max(qp.shape[0] - 1, 0) if qp is not None and qp.ndim == 1 else None
+        if p.dtype.kind not in "iu" or p.ndim != 1 or (batch is not None and p.shape[0] != batch) or p.any():
             raise InvalidArgumentError(expected("pending", "zeros [B] without k_new and v_new (" + want + ")",
                                                 p.tolist() if p.ndim == 1 else repr(pending)))
         return None
