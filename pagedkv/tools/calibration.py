@@ -317,7 +317,8 @@ def calibrate(model: Any, texts: Any, count: int = 1, *, candidates: Sequence[in
         candidates: the layer indices to choose from (default: every layer).
         shortlist: after the first step, try only this many of its best candidates
             (``>= count``; default: every candidate at every step).
-        chunk, block_size: tokens per forward pass; the cache's block size.
+        chunk: tokens per forward pass.
+        block_size: the cache's block size.
         **lowbit: the quantized cache's options (``kv_dtype`` required, quantized), as
             for :func:`layer_sensitivity`.
 
