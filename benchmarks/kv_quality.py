@@ -1,261 +1,196 @@
-"""Quality lost to quantized KV on a real model: SmolLM2-135M perplexity and greedy
-agreement per KV precision, against full-precision (float32) KV measured in the same run.
+"""Quality lost to quantized KV on a real model, through the gather path and paged attention.
 
-Protocol (issue 11): SmolLM2-135M in float32, every K/V through a real
-``PagedKVCache`` (via the transformers ``PagedCache``); the first 8,192 tokens of
-``pydoc_data.topics.topics`` in sorted key order; the Hugging Face sliding-window
-perplexity recipe with windows of 1,024 tokens and stride 512. Each window is fed in
-chunks of 256 tokens, so three of every four chunks attend to KV read back from the
-(quantized) paged arena. Greedy agreement: 5 prompts of 512 tokens (text after the
-perplexity slice), 64 greedy tokens each with full-precision KV and with the precision
-under test; the fraction of the 320 positions where the tokens agree.
+Protocol (issues 11 and 33): SmolLM2-135M in float32, K/V through a real ``PagedKVCache``;
+text from :mod:`pagedkv.testing.corpus` (pydoc's topics), by default its two held-out
+slices (8,192 tokens each, read by no test, no calibration and no tuning); the Hugging
+Face sliding-window perplexity recipe, windows of 1,024 tokens with stride 512, each window
+fed in chunks of 256, so three of every four chunks attend to K/V read back from the
+arena; the baseline is float32 ``DynamicCache`` fed the same chunks. Every variant runs
+through both read paths side by side (:mod:`pagedkv.testing.quality`): ``gather``
+(``PagedCache()``) and ``paged`` (``PagedCache(paged_attention=True)``).
 
-Prints one JSON line per precision: perplexity delta (%), the goal, stored bits and
-bytes per element (scales included; the window arena, which also holds the sink tokens,
-is reported apart, as bytes per sequence), and greedy agreement. ``--probe`` adds the measurements behind the chosen
-int4 scheme (group sizes, no rotation, 3-bit and per-channel keys simulated by
-quantize-dequantize before the write). ``--smoke`` uses a tiny random-weight model and
-a short text (no download), only to prove the script runs.
+Prints one JSON line per (slice, variant) and one per variant pooled over the slices
+(``"slice": "pooled"``): for each path the perplexity increase (%) with its standard
+error (paired per position), KL (nats) with its standard error and top-1 agreement; the
+paged/gather KL ratio; stored bits per element, of the quantized blocks alone and of a
+whole sequence of 1,024 and 8,192 tokens with every byte counted (codes, scales, block-key
+parameters, window and sink rows, model-precision layers).
+
+Calibrated variants keep the layers :func:`pagedkv.tools.calibration.calibrate` chooses
+by end-to-end KL on the corpus's calibration pieces (8 x 512 tokens, apart from every
+slice); ``--calibration FILE`` keeps its results for later runs (it costs about
+``num_layers + 1`` passes over 4,096 tokens per layer). ``--greedy`` adds greedy
+agreement with the baseline (5 prompts of 512 tokens, 64 new tokens, per path).
+``--smoke`` uses a tiny random-weight model and random text, only to prove the script runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
+import os
 import time
 
 import torch
 
-from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.integrations.transformers import PagedCache
-from pagedkv.testing.kv_peers import PEERS, FakeQuantCache
-
-CALIBRATED = "calibrated"  # placeholder resolved by main() from a calibration pass
-CALIBRATED_1 = "calibrated:1"  # the same, one layer
-CALIBRATED_LAYERS = 2
+from pagedkv.testing import corpus
+from pagedkv.testing.kv_peers import PEERS
+from pagedkv.testing.quality import PATHS, Stats, Variant, evaluate, greedy, log
 
 
-def calibrated_count(layers):
-    """How many layers a calibration placeholder asks for, or None for real layer indices."""
-    if layers == CALIBRATED:
-        return CALIBRATED_LAYERS
-    if layers == CALIBRATED_1:
-        return 1
-    return None
+class Calibrated:
+    """A ``kv_full_precision_layers`` placeholder: the ``count`` layers calibrate() chooses
+    (after its first step, among the ``shortlist`` best)."""
 
-#: name -> (CacheConfig overrides, goal in % perplexity increase or None). The issue-11
-#: table first, then the variants that show what each part of the int4 scheme buys.
+    def __init__(self, count: int, shortlist: int | None = None):
+        self.count, self.shortlist = count, shortlist
+
+
+BLOCK = dict(kv_dtype="int4", kv_key_quant="block")   # keys per channel over each full block: 5-bit codes
+BLOCK4 = dict(BLOCK, kv_key_bits=4)                      # the same with 4-bit codes (before issue 33)
+#: name -> (CacheConfig overrides, goal in % perplexity increase or None)
 PRECISIONS = {
+    "fp32": ({}, None),
     "int8": (dict(kv_dtype="int8"), 0.07),
-    "fp8_e4m3": (dict(kv_dtype="fp8_e4m3"), None),
-    "fp8_e5m2": (dict(kv_dtype="fp8_e5m2"), None),
     "fp8_e4m3_rotated": (dict(kv_dtype="fp8_e4m3", kv_rotation=True), 0.3),
-    "int4_window128": (dict(kv_dtype="int4", kv_window=128), 0.1),
-    "int4_window0": (dict(kv_dtype="int4", kv_window=0), 1.0),
-    # keys requantized per channel over each full block (kv_key_quant="block")
-    "int4_blockkeys_window128": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block"), 0.1),
-    "int4_blockkeys_window0": (dict(kv_dtype="int4", kv_window=0, kv_key_quant="block"), None),
-    # int4/int3 keep each sequence's first 4 tokens (attention sinks) in model precision
-    # by default; these rows show what that buys
-    "int4_blockkeys_window128_nosink": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
-                                             kv_sink_tokens=0), None),
-    "int4_window0_nosink": (dict(kv_dtype="int4", kv_window=0, kv_sink_tokens=0), 1.0),
-    # block keys plus the one or two layers a calibration pass ranks most sensitive
-    "int4_blockkeys_window128_fp_calibrated": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
-                                                    kv_full_precision_layers=CALIBRATED), 0.1),
-    "int4_blockkeys_window128_fp_calibrated1": (dict(kv_dtype="int4", kv_window=128, kv_key_quant="block",
-                                                     kv_full_precision_layers=CALIBRATED_1), 0.1),
-    "int4_unrotated_window128": (dict(kv_dtype="int4", kv_window=128, kv_rotation=False), None),
-    "int4_unrotated_window0": (dict(kv_dtype="int4", kv_window=0, kv_rotation=False), None),
-    "int4_window0_fp_first_last": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=(0, -1)), None),
-    # the CALIBRATED_LAYERS layers that pagedkv.tools.calibration ranks most sensitive on text
-    # outside the measured slice and the greedy prompts
-    "int4_window0_fp_calibrated": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=CALIBRATED),
-                                   None),
-    # 3-bit codes in groups of 32, bfloat16 scale and zero (4.0 bits per element),
-    # rotated: the issue keeps it only if it reaches <= 3%
-    "int3_window128": (dict(kv_dtype="int3", kv_window=128), 3.0),
-    "int3_window0": (dict(kv_dtype="int3", kv_window=0), 3.0),
+    "int4_g64_sink4_w0": (dict(kv_dtype="int4", kv_window=0), 1.0),
+    # what issue 11 left: 4-bit block keys, window 128, one calibrated layer in fp32
+    "int4_block4_sink4_w128_cal1": (dict(BLOCK4, kv_window=128, kv_full_precision_layers=Calibrated(1)), 0.1),
+    "int4_block4_sink4_w0": (dict(BLOCK4, kv_window=0), None),
+    # issue 33: 5-bit block keys (the high bit where the sealed rows' parameters were),
+    # no window (it cost 5 bits per element at 1,024 tokens and bought nothing measurable)
+    "int4_block5_sink4_w0": (dict(BLOCK, kv_window=0), 0.1),
+    "int4_block5_sink4_w0_cal1": (dict(BLOCK, kv_window=0, kv_full_precision_layers=Calibrated(1)), 0.1),
+    # three calibrated layers in int8 (9 bits) instead of one in float32 (32)
+    "int4_block5_sink4_w0_int8x3": (dict(BLOCK, kv_window=0, kv_full_precision_dtype="int8",
+                                         kv_full_precision_layers=Calibrated(3, shortlist=6)), 0.1),
+    "int3_g32_sink4_w0": (dict(kv_dtype="int3", kv_window=0), 3.0),
 }
+#: more variants, by name with --only (or all with --probe)
 PROBES = {
-    "int8_rotated": (dict(kv_dtype="int8", kv_rotation=True), None),
-    "fp8_e5m2_rotated": (dict(kv_dtype="fp8_e5m2", kv_rotation=True), None),
-    "int4_g32_window0": (dict(kv_dtype="int4", kv_window=0, kv_group_size=32), None),
-    "int4_g16_window0": (dict(kv_dtype="int4", kv_window=0, kv_group_size=16), None),
+    "fp8_e4m3": (dict(kv_dtype="fp8_e4m3"), None),
+    "int4_g64_nosink_w0": (dict(kv_dtype="int4", kv_window=0, kv_sink_tokens=0), None),
+    "int4_g64_sink4_w128": (dict(kv_dtype="int4", kv_window=128), None),
+    "int4_block4_sink4_w128": (dict(BLOCK4, kv_window=128), None),
+    "int4_block5_sink4_w128": (dict(BLOCK, kv_window=128), None),
+    "int4_block5_nosink_w0": (dict(BLOCK, kv_window=0, kv_sink_tokens=0), None),
+    "int4_block5_sink16_w0": (dict(BLOCK, kv_window=0, kv_sink_tokens=16), None),
+    "int4_block5_sink4_w0_cal2": (dict(BLOCK, kv_window=0, kv_full_precision_layers=Calibrated(2)), 0.1),
+    "int3_g32_sink4_w128": (dict(kv_dtype="int3", kv_window=128), 3.0),
 }
+SMOKE = ("fp32", "int8", "int4_block5_sink4_w0", "int4_block5_sink4_w0_cal1")
 
 
-def text_ids(tokenizer, n, start=0):
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"][start:start + n]], dtype=torch.long)
-
-
-class Variant:
-    """One KV format under test: a paged cache factory, its goal and its stored size."""
-
-    def __init__(self, name, overrides=None, goal=None, peer=None):
-        self.name, self.overrides, self.goal, self.peer = name, overrides, goal, peer
-
-    def cache(self, model, num_blocks):
-        extra = dict(kv_window_sequences=1, **self.overrides) if self.overrides else {}  # one sequence at a time
-        cfg = CacheConfig.from_hf_config(model.config, num_blocks=num_blocks, dtype=torch.float32, **extra)
-        return FakeQuantCache(cfg, PEERS[self.peer][0]()) if self.peer else PagedKVCache(cfg)
-
-    def sizes(self, model) -> dict:
-        cfg = self.cache(model, 1).config
-        per_elem = cfg.bytes_per_token / (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
-        if self.peer:
-            per_elem = PEERS[self.peer][1] / 8
-        window = cfg.window_bytes // max(1, cfg.kv_window_sequences) if cfg.window_blocks else 0
-        return {"bits_per_element": round(8 * per_elem, 3), "bytes_per_element": round(per_elem, 4),
-                "bytes_per_token": round(per_elem * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim),
-                "window_bytes_per_sequence": window}
-
-
-@torch.no_grad()
-def evaluate(model, ids, variants, window, stride, chunk):
-    """Sliding-window perplexity with float32 KV and with every variant, window by window
-    in lockstep, so each variant's next-token distribution is compared with float32's at
-    every scored position. Returns ``{name: {perplexity, kl, top1}}`` (``"float32"``
-    included)."""
-    seq_len = ids.shape[1]
-    base = Variant("float32")
-    stats = {v.name: [0.0, 0.0, 0, 0.0] for v in [base] + variants}  # nll, kl, top-1 matches, seconds
-    scored, prev_end = 0, 0
-    for begin in range(0, seq_len, stride):
-        end = min(begin + window, seq_len)
-        window_ids = ids[:, begin:end]
-        targets = window_ids[0, 1:]
-        skip = max(0, (end - begin) - (end - prev_end) - 1)  # positions scored by an earlier window
-        base_logp = None
-        for v in [base] + variants:
-            t0 = time.perf_counter()
-            kv = v.cache(model, window // 16 + 8)
-            with PagedCache(kv) as cache:
-                logits = torch.cat([model(window_ids[:, s:s + chunk], past_key_values=cache, use_cache=True).logits
-                                    for s in range(0, window_ids.shape[1], chunk)], dim=1)[0, skip:-1].float()
-            logp = torch.log_softmax(logits, dim=-1)
-            st = stats[v.name]
-            st[0] -= float(logp.gather(1, targets[skip:, None]).sum())
-            if base_logp is None:
-                base_logp = logp
-            else:
-                st[1] += float((base_logp.exp() * (base_logp - logp)).sum())
-                st[2] += int((logp.argmax(-1) == base_logp.argmax(-1)).sum())
-            st[3] += time.perf_counter() - t0
-        scored += targets.shape[0] - skip
-        print(f"kv_quality: window {begin}:{end} of {seq_len} done", file=sys.stderr, flush=True)
-        prev_end = end
-        if end == seq_len:
-            break
-    return {name: {"perplexity": math.exp(nll / scored), "kl": kl / scored, "top1": top1 / scored, "seconds": sec}
-            for name, (nll, kl, top1, sec) in stats.items()}
-
-
-@torch.no_grad()
-def greedy(model, prompts, variant, new_tokens):
-    """Greedy continuations ``[len(prompts), new_tokens]`` with KV in ``variant``'s cache."""
-    out = []
-    for p in prompts:
-        kv = variant.cache(model, (p.shape[1] + new_tokens) // 16 + 4)
-        toks = []
-        with PagedCache(kv) as cache:
-            nxt = model(p, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            for _ in range(new_tokens):
-                toks.append(nxt)
-                if len(toks) == new_tokens:
-                    break
-                nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        out.append(torch.cat(toks, dim=1))
-    return torch.cat(out)
-
-
-def calibrated(overrides, model, ids):
-    """``overrides`` with ``kv_full_precision_layers`` set to the layers a calibration
-    pass on ``ids`` ranks most sensitive for the same low-bit options."""
-    from pagedkv.tools.calibration import choose_full_precision_layers, layer_sensitivity
-
-    opts = {k: v for k, v in overrides.items() if k != "kv_full_precision_layers"}
-    t0 = time.perf_counter()
-    # four chunks: the last three read the earlier ones back from the arena
-    sens = layer_sensitivity(model, ids, chunk=max(1, ids.shape[1] // 4), **opts)
-    n = calibrated_count(overrides.get("kv_full_precision_layers")) or CALIBRATED_LAYERS
-    layers = choose_full_precision_layers(sens, min(n, len(sens) - 1))
-    print(json.dumps({"bench": "kv_quality", "calibration": opts, "tokens": ids.shape[1],
-                      "layer_kl": [round(x, 6) for x in sens], "chosen": list(layers),
-                      "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    return dict(opts, kv_full_precision_layers=layers)
-
-
-def _full_layers(v) -> int:
-    layers = (v.overrides or {}).get("kv_full_precision_layers", ())
-    return 1 if calibrated_count(layers) else len(layers)  # calibrated(): at most num_layers - 1
-
-
-def variants(names=None, probe=False, head_dim=64, num_layers=30):
+def variants(names=None, probe=False) -> list[Variant]:
     table = dict(PRECISIONS, **(PROBES if probe or names else {}))
-    out = [Variant(n, o, g) for n, (o, g) in table.items()] + [Variant(n, peer=n) for n in PEERS]
-    out = [v for v in out if head_dim % (v.overrides or {}).get("kv_group_size", 1) == 0
-           and _full_layers(v) < num_layers]
+    out = [Variant(n, dict(o), goal=g) for n, (o, g) in table.items()]
+    if probe or names:
+        out += [Variant(n, peer=n) for n in PEERS]
     return [v for v in out if names is None or v.name in names]
+
+
+def calibrate_layers(model, v: Variant, texts, cache_file, chunk) -> None:
+    """Resolve ``v``'s :class:`Calibrated` placeholder (reusing ``cache_file``'s record)."""
+    from pagedkv.tools.calibration import calibrate
+
+    placeholder = v.overrides["kv_full_precision_layers"]
+    want, shortlist = placeholder.count, placeholder.shortlist
+    opts = {k: x for k, x in v.overrides.items() if k != "kv_full_precision_layers"}
+    key = json.dumps({"options": opts, "count": want, "shortlist": shortlist, "chunk": chunk,
+                      "texts": [t[0, :4].tolist() + [t.shape[1]] for t in texts]}, sort_keys=True)
+    records = {}
+    if cache_file and os.path.exists(cache_file):
+        with open(cache_file) as f:
+            records = json.load(f)
+    rec = records.get(key)
+    if rec is None:
+        t0 = time.perf_counter()
+        cal = calibrate(model, texts, want, shortlist=shortlist, chunk=chunk, **opts)
+        rec = {"layers": list(cal.layers), "order": list(cal.order), "kl": cal.kl, "kl_quantized": cal.kl_quantized,
+               "steps": [list(s) for s in cal.steps], "wins": list(cal.wins), "margins": list(cal.margins),
+               "texts": cal.texts, "tokens": cal.tokens, "seconds": round(time.perf_counter() - t0, 1)}
+        if cache_file:
+            records[key] = rec
+            with open(cache_file, "w") as f:
+                json.dump(records, f, indent=1)
+    print(json.dumps({"bench": "kv_quality", "calibration": opts, "count": want, **rec}), flush=True)
+    v.overrides = dict(opts, kv_full_precision_layers=tuple(rec["layers"]))
+
+
+def report(model_name, slice_name, tokens, v: Variant, model, stats: dict, paths) -> None:
+    row = {"bench": "kv_quality", "model": model_name, "slice": slice_name, "tokens": tokens, "precision": v.name,
+           "config": {k: (list(x) if isinstance(x, tuple) else x) for k, x in v.overrides.items()} or None,
+           "peer": PEERS[v.peer][2] if v.peer else None, "goal_pct": v.goal}
+    for p in paths:
+        s = stats[(v.name, p)].summary()
+        if v.goal is not None:
+            s["pass"] = s["perplexity_increase_pct"] <= v.goal
+        row[p] = s
+    if "gather" in paths and "paged" in paths and row["gather"]["kl_nats"] > 0:
+        row["paged_over_gather_kl"] = round(row["paged"]["kl_nats"] / row["gather"]["kl_nats"], 3)
+    row.update(v.sizes(model))
+    print(json.dumps(row), flush=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny random model, short text (CI)")
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--only", nargs="*", help="variant names to run (default: the issue table and the peers)")
-    ap.add_argument("--probe", action="store_true", help="also run the scheme-selection probes")
-    ap.add_argument("--no-greedy", action="store_true", help="skip the greedy-agreement runs")
+    ap.add_argument("--slices", nargs="*", default=sorted(corpus.HELD_OUT),
+                    help=f"slices: held-out {sorted(corpus.HELD_OUT)}, 'test', 'dev', 'issue11' (tokens 0-8,191), "
+                         "or START:TOKENS")
+    ap.add_argument("--only", nargs="*", help="variant names to run (default: the table)")
+    ap.add_argument("--probe", action="store_true", help="also run the probe variants and the peers")
+    ap.add_argument("--paths", nargs="*", default=list(PATHS), choices=PATHS)
+    ap.add_argument("--calibration", help="JSON file keeping calibration results between runs")
+    ap.add_argument("--greedy", action="store_true", help="also measure greedy agreement per path")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
+    todo = variants(SMOKE if args.smoke and args.only is None else args.only, args.probe)
     if args.smoke:
         from pagedkv.testing.models import tiny_llama
 
         model, _ = tiny_llama(seed=0)
-        ids = torch.randint(0, model.config.vocab_size, (1, 192))
-        prompts = [torch.randint(0, model.config.vocab_size, (1, 40)) for _ in range(2)]
-        calib_ids = torch.randint(0, model.config.vocab_size, (1, 64))
-        window, stride, chunk, new_tokens, name = 128, 64, 32, 8, "tiny-random-llama"
+        vocab = model.config.vocab_size
+        slices = {"random": torch.randint(0, vocab, (1, 192))}
+        cal_texts = [torch.randint(0, vocab, (1, 48)) for _ in range(2)]
+        prompts = [torch.randint(0, vocab, (1, 40)) for _ in range(2)]
+        window, stride, chunk, cal_chunk, new_tokens, name = 128, 64, 32, 16, 8, "tiny-random-llama"
     else:
         from pagedkv.testing.models import load_smollm2
 
-        model, tokenizer = load_smollm2()
-        ids = text_ids(tokenizer, args.tokens)
-        prompts = [text_ids(tokenizer, 512, start=args.tokens + 600 * i) for i in range(5)]
-        calib_ids = text_ids(tokenizer, 512, start=args.tokens + 3200)  # after the greedy prompts
-        window, stride, chunk, new_tokens, name = 1024, 512, 256, 64, "SmolLM2-135M"
+        model, tok = load_smollm2()
+        named = dict(corpus.HELD_OUT, test=corpus.TEST_SLICE, dev=corpus.DEV_SLICE, issue11=(0, 8192))
+        slices = {}
+        for s in args.slices:
+            start, n = named[s] if s in named else map(int, s.split(":"))
+            slices[s] = corpus.text_ids(tok, n, start=start)
+        cal_texts = corpus.calibration_texts(tok)
+        prompts = [corpus.text_ids(tok, 512, start=8192 + 600 * i) for i in range(5)]
+        window, stride, chunk, cal_chunk, new_tokens, name = 1024, 512, 256, 128, 64, "SmolLM2-135M"
     model.eval()
-    hd = model.config.hidden_size // model.config.num_attention_heads
-    todo = variants(args.only, args.probe, hd, model.config.num_hidden_layers)
     for v in todo:
-        if v.overrides and calibrated_count(v.overrides.get("kv_full_precision_layers")):
-            v.overrides = calibrated(v.overrides, model, calib_ids)
-    quality = evaluate(model, ids, todo, window, stride, chunk)
-    t0 = time.perf_counter()
-    base = Variant("float32")
-    base_ppl = quality["float32"]["perplexity"]
-    base_greedy = None if args.no_greedy else greedy(model, prompts, base, new_tokens)
-    print(json.dumps({"bench": "kv_quality", "model": name, "precision": "float32", "tokens": ids.shape[1],
-                      "perplexity": round(base_ppl, 4), **base.sizes(model),
-                      "seconds": round(quality["float32"]["seconds"] + time.perf_counter() - t0, 1)}), flush=True)
-    for v in todo:
+        if isinstance(v.overrides.get("kv_full_precision_layers"), Calibrated):
+            calibrate_layers(model, v, cal_texts, args.calibration, cal_chunk)
+    pooled = {(v.name, p): Stats() for v in todo for p in args.paths}
+    for slice_name, ids in slices.items():
         t0 = time.perf_counter()
-        q = quality[v.name]
-        rel = 100 * (q["perplexity"] - base_ppl) / base_ppl
-        agree = None
-        if base_greedy is not None:
-            agree = round(float((greedy(model, prompts, v, new_tokens) == base_greedy).float().mean()), 4)
-        print(json.dumps({
-            "bench": "kv_quality", "model": name, "precision": v.name,
-            "peer": PEERS[v.peer][2] if v.peer else None, "perplexity": round(q["perplexity"], 4),
-            "perplexity_increase_pct": round(rel, 3), "goal_pct": v.goal,
-            "pass": None if v.goal is None else rel <= v.goal,
-            "kl_nats": round(q["kl"], 6), "top1_agreement": round(q["top1"], 4), "greedy_agreement": agree,
-            **v.sizes(model), "seconds": round(q["seconds"] + time.perf_counter() - t0, 1)}), flush=True)
+        stats = evaluate(model, ids, todo, window=window, stride=stride, chunk=chunk, paths=args.paths,
+                         progress=lambda m, s=slice_name: log(f"slice {s}: {m}"))
+        log(f"slice {slice_name}: {time.perf_counter() - t0:.0f} s")
+        for v in todo:
+            report(name, slice_name, ids.shape[1], v, model, stats, args.paths)
+        for k in pooled:
+            pooled[k] = pooled[k] + stats[k]
+    if len(slices) > 1:
+        for v in todo:
+            report(name, "pooled", sum(i.shape[1] for i in slices.values()), v, model, pooled, args.paths)
+    if args.greedy or args.smoke:
+        base = greedy(model, prompts, None, new_tokens)
+        for v in todo:
+            row = {"bench": "kv_quality", "model": name, "precision": v.name, "greedy_tokens": base.numel()}
+            for p in args.paths:
+                row[f"greedy_agreement_{p}"] = round(float((greedy(model, prompts, v, new_tokens, p) == base)
+                                                           .float().mean()), 4)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -326,6 +326,17 @@ __device__ __forceinline__ bool pkv_key_sealed(const pkv_u16* __restrict__ key_s
   if (Q != PKV_Q_INT4 || key_scale == 0) return false;
   return pkv_bf16_to_f32(key_scale[(block * num_heads + head) * head_dim]) != 0.0f;
 }
+// Wider block keys (pagedkv/store/quant.py): channel d's `extra` high code bits of the
+// sealed K row `row`, kept in its per-token parameter bytes (its `groups` float32 scales'
+// bytes, then its zero points'): bit (d * extra) % 8 of byte (d * extra) / 8.
+__device__ __forceinline__ pkv_u32 pkv_key_high_at(const float* __restrict__ scale, const float* __restrict__ zero,
+                                                   pkv_i64 row, pkv_i64 groups, pkv_i64 extra, pkv_i64 d) {
+  if (extra <= 0) return 0u;
+  const pkv_i64 bit = d * extra, byte = bit >> 3, half = groups * 4;
+  const pkv_u8* p = byte < half ? (const pkv_u8*)(scale + row * groups) + byte
+                                : (const pkv_u8*)(zero + row * groups) + (byte - half);
+  return ((pkv_u32)*p >> (bit & 7)) & ((1u << extra) - 1u);
+}
 __device__ __forceinline__ float pkv_key_channel_value(pkv_u32 code, const pkv_u16* __restrict__ key_scale,
                                                  const pkv_u16* __restrict__ key_zero, pkv_i64 block,
                                                  pkv_i64 head, pkv_i64 num_heads, pkv_i64 head_dim,

@@ -20,7 +20,7 @@
 //       token's block (a binary search of seq_ends), dequantizes the row into
 //       shared memory, runs the butterfly stages there (a barrier phase each), and
 //       stores the scaled, sign-multiplied row converted to the output type.
-// Every dequantizing entry point also takes key_scale/key_zero: null, or (int4 only)
+// Every dequantizing entry point also takes key_scale/key_zero and key_extra: null, or (int4 only)
 // the bfloat16 [num_blocks, H, D] per-channel parameters of block keys
 // (pagedkv/quant.py, "block keys"). A K row whose key_scale[block, head, 0] is
 // nonzero (a float compare: -0.0 is zero, NaN is not) is code * s + z per channel
@@ -139,7 +139,7 @@ __device__ __forceinline__ void pkv_gather_dequant(
     const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
     pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
     pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
-    const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero) {
+    const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero, pkv_i64 key_extra) {
   const pkv_i64 row_elems = num_heads * head_dim;
   const pkv_i64 out_elems = total_tokens * row_elems;
   const pkv_i64 g_len = pkv_div(head_dim, groups);
@@ -166,7 +166,8 @@ __device__ __forceinline__ void pkv_gather_dequant(
         const float v_zero = has_zero ? pkv_param_load<Q>(zero, v_row * groups + g) : 0.0f;
         const pkv_u32 k_code = pkv_code_at<Q>(kv, k_row, head_dim, d);
         if (pkv_key_sealed<Q>(key_scale, e.block, h, num_heads, head_dim))
-          k = pkv_key_channel_value(k_code, key_scale, key_zero, e.block, h, num_heads, head_dim, d);
+          k = pkv_key_channel_value(k_code | (pkv_key_high_at(scale, zero, k_row, groups, key_extra, d) << 4),
+                                    key_scale, key_zero, e.block, h, num_heads, head_dim, d);
         else
           k = pkv_dequantize<Q>(k_code, pkv_param_load<Q>(scale, k_row * groups + g), k_zero);
         v = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), pkv_param_load<Q>(scale, v_row * groups + g),
@@ -186,7 +187,7 @@ __device__ __forceinline__ void pkv_gather_dequant_v16(
     const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
     pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
     pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
-    const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero) {
+    const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero, pkv_i64 key_extra) {
   constexpr int CE = 16 / (int)sizeof(O);  // elements per 16-byte chunk
   const pkv_i64 head_chunks = head_dim / CE, row_chunks = num_heads * head_chunks;
   const pkv_i64 out_chunks = total_tokens * row_chunks;
@@ -224,7 +225,9 @@ __device__ __forceinline__ void pkv_gather_dequant_v16(
             vz = has_zero ? pkv_param_load<Q>(zero, v_row * groups + g) : 0.0f;
           }
           const pkv_u32 k_code = pkv_code_at<Q>(kv, k_row, head_dim, d);
-          k[c] = sealed ? pkv_key_channel_value(k_code, key_scale, key_zero, e.block, h, num_heads, head_dim, d)
+          const pkv_u32 k_high = pkv_key_high_at(scale, zero, k_row, groups, key_extra, d);  // wider keys
+          k[c] = sealed ? pkv_key_channel_value(k_code | (k_high << 4), key_scale, key_zero, e.block, h, num_heads,
+                                                head_dim, d)
                         : pkv_dequantize<Q>(k_code, ks, kz);
           v[c] = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), vs, vz);
         }
@@ -290,7 +293,7 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
     pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
     pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
     const float* __restrict__ signs, const pkv_u16* __restrict__ key_scale,
-    const pkv_u16* __restrict__ key_zero) {
+    const pkv_u16* __restrict__ key_zero, pkv_i64 key_extra) {
   PKV_COOPERATIVE();
   PKV_SHARED float rot[PKV_ROT_FLOATS];  // per CTA row: its row
   PKV_SHARED bool found[PKV_MAX_THREADS];  // per CTA row: whether its token is in a sequence
@@ -324,8 +327,9 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
         for (pkv_i64 d = threadIdx.x; d < head_dim; d += bx) {
           float x = 0.0f;
           if (is_key_block) {
-            x = pkv_key_channel_value(pkv_code_at<Q>(kv, row, head_dim, d), key_scale, key_zero, block, head, num_heads,
-                                head_dim, d);
+            x = pkv_key_channel_value(
+                pkv_code_at<Q>(kv, row, head_dim, d) | (pkv_key_high_at(scale, zero, row, groups, key_extra, d) << 4),
+                key_scale, key_zero, block, head, num_heads, head_dim, d);
           } else if (block >= 0) {
             const pkv_i64 g = groups == 1 ? 0 : pkv_div(d, g_len);
             x = pkv_dequantize<Q>(pkv_code_at<Q>(kv, row, head_dim, d), pkv_param_load<Q>(scale, row * groups + g),
@@ -383,10 +387,10 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
                                   O* __restrict__ out_value, PKV_GATHER_TABLE_PARAMS,        \
                                   pkv_i64 head_dim, pkv_i64 groups,                          \
                                   const pkv_u16* __restrict__ key_scale,                     \
-                                  const pkv_u16* __restrict__ key_zero) {                    \
+                                  const pkv_u16* __restrict__ key_zero, pkv_i64 key_extra) { \
     pkv_gather_dequant<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,             \
                                             PKV_GATHER_TABLE_ARGS, head_dim, groups,         \
-                                            key_scale, key_zero);                            \
+                                            key_scale, key_zero, key_extra);                 \
   }                                                                                          \
   extern "C" __global__ void NAME##_v16(const pkv_u8* __restrict__ kv,                       \
                                         const float* __restrict__ scale,                     \
@@ -394,10 +398,11 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
                                         O* __restrict__ out_key, O* __restrict__ out_value,  \
                                         PKV_GATHER_TABLE_PARAMS, pkv_i64 head_dim,           \
                                         pkv_i64 groups, const pkv_u16* __restrict__ key_scale, \
-                                        const pkv_u16* __restrict__ key_zero) {              \
+                                        const pkv_u16* __restrict__ key_zero,                \
+                                        pkv_i64 key_extra) {                                 \
     pkv_gather_dequant_v16<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,         \
                                                 PKV_GATHER_TABLE_ARGS, head_dim, groups,     \
-                                                key_scale, key_zero);                        \
+                                                key_scale, key_zero, key_extra);             \
   }                                                                                          \
   extern "C" __global__ void NAME##_rot(const pkv_u8* __restrict__ kv,                       \
                                         const float* __restrict__ scale,                     \
@@ -406,10 +411,11 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
                                         PKV_GATHER_TABLE_PARAMS, pkv_i64 head_dim,           \
                                         pkv_i64 groups, const float* __restrict__ signs,     \
                                         const pkv_u16* __restrict__ key_scale,               \
-                                        const pkv_u16* __restrict__ key_zero) {              \
+                                        const pkv_u16* __restrict__ key_zero,                \
+                                        pkv_i64 key_extra) {                                 \
     pkv_gather_dequant_rot<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,         \
                                                 PKV_GATHER_TABLE_ARGS, head_dim, groups,     \
-                                                signs, key_scale, key_zero);                 \
+                                                signs, key_scale, key_zero, key_extra);      \
   }
 
 #define PKV_GATHER_COPY_ALL(T, TABLE, L, LAYOUT)                               \

@@ -132,7 +132,7 @@ __device__ __forceinline__ void pkv_attn(
     pkv_i64 num_entries, pkv_i64 num_blocks, pkv_i64 block_size, pkv_i64 num_kv_heads, pkv_i64 head_dim,
     pkv_i64 groups, pkv_i64 num_q_tokens, pkv_i64 num_q_heads, pkv_i64 q_stride0, pkv_i64 q_stride1,
     pkv_i64 heads_per_cta, pkv_i64 q_tile, pkv_i64 kv_tile, pkv_i64 num_splits, pkv_i64 num_tiles,
-    float sm_scale, float soft_cap, pkv_i64 window, pkv_i64 sink_tokens) {
+    float sm_scale, float soft_cap, pkv_i64 window, pkv_i64 sink_tokens, pkv_i64 key_extra) {
   PKV_COOPERATIVE();
   PKV_SHARED float smem[PKV_ATTN_FLOATS];
   PKV_SHARED pkv_i64 kpos[PKV_ATTN_MAX_TILE];  // per tile key: its position, or -1 (none)
@@ -274,8 +274,10 @@ PKV_UNROLL
                 kx[i] = new_kv[k_row + d];
                 vx[i] = new_kv[v_row + d];
               } else if (block >= 0 && d < D) {
-                kx[i] = sealed ? pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale,
-                                                       key_zero, block, hk, num_kv_heads, D, d)
+                kx[i] = sealed ? pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d) |
+                                                           (pkv_key_high_at(scale, zero, k_row, groups, key_extra, d)
+                                                            << 4),
+                                                       key_scale, key_zero, block, hk, num_kv_heads, D, d)
                                : pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
                 vx[i] = pkv_attn_elem<F>(kv, scale, zero, v_row, D, groups, g_len, d);
               }
@@ -447,13 +449,14 @@ __device__ __forceinline__ void pkv_attn_merge(const float* __restrict__ part_o,
       pkv_i64 batch, pkv_i64 num_entries, pkv_i64 num_blocks, pkv_i64 block_size, pkv_i64 num_kv_heads,          \
       pkv_i64 head_dim, pkv_i64 groups, pkv_i64 num_q_tokens, pkv_i64 num_q_heads, pkv_i64 q_stride0,             \
       pkv_i64 q_stride1, pkv_i64 heads_per_cta, pkv_i64 q_tile, pkv_i64 kv_tile, pkv_i64 num_splits,              \
-      pkv_i64 num_tiles, float sm_scale, float soft_cap, pkv_i64 window, pkv_i64 sink_tokens) {                   \
+      pkv_i64 num_tiles, float sm_scale, float soft_cap, pkv_i64 window, pkv_i64 sink_tokens,                     \
+      pkv_i64 key_extra) {                                                                                        \
     pkv_attn<F, Q, LAYOUT, MODE>(kv, scale, zero, key_scale, key_zero, signs, q, out, part_o, part_ml, new_kv,     \
                                  pending, indptr,                                                                  \
                                  indices, seq_lens, q_indptr, tile_ends, batch, num_entries, num_blocks,           \
                                  block_size, num_kv_heads, head_dim, groups, num_q_tokens, num_q_heads, q_stride0, \
                                  q_stride1, heads_per_cta, q_tile, kv_tile, num_splits, num_tiles, sm_scale,       \
-                                 soft_cap, window, sink_tokens);                                                   \
+                                 soft_cap, window, sink_tokens, key_extra);                                        \
   }
 
 #define PKV_ATTN_MODES(L, LAYOUT, FN, F, QN, Q)                                  \

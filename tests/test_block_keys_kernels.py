@@ -253,10 +253,12 @@ def test_gather_ptx_compiles_without_fma_and_takes_the_planned_arguments(gather_
                     (launch,), _, _ = plans.plan_gather(kv, lens, out_dtype=torch.float16, kv_scale=scale,
                                                          kv_zero=zero, rotation_signs=signs, **table_kw, **extra)
                     assert _param_count(ptx, launch.kernel) == len(launch.args), launch.kernel
+                    # the block keys' parameters, then their high bits' width (0: no layer_format
+                    # names wider keys)
                     if extra:
-                        assert launch.args[-2:] == (("ptr", extra["key_scale"].data_ptr()),
-                                                    ("ptr", extra["key_zero"].data_ptr()))
+                        assert launch.args[-3:] == (("ptr", extra["key_scale"].data_ptr()),
+                                                    ("ptr", extra["key_zero"].data_ptr()), ("i64", 0))
                     else:
-                        assert launch.args[-2:] == (("ptr", 0), ("ptr", 0))
+                        assert launch.args[-3:] == (("ptr", 0), ("ptr", 0), ("i64", 0))
                     checked.add(launch.kernel)
     assert len(checked) == len(QUANT) * 2 * 2

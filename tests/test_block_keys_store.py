@@ -9,7 +9,7 @@ from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.config.planner import plan
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.format.fingerprint import kv_format
-from pagedkv.format.quant import dequantize_key_channels, quantize_key_block
+from pagedkv.format.quant import quantize_key_channels
 from pagedkv.store.kvstore import KVStore
 
 
@@ -22,9 +22,9 @@ def expected_keys(cfg, k, window=0):
     blocks per channel, the partial tail per token, the newest ``window`` exact."""
     full = k.shape[0] // BS * BS
     out = expected_quantized(cfg, k).clone()
-    if full:
-        codes, s, z = quantize_key_block(k[:full].reshape(-1, BS, H, D))
-        per_channel = dequantize_key_channels(codes, s.unsqueeze(1), z.unsqueeze(1), k.dtype)
+    if full:   # codes of cfg.kv_key_bits (5 by default: the high bit in the rows' parameters)
+        codes, s, z = quantize_key_channels(k[:full].reshape(-1, BS, H, D), cfg.kv_key_bits)
+        per_channel = (codes.float() * s.unsqueeze(1).float() + z.unsqueeze(1).float()).to(k.dtype)
         out[:full] = per_channel.reshape(full, H, D)
     if window:
         out[-window:] = k[-window:]

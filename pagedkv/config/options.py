@@ -19,6 +19,7 @@ from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, r
 from pagedkv.config.remote import RemoteTierConfig
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
 from pagedkv.format import dtypes
+from pagedkv.format.layer_format import key_spare_bits
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
 
 __all__ = [
@@ -226,8 +227,17 @@ class CacheConfig:
       window arena first (more than ``kv_window_sequences`` sequences writing at once),
       keeps its per-token keys. The window arena exists even with ``kv_window=0``.
       Costs ``32 / block_size`` bits per key element for the bfloat16 parameters.
+    - ``kv_key_bits``: with ``kv_key_quant="block"``, the code width of a sealed block's
+      keys: 4, or 5, 6 or 8 where the K rows' per-token parameters (a float32 scale and
+      zero per group, which a sealed row no longer needs) hold the high bits: at most
+      ``4 + 64 // kv_group_size`` (rounded down to 5, 6 or 8). Default: the most they hold
+      (5 for groups of 64): twice the precision for no byte more. 4 only for token keys.
     - ``kv_full_precision_layers``: layer indices (negative counts from the end) kept
-      in model precision (no scales, no window).
+      in model precision (no scales, no window), or in ``kv_full_precision_dtype``.
+    - ``kv_full_precision_dtype``: None (the model dtype) or ``"int8"``: the
+      ``kv_full_precision_layers`` are then stored in int8 (per-token scale and zero point,
+      no rotation, no window: 9 bits per element), which loses about 1/30 of what int4
+      loses, for a quarter of a float32 layer's bytes.
 
     Tensor parallelism: ``num_kv_heads`` is the model's KV head count; a rank
     (``tp_rank`` of ``tp_size``) stores :attr:`kv_heads_per_rank` of them
@@ -279,7 +289,9 @@ class CacheConfig:
     kv_window_sequences: int = 16
     kv_sink_tokens: int | None = None
     kv_key_quant: str | None = None
+    kv_key_bits: int | None = None
     kv_full_precision_layers: tuple[int, ...] = ()
+    kv_full_precision_dtype: str | None = None
     tp_size: int = 1
     tp_rank: int = 0
     prefix_host_blocks: int = 0
@@ -450,6 +462,7 @@ class CacheConfig:
             put("kv_window", 0)
             put("kv_sink_tokens", 0)
             put("kv_key_quant", "token")
+            put("kv_key_bits", 4)
             put("kv_full_precision_layers", ())
             return
         kq = "token" if self.kv_key_quant is None else self.kv_key_quant
@@ -470,6 +483,7 @@ class CacheConfig:
             put("kv_group_size", self._int3_group())
         else:
             support.require(support.GROUP_SIZE, self)
+        self._validate_key_bits(put, kq)
         rot = dtypes.info(q).grouped if self.kv_rotation is None else _check_bool("kv_rotation", self.kv_rotation)
         put("kv_rotation", rot)
         seed = _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
@@ -496,6 +510,27 @@ class CacheConfig:
             raise InvalidArgumentError(expected("kv_full_precision_layers", "at least one quantized layer "
                                                 "(use kv_dtype=None for none)", sorted(norm)))
         put("kv_full_precision_layers", tuple(sorted(norm)))
+        fd = self.kv_full_precision_dtype
+        if fd is not None:
+            if not isinstance(fd, str):
+                raise ArgumentTypeError(expected("kv_full_precision_dtype", "None or 'int8'", show(fd)))
+            if fd != "int8":
+                raise InvalidArgumentError(expected("kv_full_precision_dtype", "None (the model dtype) or 'int8'",
+                                                    repr(fd)))
+
+    def _validate_key_bits(self, put, key_quant: str) -> None:
+        kb = self.kv_key_bits
+        room = 4 + key_spare_bits(self.kv_group_size or 0) if key_quant == "block" else 4
+        if kb is None:
+            put("kv_key_bits", room)
+            return
+        if isinstance(kb, bool) or not isinstance(kb, numbers.Integral):
+            raise ArgumentTypeError(expected("kv_key_bits", "an int (4, 5, 6 or 8)", show(kb)))
+        if kb not in (4, 5, 6, 8) or kb > room:
+            what = ("4 (token keys)" if key_quant != "block" else
+                    f"4, or up to {room} for kv_group_size {self.kv_group_size} (its parameters hold the high bits)")
+            raise InvalidArgumentError(expected("kv_key_bits", what, repr(kb)))
+        put("kv_key_bits", int(kb))
 
     def _int3_group(self) -> int:
         if self.head_dim % 8:
@@ -659,6 +694,8 @@ class CacheConfig:
         layers = self.arena_layers
         if not self.quantized:
             return 2 * layers * self.kv_heads_per_rank * full
+        if self.kv_full_precision_dtype == "int8":   # codes plus a float32 scale and zero point per row
+            full = self.head_dim + 8
         lq = len(self.quantized_slots)
         per_layers = lq * self.quant_head_bytes + (layers - lq) * full
         return 2 * self.kv_heads_per_rank * per_layers
@@ -738,6 +775,22 @@ class CacheConfig:
         bs, h = self.block_size, self.kv_heads_per_rank
         d = dtypes.info(self.cache_dtype).stored_dim(self.head_dim)
         return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
+
+    def sequence_bits_per_element(self, num_tokens: int) -> float:
+        """Stored bits per K/V element of one sequence of ``num_tokens`` tokens, every
+        byte counted: its blocks (codes, scales and zero points, block keys' parameters,
+        the layers kept in model precision) and its share of the window arena (the
+        recent, staging and sink blocks of one of ``kv_window_sequences`` sequences, in
+        model precision, with their validity bytes). The window share is fixed per
+        sequence, so short sequences pay more per element: :attr:`bits_per_element`
+        counts the quantized layers' blocks alone. Caches with layer groups are refused
+        (their sliding groups hold fewer blocks than the sequence has tokens)."""
+        n = _check_int("num_tokens", num_tokens, 1)
+        if self._groups is not None:
+            raise InvalidArgumentError(expected("config", "a cache without layer groups (layer_windows all 0)",
+                                                "layer groups"))
+        stored = self.blocks_for_tokens(n) * self.bytes_per_block + self.window_bytes // self.kv_window_sequences
+        return 8.0 * stored / (n * 2 * self.num_layers * self.kv_heads_per_rank * self.head_dim)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (``ceil(num_tokens / block_size)``)."""

@@ -40,9 +40,11 @@ LOW_BIT_DEFAULTS: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("kv_group_size", lambda v: v is None),
     ("kv_rotation", lambda v: not v),
     ("kv_key_quant", lambda v: v in (None, "token")),
+    ("kv_key_bits", lambda v: v in (None, 4)),
     ("kv_window", lambda v: not v),
     ("kv_sink_tokens", lambda v: not v),
     ("kv_full_precision_layers", lambda v: not v),
+    ("kv_full_precision_dtype", lambda v: v is None),
 )
 
 
@@ -73,8 +75,8 @@ class Capability:
 #: the rows the configuration's validation asks for by name
 PREFIX_TIERS = "prefix tiers (prefix_host_blocks, prefix_disk_dir, prefix_remote, warm restart)"
 ATTENTION_SINKS = "attention_sinks (first positions every sliding-window layer keeps)"
-LOW_BIT = ("low-bit options (kv_group_size, kv_rotation, kv_key_quant, kv_window, kv_sink_tokens, "
-           "kv_full_precision_layers)")
+LOW_BIT = ("low-bit options (kv_group_size, kv_rotation, kv_key_quant, kv_key_bits, kv_window, kv_sink_tokens, "
+           "kv_full_precision_layers, kv_full_precision_dtype)")
 GROUP_SIZE = "kv_group_size (scale groups)"
 BLOCK_KEYS = "kv_key_quant='block' (int4 keys requantized per channel over each full block)"
 TP_PREFIX = "tensor parallelism with prefix caching (tp_size > 1)"

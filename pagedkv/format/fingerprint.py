@@ -59,7 +59,9 @@ STORED: dict[str, Callable[[Any], dict[str, Any]]] = {
     "kv_rotation": _value("kv_rotation"),             # codes are of rotated K/V
     "kv_rotation_seed": _rotation_seed,               # which rotation
     "kv_key_quant": _value("kv_key_quant"),           # keys per token or per channel of a block
+    "kv_key_bits": _value("kv_key_bits"),             # a sealed block key's code width (high bits in its params)
     "kv_full_precision_layers": lambda c: {"kv_full_precision_layers": list(c.kv_full_precision_layers)},
+    "kv_full_precision_dtype": _value("kv_full_precision_dtype"),   # those layers' storage
     "layer_windows": _value("layer_windows"),         # which layers share a block's layer slots
     "attention_sinks": _value("attention_sinks"),
     "_groups": _groups,                               # the layer-slot plan those two give

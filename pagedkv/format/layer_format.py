@@ -22,12 +22,23 @@ from typing import Any
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.format import dtypes
 
-__all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS"]
+__all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS", "key_spare_bits"]
 
 #: ``key_quant`` values: keys per token (as values), or per channel over each full block.
 KEY_QUANT_MODES = ("token", "block")
 #: :attr:`LayerFormat.param_layout` values.
 PARAM_LAYOUTS = ("none", "row", "group")
+
+
+def key_spare_bits(group_size: int) -> int:
+    """Extra code bits per channel that a sealed block's per-token parameter bytes hold
+    for int4 groups of ``group_size`` (a float32 scale and zero point per group: ``64 /
+    group_size`` bits per channel), rounded down to 4, 2, 1 or 0 so that no channel's bits
+    cross a byte (4 at most: codes of 8 bits)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise InvalidArgumentError(expected("group_size", "an int >= 1", repr(group_size)))
+    room = 64 // group_size
+    return next(e for e in (4, 2, 1, 0) if e <= room)
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,17 @@ class LayerFormat:
         key_quant: ``"token"``, or ``"block"`` (int4 only): full blocks' keys are
             requantized per channel (:mod:`pagedkv.store.block_keys`).
         rotation: rows are stored rotated (:mod:`pagedkv.format.rotation`; quantized only).
+        key_bits: bits of a sealed block key's code (4; 5, 6 or 8 with block keys, the
+            high bits kept in the K row's per-token parameter bytes, which a sealed row no
+            longer needs: at most ``4 + key_spare_bits(group_size)``; see
+            :mod:`pagedkv.format.quant`, "wider block keys").
     """
 
     kv_dtype: str
     group_size: int | None = None
     key_quant: str = "token"
     rotation: bool = False
+    key_bits: int = 4
 
     def __post_init__(self) -> None:
         row = dtypes.BY_NAME.get(self.kv_dtype) if isinstance(self.kv_dtype, str) else None
@@ -69,6 +85,16 @@ class LayerFormat:
                                                 repr(self.key_quant)))
         if not isinstance(self.rotation, bool):
             raise InvalidArgumentError(expected("rotation", "a bool", repr(self.rotation)))
+        kb = self.key_bits
+        if isinstance(kb, bool) or not isinstance(kb, int) or kb not in (4, 5, 6, 8):
+            raise InvalidArgumentError(expected("key_bits", "4, 5, 6 or 8", repr(kb)))
+        if kb != 4:
+            if self.key_quant != "block":
+                raise InvalidArgumentError(expected("key_bits", "4 unless key_quant is 'block'", kb))
+            room = 4 + key_spare_bits(self.group_size)    # type: ignore[arg-type]  # int4: grouped
+            if kb > room:
+                raise InvalidArgumentError(expected("key_bits", f"at most {room} for group_size {self.group_size} "
+                                                    "(the per-token parameter bytes hold the high bits)", kb))
         if self.rotation and not row.quantized:
             raise InvalidArgumentError(expected("rotation", f"False for unquantized {row.name}", True))
 
@@ -81,9 +107,14 @@ class LayerFormat:
         if not (quantized and config.quantized):
             return cls(config.dtype)
         return cls(config.kv_dtype, config.kv_group_size if dtypes.info(config.kv_dtype).grouped else None,
-                   config.kv_key_quant or "token", bool(config.kv_rotation))
+                   config.kv_key_quant or "token", bool(config.kv_rotation), config.kv_key_bits or 4)
 
     # -- what the format implies ------------------------------------------------------------
+
+    @property
+    def key_extra_bits(self) -> int:
+        """High bits of a sealed block key's code kept in its row's parameter bytes (0: 4-bit)."""
+        return self.key_bits - 4
 
     @property
     def row(self) -> dtypes.DTypeInfo:
@@ -152,6 +183,8 @@ class LayerFormat:
             parts.append(f"group_size={self.group_size}")
         if self.key_quant != "token":
             parts.append(f"key_quant={self.key_quant}")
+        if self.key_bits != 4:
+            parts.append(f"key_bits={self.key_bits}")
         if self.rotation:
             parts.append("rotated")
         return ", ".join(parts)

@@ -45,6 +45,8 @@ __all__ = [
     "check_rotation",
     "check_key_channels",
     "check_seal_key_blocks",
+    "check_key_high_bits",
+    "key_extra_bits",
     "check_pairs",
     "check_arenas",
     "check_block_ids",
@@ -334,10 +336,11 @@ def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, 
 
 
 def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout,
-                          layer_format: LayerFormat | None = None) -> LayerGeometry:
+                          layer_format: LayerFormat | None = None, kv_scale=None, kv_zero=None) -> LayerGeometry:
     """Structural checks of :func:`pagedkv.ops.reference.seal_key_blocks` (the block ids'
     values are checked by the caller, from one read of them). ``layer_format``, when
-    given, must be an int4 format with block keys."""
+    given, must be an int4 format with block keys; ``kv_scale``/``kv_zero`` (the layer's
+    per-token parameter views) are given exactly when its ``key_bits`` exceed 4."""
     layout = check_layout(layout)
     fmt = check_format(layer_format)
     if fmt is not None and fmt.key_quant != "block":
@@ -369,7 +372,30 @@ def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout,
     _same_device("keys", keys, device)
     if not check_key_channels(key_scale, key_zero, geo, device):
         raise InvalidArgumentError(expected("key_scale", "a bfloat16 [num_blocks, H, head_dim] tensor", None))
+    check_key_high_bits(kv_layer, layout, kv_scale, kv_zero, fmt)
     return geo
+
+
+def key_extra_bits(geo: LayerGeometry, key_scale: object) -> int:
+    """High bits of a layer's sealed block keys kept in their rows' parameters (0: 4-bit
+    keys, or no block keys given). Only a caller's format has them (an inferred one is 4-bit)."""
+    return geo.format.key_extra_bits if key_scale is not None and geo.format is not None else 0
+
+
+def check_key_high_bits(kv_layer, layout, kv_scale, kv_zero, fmt: LayerFormat) -> None:
+    """Wider block keys keep their high bits in the K rows' per-token parameters: a seal
+    needs the layer's scale and zero views exactly when ``fmt.key_bits`` exceeds 4."""
+    wide = fmt.key_extra_bits > 0
+    if not wide:
+        if kv_scale is not None or kv_zero is not None:
+            raise InvalidArgumentError(expected("kv_scale", f"None for layer_format {fmt.describe()} (4-bit block "
+                                                "keys keep no bits in the per-token parameters)", "a tensor"))
+        return
+    if kv_scale is None or kv_zero is None:
+        raise InvalidArgumentError(expected("kv_scale" if kv_scale is None else "kv_zero",
+                                            f"the layer's per-token parameter view for layer_format "
+                                            f"{fmt.describe()} (it holds the keys' high bits)", None))
+    check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=fmt)
 
 
 def check_csr(indptr, indices, seq_lens, device) -> int:

@@ -79,6 +79,18 @@ the keys are not rotated). For ``x`` ``[bs, H, D]``, per ``(h, d)``::
 so a sealed block's scale is never 0, and a zero scale marks a (block, head) whose
 keys are still stored per token.
 
+**Wider block keys** (``key_bits`` 5 to 8): a sealed block's K rows no longer need their
+per-token parameters (a float32 scale and zero point per group), so those bytes carry
+the codes' high bits. With ``e = key_bits - 4`` extra bits (at most
+:func:`key_spare_bits` of the group size: 1 for groups of 64, 2 for 32), the block is
+quantized as above with ``2**key_bits - 1`` in place of 15 (``c`` up to 31 for 5 bits),
+``c & 15`` goes to the packed nibble as before and ``c >> 4`` to the row's *high bits*:
+channel ``d``'s ``e`` bits at bit ``(d * e) % 8`` of byte ``(d * e) // 8`` of the row's
+parameter bytes, read as the bytes of its scale groups followed by those of its zero
+groups (:func:`split_key_codes`; the bytes past ``D * e / 8`` are 0). Reading back:
+``y = out_dtype((float((hi << 4) | lo) * s) + z)``. One more bit halves the step, for
+no byte more.
+
 The scale (and for int8/int4 the zero point ``mn``) are stored float32, shaped like
 the input without its last dimension (int4/int3: plus a trailing ``D / G`` groups dim;
 int3's scale and zero are bfloat16).
@@ -89,6 +101,7 @@ import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.format import dtypes
+from pagedkv.format.layer_format import key_spare_bits
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -108,7 +121,11 @@ __all__ = [
     "bf16_down",
     "bf16_up",
     "quantize_key_block",
+    "quantize_key_channels",
     "dequantize_key_channels",
+    "key_spare_bits",
+    "split_key_codes",
+    "join_key_codes",
 ]
 
 FP8_E4M3_MAX = dtypes.info("fp8_e4m3").max_finite
@@ -312,6 +329,44 @@ def _quantize_int3(xf: torch.Tensor, g: int):
     return packed.reshape(lead + (3 * d // 8,)), s.to(torch.bfloat16), z.to(torch.bfloat16)
 
 
+def _key_checked(k: object) -> torch.Tensor:
+    if not isinstance(k, torch.Tensor) or k.dtype not in MODEL_DTYPES:
+        got = k.dtype if isinstance(k, torch.Tensor) else type(k).__name__
+        raise DTypeError(expected("k", "a float32, float16 or bfloat16 tensor", got))
+    if k.dim() < 3 or k.shape[-1] % 2 or 0 in k.shape[-3:]:
+        raise ShapeError(expected("k", "[..., block_size, H, D] with D even and no empty dim", tuple(k.shape)))
+    return k
+
+
+def _check_key_bits(bits: object) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 5, 6, 8):
+        raise InvalidArgumentError(expected("bits", "4, 5, 6 or 8", repr(bits)))
+    return bits
+
+
+def quantize_key_channels(k: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel codes of whole blocks of keys, ``bits`` wide (see "block keys" and
+    "wider block keys" above).
+
+    Args:
+        k: ``[..., bs, H, D]`` float32, float16 or bfloat16 (``D`` even): each leading
+            index is one block's keys.
+        bits: 4, 5, 6 or 8.
+
+    Returns:
+        ``(codes, scale, zero)``: ``codes`` ``[..., bs, H, D]`` uint8 in ``[0, 2**bits - 1]``
+        (unpacked); ``scale``, ``zero`` ``[..., H, D]`` bfloat16.
+    """
+    xf = _key_checked(k).to(torch.float32)
+    top = float(2 ** _check_key_bits(bits) - 1)
+    z = bf16_down(xf.amin(dim=-3))
+    mx = xf.amax(dim=-3)
+    s = _fix_scale(bf16_up((mx - z) / torch.tensor(top, dtype=torch.float32)))
+    v = (xf - z.unsqueeze(-3)) / s.unsqueeze(-3)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    return torch.clamp(torch.round(v), 0.0, top).to(torch.uint8), s.to(torch.bfloat16), z.to(torch.bfloat16)
+
+
 def quantize_key_block(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel int4 codes of whole blocks of keys (see "block keys" above).
 
@@ -323,27 +378,52 @@ def quantize_key_block(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         ``(codes, scale, zero)``: ``codes`` ``[..., bs, H, D / 2]`` uint8 (int4 packing);
         ``scale``, ``zero`` ``[..., H, D]`` bfloat16.
     """
-    if not isinstance(k, torch.Tensor) or k.dtype not in MODEL_DTYPES:
-        got = k.dtype if isinstance(k, torch.Tensor) else type(k).__name__
-        raise DTypeError(expected("k", "a float32, float16 or bfloat16 tensor", got))
-    if k.dim() < 3 or k.shape[-1] % 2 or 0 in k.shape[-3:]:
-        raise ShapeError(expected("k", "[..., block_size, H, D] with D even and no empty dim", tuple(k.shape)))
-    xf = k.to(torch.float32)
-    z = bf16_down(xf.amin(dim=-3))
-    mx = xf.amax(dim=-3)
-    s = _fix_scale(bf16_up((mx - z) / torch.tensor(15.0, dtype=torch.float32)))
-    v = (xf - z.unsqueeze(-3)) / s.unsqueeze(-3)
-    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
-    c = torch.clamp(torch.round(v), 0.0, 15.0).to(torch.uint8)
+    c, s, z = quantize_key_channels(k, 4)
     c = c.reshape(c.shape[:-1] + (c.shape[-1] // 2, 2))
-    return c[..., 0] | (c[..., 1] << 4), s.to(torch.bfloat16), z.to(torch.bfloat16)
+    return c[..., 0] | (c[..., 1] << 4), s, z
+
+
+def split_key_codes(codes: torch.Tensor, extra_bits: int, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``codes`` ``[..., D]`` (uint8, ``4 + extra_bits`` wide) -> ``(packed, high)``: the
+    low nibbles packed two per byte ``[..., D / 2]``, and the high bits laid out in a
+    row's ``row_bytes`` parameter bytes ``[..., row_bytes]`` (zero past ``D * e / 8``)."""
+    d = codes.shape[-1]
+    need = -(-d * extra_bits // 8)
+    if need > row_bytes:
+        raise ShapeError(expected("row_bytes", f"at least {need} ({d} channels x {extra_bits} bits)", row_bytes))
+    lo = (codes & 15).reshape(codes.shape[:-1] + (d // 2, 2))
+    packed = lo[..., 0] | (lo[..., 1] << 4)
+    high = torch.zeros(codes.shape[:-1] + (row_bytes,), dtype=torch.uint8, device=codes.device)
+    if extra_bits:
+        per = 8 // extra_bits   # channels per byte (the last byte may hold fewer)
+        hi = torch.zeros(codes.shape[:-1] + (need * per,), dtype=torch.int32, device=codes.device)
+        hi[..., :d] = (codes >> 4).to(torch.int32)
+        shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * extra_bits
+        high[..., :need] = (hi.reshape(codes.shape[:-1] + (need, per)) << shifts).sum(-1).to(torch.uint8)
+    return packed, high
+
+
+def join_key_codes(packed: torch.Tensor, high: torch.Tensor | None, extra_bits: int) -> torch.Tensor:
+    """The inverse of :func:`split_key_codes`: codes ``[..., D]`` (uint8) of packed
+    nibbles ``[..., D / 2]`` and, with ``extra_bits``, the rows' parameter bytes."""
+    c = unpack_int4(packed)
+    if extra_bits and high is not None:
+        per = 8 // extra_bits
+        d = c.shape[-1]
+        need = -(-d * extra_bits // 8)
+        shifts = torch.arange(per, device=c.device, dtype=torch.int32) * extra_bits
+        hi = (high[..., :need].to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << extra_bits) - 1)
+        c = c | (hi.reshape(c.shape[:-1] + (need * per,))[..., :d].to(torch.uint8) << 4)
+    return c
 
 
 def dequantize_key_channels(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                            out_dtype: torch.dtype) -> torch.Tensor:
+                            out_dtype: torch.dtype, high: torch.Tensor | None = None,
+                            extra_bits: int = 0) -> torch.Tensor:
     """Rows ``q`` ``[..., D / 2]`` of block keys with their block's per-channel
-    ``scale``/``zero`` ``[..., D]`` (bfloat16, broadcast to the rows) -> ``[..., D]``."""
-    c = unpack_int4(q).to(torch.float32)
+    ``scale``/``zero`` ``[..., D]`` (bfloat16, broadcast to the rows) -> ``[..., D]``;
+    wider keys also take the rows' parameter bytes ``high`` (:func:`join_key_codes`)."""
+    c = join_key_codes(q, high, extra_bits).to(torch.float32)
     y = c * scale.to(torch.float32)
     y = y + zero.to(torch.float32)
     return y.to(out_dtype)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import InvalidArgumentError, ShapeError, expected
+from pagedkv.format import op_checks as checks
 from pagedkv.format.attention_checks import check_attention_args
 from pagedkv.format.rotation import rotate
 from pagedkv.kernels import decode_plans, sources
@@ -245,7 +246,7 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
             _i64(geo.num_heads), _i64(d), _i64(geo.groups), _i64(num_q),
             _i64(hq), _i64(q.stride(0)), _i64(q.stride(1)), _i64(tl.heads_per_cta), _i64(tl.q_tile),
             _i64(tl.kv_tile), _i64(num_splits), _i64(tiles), ("f32", sm_scale), ("f32", soft_cap or 0.0),
-            _i64(window or 0), _i64(sink_tokens)]
+            _i64(window or 0), _i64(sink_tokens), _i64(checks.key_extra_bits(geo, key_scale))]
     grid = (min(num_splits, MAX_GRID_X), min(works, MAX_GRID_Y), 1)
     # one storage format's entries at a time (paged_attention.cu, PKV_ATTN_KV); the merge
     # kernels are in every part

@@ -300,10 +300,10 @@ def convert_layout(arena, src_layout, dst_layout, *, scale=False, grid: Dims = N
 
 
 def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD", layer_format=None,
-                    grid: Dims = None, block: Dims = None) -> None:
+                    kv_scale=None, kv_zero=None, grid: Dims = None, block: Dims = None) -> None:
     _check_cpu("kv_layer", kv_layer)
     launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout,
-                                          layer_format=layer_format)
+                                          layer_format=layer_format, kv_scale=kv_scale, kv_zero=kv_zero)
     run(launches, grid=grid, block=block)
 
 

@@ -241,10 +241,11 @@ def convert_layout(arena, src_layout: str, dst_layout: str, *, scale: bool = Fal
 
 
 def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD", layer_format=None,
-                    stream=None) -> None:
+                    kv_scale=None, kv_zero=None, stream=None) -> None:
     """Requantize whole blocks' keys per channel (int4 block keys): block ``blocks[i]``
-    gets :func:`pagedkv.format.quant.quantize_key_block` of ``keys[i]`` in its K plane's codes
-    and its rows of ``key_scale``/``key_zero``; nothing else changes.
+    gets :func:`pagedkv.format.quant.quantize_key_channels` of ``keys[i]`` in its K plane's
+    codes and its rows of ``key_scale``/``key_zero`` (and, for wider keys, the high bits in
+    its K rows of ``kv_scale``/``kv_zero``); nothing else changes.
 
     Args:
         kv_layer: contiguous int4 (uint8) per-layer view, NHD ``[NB, 2, bs, H, D / 2]``
@@ -259,8 +260,9 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str 
     device = _cuda_device("kv_layer", kv_layer)
     with _on_stream(device, stream) as ts:
         kv_layer, blocks, keys, key_scale, key_zero = map(as_tensor, (kv_layer, blocks, keys, key_scale, key_zero))
+        kv_scale, kv_zero = (None if t is None else as_tensor(t) for t in (kv_scale, kv_zero))
         launches = plans.plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout,
-                                              layer_format=layer_format)
+                                              layer_format=layer_format, kv_scale=kv_scale, kv_zero=kv_zero)
         _run(launches, ts, device)
 
 

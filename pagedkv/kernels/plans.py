@@ -249,7 +249,7 @@ def plan_write_kv(kv_layer, slot_mapping, key, value, *, layout="NHD", kv_scale=
 
 
 def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD",
-                         layer_format=None) -> list[Launch]:
+                         layer_format=None, kv_scale=None, kv_zero=None) -> list[Launch]:
     """Plan :func:`pagedkv.ops.reference.seal_key_blocks` (same arguments).
 
     The ids are read once, from a copy the kernel then reads too: on the CPU they are
@@ -257,7 +257,9 @@ def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout=
     not read (no sync), and the kernel skips an id outside the layer. A repeated id
     leaves each of its bytes from one of its rows (unspecified which).
     """
-    geo = checks.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format)
+    geo = checks.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format, kv_scale,
+                                       kv_zero)
+    extra = geo.format.key_extra_bits   # type: ignore[union-attr]  # the check returns the format
     ids = blocks.clone(memory_format=torch.contiguous_format)  # the one read of the caller's tensor
     if ids.device.type == "cpu":
         checks.check_block_ids("blocks", ids.tolist(), geo.num_blocks)
@@ -265,6 +267,9 @@ def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout=
     _check_rows("keys", keys)
     for name, t in (("keys", keys), ("key_scale", key_scale), ("key_zero", key_zero)):
         _check_aligned(name, t)
+    if extra:   # the high bits go to the K rows' per-token parameters
+        _check_contiguous("kv_scale", kv_scale)
+        _check_contiguous("kv_zero", kv_zero)
     seals = ids.shape[0]
     if seals == 0:
         return []
@@ -272,7 +277,9 @@ def plan_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout=
     args = [_ptr(kv_layer), _ptr(key_scale), _ptr(key_zero), _ptr(keys), _ptr(ids), _i64(seals)]
     args += [_i64(geo.num_blocks), _i64(geo.block_size), _i64(geo.num_heads), _i64(geo.head_dim)]
     args += [_i64(keys.stride(0)), _i64(keys.stride(1)), _i64(keys.stride(2))]
-    return [_launch("seal_keys.cu", name, seals * geo.num_heads, geo.head_dim // 2, args, (ids,))]
+    args += [_ptr(kv_scale if extra else None), _ptr(kv_zero if extra else None), _i64(geo.groups), _i64(extra)]
+    units = geo.head_dim // 2 if not extra else -(-geo.head_dim // 8)
+    return [_launch("seal_keys.cu", name, seals * geo.num_heads, units, args, (ids,))]
 
 
 # ----------------------------------------------------------------------------------
@@ -352,7 +359,8 @@ def plan_gather(
                                    rotated=signs is not None)
         args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(out_key), _ptr(out_value)]
         args += table_args + [_i64(dim), _i64(geo.groups)]
-        block_keys = [_ptr(key_scale), _ptr(key_zero)]  # null: no block keys
+        # null: no block keys; then the sealed keys' high bits in their parameters (0: 4-bit)
+        block_keys = [_ptr(key_scale), _ptr(key_zero), _i64(checks.key_extra_bits(geo, key_scale))]
         if signs is not None:
             grid, block = _rot_dims(total * 2 * heads, max(1, dim // 2), dim)
             return [Launch("gather_kv.cu", name, grid, block, tuple(args + [_ptr(signs)] + block_keys),

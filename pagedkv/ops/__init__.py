@@ -87,10 +87,16 @@ def write_kv(
 
 
 def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD",
-                    layer_format: LayerFormat | None = None, backend: str = "auto") -> None:
-    """Requantize whole blocks' keys per channel; see :func:`pagedkv.ops.reference.seal_key_blocks`."""
+                    layer_format: LayerFormat | None = None, kv_scale=None, kv_zero=None,
+                    backend: str = "auto") -> None:
+    """Requantize whole blocks' keys per channel; see :func:`pagedkv.ops.reference.seal_key_blocks`
+    (wider keys, ``layer_format.key_bits`` > 4, also take the layer's ``kv_scale``/``kv_zero``)."""
     fn = _impl("seal_key_blocks", backend, _device(kv_layer))
-    fn(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format)
+    if kv_scale is None and kv_zero is None:
+        fn(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format)
+    else:
+        fn(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format, kv_scale=kv_scale,
+           kv_zero=kv_zero)
 
 
 def unseal_key_blocks(kv_layer, blocks, live, kv_scale, kv_zero, key_scale, key_zero, *, exact=None,

@@ -35,7 +35,9 @@ cdef extern from "attention_rows.h" nogil:
                                            const float* scale, const float* zero, int out_type, char* out,
                                            float* tmp, const float* signs)
     ctypedef void (*pkv_key_row_fn)(const uint8_t* q, int64_t head_dim, const uint16_t* scale,
-                                    const uint16_t* zero, int out_type, char* out, float* tmp)
+                                    const uint16_t* zero, const uint8_t* high, int extra, int out_type, char* out,
+                                    float* tmp)
+    int PKV_KEY_HIGH_MAX
     pkv_dequantize_row_fn pkv_pick_dequantize_row()
     pkv_key_row_fn pkv_pick_key_row()
     int pkv_use_avx2()
@@ -74,6 +76,7 @@ cdef extern from "attention_rows.h" nogil:
         int prefetch
         int key_cache
         int fused
+        int key_extra
     int PKV_ATTN_PREFETCH_NONE, PKV_ATTN_PREFETCH_ALL, PKV_ATTN_PREFETCH_BLOCKS
     ctypedef void (*pkv_attn_item_fn)(const pkv_attn_args*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
                                       float*, float*, float*) noexcept
@@ -82,6 +85,9 @@ cdef extern from "attention_rows.h" nogil:
 cdef pkv_attn_item_fn attn_item = pkv_pick_attn_item()
 cdef pkv_dequantize_row_fn dequantize_row = pkv_pick_dequantize_row()
 cdef pkv_key_row_fn key_row = pkv_pick_key_row()
+
+#: bytes of a sealed key row's high bits the loops hold at most
+KEY_HIGH_MAX = PKV_KEY_HIGH_MAX
 
 #: which build of the loops runs: "avx2" or "baseline"
 ROW_ISA = "avx2" if pkv_use_avx2() else "baseline"
@@ -169,6 +175,7 @@ def attend(
     uintptr_t exact_data_ptr=0, int exact_type=0, uintptr_t exact_slot_ptr=0, uintptr_t exact_valid_ptr=0,
     int64_t exact_recent=0, int64_t exact_sink=0, uintptr_t signs_ptr=0, int64_t tile_floats=0,
     uintptr_t new_k_ptr=0, uintptr_t new_v_ptr=0, uintptr_t pending_ptr=0,
+    int key_extra=0,
 ):
     """``out`` (float32 ``[num_q, Hq, D]``, rotated domain when ``qrot_ptr``) of checked tables.
 
@@ -182,6 +189,10 @@ def attend(
     (``pending_ptr``: int32 ``[batch]``, checked; 0: every query's own position)."""
     if head_dim < 1 or num_heads < 1 or num_q_heads % num_heads or batch < 0 or split_tokens < 1:
         raise ValueError("attend: bad sizes")
+    if key_extra not in (0, 1, 2, 4) or (key_extra and (key_scale_ptr == 0 or zero_ptr == 0 or kv_type != PKV_INT4
+                                                        or head_dim * key_extra > 8 * PKV_KEY_HIGH_MAX
+                                                        or head_dim * key_extra > 64 * groups)):
+        raise ValueError("attend: key_extra needs int4 block keys with room in the parameter rows")
     if num_q > INT64_MAX // (num_q_heads * head_dim * 8):
         raise OverflowError("attend: num_q * num_q_heads * head_dim out of range")
     cdef pkv_attn_args a
@@ -228,6 +239,7 @@ def attend(
     if _PREFETCH == -1:
         a.prefetch = PKV_ATTN_PREFETCH_BLOCKS
     a.key_cache = _KEY_CACHE
+    a.key_extra = key_extra
     if kv_type == PKV_INT4 and quantized:
         a.row_bytes = head_dim // 2
     elif kv_type == PKV_INT3 and quantized:

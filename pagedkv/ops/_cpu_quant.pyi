@@ -49,6 +49,7 @@ def gather_quant(
     signs_ptr: int = 0,
     key_scale_ptr: int = 0,
     key_zero_ptr: int = 0,
+    key_extra: int = 0,
 ) -> None: ...
 def seal_key_blocks(
     layer_ptr: int,
@@ -68,4 +69,11 @@ def seal_key_blocks(
     block_size: int,
     num_heads: int,
     head_dim: int,
+    key_extra: int = 0,
+    scale_ptr: int = 0,
+    zero_ptr: int = 0,
+    param_block_stride: int = 0,
+    param_tok_stride: int = 0,
+    param_head_stride: int = 0,
+    param_row: int = 0,
 ) -> tuple[int, int]: ...

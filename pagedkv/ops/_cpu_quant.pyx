@@ -47,13 +47,16 @@ cdef extern from "quant_rows.h" nogil:
 
 cdef extern from "key_rows.h" nogil:
     ctypedef void (*pkv_key_row_fn)(const uint8_t* q, int64_t head_dim, const uint16_t* scale,
-                                    const uint16_t* zero, int out_type, char* out, float* tmp)
+                                    const uint16_t* zero, const uint8_t* high, int extra, int out_type, char* out,
+                                    float* tmp)
     pkv_key_row_fn pkv_pick_key_row()
     int pkv_key_sealed(const uint16_t* scale)
+    const uint8_t* pkv_key_high(const char* srow, const char* zrow, int64_t param_row, int64_t need, uint8_t* buf)
 
 cdef extern from "key_seal.h" nogil:
     ctypedef void (*pkv_seal_head_fn)(const char* x, int in_type, int64_t x_tok, int64_t bs, int64_t head_dim,
-                                      uint8_t* q, int64_t q_tok, uint16_t* scale, uint16_t* zero)
+                                      uint8_t* q, int64_t q_tok, uint16_t* scale, uint16_t* zero, char* hs,
+                                      char* hz, int64_t h_tok, int64_t param_row, int extra)
     pkv_seal_head_fn pkv_pick_seal_head()
 
 #: codes of the model dtypes (write input, gather output) and of the storage formats
@@ -254,16 +257,21 @@ def gather_quant(
     uintptr_t signs_ptr=0,
     uintptr_t key_scale_ptr=0,
     uintptr_t key_zero_ptr=0,
+    int key_extra=0,
 ):
     """Dequantize validated tables into contiguous ``[total, H, D]`` outputs of ``out_type``.
 
     Sequence ``b``'s blocks are ``blocks[first(b):]``, ``first(b)`` being ``starts[b]``
     (CSR indptr, ``start_stride == 0``) or ``b * start_stride`` (padded rows).
-    ``key_scale_ptr``/``key_zero_ptr``: both 0, or both set for an int4 layer.
+    ``key_scale_ptr``/``key_zero_ptr``: both 0, or both set for an int4 layer;
+    ``key_extra``: the sealed keys' high bits, kept in their rows' parameters (0 to 4).
     """
     check_sizes(head_dim, groups, qtype)
     if (key_scale_ptr == 0) != (key_zero_ptr == 0) or (key_scale_ptr != 0 and qtype != PKV_INT4):
         raise ValueError("gather_quant: block keys need both key_scale and key_zero, on an int4 layer")
+    if key_extra not in (0, 1, 2, 4) or (key_extra and (key_scale_ptr == 0 or zero_ptr == 0
+                                                        or head_dim * key_extra > 8 * 8 * groups)):
+        raise ValueError("gather_quant: key_extra needs block keys and room in the parameter rows")
     if num_heads < 0 or head_dim > INT64_MAX // 2 or (num_heads and head_dim * 2 > INT64_MAX // num_heads):
         raise OverflowError("gather_quant: num_heads * head_dim out of range")
     if batch < 0 or total < 0 or total > INT64_MAX // 16:
@@ -301,12 +309,14 @@ def gather_quant(
     cdef float* row_tmp
     cdef int kv
     cdef int nth = threads_for(2 * total * num_heads * head_dim)
-    # one scratch row per thread, for narrowing to float16/bfloat16
-    cdef float* tmp = <float*> malloc(<size_t> (nth * head_dim) * 4)
+    # one scratch row per thread, for narrowing to float16/bfloat16, then its high-bit bytes
+    cdef float* tmp = <float*> malloc(<size_t> (nth * head_dim) * 6)
     if tmp == NULL:
         free(token_row)
         free(signs)
         raise MemoryError("gather_quant: cannot allocate the row buffers")
+    cdef int64_t need = (head_dim * key_extra + 7) // 8
+    cdef const uint8_t* high
     with nogil:
         for b in range(batch):
             first = starts[b] if start_stride == 0 else b * start_stride
@@ -323,8 +333,13 @@ def gather_quant(
                     row_tmp = tmp + openmp.omp_get_thread_num() * head_dim
                     kp = (token_row[2 * t] * num_heads + h) * head_dim  # the (block, head)'s key channels
                     if kv == 0 and key_scale != NULL and pkv_key_sealed(key_scale + kp):
-                        key_row(layer + row * row_bytes, head_dim, key_scale + kp, key_zero + kp, out_type, dst,
-                                row_tmp)
+                        high = NULL
+                        if key_extra:
+                            high = pkv_key_high(scale + row * param_row, zero + row * param_row, param_row, need,
+                                                <uint8_t*> (tmp + nth * head_dim)
+                                                + openmp.omp_get_thread_num() * head_dim * 2)
+                        key_row(layer + row * row_bytes, head_dim, key_scale + kp, key_zero + kp, high, key_extra,
+                                out_type, dst, row_tmp)
                     else:
                         row_fn(layer + row * row_bytes, qtype, head_dim, groups,
                                <const float*> (scale + row * param_row),
@@ -353,10 +368,20 @@ def seal_key_blocks(
     int64_t block_size,
     int64_t num_heads,
     int64_t head_dim,
+    int key_extra=0,
+    uintptr_t scale_ptr=0,
+    uintptr_t zero_ptr=0,
+    int64_t param_block_stride=0,
+    int64_t param_tok_stride=0,
+    int64_t param_head_stride=0,
+    int64_t param_row=0,
 ):
-    """Requantize whole blocks' keys per channel (pagedkv.format.quant.quantize_key_block) into
-    their K planes of an int4 layer and their rows of the contiguous bfloat16
-    ``[num_blocks, num_heads, head_dim]`` key scale and zero views.
+    """Requantize whole blocks' keys per channel (pagedkv.format.quant.quantize_key_channels,
+    ``4 + key_extra`` bits) into their K planes of an int4 layer and their rows of the
+    contiguous bfloat16 ``[num_blocks, num_heads, head_dim]`` key scale and zero views.
+    With ``key_extra``, the codes' high bits go to the K rows' per-token parameters:
+    ``scale_ptr``/``zero_ptr`` are block 0's K-plane parameter rows, stepped by the byte
+    strides given, each row ``param_row`` bytes.
 
     ``layer_ptr`` is block 0's K plane; the layer's strides (bytes) step blocks, tokens
     and heads of it, each K row's ``head_dim / 2`` bytes being dense. ``keys`` is
@@ -368,6 +393,9 @@ def seal_key_blocks(
     """
     if head_dim < 2 or head_dim % 2 or block_size < 1 or num_heads < 1:
         raise ValueError("seal_key_blocks: needs an even head_dim >= 2, block_size >= 1 and num_heads >= 1")
+    if key_extra not in (0, 1, 2, 4) or (key_extra and (scale_ptr == 0 or zero_ptr == 0 or param_row < 1
+                                                        or head_dim * key_extra > 16 * param_row)):
+        raise ValueError("seal_key_blocks: key_extra needs the parameter rows, with room for the high bits")
     if num_seal < 0 or num_blocks < 0 or num_seal > INT64_MAX // 8:
         raise OverflowError("seal_key_blocks: num_seal or num_blocks out of range")
     if (head_dim > INT64_MAX // num_heads or block_size > INT64_MAX // (num_heads * head_dim)
@@ -390,6 +418,8 @@ def seal_key_blocks(
     cdef uint16_t* key_scale = <uint16_t*> key_scale_ptr
     cdef uint16_t* key_zero = <uint16_t*> key_zero_ptr
     cdef const char* keys = <const char*> keys_ptr
+    cdef char* pscale = <char*> scale_ptr
+    cdef char* pzero = <char*> zero_ptr
     cdef int64_t i, h, blk, kp, bad = -1
     with nogil:
         for i in range(num_seal):
@@ -411,7 +441,10 @@ def seal_key_blocks(
                     kp = (blk * num_heads + h) * head_dim
                     seal_head(keys + i * keys_block_stride + h * keys_head_stride, in_type, keys_tok_stride,
                               block_size, head_dim, layer + blk * layer_block_stride + h * layer_head_stride,
-                              layer_tok_stride, key_scale + kp, key_zero + kp)
+                              layer_tok_stride, key_scale + kp, key_zero + kp,
+                              pscale + blk * param_block_stride + h * param_head_stride if key_extra else NULL,
+                              pzero + blk * param_block_stride + h * param_head_stride if key_extra else NULL,
+                              param_tok_stride, param_row, key_extra)
     free(seen)
     cdef int64_t bad_value = ids[bad] if bad >= 0 else 0
     free(ids)

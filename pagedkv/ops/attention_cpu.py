@@ -13,6 +13,7 @@ from typing import cast
 
 import torch
 
+from pagedkv.format import op_checks
 from pagedkv.ops import _cpu_attention as _ca
 from pagedkv.ops import _cpu_quant as _q
 from pagedkv.ops.attention_reference import AttentionPlan, attend_reference
@@ -51,7 +52,9 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
     cutting sequences into splits of ``split_tokens`` keys unless the plan fixes ``num_splits``."""
     geo = plan.geo
     exact = plan.exact
-    if not _contig(kv_layer, kv_scale, kv_zero) or (exact is not None and not _contig(exact.data, exact.valid)):
+    extra = op_checks.key_extra_bits(geo, key_scale)
+    if (not _contig(kv_layer, kv_scale, kv_zero) or (exact is not None and not _contig(exact.data, exact.valid))
+            or geo.head_dim * extra > 8 * _ca.KEY_HIGH_MAX):
         return attend_reference(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero,
                                 rotation_signs, out)
     qf = q.detach().to(torch.float32).contiguous()
@@ -86,7 +89,7 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
         plan.indptr.data_ptr(), plan.indices.data_ptr(), plan.seq_lens.data_ptr(), plan.q_indptr.data_ptr(),
         plan.batch, geo.block_size, geo.num_heads, geo.head_dim, groups, layout == "HND",
         plan.sm_scale, 0.0 if plan.soft_cap is None else plan.soft_cap, plan.window or 0, plan.sink_tokens,
-        plan.num_splits or 0, split_tokens, **ex_args, **new_args,
+        plan.num_splits or 0, split_tokens, **ex_args, **new_args, key_extra=extra,
     )
     if signs is not None:
         _hadamard_(res, signs, inverse=True)    # res is this call's own

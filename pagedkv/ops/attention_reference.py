@@ -200,13 +200,13 @@ def _exact_overlay(k, v, plan: AttentionPlan, b: int, end: int) -> None:
 def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                     kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                     soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None,
-                    exact_rows=None, k_new=None, v_new=None, pending=None) -> torch.Tensor:
+                    exact_rows=None, k_new=None, v_new=None, pending=None, layer_format=None) -> torch.Tensor:
     """The float64 definition of :func:`pagedkv.ops.paged_attention` (see the module)."""
     plan = check_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale,
                            kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero, rotation_signs=rotation_signs,
                            sm_scale=sm_scale, soft_cap=soft_cap, window=window, sink_tokens=sink_tokens,
                            num_splits=num_splits, out=out, exact_rows=exact_rows, k_new=k_new, v_new=v_new,
-                           pending=pending)
+                           pending=pending, layer_format=layer_format)
     return attend_reference(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out)
 
 
@@ -218,9 +218,12 @@ def attend_reference(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero
     geo = plan.geo
     dev = kv_layer.device
     out_dtype = torch.float32 if geo.quantized else None
+    # wider block keys are read with their format (only a caller's format has them)
+    wide = geo.format if geo.format is not None and geo.format.key_extra_bits else None
     k_all, v_all = _ref.gather_kv(kv_layer, plan.indptr.to(dev), plan.indices.to(dev), plan.seq_lens.to(dev),
                                   layout=layout, out_dtype=out_dtype, kv_scale=kv_scale, kv_zero=kv_zero,
-                                  rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero)
+                                  rotation_signs=rotation_signs, key_scale=key_scale, key_zero=key_zero,
+                                  layer_format=wide)
     k_all, v_all = k_all.cpu().double(), v_all.cpu().double()
     qd = q.detach().cpu().double()
     res = torch.zeros(q.shape, dtype=torch.float64)

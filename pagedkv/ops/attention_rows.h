@@ -90,6 +90,7 @@ typedef struct {
     int prefetch;            /* PKV_ATTN_PREFETCH_ */
     int key_cache;           /* sealed block keys: 1 widen each block's bf16 parameters once per item */
     int fused;               /* code rows: decoded in registers where used (no widened tiles) */
+    int key_extra;           /* sealed block keys' high bits in their rows' parameters (0, 1, 2 or 4) */
 } pkv_attn_args;
 
 /* what the item prefetches of the next tile: nothing, every line, or the first lines of
@@ -437,6 +438,23 @@ static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_lanes(const in
     return pkv_attn_ld((const float*)row + d);
 }
 
+/* Lanes [d, d + 8) of a sealed block key's high bits (key_rows.h's layout), as float
+ * values of (high << 4): added to the nibble lanes they give the codes exactly */
+static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_high(const uint8_t* high, int extra, int64_t d) {
+    uint32_t w = 0;
+    memcpy(&w, high + d * extra / 8, (size_t)extra);
+    const pkv_attn_v8u lane = {0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u};
+    const pkv_attn_v8u c = ((((pkv_attn_v8u){w, w, w, w, w, w, w, w}) >> (lane * (uint32_t)extra))
+                            & ((1u << extra) - 1u)) << 4;
+    return __builtin_convertvector((pkv_attn_v8i)c, pkv_attn_v8);
+}
+
+/* the high-bit bytes of the sealed K row r (its scale row's bytes, then its zero row's) */
+static inline const uint8_t* pkv_attn_key_high(const pkv_attn_args* a, int64_t r, uint8_t* buf) {
+    return pkv_key_high(a->scale + r * a->param_row, a->zero + r * a->param_row, a->param_row,
+                        (a->head_dim * a->key_extra + 7) / 8, buf);
+}
+
 /* The per-token parameters of a quantized row as per-group float scales ``s`` and offsets
  * ``z`` such that the row's value is s * lane + z (int8: its zero plus 128 s; fp8: z = 0) */
 static inline __attribute__((always_inline)) void pkv_attn_params(const pkv_attn_args* a, int64_t r, int64_t groups, float* s, float* z) {
@@ -566,14 +584,25 @@ static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_ar
             const uint8_t* row = a->layer + rk * a->row_bytes;
             const float* ks = kc->s + hh * D;
             const float* kz = kc->z + hh * D;
-            for (int64_t d = 0; d < D; d += 8)
-                pkv_attn_st(k + d, pkv_attn_lanes(PKV_ROW_I4, row, d) * pkv_attn_ld(ks + d) + pkv_attn_ld(kz + d));
+            if (a->key_extra) {
+                uint8_t hb[PKV_KEY_HIGH_MAX];
+                const uint8_t* high = pkv_attn_key_high(a, rk, hb);
+                for (int64_t d = 0; d < D; d += 8)
+                    pkv_attn_st(k + d, (pkv_attn_lanes(PKV_ROW_I4, row, d) + pkv_attn_high(high, a->key_extra, d))
+                                           * pkv_attn_ld(ks + d) + pkv_attn_ld(kz + d));
+            } else {
+                for (int64_t d = 0; d < D; d += 8)
+                    pkv_attn_st(k + d, pkv_attn_lanes(PKV_ROW_I4, row, d) * pkv_attn_ld(ks + d) + pkv_attn_ld(kz + d));
+            }
             plain = 1;
         } else {
             pkv_attn_deq(a, rk, k);
         }
     } else if (a->key_scale && pkv_key_sealed(a->key_scale + kp)) {
-        a->key_row(a->layer + rk * a->row_bytes, D, a->key_scale + kp, a->key_zero + kp, PKV_F32, (char*)k, tmp);
+        uint8_t hb[PKV_KEY_HIGH_MAX];
+        const uint8_t* high = a->key_extra ? pkv_attn_key_high(a, rk, hb) : NULL;
+        a->key_row(a->layer + rk * a->row_bytes, D, a->key_scale + kp, a->key_zero + kp, high, a->key_extra, PKV_F32,
+                   (char*)k, tmp);
         plain = 1;
     } else if (a->kind >= 0) {
         pkv_attn_deq(a, rk, k);
@@ -719,6 +748,7 @@ typedef struct {
     int64_t ng;              /* groups */
     int32_t* kslot;          /* [nh * T] sealed block keys: their slot in bp, else -1 */
     float* bp;               /* [slots, 2, D]: widened block-key s, then z */
+    int extra;               /* sealed keys' high bits: a sealed row's kp slot holds its parameter bytes */
 } pkv_attn_ftile;
 
 static inline int64_t pkv_attn_fused_floats(int64_t tile, int64_t heads, int64_t head_dim) {
@@ -730,8 +760,12 @@ static inline int64_t pkv_attn_fused_floats(int64_t tile, int64_t heads, int64_t
 static inline __attribute__((always_inline)) pkv_attn_v8 pkv_attn_fk(const int kind, const pkv_attn_ftile* f,
                                                                     int64_t t, int64_t d, int64_t nc,
                                                                     const float* bs, int64_t D) {
-    if (bs) return pkv_attn_lanes(PKV_ROW_I4, f->krow[t], d) * pkv_attn_ld(bs + d) + pkv_attn_ld(bs + D + d);
     const float* p = f->kp + t * 2 * nc;
+    if (bs) {
+        pkv_attn_v8 c = pkv_attn_lanes(PKV_ROW_I4, f->krow[t], d);
+        if (f->extra) c += pkv_attn_high((const uint8_t*)p, f->extra, d);
+        return c * pkv_attn_ld(bs + d) + pkv_attn_ld(bs + D + d);
+    }
     const int64_t g = f->cg[d >> 3];
     return pkv_attn_lanes(kind, f->krow[t], d) * ((pkv_attn_v8){0} + p[g]) + ((pkv_attn_v8){0} + p[nc + g]);
 }
@@ -920,6 +954,7 @@ static inline __attribute__((always_inline)) void pkv_attn_item_fused(const pkv_
     ft.vrow = ft.krow + rows;
     int32_t cg[512];                          /* head_dim / 8 chunks (the caller: at most 512) */
     ft.ng = a->groups;
+    ft.extra = a->key_extra;
     for (int64_t c = 0; c < D >> 3; ++c) cg[c] = (int32_t)(c / ((D >> 3) / a->groups));
     ft.cg = cg;
     const int64_t p_min = n - nq;
@@ -963,7 +998,13 @@ static inline __attribute__((always_inline)) void pkv_attn_item_fused(const pkv_
                     }
                     ft.kslot[x] = last_slot[hh];
                 }
-                if (ft.kslot[x] < 0) pkv_attn_fparams(a, rk, ft.kp + x * 2 * nc);
+                if (ft.kslot[x] < 0) {
+                    pkv_attn_fparams(a, rk, ft.kp + x * 2 * nc);
+                } else if (a->key_extra) {  /* the row's parameter bytes: its high bits */
+                    memcpy(ft.kp + x * 2 * nc, a->scale + rk * a->param_row, (size_t)a->param_row);
+                    memcpy((char*)(ft.kp + x * 2 * nc) + a->param_row, a->zero + rk * a->param_row,
+                           (size_t)a->param_row);
+                }
             }
         }
         for (int64_t hh = 0; hh < nh; ++hh) {

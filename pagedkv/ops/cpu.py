@@ -213,6 +213,7 @@ def _gather_quant(kv_layer, kv_scale, kv_zero, indptr, width, table, seq_lens, b
         0 if indptr is None else indptr.data_ptr(), width, table.data_ptr(), seq_lens.data_ptr(), batch, total,
         ok.data_ptr(), ov.data_ptr(), _quant_code(geo), _model_code(out_dtype), geo.block_size,
         geo.num_heads, geo.head_dim, geo.groups, hnd, signs_ptr, ks_ptr, kz_ptr,
+        _ref.key_extra_bits(geo, key_scale),
     )
     return ok, ov
 
@@ -515,32 +516,45 @@ def _fast_seal(kv_layer, blocks, keys, key_scale, key_zero, layout) -> bool:
     return True
 
 
-def _seal(kv_layer, lst, blocks, m, keys, kst, key_scale, key_zero, in_code, nb, bs, h, d, hnd) -> None:
+def _seal(kv_layer, lst, blocks, m, keys, kst, key_scale, key_zero, in_code, nb, bs, h, d, hnd,
+          extra=0, kv_scale=None, kv_zero=None) -> None:
     es = keys.element_size()
     tok, head = (lst[3], lst[2]) if hnd else (lst[2], lst[3])
+    params: tuple = ()
+    if extra:   # the K plane's per-token parameter rows (float32, a dense groups dim), byte strides
+        pst = kv_scale.stride()
+        ptok, phead = (pst[3], pst[2]) if hnd else (pst[2], pst[3])
+        params = (extra, kv_scale.data_ptr(), kv_zero.data_ptr(), pst[0] * 4, ptok * 4, phead * 4,
+                  kv_scale.shape[4] * 4)
     bad, value = _q.seal_key_blocks(
         kv_layer.data_ptr(), lst[0], tok, head, key_scale.data_ptr(), key_zero.data_ptr(), blocks.data_ptr(), m,
-        keys.data_ptr(), kst[0] * es, kst[1] * es, kst[2] * es, in_code, nb, bs, h, d,
+        keys.data_ptr(), kst[0] * es, kst[1] * es, kst[2] * es, in_code, nb, bs, h, d, *params,
     )
     if bad >= 0:   # the value the loop saw: the caller's tensor may have changed since
         raise _ref.block_id_error("blocks", value, nb, f"row {bad}")
 
 
 def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD",
-                    layer_format: LayerFormat | None = None) -> None:
+                    layer_format: LayerFormat | None = None, kv_scale=None, kv_zero=None) -> None:
     """:func:`pagedkv.ops.reference.seal_key_blocks` on CPU tensors: the reference's checks,
     then one C loop over the blocks (``key_seal.h``); the block ids are read once, by the
     loop, which refuses a bad one before any write."""
-    if (_q is not None and (layer_format is None or _block_keys_format(layer_format))
+    if (_q is not None and kv_scale is None and kv_zero is None
+            and (layer_format is None or (_block_keys_format(layer_format) and layer_format.key_bits == 4))
             and _sparse_safe(_fast_seal, kv_layer, blocks, keys, key_scale, key_zero, layout)):
         return
-    geo = _ref.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format)
+    geo = _ref.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format, kv_scale,
+                                     kv_zero)
     _require_cpu("kv_layer", kv_layer)
-    # strided code bytes: the torch definition (the check refused empty dims)
-    if _q is None or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1):
-        _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format)
+    extra = geo.format.key_extra_bits   # type: ignore[union-attr]  # the check returns the format
+    # strided code bytes or parameter groups: the torch definition (the check refused empty dims)
+    if _q is None or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1) or (extra and not (
+            kv_scale.stride(4) == 1 and kv_zero.stride() == kv_scale.stride())):
+        _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format,
+                             kv_scale=kv_scale, kv_zero=kv_zero)
         return
     blocks = _c_contig(blocks)
     keys = keys if keys.stride(3) == 1 else keys.contiguous()   # each (token, head) row read as one run
     _seal(kv_layer, kv_layer.stride(), blocks, blocks.shape[0], keys, keys.stride(), key_scale, key_zero,
-          _model_code(keys.dtype), geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim, layout == "HND")
+          _model_code(keys.dtype), geo.num_blocks, geo.block_size, geo.num_heads, geo.head_dim, layout == "HND",
+          extra, kv_scale, kv_zero)

@@ -14,30 +14,59 @@
  * y[d] = (float(c[d]) * s[d]) + z[d], two roundings, then the output conversion. The row
  * is never unrotated (block keys are quantized unrotated). Widening bfloat16 is a
  * 16-bit shift, exact. ``scale``/``zero`` point at the (block, head)'s head_dim values;
- * ``tmp`` is head_dim floats of scratch for a narrowed output. */
+ * ``tmp`` is head_dim floats of scratch for a narrowed output.
+ *
+ * Wider block keys (``extra`` > 0, pagedkv.format.quant "wider block keys"): c[d] also has
+ * ``extra`` high bits, read from ``high``, the row's per-token parameter bytes (its scale
+ * groups' bytes, then its zero points', as pkv_key_high lays them out): channel d's at bit
+ * (d * extra) % 8 of byte (d * extra) / 8; c[d] = nibble | high << 4. */
 
-#define PKV_KEY_ROW_ARGS                                                                         \
-    const uint8_t *q, int64_t head_dim, const uint16_t *scale, const uint16_t *zero, int out_type, \
-        char *out, float *tmp
+#define PKV_KEY_ROW_ARGS                                                                           \
+    const uint8_t *q, int64_t head_dim, const uint16_t *scale, const uint16_t *zero, const uint8_t *high, \
+        int extra, int out_type, char *out, float *tmp
 
 /* whether a (block, head) holds block keys: its first scale is a nonzero float (either
  * zero's sign means "still per token"; NaN counts as nonzero, as in the reference) */
 static inline int pkv_key_sealed(const uint16_t* scale) { return (scale[0] & 0x7fffu) != 0u; }
 
+/* the most high-bit bytes of a row: head_dim 1,024 at 4 bits */
+#define PKV_KEY_HIGH_MAX 512
+
+/* The high-bit bytes of a sealed K row: the ``need`` = ceil(head_dim * extra / 8) first bytes of
+ * its scale row (``param_row`` bytes) followed by its zero row; copied into ``buf`` (at
+ * least need bytes) unless the scale row alone holds them. */
+static inline const uint8_t* pkv_key_high(const char* srow, const char* zrow, int64_t param_row, int64_t need,
+                                          uint8_t* buf) {
+    if (need <= param_row) return (const uint8_t*)srow;
+    memcpy(buf, srow, (size_t)param_row);
+    memcpy(buf + param_row, zrow, (size_t)(need - param_row));
+    return buf;
+}
+
+/* channel d's high bits (``extra`` of them; 0 when extra is 0) */
+static inline uint32_t pkv_key_high_at(const uint8_t* high, int extra, int64_t d) {
+    if (!extra) return 0u;
+    const int64_t bit = d * extra;
+    return ((uint32_t)high[bit >> 3] >> (bit & 7)) & ((1u << extra) - 1u);
+}
+
 static inline __attribute__((always_inline)) void pkv_key_channels_f32(
-        const uint8_t* q, int64_t head_dim, const uint16_t* scale, const uint16_t* zero, float* o) {
+        const uint8_t* q, int64_t head_dim, const uint16_t* scale, const uint16_t* zero, const uint8_t* high,
+        int extra, float* o) {
     for (int64_t i = 0; i < head_dim / 2; ++i) {
-        o[2 * i] = (float)(q[i] & 15u) * pkv_bf16_to_f32(scale[2 * i]) + pkv_bf16_to_f32(zero[2 * i]);
-        o[2 * i + 1] = (float)(q[i] >> 4) * pkv_bf16_to_f32(scale[2 * i + 1]) + pkv_bf16_to_f32(zero[2 * i + 1]);
+        const uint32_t c0 = (q[i] & 15u) | (pkv_key_high_at(high, extra, 2 * i) << 4);
+        const uint32_t c1 = (uint32_t)(q[i] >> 4) | (pkv_key_high_at(high, extra, 2 * i + 1) << 4);
+        o[2 * i] = (float)c0 * pkv_bf16_to_f32(scale[2 * i]) + pkv_bf16_to_f32(zero[2 * i]);
+        o[2 * i + 1] = (float)c1 * pkv_bf16_to_f32(scale[2 * i + 1]) + pkv_bf16_to_f32(zero[2 * i + 1]);
     }
 }
 
 static void pkv_key_channels_row_base(PKV_KEY_ROW_ARGS) {
     if (out_type == PKV_F32) {
-        pkv_key_channels_f32(q, head_dim, scale, zero, (float*)out);
+        pkv_key_channels_f32(q, head_dim, scale, zero, high, extra, (float*)out);
         return;
     }
-    pkv_key_channels_f32(q, head_dim, scale, zero, tmp);
+    pkv_key_channels_f32(q, head_dim, scale, zero, high, extra, tmp);
     pkv_narrow_row(tmp, head_dim, out_type, (uint16_t*)out);
 }
 
@@ -70,12 +99,20 @@ __attribute__((target("avx2,f16c"))) static inline __attribute__((always_inline)
 __attribute__((target("avx2,f16c"))) static void pkv_key_channels_row_avx2(PKV_KEY_ROW_ARGS) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i nibble = _mm256_set1_epi32(15);
+    /* the high bits of eight channels: ``extra`` bytes, lane i's at bits [i e, (i + 1) e) */
+    const __m256i hshift = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(extra));
+    const __m256i hmask = _mm256_set1_epi32((int)((1u << extra) - 1u));
     int64_t d = 0;
     for (; d + 8 <= head_dim; d += 8) {
-        uint32_t w;
+        uint32_t w, hw = 0;
         memcpy(&w, q + d / 2, 4);
-        const __m256 c = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts),
-                                                             nibble));
+        __m256i ci = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), nibble);
+        if (extra) {
+            memcpy(&hw, high + d * extra / 8, (size_t)extra);
+            const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)hw), hshift), hmask);
+            ci = _mm256_or_si256(ci, _mm256_slli_epi32(hi, 4));
+        }
+        const __m256 c = _mm256_cvtepi32_ps(ci);
         const __m256 y = _mm256_add_ps(_mm256_mul_ps(c, pkv_bf16x8_avx2(scale + d)), pkv_bf16x8_avx2(zero + d));
         if (out_type == PKV_F32)
             _mm256_storeu_ps((float*)out + d, y);
@@ -86,10 +123,12 @@ __attribute__((target("avx2,f16c"))) static void pkv_key_channels_row_avx2(PKV_K
     }
     if (d < head_dim) {  /* fewer than 8 channels left (head_dim is even) */
         const int64_t n = head_dim - d;
+        /* head_dim - d < 8 channels: their high bits start at bit d * extra, a whole byte */
+        const uint8_t* hd = extra ? high + d * extra / 8 : high;
         if (out_type == PKV_F32) {
-            pkv_key_channels_f32(q + d / 2, n, scale + d, zero + d, (float*)out + d);
+            pkv_key_channels_f32(q + d / 2, n, scale + d, zero + d, hd, extra, (float*)out + d);
         } else {
-            pkv_key_channels_f32(q + d / 2, n, scale + d, zero + d, tmp);
+            pkv_key_channels_f32(q + d / 2, n, scale + d, zero + d, hd, extra, tmp);
             pkv_narrow_row(tmp, n, out_type, (uint16_t*)out + d);
         }
     }

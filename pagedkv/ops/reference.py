@@ -43,6 +43,7 @@ from pagedkv.format.op_checks import (  # re-exported: the checks were first pub
     check_format,
     check_gather,
     check_key_channels,
+    check_key_high_bits,
     check_layer,
     check_layout,
     check_out,
@@ -56,13 +57,21 @@ from pagedkv.format.op_checks import (  # re-exported: the checks were first pub
     contiguous_overlap,
     csr_block_where,
     indptr_error,
+    key_extra_bits,
     padded_block_where,
     seq_len_error,
     slot_error,
     validate_copy_blocks,
     validate_swap_blocks,
 )
-from pagedkv.format.quant import dequantize, dequantize_key_channels, is_quantized, quantize, quantize_key_block
+from pagedkv.format.quant import (
+    dequantize,
+    dequantize_key_channels,
+    is_quantized,
+    quantize,
+    quantize_key_channels,
+    split_key_codes,
+)
 from pagedkv.format.rotation import rotate, unrotate
 
 __all__ = [
@@ -199,6 +208,8 @@ def seal_key_blocks(
     *,
     layout: str = "NHD",
     layer_format: LayerFormat | None = None,
+    kv_scale: torch.Tensor | None = None,
+    kv_zero: torch.Tensor | None = None,
 ) -> None:
     """Requantize whole blocks' keys per channel (int4 block keys).
 
@@ -207,27 +218,45 @@ def seal_key_blocks(
         blocks: ``[M]`` int64 distinct block ids (duplicates: which lands is unspecified).
         keys: ``[M, bs, H, D]`` the blocks' exact keys, float32/float16/bfloat16.
         key_scale, key_zero: bfloat16 ``[NB, H, D]`` (see :func:`gather_kv`).
+        layer_format: its ``key_bits`` give the codes' width (None: 4).
+        kv_scale, kv_zero: the layer's per-token parameter views, given exactly when
+            ``key_bits`` exceeds 4: the K rows' parameters of the sealed blocks then hold
+            the codes' high bits (:func:`pagedkv.format.quant.split_key_codes`).
 
-    Block ``blocks[i]`` gets :func:`pagedkv.format.quant.quantize_key_block` of ``keys[i]``: its K
-    plane's codes, and its rows of ``key_scale``/``key_zero``. Nothing else changes.
+    Block ``blocks[i]`` gets :func:`pagedkv.format.quant.quantize_key_channels` of ``keys[i]``:
+    its K plane's codes (and high bits), and its rows of ``key_scale``/``key_zero``.
+    Nothing else changes.
 
     Raises:
         InvalidBlockError: a block id outside ``[0, NB)`` (checked before any write).
     """
-    geo = check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format)
+    geo = check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format, kv_scale,
+                                kv_zero)
     check_block_ids("blocks", blocks.tolist(), geo.num_blocks)
     if not blocks.numel():
         return
-    codes, s, z = quantize_key_block(keys)
+    extra = geo.format.key_extra_bits    # type: ignore[union-attr]  # the check returns the format
+    codes, s, z = quantize_key_channels(keys, 4 + extra)
+    packed, high = split_key_codes(codes, extra, 8 * geo.groups)
     if layout == "HND":
-        codes = codes.transpose(1, 2)
-    kv_layer[blocks, 0] = codes
+        packed, high = packed.transpose(1, 2), high.transpose(1, 2)
+    kv_layer[blocks, 0] = packed
+    if extra:
+        half = 4 * geo.groups       # the scale groups' bytes, then the zero points'
+        kv_scale.view(torch.uint8)[blocks, 0] = high[..., :half]    # type: ignore[union-attr]  # checked
+        kv_zero.view(torch.uint8)[blocks, 0] = high[..., half:]     # type: ignore[union-attr]
     key_scale[blocks] = s
     key_zero[blocks] = z
 
 
+def _high_bytes(kv_scale, kv_zero, layout, blk, off) -> torch.Tensor:
+    """The K rows' parameter bytes ``[n, H, 8 * groups]``: scale groups, then zero points."""
+    return torch.cat((_plane(kv_scale.view(torch.uint8), layout, 0, blk, off),
+                      _plane(kv_zero.view(torch.uint8), layout, 0, blk, off)), dim=-1)
+
+
 def _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value, signs,
-                   key_scale=None, key_zero=None):
+                   key_scale=None, key_zero=None, extra=0):
     result = []
     for kv, out in ((0, out_key), (1, out_value)):
         x = q = _plane(kv_layer, layout, kv, blk, off)
@@ -241,7 +270,8 @@ def _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out
             if kv == 0 and key_scale is not None:   # sealed blocks' keys: per channel, never rotated
                 ks, kz = key_scale[blk], key_zero[blk]          # [n, H, D]
                 sealed = ks[..., 0] != 0                        # [n, H]
-                x = torch.where(sealed.unsqueeze(-1), dequantize_key_channels(q, ks, kz, out_dtype), x)
+                high = _high_bytes(kv_scale, kv_zero, layout, blk, off) if extra else None
+                x = torch.where(sealed.unsqueeze(-1), dequantize_key_channels(q, ks, kz, out_dtype, high, extra), x)
         if out is not None:
             out.copy_(x)
             x = out
@@ -281,10 +311,12 @@ def gather_kv(
             row is dequantized to float32, :func:`pagedkv.format.rotation.unrotate`-d, then
             converted to ``out_dtype``.
         key_scale, key_zero: int4 only: bfloat16 ``[NB, H, D]`` per-channel parameters
-            of block keys (:func:`pagedkv.format.quant.quantize_key_block`). A K row whose
+            of block keys (:func:`pagedkv.format.quant.quantize_key_channels`). A K row whose
             ``key_scale[block, head, 0]`` is nonzero is dequantized from them
-            (:func:`pagedkv.format.quant.dequantize_key_channels`; no unrotation), every
-            other K row from ``kv_scale``/``kv_zero`` as usual. V rows are unaffected.
+            (:func:`pagedkv.format.quant.dequantize_key_channels`, with the row's parameter
+            bytes as its high bits when ``layer_format.key_bits`` exceeds 4; no
+            unrotation), every other K row from ``kv_scale``/``kv_zero`` as usual. V rows
+            are unaffected.
         layer_format: see :func:`write_kv` (a ``key_quant="block"`` format needs
             ``key_scale``/``key_zero``, any other refuses them).
 
@@ -300,7 +332,7 @@ def gather_kv(
     check_out(out_key, out_value, blk.numel(), geo, out_dtype, kv_layer.device)
     blk, off = blk.to(kv_layer.device), off.to(kv_layer.device)
     return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value,
-                          rotation_signs, key_scale, key_zero)
+                          rotation_signs, key_scale, key_zero, _op_checks.key_extra_bits(geo, key_scale))
 
 
 def gather_kv_padded(
@@ -332,7 +364,7 @@ def gather_kv_padded(
     check_out(out_key, out_value, blk.numel(), geo, out_dtype, kv_layer.device)
     blk, off = blk.to(kv_layer.device), off.to(kv_layer.device)
     return _gather_tokens(kv_layer, layout, blk, off, out_dtype, kv_scale, kv_zero, out_key, out_value,
-                          rotation_signs, key_scale, key_zero)
+                          rotation_signs, key_scale, key_zero, _op_checks.key_extra_bits(geo, key_scale))
 
 
 def copy_blocks(arenas: Arenas, pairs: torch.Tensor) -> None:
@@ -486,8 +518,10 @@ def unseal_key_blocks(
         if n:
             blk = torch.full((n,), block, dtype=torch.int64, device=device)
             off = torch.arange(n, device=device)
+            extra = geo.format.key_extra_bits  # type: ignore[union-attr]
+            high = _high_bytes(kv_scale, kv_zero, layout, blk, off) if extra else None
             keys = dequantize_key_channels(_plane(kv_layer, layout, 0, blk, off), key_scale[block],
-                                           key_zero[block], torch.float32)
+                                           key_zero[block], torch.float32, high, extra)
             if exact is not None:
                 ok = exact_valid[i, :n].to(device)     # type: ignore[index]
                 keys[ok] = exact[i, :n].to(device=device, dtype=torch.float32)[ok]

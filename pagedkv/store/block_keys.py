@@ -90,7 +90,7 @@ class BlockKeys:
         have[gi, go] = True
         ok = have.all(axis=1)
         if ok.any():
-            self._seal(layer, view, fin[ok], keys[torch.from_numpy(np.flatnonzero(ok)).to(key.device)])
+            self._seal(layer, view, fin[ok], keys[torch.from_numpy(np.flatnonzero(ok)).to(key.device)], scale, zero)
 
     def _sealed(self, layer: int, blocks: np.ndarray) -> np.ndarray:
         """Whether each block's keys are per channel (its head 0 scale is nonzero; a
@@ -100,10 +100,14 @@ class BlockKeys:
         ks = self.store.key_scale[layer]
         return (ks[torch.from_numpy(blocks).to(ks.device), 0, 0] != 0).cpu().numpy()
 
-    def _seal(self, layer: int, view: torch.Tensor, blocks: np.ndarray, keys: torch.Tensor) -> None:
-        """Requantize ``blocks``' keys per channel from their exact ``keys`` ``[n, bs, H, D]``."""
+    def _seal(self, layer: int, view: torch.Tensor, blocks: np.ndarray, keys: torch.Tensor, scale: torch.Tensor,
+              zero: torch.Tensor) -> None:
+        """Requantize ``blocks``' keys per channel from their exact ``keys`` ``[n, bs, H, D]``
+        (wider keys: their high bits into the K rows of the per-token ``scale``/``zero``)."""
+        wide = self.format.key_extra_bits > 0
         ops.seal_key_blocks(view, torch.from_numpy(blocks).to(view.device), keys, self.store.key_scale[layer],
-                            self.store.key_zero[layer], layout=self.store.layout, layer_format=self.format)
+                            self.store.key_zero[layer], layout=self.store.layout, layer_format=self.format,
+                            kv_scale=scale if wide else None, kv_zero=zero if wide else None)
 
     def _unseal(self, layer: int, view, scale, zero, blocks: np.ndarray, live: np.ndarray) -> None:
         """Requantize rows ``[0, live[i])`` of ``blocks[i]``'s keys per token (from their

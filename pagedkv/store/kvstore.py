@@ -7,7 +7,7 @@ store allocates once, at construction; nothing is allocated per block at run tim
 The store moves bytes; which block goes where is the caller's decision.
 
 Low-bit options (see :class:`~pagedkv.config.options.CacheConfig`): layers named in
-``kv_full_precision_layers`` live in a second, model-dtype arena; a rotated cache
+``kv_full_precision_layers`` live in a second, model-dtype (or int8) arena; a rotated cache
 stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.format.rotation`) and unrotates on read,
 both inside the data ops (``rotation_signs``, fused into the CPU loops and kernels); a
 cache with ``kv_window`` also keeps each sequence's newest tokens in model precision
@@ -76,7 +76,10 @@ class KVStore:
             ``kv_full_precision_layers`` it holds only the quantized layers, in order.
         kv_scale, kv_zero: ``config.scale_arena_shape``-like arenas (float32; int3
             bfloat16), or None.
-        kv_full: model-dtype arena of ``kv_full_precision_layers``, or None.
+        kv_full: model-dtype arena of ``kv_full_precision_layers`` (int8 with
+            ``kv_full_precision_dtype="int8"``), or None.
+        kv_full_scale, kv_full_zero: the int8 full-precision layers' per-token float32
+            scale and zero point arenas (``[L_full, NB, 2, bs, H]``), or None.
         window: the :class:`~pagedkv.store.window.RecentWindow`, or None.
         format, full_format: the :class:`~pagedkv.format.layer_format.LayerFormat` of the
             main arena's layers (``kv_dtype``; the model dtype when not quantized) and of
@@ -105,7 +108,8 @@ class KVStore:
         # The layer formats, built once and passed to every data op, which verify the
         # arenas against them instead of reading the format off the tensors.
         self.format = LayerFormat.of_config(config)
-        self.full_format = LayerFormat.of_config(config, quantized=False)
+        self.full_format = (LayerFormat("int8") if config.quantized and config.kv_full_precision_dtype == "int8"
+                            else LayerFormat.of_config(config, quantized=False))
         self._check_layers()      # before anything is built per layer slot
         # With layer groups the "layers" here are a block's layer slots (pagedkv.groups.layers).
         full = config.full_precision_slots
@@ -118,14 +122,15 @@ class KVStore:
             self._where[layer] = (False, i)
         self._num_main, self._num_full = len(quant), len(full)
         self._check_sizes()
-        (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full) = self._allocate(
-            config.resolved_num_blocks, self.device, pin=False)
+        (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full, self.kv_full_scale,
+         self.kv_full_zero) = self._allocate(config.resolved_num_blocks, self.device, pin=False)
         self.host_kv = self.host_kv_scale = self.host_kv_zero = self.host_kv_full = None
-        self.host_key_scale = self.host_key_zero = None
+        self.host_key_scale = self.host_key_zero = self.host_kv_full_scale = self.host_kv_full_zero = None
         if config.host_num_blocks:
             pin = self.device.type == "cuda"
             (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale, self.host_key_zero,
-             self.host_kv_full) = self._allocate(config.host_num_blocks, torch.device("cpu"), pin=pin)
+             self.host_kv_full, self.host_kv_full_scale, self.host_kv_full_zero) = self._allocate(
+                config.host_num_blocks, torch.device("cpu"), pin=pin)
         self.rotation_signs = None
         if config.kv_rotation:
             self.rotation_signs = rotation_signs(config.head_dim, config.kv_rotation_seed).to(self.device)
@@ -155,7 +160,7 @@ class KVStore:
         order (None where the arena does not exist)."""
         cfg = self.config
         shape = (self._num_main,) + cfg.layer_shape(num_blocks)
-        scale = zero = kscale = kzero = full = None
+        scale = zero = kscale = kzero = full = full_scale = None
         if cfg.quantized:
             groups = (cfg.param_groups,) if dtypes.info(cfg.kv_dtype).grouped else ()
             scale = (shape[:-1] + groups, cfg.torch_scale_dtype)
@@ -164,8 +169,11 @@ class KVStore:
         if cfg.block_keys:   # a zero scale marks a block whose keys are still per token
             kscale = kzero = ((self._num_main, num_blocks, cfg.kv_heads_per_rank, cfg.head_dim), torch.bfloat16)
         if self._num_full:
-            full = ((self._num_full,) + cfg.layer_shape(num_blocks)[:-1] + (cfg.head_dim,), cfg.torch_dtype)
-        return [(shape, cfg.torch_cache_dtype), scale, zero, kscale, kzero, full]
+            rows = (self._num_full,) + cfg.layer_shape(num_blocks)[:-1]
+            full = (rows + (cfg.head_dim,), self.full_format.data_dtype)
+            if self.full_format.quantized:      # int8: a float32 scale and zero point per row
+                full_scale = (rows, torch.float32)
+        return [(shape, cfg.torch_cache_dtype), scale, zero, kscale, kzero, full, full_scale, full_scale]
 
     def _arena_needs(self, option: str, value, num_blocks: int):
         """Size-check entries (see :mod:`pagedkv.config.memory`) of the arenas for ``num_blocks``."""
@@ -260,7 +268,9 @@ class KVStore:
         None where not stored."""
         main, i = self._where[self._layer_index(layer)]
         if not main:
-            return None, None
+            if self.kv_full_scale is None or not self.config.quantized:
+                return None, None
+            return self.kv_full_scale[i], self.kv_full_zero[i]     # int8 full layers
         scale = self.kv_scale[i] if self.kv_scale is not None else None
         zero = self.kv_zero[i] if self.kv_zero is not None else None
         return scale, zero
@@ -277,27 +287,26 @@ class KVStore:
         """Arena groups that share a leading ``num_layers`` dim (for block copies)."""
         if host:
             main = [self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale, self.host_key_zero]
-            full = self.host_kv_full
+            full = [self.host_kv_full, self.host_kv_full_scale, self.host_kv_full_zero]
         else:
             main = [self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero]
-            full = self.kv_full
-        groups = [[t for t in main if t is not None and t.shape[0]]]
-        if full is not None:
-            groups.append([full])
+            full = [self.kv_full, self.kv_full_scale, self.kv_full_zero]
+        groups = [[t for t in main if t is not None and t.shape[0]], [t for t in full if t is not None]]
         return [g for g in groups if g]
 
     @property
     def arenas(self) -> list[torch.Tensor]:
         """The device arenas: data, then scale and zero when stored, block-key scale and
-        zero when stored, then the model-precision layers."""
-        return [t for t in (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full)
-                if t is not None]
+        zero when stored, then the model-precision layers (and their int8 scale and zero)."""
+        return [t for t in (self.kv, self.kv_scale, self.kv_zero, self.key_scale, self.key_zero, self.kv_full,
+                            self.kv_full_scale, self.kv_full_zero) if t is not None]
 
     @property
     def host_arenas(self) -> list[torch.Tensor]:
         """The host-tier arenas (empty without a host tier)."""
         return [t for t in (self.host_kv, self.host_kv_scale, self.host_kv_zero, self.host_key_scale,
-                            self.host_key_zero, self.host_kv_full) if t is not None]
+                            self.host_key_zero, self.host_kv_full, self.host_kv_full_scale, self.host_kv_full_zero)
+                if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -318,8 +327,9 @@ class KVStore:
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
         main, i = self._where[layer]
-        if not main:
-            ops.write_kv(view, slot_mapping, key, value, layout=self.layout, layer_format=self.full_format)
+        if not main:    # model precision, or int8 (unrotated, no window)
+            ops.write_kv(view, slot_mapping, key, value, layout=self.layout, kv_scale=scale, kv_zero=zero,
+                         layer_format=self.full_format)
             return
         # a rotated cache's rows are rotated inside the quantizing write (every backend)
         ops.write_kv(view, slot_mapping, key, value, layout=self.layout, kv_scale=scale, kv_zero=zero,
@@ -433,7 +443,8 @@ class KVStore:
         return self._read(layer, read, blocks, seq_lens, out_key, out_value)
 
     def _out_dtype(self, main: bool = True) -> torch.dtype | None:
-        return self.config.torch_dtype if (self.config.quantized and main) else None
+        quantized = self.format.quantized if main else self.full_format.quantized
+        return self.config.torch_dtype if quantized else None
 
     def replaced(self, blocks) -> None:
         """Blocks whose bytes were written into the arenas by other means (a prefix tier's
