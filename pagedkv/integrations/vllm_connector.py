@@ -366,7 +366,8 @@ class PagedKVConnector(KVConnectorBase_V1):
             self.mover.refused = why
             log.warning("pagedkv connector: serving nothing: %s", why)
         else:
-            why = self.mover.register(self._spec, [kv_caches[n] for n in self._layer_names])
+            why = self.mover.register(self._spec, [kv_caches[n] for n in self._layer_names],
+                                      self._backend_name())
         _movers[self._key] = self.mover
         # The scheduler side is built after this (vLLM sets the worker up first): leave it
         # the verdict, atomically, keyed by the engine id.
@@ -387,6 +388,17 @@ class PagedKVConnector(KVConnectorBase_V1):
                     tmp.unlink()
             log.info("pagedkv connector: could not leave the worker status (%s); loads start after the "
                      "first report", e)
+
+    def _backend_name(self) -> str | None:
+        """The attention backend's name (settles a layout the shape alone leaves open),
+        from vLLM's per-layer forward context; None when vLLM does not expose it."""
+        ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+        layer = ctx.get(self._layer_names[0]) if self._layer_names else None
+        backend = getattr(layer, "attn_backend", None)
+        try:
+            return None if backend is None else str(backend.get_name())
+        except Exception:     # a backend class without get_name: the shape must decide alone
+            return None
 
     def _arena_for(self, meta: PagedKVMetadata):
         if self.mover is None or meta.arena is None:
