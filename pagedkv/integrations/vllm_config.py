@@ -42,6 +42,10 @@ class ConnectorConfig:
             good; counted in ``PrefixStore.num_report_timeouts``. A report that comes
             later is ignored. Finite, > 0, at most a day.
         rotation_seed: the fp8 format's Hadamard sign seed (part of the format).
+        transfer: ``"sync"`` (every layer copied before the forward and after it) or
+            ``"layerwise"`` (loads overlap the forward layer by layer, saves run behind
+            it on a background thread: :mod:`.vllm_layerwise`).
+        transfer_depth: layer-wise copies queued at most (back-pressure beyond), >= 1.
         weak_hash: tests only: a 4-valued tier hash, so collisions happen constantly.
     """
 
@@ -55,6 +59,8 @@ class ConnectorConfig:
     lock_timeout_s: float = 5.0
     report_timeout_s: float = 60.0
     rotation_seed: int = 0x5EED
+    transfer: str = "sync"
+    transfer_depth: int = 4
     weak_hash: bool = False
 
     @classmethod
@@ -90,6 +96,11 @@ class ConnectorConfig:
             bad("host_blocks", "an int >= 1 when there is no disk_dir (else nothing is stored)")
         if self.disk_write not in ("through", "back"):
             bad("disk_write", "'through' or 'back'")
+        if self.transfer not in ("sync", "layerwise"):
+            bad("transfer", "'sync' or 'layerwise'")
+        td = self.transfer_depth
+        if isinstance(td, bool) or not isinstance(td, int) or not 1 <= td <= 1024:
+            bad("transfer_depth", "an int in [1, 1024]")
         if self.eviction not in ("lru", "frequency"):
             bad("eviction", "'lru' or 'frequency'")
         if self.storage not in STORAGE_FORMATS:

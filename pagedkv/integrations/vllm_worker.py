@@ -166,27 +166,42 @@ class BlockMover:
         self._arenas[name] = why
         return None, why, True
 
-    def save(self, sa: SharedArena, codec: Codec, pairs: Sequence[tuple[int, int]]) -> None:
-        """vLLM blocks -> arena slots: ``[(block, slot)]``."""
-        kv = self.kv
-        if kv is None:
+    def _kv(self) -> list[LayerBlocks]:
+        if self.kv is None:
             raise InternalError("pagedkv connector: a copy before the worker registered its KV")
-        blocks, slots = _pairs(pairs, ("vLLM block", kv[0].num_blocks), ("slot", sa.layout["capacity"]))
-        for layer, t in enumerate(kv):
-            for a, part in enumerate(codec.encode(t.gather(blocks))):
-                raw_bytes(sa.tensors[a][layer]).index_copy_(0, slots, raw_bytes(part))
+        return self.kv
+
+    def save_pairs(self, sa: SharedArena, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[(block, slot)]`` checked whole: ``(blocks, slots)`` index tensors."""
+        return _pairs(pairs, ("vLLM block", self._kv()[0].num_blocks), ("slot", sa.layout["capacity"]))
+
+    def load_pairs(self, sa: SharedArena, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[(slot, block)]`` checked whole: ``(slots, blocks)`` index tensors."""
+        return _pairs(pairs, ("slot", sa.layout["capacity"]), ("vLLM block", self._kv()[0].num_blocks))
+
+    def save_layer(self, sa: SharedArena, codec: Codec, layer: int, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        """One layer's vLLM blocks -> arena slots (indices from :meth:`save_pairs`)."""
+        for a, part in enumerate(codec.encode(self._kv()[layer].gather(blocks))):
+            raw_bytes(sa.tensors[a][layer]).index_copy_(0, slots, raw_bytes(part))
+
+    def load_layer(self, sa: SharedArena, codec: Codec, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Arena slots -> one layer's vLLM blocks (indices from :meth:`load_pairs`)."""
+        kv = self._kv()
+        src = (layer + 1) % len(kv) if self.debug_shuffle_loads else layer
+        parts = [raw_bytes(arena[src]).index_select(0, slots).view(arena.dtype) for arena in sa.tensors]
+        kv[layer].scatter(blocks, codec.decode(parts))
+
+    def save(self, sa: SharedArena, codec: Codec, pairs: Sequence[tuple[int, int]]) -> None:
+        """vLLM blocks -> arena slots: ``[(block, slot)]``, every layer."""
+        blocks, slots = self.save_pairs(sa, pairs)
+        for layer in range(len(self._kv())):
+            self.save_layer(sa, codec, layer, blocks, slots)
 
     def load(self, sa: SharedArena, codec: Codec, pairs: Sequence[tuple[int, int]]) -> None:
-        """Arena slots -> vLLM blocks: ``[(slot, block)]``."""
-        kv = self.kv
-        if kv is None:
-            raise InternalError("pagedkv connector: a copy before the worker registered its KV")
-        slots, blocks = _pairs(pairs, ("slot", sa.layout["capacity"]), ("vLLM block", kv[0].num_blocks))
-        n = len(kv)
-        for layer, t in enumerate(kv):
-            src = (layer + 1) % n if self.debug_shuffle_loads else layer
-            parts = [raw_bytes(arena[src]).index_select(0, slots).view(arena.dtype) for arena in sa.tensors]
-            t.scatter(blocks, codec.decode(parts))
+        """Arena slots -> vLLM blocks: ``[(slot, block)]``, every layer."""
+        slots, blocks = self.load_pairs(sa, pairs)
+        for layer in range(len(self._kv())):
+            self.load_layer(sa, codec, layer, slots, blocks)
 
     def close(self) -> None:
         self._arenas.clear()
