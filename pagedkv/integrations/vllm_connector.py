@@ -50,7 +50,7 @@ from pagedkv.integrations.vllm_store import PrefixStore, get_store, lookup_store
 from pagedkv.integrations.vllm_worker import BlockMover, KVSpec
 from pagedkv.tiers.chain import ROOT
 
-__all__ = ["PagedKVConnector", "PagedKVMetadata", "PagedKVWorkerMetadata", "set_debug_shuffle_loads"]
+__all__ = ["PagedKVConnector", "PagedKVMetadata", "PagedKVWorkerMetadata", "set_debug_shuffle_loads", "worker_stats"]
 
 log = logging.getLogger("pagedkv.vllm")
 
@@ -101,6 +101,18 @@ def set_debug_shuffle_loads(worker: Any, on: bool) -> int:
     for m in _movers.values():
         m.debug_shuffle_loads = bool(on)
     return len(_movers)
+
+
+def worker_stats(worker: Any) -> list[dict]:
+    """Tests and benchmarks (``llm.collective_rpc(worker_stats)``): per worker side in this
+    process, its layout and layer-wise counters."""
+    out = []
+    for m in _movers.values():
+        lc = getattr(m, "copies", None)
+        out.append({"layout": m.layout, "refused": m.refused, "transfer": "sync" if lc is None else "layerwise",
+                    "num_unwaited": 0 if lc is None else lc.num_unwaited,
+                    "num_backpressure": 0 if lc is None else lc.num_backpressure})
+    return out
 
 
 def _status_path(engine_id: str):
@@ -377,6 +389,7 @@ class PagedKVConnector(KVConnectorBase_V1):
                                       self._backend_name())
             if why is None and self.cfg.transfer == "layerwise":
                 self.layers = LayerCopies(self.mover, self._layer_names, self.cfg.transfer_depth)
+                self.mover.copies = self.layers
         _movers[self._key] = self.mover
         # The scheduler side is built after this (vLLM sets the worker up first): leave it
         # the verdict, atomically, keyed by the engine id.

@@ -112,6 +112,7 @@ class BlockMover:
     def __init__(self):
         self.kv: list[LayerBlocks] | None = None
         self.layout: str | None = None
+        self.copies = None                               # the connector's LayerCopies, when layer-wise
         self.spec: KVSpec | None = None
         self.refused: str | None = None                  # the worker's own KV is unusable
         self._arenas: dict[str, tuple[SharedArena, Codec] | str] = {}   # name -> mapped, or why refused
