@@ -9,7 +9,8 @@
 #      pip without dependency resolution or network: torch with CUDA, cuda-python or
 #      cuda-bindings, numpy, Cython, setuptools and pytest must already be there;
 #      pytest-xdist, when there, runs the tests in 8 processes);
-#   2. runs every test marked `cuda` (all the kernels, paged attention included,
+#   2. runs every test marked `cuda` (all the kernels, paged attention included, the vLLM
+#      connector's save/load round trip in each GPU block layout on CUDA tensors,
 #      against the CPU reference);
 #   3. runs benchmarks/kernels.py and benchmarks/attention.py (on the CPU, then with
 #      --device cuda);

@@ -1,9 +1,11 @@
 """pagedkv's vLLM connector on SmolLM2 (CPU), with vLLM's default multiprocessing
 (engine core and worker in processes of their own): time to first token of a
 ~1,900-token prompt served by vLLM's own prefix cache / the host tier / the disk tier /
-recomputed; throughput with the connector configured and nothing to hit vs no connector
-(two engines alive in this run, batches interleaved, median of the repetitions); bytes
-at rest per cached token, bf16 vs quantized. Prints one JSON line.
+recomputed, and by the host tier with layer-wise copies (``transfer="layerwise"``);
+throughput with the connector configured and nothing to hit (synchronous copies, and
+layer-wise) vs no connector (three engines alive in this run, batches interleaved,
+median of the repetitions); bytes at rest per cached token, bf16 vs quantized. Prints
+one JSON line.
 
 Run in the vLLM venv (``bash .ci/vllm_venv.sh; . .venv-vllm/bin/activate``). Without
 vLLM it prints ``{"skipped": ...}`` and exits 0 (CI runs every benchmark with
@@ -122,7 +124,7 @@ def main() -> None:
         return
     n_req, max_tok = (4, 16) if args.smoke else (16, 32)
     reps = 1 if args.smoke else 3
-    tput_reps = 1 if args.smoke else 7           # 2 * 7 * 16 prompts of 200 tokens: the text has ~113k
+    tput_reps = 1 if args.smoke else 7           # 3 * 7 * 16 prompts of 200 tokens from 30k: the text has ~113k
 
     import torch
 
@@ -153,6 +155,17 @@ def main() -> None:
             gen(llm, [f], 1)
         llm.reset_prefix_cache()
         timed("pagedkv_disk")
+    # Layer-wise copies: its own engine (host tier only), the same prompt served from host.
+    lw = make_llm({"host_blocks": 16, "transfer": "layerwise"})
+    gen(lw, [tokens(64, 90_000)], 1)
+    ttft["pagedkv_host_layerwise"], cached["pagedkv_host_layerwise"] = [], []
+    for r in range(0 if args.throughput_only else reps):
+        lw.reset_prefix_cache(reset_connector=True)
+        gen(lw, [prompt], 1)                                         # computed and stored
+        lw.reset_prefix_cache()
+        dt, o = gen(lw, [prompt], 1)
+        ttft["pagedkv_host_layerwise"].append(dt)
+        cached["pagedkv_host_layerwise"].append(o[0].num_cached_tokens)
     ttft_ms = {k: round(1000 * statistics.median(v), 1) for k, v in ttft.items() if v}
     # SmolLM2-135M: 30 layers, 3 KV heads, head size 64
     bpt = {s: bytes_per_token(make_codec(s, 3, BLOCK, 64, torch.bfloat16, 1), 30) for s in ("bf16", "int8", "fp8", "int4")}
@@ -163,8 +176,8 @@ def main() -> None:
     # vs an engine without it, both alive, batches interleaved (the machine's load drifts).
     base = make_llm(None)
     gen(base, [tokens(64, 90_000)], 4)                             # warm-up
-    tput: dict = {"connector": [], "no_connector": []}
-    engines = [("connector", llm), ("no_connector", base)]
+    tput: dict = {"connector": [], "connector_layerwise": [], "no_connector": []}
+    engines = [("connector", llm), ("connector_layerwise", lw), ("no_connector", base)]
     if args.null_control:
         null = make_llm(null=True)
         gen(null, [tokens(64, 90_000)], 4)
@@ -176,6 +189,7 @@ def main() -> None:
             tput[name].append(tok_s(engine, batch(len(engines) * r + k, n_req), max_tok))
     med = {k: statistics.median(v) for k, v in tput.items()}
     ratios = sorted(c / b for c, b in zip(tput["connector"], tput["no_connector"]))
+    ratios_lw = sorted(c / b for c, b in zip(tput["connector_layerwise"], tput["no_connector"]))
     extra_out = {}
     if args.null_control:
         extra_out["null_connector_overhead_pct_median"] = round(
@@ -184,13 +198,17 @@ def main() -> None:
         "benchmark": NAME, "smoke": args.smoke, "model": "SmolLM2-135M bf16", "vllm_multiprocessing": True,
         "prompt_tokens": len(prompt), "block_size": BLOCK, "reps": reps, "ttft_ms": ttft_ms,
         "cached_tokens": {k: statistics.median(v) for k, v in cached.items() if v},
-        "speedup_vs_recompute": {k: round(ttft_ms["recompute"] / v, 2) for k, v in ttft_ms.items()},
+        "speedup_vs_recompute": {k: round(ttft_ms["recompute"] / v, 2) for k, v in ttft_ms.items()
+                                 if "recompute" in ttft_ms},
         "throughput_only": args.throughput_only,
         "throughput_requests": n_req, "throughput_max_tokens": max_tok, "throughput_reps": tput_reps,
         "throughput_tok_s_median": {k: round(v, 1) for k, v in med.items()},
         "throughput_tok_s_all": {k: [round(x, 1) for x in v] for k, v in tput.items()},
         "overhead_pct_median": round(100 * (med["no_connector"] - med["connector"]) / med["no_connector"], 1),
         "overhead_pct_median_of_paired": round(100 * (1 - statistics.median(ratios)), 1),
+        "overhead_layerwise_pct_median": round(
+            100 * (med["no_connector"] - med["connector_layerwise"]) / med["no_connector"], 1),
+        "overhead_layerwise_pct_median_of_paired": round(100 * (1 - statistics.median(ratios_lw)), 1),
         **extra_out,
         "bytes_per_token": {k: round(v, 1) for k, v in bpt.items()},
         "disk_record_bytes_per_token_bf16": None if meta is None else meta["record_bytes"] / BLOCK,

@@ -34,7 +34,7 @@ def make_store(tmp: str, disk_filled: int) -> PrefixStore:
     store = PrefixStore(cfg, KVSpec(L, H, BS, D, torch.bfloat16), "model")
     store.kv = [torch.zeros(64, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
     store.mover = BlockMover()
-    store.mover.register(store.spec, store.kv)
+    store.mover.register(store.spec, store.kv, "CPU_ATTN")
     store.worker_ready = True
     rng = np.random.default_rng(1)
     for _ in range(disk_filled):          # a disk tier that already holds other prompts' blocks

@@ -45,7 +45,7 @@ def store():
         g = torch.Generator().manual_seed(0)
         s.kv = [torch.randn(N, H, BS, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)]
         s.mover = BlockMover()
-        s.mover.register(s.spec, s.kv)
+        s.mover.register(s.spec, s.kv, "CPU_ATTN")
         s.worker_ready = True
         parent, saves = -1, []
         for i, b in enumerate((0, 1)):

@@ -54,7 +54,7 @@ def make_store(**cfg):
     g = torch.Generator().manual_seed(0)
     store.kv = [torch.randn(N, H, BS, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)]
     store.mover = BlockMover()
-    assert store.mover.register(store.spec, store.kv) is None
+    assert store.mover.register(store.spec, store.kv, "CPU_ATTN") is None
     return store
 
 

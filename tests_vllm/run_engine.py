@@ -32,7 +32,8 @@ def main() -> None:
         for name in args["sets"]:
             res[name] = ve.generate(llm, ve.prompt_set(name), logprobs=True)
     else:  # peer: only what a client sees (outputs, cached tokens): the store is in another process
-        llm = ve.make_llm({"disk_dir": args["disk_dir"], "host_blocks": 64, "disk_blocks": 256})
+        llm = ve.make_llm(dict({"disk_dir": args["disk_dir"], "host_blocks": 64, "disk_blocks": 256},
+                               **args.get("extra", {})))
         if args.get("corrupt_set"):              # first: its root block on disk was corrupted
             res["corrupt"] = ve.generate(llm, ve.prompt_set(args["corrupt_set"]))
         res["warm"] = ve.generate(llm, ve.prompt_set(args["warm_set"]))
@@ -52,6 +53,8 @@ def main() -> None:
             ve.set_shuffle(llm, False)
             llm.reset_prefix_cache()
             res["unshuffled"] = ve.generate(llm, ve.prompt_set(args["own_set"]))
+        from pagedkv.integrations.vllm_connector import worker_stats
+        res["worker_stats"] = [s for per in llm.collective_rpc(worker_stats) for s in per]
     out_path.write_text(json.dumps(res))
 
 

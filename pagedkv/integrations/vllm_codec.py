@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.format import quant
 from pagedkv.format.rotation import rotate, rotation_signs, unrotate
 
@@ -122,6 +123,11 @@ class Int4Codec(Codec):
 def make_codec(storage: str, kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype,
                rotation_seed: int = 0) -> Codec:
     args = (kv_heads, block_size, head_size, dtype)
+    if storage != "bf16" and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        # vLLM's fp8 KV (fp8 or uint8 bytes) is kept as it is: quantizing it again would
+        # read bytes as numbers without the layer's scales
+        raise InvalidArgumentError(expected("storage", f"'bf16' (vLLM's bytes as they are) for {dtype} KV",
+                                            repr(storage)))
     if storage == "bf16":
         return Codec(*args)
     if storage == "int8":

@@ -49,6 +49,10 @@ class ConnectorConfig:
             :class:`~pagedkv.config.remote.RemoteTierConfig`'s fields. Lookups that the
             host and disk tiers cannot serve ask it (each block verified: tokens, chain
             link, format, checksum); committed blocks go to it in the background.
+        transfer: ``"sync"`` (every layer copied before the forward and after it) or
+            ``"layerwise"`` (loads overlap the forward layer by layer, saves run behind
+            it on a background thread: :mod:`.vllm_layerwise`).
+        transfer_depth: layer-wise copies queued at most (back-pressure beyond), >= 1.
         weak_hash: tests only: a 4-valued tier hash, so collisions happen constantly.
     """
 
@@ -62,6 +66,8 @@ class ConnectorConfig:
     lock_timeout_s: float = 5.0
     report_timeout_s: float = 60.0
     rotation_seed: int = 0x5EED
+    transfer: str = "sync"
+    transfer_depth: int = 4
     weak_hash: bool = False
     remote: str | dict | None = None
 
@@ -98,6 +104,11 @@ class ConnectorConfig:
             bad("host_blocks", "an int >= 1 when there is no disk_dir (else nothing is stored)")
         if self.disk_write not in ("through", "back"):
             bad("disk_write", "'through' or 'back'")
+        if self.transfer not in ("sync", "layerwise"):
+            bad("transfer", "'sync' or 'layerwise'")
+        td = self.transfer_depth
+        if isinstance(td, bool) or not isinstance(td, int) or not 1 <= td <= 1024:
+            bad("transfer_depth", "an int in [1, 1024]")
         if self.eviction not in ("lru", "frequency"):
             bad("eviction", "'lru' or 'frequency'")
         if self.storage not in STORAGE_FORMATS:

@@ -45,12 +45,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from pagedkv.errors import InternalError
 from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.integrations.vllm_events import to_vllm
+from pagedkv.integrations.vllm_layerwise import LayerCopies
 from pagedkv.integrations.vllm_shm import _alive, read_status, shm_dir
 from pagedkv.integrations.vllm_store import PrefixStore, get_store, lookup_store, store_of_arena
 from pagedkv.integrations.vllm_worker import BlockMover, KVSpec
 from pagedkv.tiers.chain import ROOT
 
-__all__ = ["PagedKVConnector", "PagedKVMetadata", "PagedKVWorkerMetadata", "set_debug_shuffle_loads"]
+__all__ = ["PagedKVConnector", "PagedKVMetadata", "PagedKVWorkerMetadata", "set_debug_shuffle_loads", "worker_stats"]
 
 log = logging.getLogger("pagedkv.vllm")
 
@@ -103,6 +104,18 @@ def set_debug_shuffle_loads(worker: Any, on: bool) -> int:
     return len(_movers)
 
 
+def worker_stats(worker: Any) -> list[dict]:
+    """Tests and benchmarks (``llm.collective_rpc(worker_stats)``): per worker side in this
+    process, its layout and layer-wise counters."""
+    out = []
+    for m in _movers.values():
+        lc = getattr(m, "copies", None)
+        out.append({"layout": m.layout, "refused": m.refused, "transfer": "sync" if lc is None else "layerwise",
+                    "num_unwaited": 0 if lc is None else lc.num_unwaited,
+                    "num_backpressure": 0 if lc is None else lc.num_backpressure})
+    return out
+
+
 def _status_path(engine_id: str):
     return shm_dir() / f"pagedkv-vllm-worker-{hashlib.sha1(engine_id.encode()).hexdigest()[:16]}.json"
 
@@ -153,6 +166,9 @@ class PagedKVConnector(KVConnectorBase_V1):
         self._chains: dict[str, list[tuple[int, int]]] = {}    # req -> host (slot, gen) per stored block
         # worker side
         self.mover: BlockMover | None = None
+        self.layers: LayerCopies | None = None        # transfer="layerwise"
+        self._pending_loads: tuple | None = None       # (meta, report, block size) of the step's layer-wise loads
+        self._pending_saves: tuple | None = None       # (meta, report or None when already settled)
         self._report: dict[str, ArenaReport] = {}
         self._load_errors: set = set()
         self.num_loaded_tokens = 0
@@ -365,6 +381,9 @@ class PagedKVConnector(KVConnectorBase_V1):
             s = lookup_store(self._key)
             if s is not None:
                 s.arena.unlink()
+        if self.layers is not None:
+            self.layers.close()
+            self.layers = None
         if self.mover is not None:
             _movers.pop(self._key, None)
             self.mover.close()
@@ -380,7 +399,11 @@ class PagedKVConnector(KVConnectorBase_V1):
             self.mover.refused = why
             log.warning("pagedkv connector: serving nothing: %s", why)
         else:
-            why = self.mover.register(self._spec, [kv_caches[n] for n in self._layer_names])
+            why = self.mover.register(self._spec, [kv_caches[n] for n in self._layer_names],
+                                      self._backend_name())
+            if why is None and self.cfg.transfer == "layerwise":
+                self.layers = LayerCopies(self.mover, self._layer_names, self.cfg.transfer_depth)
+                self.mover.copies = self.layers
         _movers[self._key] = self.mover
         # The scheduler side is built after this (vLLM sets the worker up first): leave it
         # the verdict, atomically, keyed by the engine id.
@@ -402,6 +425,17 @@ class PagedKVConnector(KVConnectorBase_V1):
             log.info("pagedkv connector: could not leave the worker status (%s); loads start after the "
                      "first report", e)
 
+    def _backend_name(self) -> str | None:
+        """The attention backend's name (settles a layout the shape alone leaves open),
+        from vLLM's per-layer forward context; None when vLLM does not expose it."""
+        ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+        layer = ctx.get(self._layer_names[0]) if self._layer_names else None
+        backend = getattr(layer, "attn_backend", None)
+        try:
+            return None if backend is None else str(backend.get_name())
+        except Exception:     # a backend class without get_name: the shape must decide alone
+            return None
+
     def _arena_for(self, meta: PagedKVMetadata):
         if self.mover is None or meta.arena is None:
             return None, None
@@ -417,44 +451,114 @@ class PagedKVConnector(KVConnectorBase_V1):
         if not isinstance(meta, PagedKVMetadata) or not meta.loads:
             return
         got, r = self._arena_for(meta)
-        slots = [p[0] for p in meta.loads]
         try:
             if got is None:
-                raise InternalError(f"no usable arena for {len(slots)} loads ({meta.arena})")
+                raise InternalError(f"no usable arena for {len(meta.loads)} loads ({meta.arena})")
+            if self.layers is not None:
+                self.layers.start_loads(got[0], got[1], meta.loads)     # finished in wait_for_save
+                self._pending_loads = (meta, r, got[0].layout["block_size"])
+                return
             self.mover.load(got[0], got[1], meta.loads)      # type: ignore[union-attr]
-            self.num_loaded_tokens += len(meta.loads) * got[0].layout["block_size"]
+        except Exception as e:
+            self._load_done(meta, r, 0, e)
+            return
+        self._load_done(meta, r, got[0].layout["block_size"], None)
+
+    def _load_done(self, meta: PagedKVMetadata, r: ArenaReport | None, block_size: int,
+                   err: BaseException | None) -> None:
+        slots = [p[0] for p in meta.loads]
+        if err is None:
+            self.num_loaded_tokens += len(meta.loads) * block_size
             if r is not None:
                 r.loaded.extend(slots)
-        except Exception as e:      # vLLM recomputes (or fails) blocks reported as failed; never serves them
-            log.warning("pagedkv connector: load failed (%s: %s); %d blocks not served",
-                        type(e).__name__, e, len(meta.loads))
-            self._load_errors.update(b for _, b in meta.loads)
-            if r is not None:
-                r.load_failed.extend(slots)
+            return
+        # vLLM recomputes (or fails, per its kv_load_failure_policy) blocks reported as
+        # failed; they are never served
+        log.warning("pagedkv connector: load failed (%s: %s); %d blocks not served",
+                    type(err).__name__, err, len(meta.loads))
+        self._load_errors.update(b for _, b in meta.loads)
+        if r is not None:
+            r.load_failed.extend(slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self.layers is not None:
+            self.layers.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return
+        if self.layers is None:
+            return
+        if not self.layers.saving and self._pending_saves is None:
+            meta = self._get_connector_metadata()
+            if not isinstance(meta, PagedKVMetadata) or not meta.saves:
+                return
+            got, r = self._arena_for(meta)
+            try:
+                if got is None:
+                    raise InternalError(f"no usable arena for {len(meta.saves)} saves ({meta.arena})")
+                self.layers.start_saves(got[0], got[1], meta.saves)
+            except Exception as e:
+                self._save_done(meta, r, e)
+                self._pending_saves = (meta, None)      # this step's saves are settled
+                return
+            self._pending_saves = (meta, r)
+        self.layers.save_layer(layer_name)
+
+    def _save_done(self, meta: PagedKVMetadata, r: ArenaReport | None, err: BaseException | None) -> None:
+        slots = [p[1] for p in meta.saves]
+        if err is None:
+            self.num_saved_blocks += len(meta.saves)
+            if r is not None:
+                r.saved.extend(slots)
+            return
+        log.warning("pagedkv connector: save failed (%s: %s)", type(err).__name__, err)    # a later miss
+        if r is not None:
+            r.save_failed.extend(slots)
 
     def wait_for_save(self):
+        if self.layers is not None:
+            self._finish_layerwise()
+            return
         meta = self._get_connector_metadata()
         if not isinstance(meta, PagedKVMetadata) or not meta.saves:
             return
         got, r = self._arena_for(meta)
-        slots = [p[1] for p in meta.saves]
         try:
             if got is None:
-                raise InternalError(f"no usable arena for {len(slots)} saves ({meta.arena})")
+                raise InternalError(f"no usable arena for {len(meta.saves)} saves ({meta.arena})")
             self.mover.save(got[0], got[1], meta.saves)      # type: ignore[union-attr]
-            self.num_saved_blocks += len(meta.saves)
-            if r is not None:
-                r.saved.extend(slots)
-        except Exception as e:      # a lost save is a later miss
-            log.warning("pagedkv connector: save failed (%s: %s)", type(e).__name__, e)
-            if r is not None:
-                r.save_failed.extend(slots)
+        except Exception as e:
+            self._save_done(meta, r, e)
+            return
+        self._save_done(meta, r, None)
+
+    def _finish_layerwise(self) -> None:
+        """The step is over: settle its layer-wise loads and saves (a save no layer
+        started, e.g. a step without attention metadata, runs now, whole)."""
+        layers = self.layers
+        if layers is None:
+            return
+        if self._pending_loads is not None:
+            meta, r, bs = self._pending_loads
+            self._pending_loads = None
+            err = layers.finish_loads()
+            self._load_done(meta, r, bs if err is None else 0, err)
+        if self._pending_saves is None:
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PagedKVMetadata) and meta.saves:
+                got, r = self._arena_for(meta)
+                try:
+                    if got is None:
+                        raise InternalError(f"no usable arena for {len(meta.saves)} saves ({meta.arena})")
+                    layers.start_saves(got[0], got[1], meta.saves)
+                except Exception as e:
+                    self._save_done(meta, r, e)
+                else:
+                    self._save_done(meta, r, layers.finish_saves())
+            return
+        meta, r = self._pending_saves
+        self._pending_saves = None
+        if r is not None or layers.saving:
+            self._save_done(meta, r, layers.finish_saves())
 
     def build_connector_worker_meta(self) -> PagedKVWorkerMetadata | None:
         if not self._report:

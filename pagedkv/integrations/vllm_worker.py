@@ -23,6 +23,7 @@ import torch
 from pagedkv.errors import ArgumentTypeError, InternalError, InvalidArgumentError, PagedKVError, TierFileError, expected
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import STORAGE_FORMATS
+from pagedkv.integrations.vllm_layout import LayerBlocks, detect_layout, raw_bytes
 from pagedkv.integrations.vllm_shm import _DTYPES, SharedArena
 
 __all__ = ["BlockMover", "KVSpec", "check_kv"]
@@ -52,18 +53,13 @@ class KVSpec:
                 f"head_size={self.head_size}, dtype={self.dtype})")
 
 
-def check_kv(spec: KVSpec, kv: list[torch.Tensor]) -> str | None:
-    """Why vLLM's per-layer tensors ``kv`` do not match ``spec`` (None: they do)."""
-    want = spec.block_shape()
-    if len(kv) != spec.num_layers:
-        return f"vLLM registered {len(kv)} KV layers, the store was built for {spec.num_layers}"
-    for i, t in enumerate(kv):
-        if t.dtype != spec.dtype:
-            return f"layer {i}: KV dtype {t.dtype}, expected {spec.dtype}"
-        if t.dim() != 4 or tuple(t.shape[1:]) != want:
-            return f"layer {i}: KV shape {tuple(t.shape)}, expected [num_blocks, *{want}] (vLLM's CPU layout)"
-        if t.device.type != "cpu":
-            return f"layer {i}: KV on {t.device}, this connector copies CPU tensors"
+def check_kv(spec: KVSpec, kv: torch.Tensor | list[torch.Tensor], backend: str | None = None) -> str | None:
+    """Why vLLM's tensors ``kv`` (per layer, or one stacked) are not ``spec``'s KV in a
+    layout :mod:`.vllm_layout` knows (None: they are)."""
+    try:
+        detect_layout(kv, spec.num_layers, spec.kv_heads, spec.block_size, spec.head_size, spec.dtype, backend)
+    except PagedKVError as e:
+        return str(e)
     return None
 
 
@@ -112,17 +108,11 @@ def _pairs(pairs: Sequence[tuple[int, int]], src: tuple[str, int], dst: tuple[st
     return torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64)
 
 
-_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """fp8 as bytes: torch's CPU index_copy_/index_select do not take fp8."""
-    return t.view(torch.uint8) if t.dtype in _BYTE_FLOATS else t
-
-
 class BlockMover:
     def __init__(self):
-        self.kv: list[torch.Tensor] | None = None
+        self.kv: list[LayerBlocks] | None = None
+        self.layout: str | None = None
+        self.copies = None                               # the connector's LayerCopies, when layer-wise
         self.spec: KVSpec | None = None
         self.refused: str | None = None                  # the worker's own KV is unusable
         self._arenas: dict[str, tuple[SharedArena, Codec] | str] = {}   # name -> mapped, or why refused
@@ -131,13 +121,19 @@ class BlockMover:
         # positions RoPE already baked in, so a block order is invisible to the suffix.)
         self.debug_shuffle_loads = False
 
-    def register(self, spec: KVSpec, kv: list[torch.Tensor]) -> str | None:
-        why = check_kv(spec, kv)
-        if why is not None:
+    def register(self, spec: KVSpec, kv: torch.Tensor | list[torch.Tensor], backend: str | None = None) -> str | None:
+        """Take vLLM's KV (per layer, or one stacked tensor) in the layout detected from
+        it (``backend``: the attention backend's name, which settles an ambiguous shape).
+        Returns why it is refused (None: usable)."""
+        try:
+            layers = detect_layout(kv, spec.num_layers, spec.kv_heads, spec.block_size, spec.head_size,
+                                   spec.dtype, backend)
+        except PagedKVError as e:
+            why = str(e)
             self.refused = why
             log.warning("pagedkv connector: serving nothing: %s", why)
             return why
-        self.spec, self.kv = spec, list(kv)
+        self.spec, self.kv, self.layout = spec, layers, layers[0].layout
         return None
 
     def arena(self, name: str) -> tuple[tuple[SharedArena, Codec] | None, str | None, bool]:
@@ -171,27 +167,42 @@ class BlockMover:
         self._arenas[name] = why
         return None, why, True
 
-    def save(self, sa: SharedArena, codec: Codec, pairs: Sequence[tuple[int, int]]) -> None:
-        """vLLM blocks -> arena slots: ``[(block, slot)]``."""
-        kv = self.kv
-        if kv is None:
+    def _kv(self) -> list[LayerBlocks]:
+        if self.kv is None:
             raise InternalError("pagedkv connector: a copy before the worker registered its KV")
-        blocks, slots = _pairs(pairs, ("vLLM block", kv[0].shape[0]), ("slot", sa.layout["capacity"]))
-        for layer, t in enumerate(kv):
-            for a, part in enumerate(codec.encode(t.index_select(0, blocks))):
-                _raw(sa.tensors[a][layer]).index_copy_(0, slots, _raw(part))
+        return self.kv
+
+    def save_pairs(self, sa: SharedArena, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[(block, slot)]`` checked whole: ``(blocks, slots)`` index tensors."""
+        return _pairs(pairs, ("vLLM block", self._kv()[0].num_blocks), ("slot", sa.layout["capacity"]))
+
+    def load_pairs(self, sa: SharedArena, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[(slot, block)]`` checked whole: ``(slots, blocks)`` index tensors."""
+        return _pairs(pairs, ("slot", sa.layout["capacity"]), ("vLLM block", self._kv()[0].num_blocks))
+
+    def save_layer(self, sa: SharedArena, codec: Codec, layer: int, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        """One layer's vLLM blocks -> arena slots (indices from :meth:`save_pairs`)."""
+        for a, part in enumerate(codec.encode(self._kv()[layer].gather(blocks))):
+            raw_bytes(sa.tensors[a][layer]).index_copy_(0, slots, raw_bytes(part))
+
+    def load_layer(self, sa: SharedArena, codec: Codec, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Arena slots -> one layer's vLLM blocks (indices from :meth:`load_pairs`)."""
+        kv = self._kv()
+        src = (layer + 1) % len(kv) if self.debug_shuffle_loads else layer
+        parts = [raw_bytes(arena[src]).index_select(0, slots).view(arena.dtype) for arena in sa.tensors]
+        kv[layer].scatter(blocks, codec.decode(parts))
+
+    def save(self, sa: SharedArena, codec: Codec, pairs: Sequence[tuple[int, int]]) -> None:
+        """vLLM blocks -> arena slots: ``[(block, slot)]``, every layer."""
+        blocks, slots = self.save_pairs(sa, pairs)
+        for layer in range(len(self._kv())):
+            self.save_layer(sa, codec, layer, blocks, slots)
 
     def load(self, sa: SharedArena, codec: Codec, pairs: Sequence[tuple[int, int]]) -> None:
-        """Arena slots -> vLLM blocks: ``[(slot, block)]``."""
-        kv = self.kv
-        if kv is None:
-            raise InternalError("pagedkv connector: a copy before the worker registered its KV")
-        slots, blocks = _pairs(pairs, ("slot", sa.layout["capacity"]), ("vLLM block", kv[0].shape[0]))
-        n = len(kv)
-        for layer, t in enumerate(kv):
-            src = (layer + 1) % n if self.debug_shuffle_loads else layer
-            parts = [_raw(arena[src]).index_select(0, slots).view(arena.dtype) for arena in sa.tensors]
-            t.index_copy_(0, blocks, codec.decode(parts))
+        """Arena slots -> vLLM blocks: ``[(slot, block)]``, every layer."""
+        slots, blocks = self.load_pairs(sa, pairs)
+        for layer in range(len(self._kv())):
+            self.load_layer(sa, codec, layer, slots, blocks)
 
     def close(self) -> None:
         self._arenas.clear()
