@@ -152,7 +152,7 @@ def test_the_coordinator_refuses_an_attention_type_without_tables():
     bad = GroupPlan((plan.groups[0], odd), plan.layer_group, plan.layer_slot)
     pool, index = pool_and_index(num_blocks=32)
     with pytest.raises(InvalidArgumentError, match=r"layer_groups: expected attention types with block tables "
-                                                   r"\(full, sliding\), got 'chunked_local' in group 1"):
+                                                   r"\(full, mla, sliding\), got 'chunked_local' in group 1"):
         GroupTables(pool, index, 4, bad, str)
-    assert sorted(TABLES_FOR) == ["full", "sliding"]
+    assert sorted(TABLES_FOR) == ["full", "mla", "sliding"]
     assert pool.num_free_blocks == 32

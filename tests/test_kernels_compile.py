@@ -97,7 +97,7 @@ def test_attention_compiles_one_storage_format_at_a_time(tmp_path):
     assert seen == set(names)
 
 
-@pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu", "seal_keys.cu"])
+@pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu", "seal_keys.cu", "latent.cu"])
 def test_quantization_math_is_not_contracted_into_fma(ptx, source):
     # The torch reference rounds after every multiply and add; an FMA would not.
     assert b"fma.rn.f32" not in ptx(source, "sm_90")

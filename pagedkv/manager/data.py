@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedkv.config.support import require
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError, expected
 from pagedkv.manager.arguments import as_counts, tensor_values
 
@@ -55,7 +56,7 @@ class DataPath:
             tables = self.groups.tables[g]
             indptr, indices, _ = tables.csr(keys, internal=internal)
             lens = tables.seq_lens(keys, internal=internal)
-            gone = tables.released_tokens(keys, internal=internal) if tables.window else None
+            gone = tables.released_tokens(keys, internal=internal) if self.groups.specs[g].releases_blocks else None
         if gone is not None and gone.any():
             if want is not None:
                 raise InvalidArgumentError(expected("num_tokens", "None for a sliding-window layer whose "
@@ -92,9 +93,25 @@ class DataPath:
             pending = self.pending_rows(pending, seq_lens)
         return self.require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
 
+    def mla_attention(self, layer: int, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale,
+                      num_splits=None, out=None):
+        from pagedkv.ops import mla_attention
+
+        store = self.require_store()
+        if self.config.kv_lora_rank is None:
+            raise InvalidArgumentError(expected("cache", "an MLA cache (kv_lora_rank) for mla_attention",
+                                                "a cache of K/V rows: use attention()"))
+        layer = self.groups.layer_slot(layer)[1]
+        indptr, indices, seq_lens, q_indptr = (self.table_tensor(a, n) for a, n in (
+            (indptr, "indptr"), (indices, "indices"), (seq_lens, "seq_lens"), (q_indptr, "q_indptr")))
+        return mla_attention(store.view(layer), q_nope, q_pe, indptr, indices, seq_lens, q_indptr,
+                             sm_scale=sm_scale, num_splits=num_splits, out=out)
+
     def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
         from pagedkv.ops import ExactRows, paged_attention
 
+        if self.config.kv_lora_rank is not None:
+            require("paged attention (attention)", self.config)
         store = self.require_store()
         layer = self.groups.layer_slot(layer)[1]
         view = store.layer(layer)

@@ -19,6 +19,7 @@ import torch
 
 from pagedkv.ops import backends
 from pagedkv.ops.backends import BACKENDS, resolve_backend
+from pagedkv.ops.latent import LatentView, gather_latent, mla_attention, write_latent
 from pagedkv.ops.paged_attention import ExactRows, paged_attention
 from pagedkv.store.layer_format import LayerFormat
 
@@ -35,6 +36,10 @@ __all__ = [
     "resolve_backend",
     "paged_attention",
     "ExactRows",
+    "LatentView",
+    "write_latent",
+    "gather_latent",
+    "mla_attention",
 ]
 
 # The fast CPU module when its loops are built: the per-call fast path skips the

@@ -67,7 +67,7 @@ def _held_positions(cache, h) -> list[np.ndarray] | None:
         arr = np.asarray(pos, dtype=np.int64)
         if len(arr) and (arr.min() < 0 or arr.max() >= nb or (np.diff(arr) <= 0).any()):
             raise Invalid(f"group {g}: increasing positions in [0, {nb})")
-        if not lg.window and len(arr) != nb:     # a full-attention group holds every block
+        if not lg.releases_blocks and len(arr) != nb:     # a group that keeps every block sends them all
             raise Invalid(f"group {g} (full attention): all {nb} positions")
         out.append(arr)
     return out
