@@ -328,3 +328,11 @@ def test_latent_rows_hand_off_between_processes_in_every_format(tmp_path):
         assert r1[f"received_{i}"] == [21, 0]
         assert r0[f"prefix_sent_{i}"] == r1[f"prefix_received_{i}"] == 4
         assert r1[f"prefix_hit_{i}"] == 16
+
+
+def test_plan_command_line_takes_an_mla_shape():
+    out = subprocess.run([sys.executable, "-m", "pagedkv", "plan", "--num-layers", "61", "--num-kv-heads", "1",
+                          "--head-dim", "576", "--kv-lora-rank", "512", "--qk-rope-head-dim", "64", "--budget", "1GiB",
+                          "--dtype", "bf16", "--kv-dtype", "int4", "--json"], capture_output=True, text=True, check=True)
+    res = json.loads(out.stdout)
+    assert res["layer_bytes_per_token"] == 448 and res["attention"] == "mla(kv_lora_rank=512, rope_dim=64)"

@@ -29,8 +29,9 @@ private negative keys, and errors always name the caller's id.
 Bad input raises a typed :mod:`pagedkv.errors` error (checks in
 :mod:`pagedkv.manager.arguments`), and a call that raises changes nothing.
 
-The class is the API and the wiring; the work lives in one module per concept, each
-given what it needs, never the cache: :mod:`~pagedkv.manager.lifecycle` (admission, the
+The class is the API and the wiring (its prefix-cache and KV data calls are written in
+:mod:`~pagedkv.manager.prefix_calls` and :mod:`~pagedkv.manager.data_calls`, mixed in);
+the work lives in one module per concept, each given what it needs, never the cache: :mod:`~pagedkv.manager.lifecycle` (admission, the
 per-step calls, release), :mod:`~pagedkv.manager.prefix` (lookups, admission costs,
 pins, events), :mod:`~pagedkv.manager.data` (writes, gathers, attention),
 :mod:`~pagedkv.manager.moves` (relocate, compact, host swap) and
@@ -182,12 +183,6 @@ class PagedKVCache(PrefixCalls, KVDataCalls):
         """
         return self._life.add_sequence(seq_id, prompt_token_ids, cache_salt=cache_salt, adapter_id=adapter_id,
                                        priority=priority, max_cached_tokens=max_cached_tokens)
-
-    def _admit_restored(self, seq_id: SeqId, tokens: np.ndarray, cache_salt, adapter_id, priority) -> None:
-        """Admit a sequence of a layer-grouped cache whose KV is about to arrive whole
-        from elsewhere (a transfer): no prefix lookup, sliding groups untracked (see
-        :meth:`~pagedkv.groups.tables.GroupTables.add_restored`)."""
-        self._life.admit_restored(seq_id, tokens, cache_salt, adapter_id, priority)
 
     def reserve(self, seq_ids: SeqIds, num_tokens: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Slots (int64, concatenated in batch order) for the next tokens of each sequence.

@@ -108,48 +108,18 @@ class DataPath:
                              sm_scale=sm_scale, num_splits=num_splits, out=out)
 
     def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
-        from pagedkv.ops import ExactRows, paged_attention
+        from pagedkv.ops import paged_attention
 
         if self.config.kv_lora_rank is not None:
             require("paged attention (attention)", self.config)
         store = self.require_store()
         layer = self.groups.layer_slot(layer)[1]
-        view = store.layer(layer)
-        scale, zero = store.layer_scales(layer)
-        kscale, kzero = store.layer_key_params(layer)
-        main, i = store._where[layer]
-        fmt = store.layer_format(layer)
-        w, exact = store.window, None
-        if main and w is not None and (w.window or w.sink):
-            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
-        if exact is None:
-            return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout,
-                                   kv_scale=scale, kv_zero=zero, key_scale=kscale, key_zero=kzero,
-                                   rotation_signs=store.rotation_signs if main else None,
-                                   layer_format=fmt, **options)
-        with w.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
-            return self._attention_exact(w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale,
-                                         kzero, exact, fmt, options)
-
-    def _attention_exact(self, w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale, kzero,
-                         exact, fmt, options):
-        from pagedkv.ops import paged_attention
-
-        store = self.require_store()
-        out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
-                              kv_zero=zero, key_scale=kscale, key_zero=kzero, rotation_signs=store.rotation_signs,
-                              exact_rows=exact, layer_format=fmt, **options)
-        if i == 0 and w.sink:     # the sinks' pins stay most recently used, as a gather's
-            ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
-                indices.cpu() if hasattr(indices, "cpu") else indices)
-            lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
-            heads = np.minimum(w.sink, np.maximum(lens - w.window, 0))
-            first = [idx[ptr[b]:ptr[b] + (n - 1) // w.block_size + 1] for b, n in enumerate(heads.tolist()) if n]
-            if first:
-                ws = w.slot_of[np.concatenate(first).astype(np.int64)]
-                ws = ws[ws >= 0]
-                w.clock += 1
-                w.stamp[ws[w.pinned[ws]]] = w.clock
+        view = store.view(layer)        # the layer's format, views and exact rows: the store's to build
+        if view.exact is None:
+            return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, **options)
+        with store.window.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
+            out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, **options)
+            store.attended(layer, indptr, indices, seq_lens)
         return out
 
     def table_tensor(self, a, name: str):

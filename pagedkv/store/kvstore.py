@@ -27,6 +27,8 @@ from pagedkv import ops
 from pagedkv.config.memory import arena_bytes, check_device, check_fits
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.ops.attention_reference import ExactRows
+from pagedkv.ops.views import KVLayerView
 from pagedkv.store import dtypes, op_checks
 from pagedkv.store.block_keys import BlockKeys
 from pagedkv.store.layer_format import LayerFormat
@@ -230,6 +232,27 @@ class KVStore:
         """The format of ``layer`` (what the data ops are told about its views)."""
         main, _ = self._where[self._layer_index(layer)]
         return self.format if main else self.full_format
+
+    def view(self, layer: int) -> KVLayerView:
+        """``layer`` as the data ops take it (:class:`~pagedkv.ops.views.KVLayerView`): its
+        format, data and parameter views, rotation signs, and the window's model-precision
+        rows a read takes instead of the arena's (read them under ``window.lock``)."""
+        main, i = self._where[self._layer_index(layer)]
+        scale, zero = self.layer_scales(layer)
+        kscale, kzero = self.layer_key_params(layer)
+        w, exact = self.window, None
+        if main and w is not None and (w.window or w.sink):
+            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
+        return KVLayerView(self.layer_format(layer), self.layer(layer), self.layout, scale, zero, kscale, kzero,
+                           self.rotation_signs if main else None, exact)
+
+    def attended(self, layer: int, indptr, indices, seq_lens) -> None:
+        """``layer`` was read in place through its view's exact rows (paged attention,
+        under ``window.lock``): the sequences' sink pins stay the most recently used, once
+        per pass (at the first quantized layer), as a gather keeps them."""
+        main, i = self._where[self._layer_index(layer)]
+        if main and i == 0 and self.window is not None and self.window.sink:
+            self.window.touch_sinks(indptr, indices, seq_lens)
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4/int3 ``[NB, 2, bs, H, groups]``);
