@@ -121,3 +121,43 @@ def test_an_mla_store_hands_out_latent_views():
     view = kv.store.view(1)
     assert isinstance(view, LatentView) and view.data.data_ptr() == kv.store.kv[1].data_ptr()
     view.check()
+
+
+def test_a_planned_step_runs_every_layer_as_attention_does():
+    kv = filled(**WINDOWED)
+    indptr, indices, _ = kv.page_table_csr(["a"])
+    lens = kv.seq_lens(["a"]).astype(np.int32)
+    qi = np.array([0, 2], dtype=np.int32)
+    step = kv.plan_attention(indptr, indices, lens, qi, sm_scale=0.3, soft_cap=5.0)
+    assert all(t.dtype == torch.int32 for t in step.step.tables())      # moved once, at the plan
+    for layer in range(3):
+        q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(layer))
+        want = kv.attention(layer, q, indptr, indices, lens, qi, sm_scale=0.3, soft_cap=5.0)
+        assert torch.equal(step.run(layer, q), want)
+        out = torch.empty_like(q)
+        assert step.run(layer, q, out=out) is out and torch.equal(out, want)
+    kv.free("a")
+
+
+def test_a_planned_step_runs_mla_layers_and_refuses_what_they_do_not_take():
+    kv = PagedKVCache(CacheConfig(num_layers=2, num_kv_heads=1, head_dim=160, kv_lora_rank=128, qk_rope_head_dim=32,
+                                  num_blocks=8, block_size=4, dtype="float32", kv_dtype="fp8"))
+    kv.add_sequence("a", list(range(9)))
+    slots = kv.reserve("a", 9)
+    g = torch.Generator().manual_seed(2)
+    for layer in range(2):
+        kv.write(layer, slots, torch.randn(9, 128, generator=g), torch.randn(9, 32, generator=g))
+    kv.commit("a", 9)
+    indptr, indices, _ = kv.page_table_csr(["a"])
+    lens = kv.seq_lens(["a"]).astype(np.int32)
+    qi = np.array([0, 1], dtype=np.int32)
+    qn, qp = torch.randn(1, 3, 128, generator=g), torch.randn(1, 3, 32, generator=g)
+    step = kv.plan_attention(indptr, indices, lens, qi, sm_scale=0.125)
+    for layer in range(2):
+        assert torch.equal(step.run(layer, (qn, qp)),
+                           kv.mla_attention(layer, qn, qp, indptr, indices, lens, qi, sm_scale=0.125))
+    with pytest.raises(InvalidArgumentError, match=r"q: expected \(q_nope, q_pe\) for MLA latent rows, got Tensor"):
+        step.run(0, qn)
+    with pytest.raises(InvalidArgumentError, match=r"soft_cap: expected unset for MLA latent rows, got 5.0"):
+        kv.plan_attention(indptr, indices, lens, qi, sm_scale=0.125, soft_cap=5.0).run(0, (qn, qp))
+    kv.free("a")

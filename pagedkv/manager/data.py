@@ -14,7 +14,24 @@ from pagedkv.config.support import require
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError, expected
 from pagedkv.manager.arguments import as_counts, tensor_values
 
-__all__ = ["DataPath"]
+__all__ = ["DataPath", "LayerAttention"]
+
+
+class LayerAttention:
+    """One forward step's paged attention over a cache's layers: planned once
+    (:meth:`PagedKVCache.plan_attention`: the tables moved to the device once, the
+    options fixed), then :meth:`run` per layer, FlashInfer's ``plan()``/``run()``."""
+
+    __slots__ = ("_path", "step")
+
+    def __init__(self, path, step):
+        self._path = path
+        self.step = step        # the ops' AttentionStep (the tables on the device)
+
+    def run(self, layer: int, q, *, out=None):
+        """The attention of ``q`` over ``layer``: ``[Nq, Hq, D]`` queries for K/V rows,
+        ``(q_nope, q_pe)`` for MLA latent rows (see ``PagedKVCache.mla_attention``)."""
+        return self._path.run_attention(self.step, layer, q, out)
 
 
 class DataPath:
@@ -93,34 +110,39 @@ class DataPath:
             pending = self.pending_rows(pending, seq_lens)
         return self.require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
 
-    def mla_attention(self, layer: int, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale,
-                      num_splits=None, out=None):
-        from pagedkv.ops import mla_attention
+    def plan_attention(self, indptr, indices, seq_lens, q_indptr, **options) -> LayerAttention:
+        """One step's attention over any layer (see :class:`LayerAttention`)."""
+        from pagedkv.ops.attention_step import AttentionStep
 
         store = self.require_store()
+        backend = options.pop("backend", "auto")
+        return LayerAttention(self, AttentionStep(indptr, indices, seq_lens, q_indptr, device=store.device,
+                                                  backend=backend, **options))
+
+    def run_attention(self, step, layer: int, q, out=None):
+        store = self.require_store()
+        slot = self.groups.layer_slot(layer)[1]
+        view = store.view(slot)     # the layer's format, views and exact rows: the store's to build
+        if getattr(view, "exact", None) is None:
+            return step.run(q, view, out=out)
+        with store.window.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
+            res = step.run(q, view, out=out)
+            store.attended(slot, step.indptr, step.indices, step.seq_lens)
+        return res
+
+    def mla_attention(self, layer: int, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale,
+                      num_splits=None, out=None):
         if self.config.kv_lora_rank is None:
             raise InvalidArgumentError(expected("cache", "an MLA cache (kv_lora_rank) for mla_attention",
                                                 "a cache of K/V rows: use attention()"))
-        layer = self.groups.layer_slot(layer)[1]
-        indptr, indices, seq_lens, q_indptr = (self.table_tensor(a, n) for a, n in (
-            (indptr, "indptr"), (indices, "indices"), (seq_lens, "seq_lens"), (q_indptr, "q_indptr")))
-        return mla_attention(store.view(layer), q_nope, q_pe, indptr, indices, seq_lens, q_indptr,
-                             sm_scale=sm_scale, num_splits=num_splits, out=out)
+        step = self.plan_attention(indptr, indices, seq_lens, q_indptr, sm_scale=sm_scale, num_splits=num_splits)
+        return step.run(layer, (q_nope, q_pe), out=out)
 
     def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
-        from pagedkv.ops import paged_attention
-
         if self.config.kv_lora_rank is not None:
             require("paged attention (attention)", self.config)
-        store = self.require_store()
-        layer = self.groups.layer_slot(layer)[1]
-        view = store.view(layer)        # the layer's format, views and exact rows: the store's to build
-        if view.exact is None:
-            return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, **options)
-        with store.window.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
-            out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, **options)
-            store.attended(layer, indptr, indices, seq_lens)
-        return out
+        out = options.pop("out", None)
+        return self.plan_attention(indptr, indices, seq_lens, q_indptr, **options).run(layer, q, out=out)
 
     def table_tensor(self, a, name: str):
         """A NumPy integer page-table array as an int32 tensor on the cache's device;

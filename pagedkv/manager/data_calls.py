@@ -95,6 +95,16 @@ class KVDataCalls:
         ``backend``)."""
         return self._data.attention(layer, q, indptr, indices, seq_lens, q_indptr, **options)
 
+    def plan_attention(self, indptr, indices, seq_lens, q_indptr, **options):
+        """Plan one forward step's paged attention, then run it per layer
+        (FlashInfer's ``plan()``/``run()``): the page table (as for :meth:`gather_pages`;
+        NumPy tables are moved to :attr:`device` here, once) and ``q_indptr`` with the
+        step's options (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``,
+        ``num_splits``, ``backend``). ``plan_attention(...).run(layer, q)`` is
+        :meth:`attention` of that layer (``q``: ``(q_nope, q_pe)`` for an MLA cache, as
+        :meth:`mla_attention` takes them). With layer groups, one plan per group's table."""
+        return self._data.plan_attention(indptr, indices, seq_lens, q_indptr, **options)
+
     def mla_attention(self, layer: int, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale: float,
                       num_splits: int | None = None, out=None):
         """An MLA cache's attention (:func:`pagedkv.ops.mla_attention`): the absorbed
