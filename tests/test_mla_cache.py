@@ -336,3 +336,20 @@ def test_plan_command_line_takes_an_mla_shape():
                           "--dtype", "bf16", "--kv-dtype", "int4", "--json"], capture_output=True, text=True, check=True)
     res = json.loads(out.stdout)
     assert res["layer_bytes_per_token"] == 448 and res["attention"] == "mla(kv_lora_rank=512, rope_dim=64)"
+
+
+def test_every_row_mla_cannot_take_is_refused_in_one_wording():
+    from pagedkv.config.support import CAPABILITIES, markdown_table, require
+
+    cfg = CacheConfig(num_layers=2, num_kv_heads=1, head_dim=R + P, kv_lora_rank=R, qk_rope_head_dim=P, num_blocks=8)
+    refused = [c for c in CAPABILITIES if not c.mla]
+    assert len(refused) == 6
+    for cap in CAPABILITIES:
+        if cap.mla:
+            require(cap.name, cfg)
+            continue
+        with pytest.raises(UnsupportedCombinationError) as err:
+            require(cap.name, cfg)
+        assert str(err.value) == (f"{cap.name}: expected a cache with full attention in every layer ({cap.mla_why}), "
+                                  "got MLA latent KV; see pagedkv.config.support.CAPABILITIES")
+    assert "| capability | full attention | sliding-window layer groups | MLA latent KV |" in markdown_table()
