@@ -353,3 +353,16 @@ def test_every_row_mla_cannot_take_is_refused_in_one_wording():
         assert str(err.value) == (f"{cap.name}: expected a cache with full attention in every layer ({cap.mla_why}), "
                                   "got MLA latent KV; see pagedkv.config.support.CAPABILITIES")
     assert "| capability | full attention | sliding-window layer groups | MLA latent KV |" in markdown_table()
+
+
+def test_groups_of_one_pool_share_one_geometry_and_one_arena_kind():
+    from pagedkv.groups.spec import FullAttentionSpec, SlidingWindowSpec, check_pool
+
+    f = FullAttentionSpec(0, (0,), block_size=4, num_kv_heads=2, head_dim=8)
+    check_pool((f, SlidingWindowSpec(1, (1,), block_size=4, num_kv_heads=2, head_dim=8, window_tokens=6)))
+    with pytest.raises(InvalidArgumentError, match=r"layer groups: expected one block geometry in a shared block "
+                                                   r"pool .*got group 1: sliding\(window=6\), 8 tokens"):
+        check_pool((f, SlidingWindowSpec(1, (1,), block_size=8, num_kv_heads=2, head_dim=8, window_tokens=6)))
+    with pytest.raises(InvalidArgumentError, match=r"layer groups: expected one arena kind per cache .*got group 1: "
+                                                   r"mla\(kv_lora_rank=512, rope_dim=64\), arena 'latent'"):
+        check_pool((f, MLASpec(1, (1,), block_size=4)))

@@ -234,10 +234,17 @@ SPEC_TYPES: dict[str, type[KVSpec]] = {s.attention: s for s in (FullAttentionSpe
 
 def check_pool(specs: tuple[KVSpec, ...]) -> None:
     """Groups that share one block pool need one block geometry: a block id names the
-    same bytes in every group's view. Refuses, naming the first group that differs."""
+    same bytes in every group's view. The groups of one arena kind share a pool; a kind
+    of its own (a recurrent state's slots, the next spec type) has its own. Refuses,
+    naming the first group that differs, and several arena kinds in one cache (one
+    store per kind is not built yet)."""
     first = specs[0]
     for s in specs[1:]:
-        if s.arena != first.arena or s.block_size != first.block_size or s.row_shape != first.row_shape:
+        if s.arena != first.arena:
+            raise InvalidArgumentError(expected(
+                "layer groups", f"one arena kind per cache (group 0: {first.kind}, arena {first.arena!r})",
+                f"group {s.index}: {s.kind}, arena {s.arena!r}"))
+        if s.block_size != first.block_size or s.row_shape != first.row_shape:
             raise InvalidArgumentError(expected(
                 "layer groups", f"one block geometry in a shared block pool (group 0: {first.kind}, "
                 f"{first.block_size} tokens of {first.row_shape} rows)",
