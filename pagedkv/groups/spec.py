@@ -28,7 +28,8 @@ is a subclass that overrides the hooks, plus one entry in the tables map.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pagedkv.errors import InvalidArgumentError, expected
@@ -51,7 +52,7 @@ class KVSpec:
     index: int
     layers: tuple[int, ...]
     block_size: int = 16
-    format: LayerFormat | None = field(default=None, compare=False)
+    format: LayerFormat | None = None
     model_dtype: str = "float16"
     num_kv_heads: int = 1       # heads a block stores (this rank's)
     head_dim: int = 1           # elements of one head's row
@@ -88,8 +89,6 @@ class KVSpec:
     # -- geometry --------------------------------------------------------------------------
     def placed(self, **geometry: Any) -> KVSpec:
         """This spec with the config's geometry (``block_size``, ``format``, ...)."""
-        import dataclasses
-
         return dataclasses.replace(self, **geometry)
 
     @property
