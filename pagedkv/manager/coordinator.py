@@ -72,7 +72,7 @@ class OneGroup:
     def group_for(self, group):
         if group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
                                       and group == 0):
-            raise InvalidArgumentError(expected("group", "None or 0 (every layer is full attention)", repr(group)))
+            raise InvalidArgumentError(expected("group", "None or 0 (the cache has one layer group)", repr(group)))
         return self.book
 
     def spec_for(self, group):
