@@ -172,6 +172,8 @@ def test_tensor_parallel_ranks_hold_one_replicated_latent():
                         num_blocks=8, tp_size=2, tp_rank=r, hash_seed=1) for r in (0, 1))
     assert a.kv_head_indices == b.kv_head_indices == (0,)
     assert fingerprint(a) == fingerprint(b)       # a tier or a peer of one rank serves the other
+    assert a.kv_specs[0].replicated and not CacheConfig(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=4,
+                                                         tp_size=2, hash_seed=1).kv_specs[0].replicated
 
 
 # ---- the data path ------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ class KVSpec:
     rows_per_token: ClassVar[int] = 2
     #: True when the tables release blocks a sequence's next query no longer sees
     releases_blocks: ClassVar[bool] = False
+    #: True when every tensor-parallel rank stores the same rows (not split by head): a
+    #: tier or a transfer of one rank serves all, and a TP group needs to move them once
+    replicated: ClassVar[bool] = False
 
     # -- the attention rule's parameters, 0 for a type without them ----------------------
     @property
@@ -200,6 +203,7 @@ class MLASpec(KVSpec):
     attention: ClassVar[str] = "mla"
     arena: ClassVar[str] = "latent"
     rows_per_token: ClassVar[int] = 1
+    replicated: ClassVar[bool] = True     # the latent is not split by head
 
     @property
     def kind(self) -> str:
