@@ -1,6 +1,6 @@
 """Launch plans of the MLA latent kernels (``cuda/latent.cu``).
 
-Each plan runs the public op's checks (:mod:`pagedkv.ops.latent_reference`: the same
+Each plan runs the public op's checks (:mod:`pagedkv.store.latent_checks`: the same
 errors on every backend), then what the kernels add (contiguous arena, aligned
 tensors, a variant for the dtypes), and returns :class:`~pagedkv.kernels.plans.Launch`
 records that the CUDA launchers (:mod:`pagedkv.kernels.ops`) and the host emulation
@@ -26,8 +26,8 @@ from pagedkv.kernels.plans import (
     _ptr,
     _rot_dims,
 )
-from pagedkv.ops import latent_reference as ref
 from pagedkv.store import dtypes
+from pagedkv.store import latent_checks as ref
 
 __all__ = ["LATENT_FLOATS", "LATENT_THREADS", "plan_write_latent", "plan_gather_latent", "plan_mla_attention",
            "latent_tiling"]
