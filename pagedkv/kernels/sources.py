@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu", "seal_keys.cu",
-                "paged_attention.cu", "latent.cu")
+                "paged_attention.cu", "latent_rows.cu", "latent_attention.cu")
 
 #: variant axes, in the spelling of the entry-point names
 LAYOUTS = ("nhd", "hnd")
@@ -155,7 +155,8 @@ def attention_merge_name(out_type: str) -> str:
 _COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
 
 #: MLA latent row formats with kernels: the model dtypes, fp8 (positional slice
-#: bfloat16) and int8/int4 with the positional slice in each model dtype (latent.cu)
+#: bfloat16) and int8/int4 with the positional slice in each model dtype (latent_rows.cu,
+#: latent_attention.cu)
 LATENT_FORMATS = MODEL_TYPES + ("e4m3",) + tuple(f"{q}_r{t}" for q in ("int8", "int4") for t in MODEL_TYPES)
 
 
@@ -212,7 +213,7 @@ def entry_points() -> dict[str, tuple[str, ...]]:
         "convert_layout.cu": tuple(transpose),
         "seal_keys.cu": tuple(seal),
         "paged_attention.cu": tuple(attn),
-        "latent.cu": tuple([latent_write_name(i, f) for f in LATENT_FORMATS for i in MODEL_TYPES]
-                           + [latent_gather_name(f, o) for f in LATENT_FORMATS for o in MODEL_TYPES]
-                           + _latent_attention_entries()),
+        "latent_rows.cu": tuple([latent_write_name(i, f) for f in LATENT_FORMATS for i in MODEL_TYPES]
+                                + [latent_gather_name(f, o) for f in LATENT_FORMATS for o in MODEL_TYPES]),
+        "latent_attention.cu": tuple(_latent_attention_entries()),
     }
