@@ -113,7 +113,7 @@ def test_cubin_target_is_machine_code(fresh_cache):
 
 def test_sources_carry_their_headers_transitively():
     src = sources.load("write_kv.cu")
-    assert set(src.headers) == {"common.cuh", "emulate.h", "quant_scalar.h"}   # common.cuh includes the shared scalar header
+    assert set(src.headers) == {"common.cuh", "emulate.h", "emulate_fibers.h", "quant_scalar.h"}   # common.cuh includes the scalar header, emulate.h the fiber scheduler
     assert b"pkv_write_kv_copy" in src.text
 
 

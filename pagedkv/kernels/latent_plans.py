@@ -1,6 +1,6 @@
 """Launch plans of the MLA latent kernels (``cuda/latent_rows.cu``, ``cuda/latent_attention.cu``).
 
-Each plan runs the public op's checks (:mod:`pagedkv.store.latent_checks`: the same
+Each plan runs the public op's checks (:mod:`pagedkv.format.latent_checks`: the same
 errors on every backend), then what the kernels add (contiguous arena, aligned
 tensors, a variant for the dtypes), and returns :class:`~pagedkv.kernels.plans.Launch`
 records that the CUDA launchers (:mod:`pagedkv.kernels.ops`) and the host emulation
@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import DTypeError, expected
+from pagedkv.format import dtypes
+from pagedkv.format import latent_checks as ref
 from pagedkv.kernels import sources
 from pagedkv.kernels.attention_plans import DEFAULT_SMS, auto_splits
 from pagedkv.kernels.plans import (
@@ -26,8 +28,6 @@ from pagedkv.kernels.plans import (
     _ptr,
     _rot_dims,
 )
-from pagedkv.store import dtypes
-from pagedkv.store import latent_checks as ref
 
 __all__ = ["LATENT_FLOATS", "LATENT_THREADS", "plan_write_latent", "plan_gather_latent", "plan_mla_attention",
            "latent_tiling"]

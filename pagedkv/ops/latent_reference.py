@@ -1,8 +1,8 @@
-"""MLA latent ops: the float64 definition (the checks are :mod:`pagedkv.store.latent_checks`).
+"""MLA latent ops: the float64 definition (the checks are :mod:`pagedkv.format.latent_checks`).
 
 The reference (:func:`write`, :func:`gather`, :func:`attention`) is the definition
 the CPU ops and the kernels are tested against: rows encode and decode through
-:class:`~pagedkv.store.latent.LatentFormat`, and attention runs in float64 over the
+:class:`~pagedkv.format.latent.LatentFormat`, and attention runs in float64 over the
 decoded rows: for query token i of sequence b at position p and query head h,
 ``o = softmax_t((q_nope . c_kv[t] + q_pe . k_pe[t]) * sm_scale) @ c_kv`` over keys
 ``t <= p`` (the queries of a sequence are its last tokens, causal).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.store.latent_checks import (  # noqa: F401  (the checks, as the ops' callers name them)
+from pagedkv.format.latent_checks import (  # noqa: F401  (the checks, as the ops' callers name them)
     AttentionArgs,
     LatentView,
     Tables,

@@ -6,13 +6,13 @@ parts of a format. A store builds them (``store.view(layer)``): only it knows wh
 layer's parts live.
 
 - :class:`KVLayerView`: a layer of K and V rows: its
-  :class:`~pagedkv.store.layer_format.LayerFormat`, data view, layout, scale and zero
+  :class:`~pagedkv.format.layer_format.LayerFormat`, data view, layout, scale and zero
   views, block-key parameters, rotation signs and the model-precision rows read instead
   of the arena's (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window).
   :func:`pagedkv.ops.write_kv`, :func:`~pagedkv.ops.gather_kv` and
   :func:`~pagedkv.ops.paged_attention` take one in place of their ``kv_layer`` and
   layer keywords.
-- :class:`LatentView`: an MLA layer: a :class:`~pagedkv.store.latent.LatentFormat` and
+- :class:`LatentView`: an MLA layer: a :class:`~pagedkv.format.latent.LatentFormat` and
   its ``[num_blocks, block_size, row]`` arena view (the row carries its own scales),
   checked against each other (:meth:`LatentView.check`).
 """
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.format.latent_checks import LatentView
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops.attention_reference import ExactRows
-from pagedkv.store.latent_checks import LatentView
-from pagedkv.store.layer_format import LayerFormat
 
 __all__ = ["KVLayerView", "LatentView", "unpack"]
 

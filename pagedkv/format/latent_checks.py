@@ -1,7 +1,7 @@
 """MLA latent ops' checks, shared by every backend (:mod:`pagedkv.ops.latent`, the
 CPU ops and the float64 reference in :mod:`pagedkv.ops.latent_reference`, the CUDA
 launch plans in :mod:`pagedkv.kernels.latent_plans`), and :class:`LatentView`, the
-layer they take. Below the ops (as :mod:`pagedkv.store.op_checks` is), so the kernels
+layer they take. Below the ops (as :mod:`pagedkv.format.op_checks` is), so the kernels
 never import the ops package.
 
 :func:`check_write`, :func:`check_gather` and :func:`check_attention` run before any
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.store import dtypes, op_checks
-from pagedkv.store.latent import LatentFormat
+from pagedkv.format import dtypes, op_checks
+from pagedkv.format.latent import LatentFormat
 
 __all__ = ["LatentView", "Tables", "AttentionArgs", "check_write", "check_gather", "check_attention",
            "token_slots", "index_array"]
