@@ -89,7 +89,7 @@ def test_deepseek_v3_kimi_k2_and_v2_configs_read_as_latent_rows():
         p = src["qk_rope_head_dim"] if isinstance(src, dict) else src.qk_rope_head_dim
         assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_kv_heads, cfg.head_dim) == (r, p, 1, r + p)
         (spec,) = cfg.kv_specs
-        assert isinstance(spec, MLASpec) and spec.rows_per_token == 1 and spec.layers == tuple(range(cfg.num_layers))
+        assert isinstance(spec, MLASpec) and spec.rows_per_token == 1 and tuple(spec.layers) == tuple(range(cfg.num_layers))
         assert cfg.bytes_per_token == cfg.num_layers * (r + p) * 2
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from pagedkv.errors import InvalidArgumentError, expected
@@ -50,7 +51,9 @@ class KVSpec:
     """
 
     index: int
-    layers: tuple[int, ...]
+    #: the group's layers in model order (a ``range`` for a one-group cache: a config of any
+    #: layer count is checked for size before anything per layer is built)
+    layers: Sequence[int]
     block_size: int = 16
     format: LayerFormat | None = None
     model_dtype: str = "float16"
