@@ -21,9 +21,13 @@ Two figures, same process:
   tokens computed, the peak KV bytes, and how many answers equal the reference;
 - ``decode_step``: one batched decode forward at batch ``--step-batch`` with
   ``--step-context`` tokens of context per row (random K/V written straight into the
-  caches, so no prefill is timed), through ``PagedCache(paged_attention=True)`` and
-  through ``DynamicCache`` + SDPA: the median seconds per step over ``--step-reps`` steps,
-  wall and thread CPU time (with one thread, CPU time stays meaningful on a loaded machine).
+  caches, so no prefill is timed), through ``PagedCache(paged_attention=True)`` for
+  fp32/int8/int4 KV, through the gather path, and through transformers' ``DynamicCache``
+  and ``StaticCache`` (a preallocated cache that does not copy) + SDPA, side by side in
+  one process: the median seconds per step over ``--step-reps`` steps of wall time, of
+  the calling thread's CPU time (``_cpu_s``) and of the process's CPU time, every thread
+  (``_proc_cpu_s``; a second thread's work counts here), and each paged figure over
+  ``StaticCache``'s (``_over_static_cpu``: thread CPU time; ``_over_static_proc_cpu``).
 
 ``load`` gives the 1-minute load average before and after, and the CPUs.
 """
@@ -202,9 +206,24 @@ def serving(model, tok, a, system_prompt) -> dict:
     return out
 
 
+def _timed(run, reps: int, prepare=None) -> tuple[float, float, float]:
+    """Median (wall, thread CPU, process CPU) seconds of ``run(step, prepare(step))`` over
+    ``reps`` steps (``prepare``, untimed: e.g. an engine's batch selection)."""
+    wall, cpu, proc = [], [], []
+    for s in range(reps):
+        arg = None if prepare is None else prepare(s)
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        run(s, arg)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+        proc.append(time.process_time() - p0)
+    return tuple(sorted(x)[len(x) // 2] for x in (wall, cpu, proc))  # type: ignore[return-value]
+
+
 def decode_step(model, batch: int, context: int, reps: int) -> dict:
-    """Median seconds of one batched decode forward, paged attention vs DynamicCache + SDPA."""
-    from transformers import DynamicCache
+    """Median seconds of one batched decode forward: paged attention, the gather path,
+    DynamicCache and StaticCache + SDPA."""
+    from transformers import DynamicCache, StaticCache
 
     cfg = model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
@@ -219,25 +238,32 @@ def decode_step(model, batch: int, context: int, reps: int) -> dict:
     dyn = DynamicCache(config=cfg)
     for i in range(layers):
         dyn.update(keys[i].clone(), values[i].clone(), i)
-    times, cpu = [], []
     with torch.no_grad():
-        for s in range(reps):
-            pos = torch.full((batch, 1), context + s)
-            t0, c0 = time.perf_counter(), time.thread_time()
-            model(ids, position_ids=pos, past_key_values=dyn)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-    result["dynamic_cache_s"] = sorted(times)[len(times) // 2]
-    result["dynamic_cache_cpu_s"] = sorted(cpu)[len(cpu) // 2]
+        wall, cpu_s, proc = _timed(lambda s, _: model(ids, position_ids=torch.full((batch, 1), context + s),
+                                                     past_key_values=dyn), reps)
+    result.update(dynamic_cache_s=wall, dynamic_cache_cpu_s=cpu_s, dynamic_cache_proc_cpu_s=proc)
     del dyn
+    # StaticCache + SDPA: K/V preallocated for the whole run, the step's token written in place
+    static = StaticCache(config=cfg, max_cache_len=context + reps)
+    for i in range(layers):
+        static.update(keys[i].clone(), values[i].clone(), i, {"cache_position": torch.arange(context)})
+    with torch.no_grad():
+        wall, cpu_s, proc = _timed(lambda s, _: model(ids, position_ids=torch.full((batch, 1), context + s),
+                                                     cache_position=torch.tensor([context + s]),
+                                                     past_key_values=static), reps)
+    result.update(static_cache_s=wall, static_cache_cpu_s=cpu_s, static_cache_proc_cpu_s=proc)
+    del static
     # PagedCache: the registered attention (reads the pages) for every KV format, and the
     # gather path (PagedCache hands SDPA a gathered copy) for fp32
     for kv_dtype, paged in ((None, True), ("int8", True), ("int4", True), (None, False)):
         label = f"{kv_dtype or 'fp32'}_{'paged' if paged else 'gather'}"
-        wall, cpu_s = _paged_step(model, ids, keys, values, batch, context, reps, kv_dtype, paged)
+        wall, cpu_s, proc = _paged_step(model, ids, keys, values, batch, context, reps, kv_dtype, paged)
         result[f"{label}_s"] = wall
         result[f"{label}_cpu_s"] = cpu_s
+        result[f"{label}_proc_cpu_s"] = proc
         result[f"{label}_over_dynamic_cpu"] = cpu_s / result["dynamic_cache_cpu_s"]
+        result[f"{label}_over_static_cpu"] = cpu_s / result["static_cache_cpu_s"]
+        result[f"{label}_over_static_proc_cpu"] = proc / result["static_cache_proc_cpu_s"]
     # the names earlier runs reported
     result["paged_s"], result["paged_cpu_s"] = result["fp32_paged_s"], result["fp32_paged_cpu_s"]
     result["paged_over_dynamic"] = result["paged_s"] / result["dynamic_cache_s"]
@@ -247,7 +273,7 @@ def decode_step(model, batch: int, context: int, reps: int) -> dict:
 
 
 def _paged_step(model, ids, keys, values, batch, context, reps, kv_dtype, paged):
-    """Median (wall, thread CPU) seconds of one decode forward through a PagedCache."""
+    """Median (wall, thread CPU, process CPU) seconds of one decode forward through a PagedCache."""
     from pagedkv.integrations import hf_attention
     from pagedkv.integrations.transformers import PagedCache
 
@@ -263,21 +289,17 @@ def _paged_step(model, ids, keys, values, batch, context, reps, kv_dtype, paged)
     kv.commit(sids, context)
     model.set_attn_implementation(hf_attention.register() if paged else "sdpa")
     cache = PagedCache(kv, paged_attention=paged)
-    times, cpu = [], []
+    def step(s, selected):
+        mask, pos = selected
+        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
     try:
         with torch.no_grad():
-            for _ in range(reps):
-                mask, pos = cache.select(sids, 1)
-                t0, c0 = time.perf_counter(), time.thread_time()
-                model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.thread_time() - c0)
+            return _timed(step, reps, lambda s: cache.select(sids, 1))
     finally:
         cache.release()
         kv.free(sids)
         kv.close()
         model.set_attn_implementation("sdpa")
-    return sorted(times)[len(times) // 2], sorted(cpu)[len(cpu) // 2]
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,14 @@
 // keys (key_scale non-null, key_scale[block, head, 0] != 0) are stored unrotated, so
 // their logits take the query as given.
 //
+// The pass's own rows (new_kv non-null; one definition of what a read returns, see
+// pagedkv/store/new_rows.py): sequence b's last P positions, P = pending[b] (clamped to
+// its query count) or, with pending null, all its query positions, are read from
+// new_kv = float32 [2, num_q_tokens, num_kv_heads, head_dim] (K then V; query token t's
+// own in row t, rotated by the launcher when the arena is) instead of from the arena
+// the pass has just written them to. Position pos >= seq_len - P is token
+// q_end - seq_len + pos.
+//
 // The launcher does not read device-resident tables (no sync), so the kernel guards
 // every index: a table entry outside the sequence's CSR row or a block id outside
 // [0, num_blocks) reads as zeros; a query tile outside [0, num_q_tokens) or at a
@@ -118,6 +126,7 @@ __device__ __forceinline__ void pkv_attn(
     const void* __restrict__ kv, const float* __restrict__ scale, const float* __restrict__ zero,
     const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero, const float* __restrict__ signs,
     const Q* __restrict__ q, Q* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+    const float* __restrict__ new_kv, const int* __restrict__ pending,
     const int* __restrict__ indptr, const int* __restrict__ indices, const int* __restrict__ seq_lens,
     const int* __restrict__ q_indptr, const pkv_i64* __restrict__ tile_ends, pkv_i64 batch,
     pkv_i64 num_entries, pkv_i64 num_blocks, pkv_i64 block_size, pkv_i64 num_kv_heads, pkv_i64 head_dim,
@@ -128,8 +137,8 @@ __device__ __forceinline__ void pkv_attn(
   PKV_SHARED float smem[PKV_ATTN_FLOATS];
   PKV_SHARED pkv_i64 kpos[PKV_ATTN_MAX_TILE];  // per tile key: its position, or -1 (none)
   PKV_SHARED bool ksealed[PKV_ATTN_MAX_TILE];  // per tile key: an int4 block key (unrotated)
-  PKV_SHARED pkv_i64 kblock[PKV_ATTN_MAX_TILE];  // per tile key: its physical block, or -1 (zeros)
-  PKV_SHARED pkv_i64 krow[PKV_ATTN_MAX_TILE];    // per tile key: its K row in the per-layer view
+  PKV_SHARED pkv_i64 kblock[PKV_ATTN_MAX_TILE];  // per tile key: its physical block, -1 (zeros), -2 (new_kv)
+  PKV_SHARED pkv_i64 krow[PKV_ATTN_MAX_TILE];    // per tile key: its K row in the per-layer view (new_kv: offset)
   PKV_SHARED pkv_i64 vrow[PKV_ATTN_MAX_TILE];    // and its V row
   const pkv_i64 D = head_dim, T = kv_tile, KS = head_dim | 1;  // odd K/V row stride: no bank conflicts
   const pkv_i64 qt = MODE == PKV_ATTN_DECODE ? 1 : q_tile;
@@ -174,6 +183,11 @@ __device__ __forceinline__ void pkv_attn(
     const pkv_i64 ntok = q_end - tok0 < qt ? q_end - tok0 : qt;
     const pkv_i64 len = seq_lens[b];
     const pkv_i64 pos0 = len - (q_end - q_begin) + (tok0 - q_begin);  // position of the tile's first query
+    pkv_i64 pend = 0;  // the pass's own rows: positions [len - pend, len)
+    if (new_kv != 0) {
+      pend = pending != 0 ? (pkv_i64)pending[b] : q_end - q_begin;
+      pend = pend < 0 ? 0 : (pend > q_end - q_begin ? q_end - q_begin : pend);
+    }
     const pkv_i64 hi = pos0 + ntok < len ? pos0 + ntok : len;
     pkv_i64 ns = 0, w_lo = 0;
     if (window > 0) {
@@ -219,12 +233,17 @@ __device__ __forceinline__ void pkv_attn(
         for (pkv_i64 t = pkv_attn_tid(); t < T; t += pkv_attn_threads()) {
           const pkv_i64 k = t0 + t;
           const pkv_i64 pos = k < k_end ? (k < ns ? k : w_lo + k - ns) : -1;
-          const pkv_i64 block = pos < 0 ? -1 : pkv_attn_block(indptr, indices, b, pos, block_size,
-                                                              num_entries, num_blocks);
+          const pkv_i64 tok = q_end - len + pos;  // a pass row's query token
+          const bool fresh = pos >= 0 && pos >= len - pend && tok >= 0 && tok < num_q_tokens;
+          const pkv_i64 block = pos < 0 ? -1 : fresh ? -2 : pkv_attn_block(indptr, indices, b, pos, block_size,
+                                                                           num_entries, num_blocks);
           kpos[t] = pos;
           ksealed[t] = block >= 0 && pkv_key_sealed<F>(key_scale, block, hk, num_kv_heads, D);
           kblock[t] = block;
-          if (block >= 0) {
+          if (fresh) {
+            krow[t] = (tok * num_kv_heads + hk) * D;
+            vrow[t] = ((num_q_tokens + tok) * num_kv_heads + hk) * D;
+          } else if (block >= 0) {
             const pkv_i64 off = pos - pkv_div(pos, block_size) * block_size;
             krow[t] = pkv_row_index<LAYOUT>(block, 0, off, hk, block_size, num_kv_heads);
             vrow[t] = pkv_row_index<LAYOUT>(block, 1, off, hk, block_size, num_kv_heads);
@@ -251,7 +270,10 @@ PKV_UNROLL
             for (int i = 0; i < PKV_ATTN_LANE_ELEMS; ++i) {
               const pkv_i64 d = d0 + i * lanes;
               kx[i] = vx[i] = 0.0f;
-              if (block >= 0 && d < D) {
+              if (block == -2 && d < D) {
+                kx[i] = new_kv[k_row + d];
+                vx[i] = new_kv[v_row + d];
+              } else if (block >= 0 && d < D) {
                 kx[i] = sealed ? pkv_key_channel_value(pkv_code_at<F>((const pkv_u8*)kv, k_row, D, d), key_scale,
                                                        key_zero, block, hk, num_kv_heads, D, d)
                                : pkv_attn_elem<F>(kv, scale, zero, k_row, D, groups, g_len, d);
@@ -419,13 +441,15 @@ __device__ __forceinline__ void pkv_attn_merge(const float* __restrict__ part_o,
       const void* __restrict__ kv, const float* __restrict__ scale, const float* __restrict__ zero,               \
       const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero,                                \
       const float* __restrict__ signs, const Q* __restrict__ q, Q* __restrict__ out, float* __restrict__ part_o,  \
-      float* __restrict__ part_ml, const int* __restrict__ indptr, const int* __restrict__ indices,               \
+      float* __restrict__ part_ml, const float* __restrict__ new_kv, const int* __restrict__ pending,              \
+      const int* __restrict__ indptr, const int* __restrict__ indices,                                             \
       const int* __restrict__ seq_lens, const int* __restrict__ q_indptr, const pkv_i64* __restrict__ tile_ends,  \
       pkv_i64 batch, pkv_i64 num_entries, pkv_i64 num_blocks, pkv_i64 block_size, pkv_i64 num_kv_heads,          \
       pkv_i64 head_dim, pkv_i64 groups, pkv_i64 num_q_tokens, pkv_i64 num_q_heads, pkv_i64 q_stride0,             \
       pkv_i64 q_stride1, pkv_i64 heads_per_cta, pkv_i64 q_tile, pkv_i64 kv_tile, pkv_i64 num_splits,              \
       pkv_i64 num_tiles, float sm_scale, float soft_cap, pkv_i64 window, pkv_i64 sink_tokens) {                   \
-    pkv_attn<F, Q, LAYOUT, MODE>(kv, scale, zero, key_scale, key_zero, signs, q, out, part_o, part_ml, indptr,    \
+    pkv_attn<F, Q, LAYOUT, MODE>(kv, scale, zero, key_scale, key_zero, signs, q, out, part_o, part_ml, new_kv,     \
+                                 pending, indptr,                                                                  \
                                  indices, seq_lens, q_indptr, tile_ends, batch, num_entries, num_blocks,           \
                                  block_size, num_kv_heads, head_dim, groups, num_q_tokens, num_q_heads, q_stride0, \
                                  q_stride1, heads_per_cta, q_tile, kv_tile, num_splits, num_tiles, sm_scale,       \

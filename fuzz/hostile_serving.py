@@ -75,6 +75,14 @@ def tables(seq: int = 0, group: int = 0):
     return torch.from_numpy(ptr), torch.from_numpy(idx), torch.from_numpy(lens), torch.tensor([0, 1], dtype=torch.int32)
 
 
+def attend(kv, layer, q, *table, **kw):
+    """``kv.attention`` of committed rows only: these calls read no row of their own pass
+    (``pending`` of zeros, which a quantized layer needs; see pagedkv.format.new_rows)."""
+    import torch
+    kw.setdefault("pending", torch.zeros(1, dtype=torch.int32))
+    return kv.attention(layer, q, *table, **kw)
+
+
 def q_ok():
     import torch
     return torch.randn(1, 2 * H, D, generator=torch.Generator().manual_seed(9))
@@ -90,7 +98,7 @@ def same_as_reference(kw_layer=1):
     def accept(out, layer=kw_layer):
         import torch
         ptr, idx, lens, qp = tables(0, cache().config.layer_groups.layer_group[layer])
-        ref = cache().attention(layer, _ACCEPT_Q["q"], ptr, idx, lens, qp, backend="reference")
+        ref = attend(cache(), layer, _ACCEPT_Q["q"], ptr, idx, lens, qp, backend="reference")
         same = torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.allclose(
             torch.nan_to_num(out), torch.nan_to_num(ref), rtol=1e-4, atol=1e-4)
         return "accepted" if same else "wrong-kv"
@@ -112,13 +120,13 @@ def attention_cases(smoke: bool):
           ("q meta", q_ok().to("meta")), ("q sparse", q_ok().to_sparse()), ("q a list", q_ok().tolist()),
           ("q numpy", q_ok().numpy()), ("q 2 tokens for 1", torch.randn(2, 4, D)), ("q None", None)]
     for label, q in qs[:4] if smoke else qs:
-        add(label, lambda kv, q=q: kv.attention(1, q, *tables(0, 0)))
+        add(label, lambda kv, q=q: attend(kv, 1, q, *tables(0, 0)))
     for label, bad in [("q with NaN", math.nan), ("q with inf", math.inf), ("q with -inf", -math.inf)]:
         def call(kv, bad=bad):
             q = q_ok()
             q[0, 1, 3] = bad
             _ACCEPT_Q["q"] = q
-            return kv.attention(1, q, *tables(0, 0))
+            return attend(kv, 1, q, *tables(0, 0))
         add(label, call, same_as_reference(1))
     tbl = [("indptr [0, 99]", 0, torch.tensor([0, 99], dtype=torch.int32)),
            ("indptr float", 0, torch.tensor([0.0, 4.0])), ("indptr 2-D", 0, torch.tensor([[0, 4]], dtype=torch.int32)),
@@ -135,7 +143,7 @@ def attention_cases(smoke: bool):
         def call(kv, pos=pos, v=v):
             t = list(tables(0, 0))
             t[pos] = v
-            return kv.attention(1, q_ok(), *t)
+            return attend(kv, 1, q_ok(), *t)
         add(label, call)
     opts = [("sm_scale nan", dict(sm_scale=math.nan)), ("sm_scale '1'", dict(sm_scale="1")),
             ("sm_scale True", dict(sm_scale=True)), ("soft_cap 0", dict(soft_cap=0.0)), ("soft_cap -1", dict(soft_cap=-1.0)),
@@ -148,9 +156,9 @@ def attention_cases(smoke: bool):
             ("layout 'HND'", dict(layout="HND")), ("kv_scale", dict(kv_scale=torch.ones(1))), ("exact_rows", dict(exact_rows=1)),
             ("an unknown keyword", dict(foo=1))]
     for label, kw in opts[:6] if smoke else opts:
-        add(label, lambda kv, kw=kw: kv.attention(1, q_ok(), *tables(0, 0), **kw))
+        add(label, lambda kv, kw=kw: attend(kv, 1, q_ok(), *tables(0, 0), **kw))
     for label, layer in [("layer -1", -1), ("layer 4", 4), ("layer 1.0", 1.0), ("layer True", True), ("layer '1'", "1")]:
-        add(label, lambda kv, layer=layer: kv.attention(layer, q_ok(), *tables(0, 0)))
+        add(label, lambda kv, layer=layer: attend(kv, layer, q_ok(), *tables(0, 0)))
     # valid, if unusual: each result is checked against the definition's
     for label, kw, table in [("num_splits 3 (control)", dict(num_splits=3), None),
                              ("num_splits 2**40 (more splits than keys)", dict(num_splits=2**40), None),
@@ -161,11 +169,11 @@ def attention_cases(smoke: bool):
             t = list(tables(0, 0))
             if table is not None:
                 t[table[0]] = table[1]
-            return kv.attention(1, _ACCEPT_Q["q"], *t, **kw)
+            return attend(kv, 1, _ACCEPT_Q["q"], *t, **kw)
 
         def accept(out, kw=kw):
             import torch
-            ref = cache().attention(1, _ACCEPT_Q["q"], *tables(0, 0), backend="reference",
+            ref = attend(cache(), 1, _ACCEPT_Q["q"], *tables(0, 0), backend="reference",
                                     **{k: v for k, v in kw.items() if k != "num_splits"})
             return "accepted" if torch.allclose(out, ref, rtol=1e-4, atol=1e-4) else "wrong-kv"
         add(label, call, accept)

@@ -171,6 +171,7 @@ def test_hnd_layout_and_quantized_round_trips():
         k = torch.randn(9, H, D, generator=gen)
         for layer in range(2):
             cache.write(layer, slots, k, -k)
+        cache.commit(1, 9)      # committed: read as stored (a pass's own rows are not read back quantized)
         got, gotv = cache.gather(1, 1)
         rel = ((got - k).abs().max() / k.abs().max()).item()
         assert rel <= tol and got.dtype == torch.float32

@@ -60,7 +60,7 @@ def test_a_layer_window_of_the_wrong_type_is_a_type_error(windows):
 
 @pytest.mark.parametrize("scores", [["1", "2"], [1.0, "2"], [True, 0.5], [None, 1.0], [b"1", 1.0]], ids=repr)
 def test_calibration_refuses_scores_that_are_no_numbers(scores):
-    from pagedkv.store.calibration import choose_full_precision_layers
+    from pagedkv.tools.calibration import choose_full_precision_layers
 
     with pytest.raises(InvalidArgumentError, match=r"sensitivity: expected a sequence of floats \(one per layer\), "
                                                    r"got a sequence holding"):
@@ -106,8 +106,8 @@ def test_a_cache_dropped_without_close_gives_its_tier_descriptors_back(tmp_path)
 @pytest.mark.parametrize("head_dim,group", [(72, 24), (80, 40), (96, 48), (112, 56), (128, 64), (256, 64),
                                             (64, 64), (40, 40), (36, 36), (8, 8)])
 def test_int4_picks_a_default_group_that_divides_head_dim(head_dim, group):
-    from pagedkv.store.dtypes import default_int4_group
-    from pagedkv.store.quant import dequantize, int4_group, quantize
+    from pagedkv.format.dtypes import default_int4_group
+    from pagedkv.format.quant import dequantize, int4_group, quantize
 
     assert default_int4_group(head_dim) == int4_group(head_dim, None) == group
     with warnings.catch_warnings():
@@ -132,7 +132,8 @@ def test_int4_picks_a_default_group_that_divides_head_dim(head_dim, group):
     tables = (torch.from_numpy(ptr), torch.from_numpy(idx), torch.tensor([6], dtype=torch.int32),
               torch.tensor([0, 1], dtype=torch.int32))
     q = torch.randn(1, 4, head_dim, generator=g)
-    got = cache.attention(0, q, *tables, backend="cpu")
-    want = cache.attention(0, q, *tables, backend="reference")
+    done = torch.zeros(1, dtype=torch.int32)              # every row committed: none is this pass's own
+    got = cache.attention(0, q, *tables, backend="cpu", pending=done)
+    want = cache.attention(0, q, *tables, backend="reference", pending=done)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     cache.free(0)

@@ -349,7 +349,8 @@ def test_the_cache_passes_its_layer_format(monkeypatch):
     kv.commit("a", 5, list(range(5)))
     indptr, indices, _ = kv.page_table_csr(["a"])
     q = torch.randn(1, 2, 16).to(kv.config.torch_dtype)    # the model dtype: q is never cast
-    kv.attention(0, q, indptr, indices, np.array([5], np.int32), np.array([0, 1], np.int32))
+    kv.attention(0, q, indptr, indices, np.array([5], np.int32), np.array([0, 1], np.int32),
+                 pending=np.array([0]))     # the rows are committed: no pass's own rows to read
     assert seen == [kv.store.layer_format(0)] and seen[0].group_size == 8
     kv.free("a")
 

@@ -19,6 +19,9 @@ from pagedkv.ops.attention_reference import paged_attention as defined
 
 L, H, D, BS = 4, 2, 8, 4
 
+# every row these tests read is committed: no query's own row comes from this pass
+COMMITTED = torch.zeros(1, dtype=torch.int32)
+
 
 def make(**kw):
     base = dict(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=160, dtype="float32",
@@ -61,7 +64,8 @@ def run(seqs, steps, **kw):
             lens = torch.from_numpy(cache.seq_lens([s]).astype(np.int32) -
                                     cache.released_tokens([s], group=group).astype(np.int32))
             att = cache.attention(layer, q, torch.from_numpy(ptr), torch.from_numpy(idx), lens,
-                                  torch.tensor([0, 1], dtype=torch.int32), window=8 if group == 1 else None)
+                                  torch.tensor([0, 1], dtype=torch.int32), window=8 if group == 1 else None,
+                                  pending=torch.zeros(1, dtype=torch.int32))    # every row is committed
             reads.append((cache.gather(s, layer), att))
         out[s] = reads
     fallbacks = cache.stats().window_fallbacks
@@ -203,8 +207,8 @@ def test_attention_never_casts_q(kv_dtype, qdtype):
 def test_attention_refuses_the_arenas_own_keywords_by_name(key):
     cache, tables = written("int4")
     with pytest.raises(ArgumentTypeError, match=rf"attention: expected keywords among .*, got {key}="):
-        cache.attention(0, torch.randn(1, 4, 8), *tables, **{key: "HND"})
-    out = cache.attention(0, torch.randn(1, 4, 8), *tables, sm_scale=0.5, backend="cpu")
+        cache.attention(0, torch.randn(1, 4, 8), *tables, pending=COMMITTED, **{key: "HND"})
+    out = cache.attention(0, torch.randn(1, 4, 8), *tables, sm_scale=0.5, backend="cpu", pending=COMMITTED)
     assert out.shape == (1, 4, 8) and torch.isfinite(out).all()
     cache.free(0)
 
@@ -226,9 +230,9 @@ def test_a_nan_or_inf_in_q_gives_nan_as_the_definition(bad, kv_dtype, rotation):
               torch.tensor([0, 2], dtype=torch.int32))
     q = torch.randn(2, 4, 8)
     q[1, 1, 3] = bad
-    ref = cache.attention(0, q, *tables, backend="reference")
+    ref = cache.attention(0, q, *tables, backend="reference", pending=COMMITTED)
     for splits in (None, 1, 3):
-        out = cache.attention(0, q, *tables, backend="cpu", num_splits=splits)
+        out = cache.attention(0, q, *tables, backend="cpu", num_splits=splits, pending=COMMITTED)
         assert torch.isnan(out[1, 1]).all() and torch.isnan(ref[1, 1]).all()
         # the rows without it are untouched (q heads 0, 2, 3 of token 1; all of token 0)
         keep = torch.ones(2, 4, dtype=torch.bool)

@@ -21,6 +21,7 @@ import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.format import op_checks
+from pagedkv.format.new_rows import check_new_rows, check_pending_values
 from pagedkv.format.quant import MODEL_DTYPES
 
 __all__ = ["AttentionArgs", "check_attention_args", "index_array", "check_table_values"]
@@ -44,6 +45,9 @@ class AttentionArgs(NamedTuple):
     q_indptr: torch.Tensor
     out: torch.Tensor | None
     key_channels: bool          # the call passed block-key parameters
+    k_new: torch.Tensor | None = None   # [num_q, Hkv, D] the pass's own K (q's dtype), or None
+    v_new: torch.Tensor | None = None
+    pending: torch.Tensor | None = None  # int32 [B] snapshot (checked where it is on the CPU), or None
 
 
 def index_array(name: str, x: object, device: torch.device) -> torch.Tensor:
@@ -114,7 +118,8 @@ def check_table_values(indptr, indices, seq_lens, q_indptr, geo: op_checks.Layer
 def check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                          kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                          soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None,
-                         layer_format=None, snapshot_on_cpu: bool = True) -> AttentionArgs:
+                         layer_format=None, k_new=None, v_new=None, pending=None,
+                         snapshot_on_cpu: bool = True) -> AttentionArgs:
     """Every check of paged attention that all backends make (see the module).
 
     ``snapshot_on_cpu``: the tables are snapshot to the CPU and their values checked (the
@@ -134,6 +139,7 @@ def check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         raise DeviceError(expected("q", f"device {device} (the kv_layer's)", q.device))
     if not geo.quantized and q.dtype != kv_layer.dtype:
         raise DTypeError(expected("q", f"dtype {kv_layer.dtype} (the kv_layer dtype)", q.dtype))
+    k_new, v_new = check_new_rows(k_new, v_new, pending, q, geo, device)
     hq = q.shape[1]
     if geo.num_heads == 0 or hq == 0 or hq % geo.num_heads:
         raise ShapeError(expected("q", f"num_q_heads a positive multiple of {geo.num_heads} (the KV heads)",
@@ -151,6 +157,9 @@ def check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     indices = index_array("indices", indices, device)
     seq_lens = index_array("seq_lens", seq_lens, device)
     q_indptr = index_array("q_indptr", q_indptr, device)
+    if pending is not None:   # read once
+        pending = index_array("pending", pending, device)
+        pending = pending.cpu().clone() if snapshot_on_cpu else pending.contiguous().clone()
     batch = op_checks.check_csr(indptr, indices, seq_lens, device)
     if q_indptr.shape[0] != batch + 1:
         raise ShapeError(expected("q_indptr", f"[{batch + 1}] (len(indptr))", tuple(q_indptr.shape)))
@@ -164,6 +173,11 @@ def check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
                                                for t in (indptr, indices, seq_lens, q_indptr))
     if indptr.device.type == "cpu":
         check_table_values(indptr, indices, seq_lens, q_indptr, geo, q.shape[0])
+    if pending is not None:
+        if pending.shape[0] != batch:
+            raise ShapeError(expected("pending", f"[{batch}] (one count per sequence)", tuple(pending.shape)))
+        if pending.device.type == "cpu" and q_indptr.device.type == "cpu":
+            check_pending_values(pending.tolist(), q_indptr.tolist())
     if out is not None:
         out = op_checks.check_tensor("out", out)
         if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
@@ -173,4 +187,4 @@ def check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         if not out.is_contiguous():
             raise InvalidArgumentError(expected("out", "a contiguous tensor", f"strides {out.stride()}"))
     return AttentionArgs(geo, q, batch, hq, scale, soft_cap, window, sinks, num_splits, indptr, indices, seq_lens,
-                         q_indptr, out, bool(key_channels))
+                         q_indptr, out, bool(key_channels), k_new, v_new, pending)

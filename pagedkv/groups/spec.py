@@ -29,8 +29,8 @@ is a subclass that overrides the hooks, plus one entry in the tables map.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pagedkv.errors import InvalidArgumentError, expected

@@ -30,15 +30,18 @@ NAME = "pagedkv"
 
 
 class Ticket:
-    """What a paged ``update`` hands to the attention of one layer."""
+    """What a paged ``update`` hands to the attention of one layer: the pass's own K/V
+    ``[B, H, q, D]`` ride along, read at model precision (not back from the arena)."""
 
-    __slots__ = ("cache", "layer_idx", "plan", "taken")
+    __slots__ = ("cache", "layer_idx", "plan", "taken", "key", "value")
 
-    def __init__(self, cache, layer_idx: int, plan):
+    def __init__(self, cache, layer_idx: int, plan, key=None, value=None):
         self.cache = cache
         self.layer_idx = layer_idx
         self.plan = plan
         self.taken = False
+        self.key = key
+        self.value = value
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

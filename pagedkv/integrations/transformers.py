@@ -137,7 +137,7 @@ class _StepPlan:
     """What layer 0 decided for one forward pass; every layer reuses it."""
 
     __slots__ = ("q", "write_slots", "n_new", "new_mask", "indptr", "indices", "lens", "dest", "columns", "groups",
-                 "q_indptr", "q_rows")
+                 "q_indptr", "q_rows", "pending")
 
     def __init__(self, q, write_slots, n_new, new_mask, indptr, indices, lens, dest, columns, groups=None):
         self.q = q                      # new columns in this pass
@@ -152,6 +152,7 @@ class _StepPlan:
         self.groups = groups            # None, or a hf_windows.GroupStep per layer group
         self.q_indptr = None            # paged attention: int32 [B+1] real queries per row
         self.q_rows = None              # paged attention: None (every column) or int64 rows of [B*q]
+        self.pending = None             # paged attention: int32 [B] new tokens read from the pass's K/V
 
 
 class PagedCache(Cache):
@@ -493,7 +494,7 @@ class PagedCache(Cache):
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
         self.layers[layer_idx].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
-        ticket = self._ticket = hf_attention.Ticket(self, layer_idx, plan)
+        ticket = self._ticket = hf_attention.Ticket(self, layer_idx, plan, key_states, value_states)
         if layer_idx == self.num_layers - 1:
             self._finish_step()
         return hf_attention.tag(key_states, ticket), value_states
@@ -507,8 +508,11 @@ class PagedCache(Cache):
 
     def paged_attend(self, ticket, query, scaling, soft_cap):
         """The attention of a ticket's layer over its pages: ``query`` ``[B, Hq, q, D]`` ->
-        ``[B, q, Hq, D]`` (padding query columns get zeros)."""
+        ``[B, q, Hq, D]`` (padding query columns get zeros). The pass's new tokens are
+        read from the ticket's K/V as computed, the rest from the pages: what the gather
+        path reads (one definition of what a read returns)."""
         plan = ticket.plan
+        key, value, ticket.key, ticket.value = ticket.key, ticket.value, None, None
         B, Hq, q, D = query.shape
         # With layer groups, the layer's group's table: a sliding group lists the tokens
         # it still holds, from the first one its window needs, so positions are relative
@@ -520,24 +524,30 @@ class PagedCache(Cache):
             g = groups.layer_group[ticket.layer_idx]
             table = plan.groups[g]
             window = groups.groups[g].window or None
-        key = id(table)
+        tkey = id(table)
         if plan.q_indptr is None:
-            plan.q_indptr, plan.q_rows = {}, {}
-        if key not in plan.q_indptr:
+            plan.q_indptr, plan.q_rows, plan.pending = {}, {}, {}
+        if tkey not in plan.q_indptr:
             nq = np.minimum(table.lens.cpu().numpy().astype(np.int64), q)
             qp = np.zeros(B + 1, dtype=np.int32)
             np.cumsum(nq, out=qp[1:])
-            plan.q_indptr[key] = torch.from_numpy(qp).to(query.device)
-            plan.q_rows[key] = None
+            plan.q_indptr[tkey] = torch.from_numpy(qp).to(query.device)
+            # the pass's new tokens are each row's last columns (a recomputed prefix hit is not one)
+            plan.pending[tkey] = torch.from_numpy(np.minimum(plan.n_new, nq).astype(np.int32)).to(query.device)
+            plan.q_rows[tkey] = None
             if (nq != q).any():
                 rows = np.concatenate([b * q + np.arange(q - n, q) for b, n in enumerate(nq.tolist())])
-                plan.q_rows[key] = torch.from_numpy(rows.astype(np.int64)).to(query.device)
-        q_rows = plan.q_rows[key]
+                plan.q_rows[tkey] = torch.from_numpy(rows.astype(np.int64)).to(query.device)
+        q_rows = plan.q_rows[tkey]
         flat = query.transpose(1, 2).reshape(B * q, Hq, D)
+        H = key.shape[1]
+        k_new = key.transpose(1, 2).reshape(B * q, H, D)
+        v_new = value.transpose(1, 2).reshape(B * q, H, D)
         if q_rows is not None:
-            flat = flat[q_rows]
-        out = self.kv.attention(ticket.layer_idx, flat, table.indptr, table.indices, table.lens, plan.q_indptr[key],
-                                sm_scale=scaling, soft_cap=soft_cap, window=window)
+            flat, k_new, v_new = flat[q_rows], k_new[q_rows], v_new[q_rows]
+        out = self.kv.attention(ticket.layer_idx, flat, table.indptr, table.indices, table.lens, plan.q_indptr[tkey],
+                                k_new=k_new, v_new=v_new, pending=plan.pending[tkey], sm_scale=scaling,
+                                soft_cap=soft_cap, window=window)
         if q_rows is None:
             return out.view(B, q, Hq, D)
         return out.new_zeros(B * q, Hq, D).index_copy_(0, q_rows, out).view(B, q, Hq, D)

@@ -20,14 +20,23 @@ and a merge kernel combines them exactly. ``num_splits=None`` picks enough split
 to give the GPU about four CTAs per SM, at most one per 256 keys of the average
 sequence (estimated from the table sizes, so nothing is read from the device).
 
+The pass's own rows (``k_new``, ``v_new``, ``pending``; :mod:`pagedkv.format.new_rows`)
+go to the tiled kernel as one float32 ``[2, num_q_tokens, Hkv, D]`` tensor, rotated here
+once when the arena is rotated, so that the kernel reads them as it reads a
+dequantized arena row.
+
 Index values that live on a GPU are not read (that would sync): the kernel reads a
-bad entry as zeros and skips a query tile it cannot place. Index tensors on the CPU
-are checked like the public op checks them (and copied first, so the checks and the
-kernel see the same values; a GPU's are neither read nor copied).
+bad entry as zeros and skips a query tile it cannot place (and clamps ``pending`` to
+each sequence's query count). Index tensors on the CPU are checked like the public op
+checks them (and copied first, so the checks and the kernel see the same values; a
+GPU's are neither read nor copied).
 
 One query per sequence goes to the decode kernel (cuda/decode_attention.cu,
 :mod:`pagedkv.kernels.decode_plans`) wherever it covers the call; this module's tiled
-kernel serves the rest (``kernel=`` picks one explicitly).
+kernel serves the rest (``kernel=`` picks one explicitly). The decode kernel does not
+read the pass's own rows: a call with ``k_new`` takes the tiled kernel
+(``PagedKVCache.attention`` passes none for a model-dtype layer, whose arena holds them
+as computed).
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ import torch
 
 from pagedkv.errors import InvalidArgumentError, ShapeError, expected
 from pagedkv.format.attention_checks import check_attention_args
+from pagedkv.format.rotation import rotate
 from pagedkv.kernels import decode_plans, sources
 from pagedkv.kernels.plans import (
     _MODEL_NAMES,
@@ -128,15 +138,16 @@ def auto_splits(works: int, avg_keys: int, num_sms: int) -> int:
 def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                          kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                          soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None, exact_rows=None,
-                         layer_format=None, num_sms: int = DEFAULT_SMS, kernel: str = "auto",
-                         workspace=None) -> tuple[list[Launch], torch.Tensor]:
+                         layer_format=None, k_new=None, v_new=None, pending=None, num_sms: int = DEFAULT_SMS,
+                         kernel: str = "auto", workspace=None) -> tuple[list[Launch], torch.Tensor]:
     """Plan :func:`pagedkv.ops.paged_attention` (same arguments); returns ``(launches, out)``.
 
     ``num_sms``: the device's SM count, for the automatic ``num_splits``. ``kernel``:
     ``"auto"`` takes the decode kernel (:mod:`pagedkv.kernels.decode_plans`) where it
     covers the call, else the tiled one; ``"decode"`` insists on it (an error where it
-    does not cover the call); ``"tiled"`` takes paged_attention.cu. ``workspace``: the
-    decode kernel's float32 scratch (``decode_plans.workspace_floats``), allocated when None.
+    does not cover the call, which includes a call with the pass's own rows ``k_new``);
+    ``"tiled"`` takes paged_attention.cu. ``workspace``: the decode kernel's float32
+    scratch (``decode_plans.workspace_floats``), allocated when None.
     """
     if kernel not in ("auto", "decode", "tiled"):
         raise InvalidArgumentError(expected("kernel", "'auto', 'decode' or 'tiled'", repr(kernel)))
@@ -144,10 +155,12 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
                              kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
                              rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                              sink_tokens=sink_tokens, num_splits=num_splits, out=out, layer_format=layer_format,
+                             k_new=k_new, v_new=v_new, pending=pending,
                              snapshot_on_cpu=False)   # a GPU's table values are not read (that would sync)
     geo, q, out, batch, sm_scale, soft_cap = a.geo, a.q, a.out, a.batch, a.sm_scale, a.soft_cap
     window, sink_tokens, num_splits = a.window, a.sink_tokens, a.num_splits
     indptr, indices, seq_lens, q_indptr = a.indptr, a.indices, a.seq_lens, a.q_indptr
+    k_new, v_new, pending = a.k_new, a.v_new, a.pending
     num_q, hq, d = q.shape
     device = kv_layer.device
     # what the kernels add: the rotating kernels' head_dim bound, aligned pointers, the grid
@@ -179,7 +192,7 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
     decode = num_q == batch  # one query per sequence (any split of them is still served right)
     kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named
     fast = None
-    if kernel != "tiled" and decode and key_scale is None:
+    if kernel != "tiled" and decode and key_scale is None and k_new is None:
         fast = decode_plans.covers(geo, kv_layer, kv_scale, kv_zero, kv_type, group)
     if fast is not None:
         return decode_plans.plan_decode(
@@ -189,7 +202,8 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
             num_sms=num_sms, workspace=workspace, keep=(indptr, indices, seq_lens, q_indptr, signs)), out
     if kernel == "decode":
         raise InvalidArgumentError(expected(
-            "kernel", "'auto' or 'tiled' for this call (the decode kernel covers one query per sequence, "
+            "kernel", "'auto' or 'tiled' for this call (the decode kernel covers one query per sequence without "
+            "the pass's own rows (k_new), "
             "head_dim 64/128/256, no block keys, aligned rows: see pagedkv.kernels.decode_plans)", "'decode'"))
     tl = tiling(decode, group, d, signs is not None)
     chunks = -(-group // tl.heads_per_cta)
@@ -214,10 +228,19 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         keep += [part_o, part_ml]
     if signs is not None:
         keep.append(signs)
+    new_kv = None
+    if k_new is not None:
+        new_kv = torch.stack((k_new, v_new)).to(torch.float32).contiguous()   # a copy: the caller's stay as given
+        if signs is not None:
+            new_kv = rotate(new_kv, signs)
+        keep.append(new_kv)
+        if pending is not None:
+            keep.append(pending)
     q_type = _MODEL_NAMES[q.dtype]
     name = sources.attention_name(tl.mode, layout.lower(), kv_type, q_type)
     args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key_scale), _ptr(key_zero), _ptr(signs), _ptr(q),
-            _ptr(out), _ptr(part_o), _ptr(part_ml), _ptr(indptr), _ptr(indices), _ptr(seq_lens), _ptr(q_indptr),
+            _ptr(out), _ptr(part_o), _ptr(part_ml), _ptr(new_kv), _ptr(pending), _ptr(indptr), _ptr(indices),
+            _ptr(seq_lens), _ptr(q_indptr),
             _ptr(tile_ends), _i64(batch), _i64(indices.shape[0]), _i64(geo.num_blocks), _i64(geo.block_size),
             _i64(geo.num_heads), _i64(d), _i64(geo.groups), _i64(num_q),
             _i64(hq), _i64(q.stride(0)), _i64(q.stride(1)), _i64(tl.heads_per_cta), _i64(tl.q_tile),

@@ -313,7 +313,8 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD"
 def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None, kv_zero=None,
                     key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None, soft_cap=None, window=None,
                     sink_tokens=0, num_splits=None, out=None, exact_rows=None, layer_format=None,
-                    num_sms=attention_plans.DEFAULT_SMS, kernel="auto", workspace=None,
+                    k_new=None, v_new=None, pending=None, num_sms=attention_plans.DEFAULT_SMS, kernel="auto",
+                    workspace=None,
                     grid: Dims = None, block: Dims = None):
     """:func:`pagedkv.ops.paged_attention` through the CUDA kernels' plan, on the CPU.
     ``num_sms`` stands in for the GPU's SM count (it sets the automatic splits);
@@ -323,7 +324,8 @@ def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout=
         q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
         key_scale=key_scale, key_zero=key_zero, rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap,
         window=window, sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows,
-        layer_format=layer_format, num_sms=num_sms, kernel=kernel, workspace=workspace)
+        layer_format=layer_format, k_new=k_new, v_new=v_new, pending=pending, num_sms=num_sms, kernel=kernel,
+        workspace=workspace)
     run(launches, grid=grid, block=block)
     return out
 

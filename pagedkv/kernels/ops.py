@@ -267,7 +267,8 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str 
 def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout: str = "NHD", kv_scale=None,
                     kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None, soft_cap=None,
                     window=None, sink_tokens: int = 0, num_splits=None, out=None, exact_rows=None,
-                    layer_format=None, stream=None, kernel: str = "auto", workspace=None) -> torch.Tensor:
+                    layer_format=None, k_new=None, v_new=None, pending=None, stream=None, kernel: str = "auto",
+                    workspace=None) -> torch.Tensor:
     """Attention of ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` over the paged K/V of
     ``kv_layer``, read in place (:func:`pagedkv.ops.paged_attention`; the float64
     definition is :mod:`pagedkv.ops.attention_reference`).
@@ -276,7 +277,8 @@ def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout:
     ``seq_lens``, ``q_indptr``) are not read on the host (no sync): a bad entry reads as
     zeros instead of touching other memory. ``num_splits=None`` picks the flash-decoding
     splits from the device's SM count and the tables' sizes. ``exact_rows`` must be
-    None (the window overlay has no kernel). Returns ``out`` (allocated when None),
+    None (the window overlay has no kernel). ``k_new``/``v_new``/``pending``: the pass's
+    own rows, read at model precision (as the public op). Returns ``out`` (allocated when None),
     ``q.dtype``, contiguous.
 
     One query per sequence takes the decode kernel (cuda/decode_attention.cu) where it
@@ -290,16 +292,17 @@ def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout:
     index = device.index if device.index is not None else torch.cuda.current_device()
     num_sms = torch.cuda.get_device_properties(index).multi_processor_count
     with _on_stream(device, stream) as ts:
-        q, kv_layer, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out = map(
-            as_tensor, (q, kv_layer, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out))
+        q, kv_layer, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out, k_new, v_new = map(
+            as_tensor, (q, kv_layer, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out, k_new, v_new))
         # NumPy tables are uploaded by the plan (as the public op takes them)
-        indptr, indices, seq_lens, q_indptr = (x if isinstance(x, np.ndarray) else as_tensor(x)
-                                               for x in (indptr, indices, seq_lens, q_indptr))
+        indptr, indices, seq_lens, q_indptr, pending = (x if isinstance(x, np.ndarray) else as_tensor(x)
+                                                        for x in (indptr, indices, seq_lens, q_indptr, pending))
         launches, out = attention_plans.plan_paged_attention(
             q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
             key_scale=key_scale, key_zero=key_zero, rotation_signs=rotation_signs, sm_scale=sm_scale,
             soft_cap=soft_cap, window=window, sink_tokens=sink_tokens, num_splits=num_splits, out=out,
-            exact_rows=exact_rows, layer_format=layer_format, num_sms=num_sms, kernel=kernel, workspace=workspace)
+            exact_rows=exact_rows, layer_format=layer_format, k_new=k_new, v_new=v_new, pending=pending,
+            num_sms=num_sms, kernel=kernel, workspace=workspace)
         _run(launches, ts, device)
     return out
 

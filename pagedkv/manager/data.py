@@ -28,10 +28,12 @@ class LayerAttention:
         self._path = path
         self.step = step        # the ops' AttentionStep (the tables on the device)
 
-    def run(self, layer: int, q, *, out=None):
+    def run(self, layer: int, q, *, out=None, k_new=None, v_new=None):
         """The attention of ``q`` over ``layer``: ``[Nq, Hq, D]`` queries for K/V rows,
-        ``(q_nope, q_pe)`` for MLA latent rows (see ``PagedKVCache.mla_attention``)."""
-        return self._path.run_attention(self.step, layer, q, out)
+        ``(q_nope, q_pe)`` for MLA latent rows (see ``PagedKVCache.mla_attention``);
+        ``k_new``/``v_new``: this layer's rows of the pass as computed (see
+        ``PagedKVCache.attention``; the step's ``pending`` says which positions they are)."""
+        return self._path.run_attention(self.step, layer, q, out, k_new, v_new)
 
 
 class DataPath:
@@ -73,6 +75,7 @@ class DataPath:
             tables = self.groups.tables[g]
             indptr, indices, _ = tables.csr(keys, internal=internal)
             lens = tables.seq_lens(keys, internal=internal)
+            done = tables.seq_lens(keys, computed=True, internal=internal)
             gone = tables.released_tokens(keys, internal=internal) if self.groups.specs[g].releases_blocks else None
         if gone is not None and gone.any():
             if want is not None:
@@ -84,6 +87,9 @@ class DataPath:
                 raise InvalidArgumentError(expected(
                     "num_tokens", f"{len(lens)} counts within the reserved lengths {lens.tolist()}", want.tolist()))
             lens = want
+        if store.layer_format(slot).quantized:
+            ends = lens if gone is None else lens + gone
+            _refuse_pass_rows(seq_ids, ends, done)
         dev = store.device
         k, v = store.gather(slot, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
                             torch.from_numpy(lens.astype(np.int32)).to(dev), sink=self.group_sink(g))
@@ -123,28 +129,48 @@ class DataPath:
         bs = self.config.block_size
         return min(self.config.kv_sink_tokens or 0, -(-group.sinks // bs) * bs)
 
-    def plan_attention(self, indptr, indices, seq_lens, q_indptr, **options) -> LayerAttention:
+    def plan_attention(self, indptr, indices, seq_lens, q_indptr, *, pending=None, **options) -> LayerAttention:
         """One step's attention over any layer (see :class:`LayerAttention`)."""
         from pagedkv.ops.attention_step import AttentionStep
 
         store = self.require_store()
         backend = options.pop("backend", "auto")
         return LayerAttention(self, AttentionStep(indptr, indices, seq_lens, q_indptr, device=store.device,
-                                                  backend=backend, **options))
+                                                  backend=backend, pending=pending, **options))
 
-    def run_attention(self, step, layer: int, q, out=None):
+    def run_attention(self, step, layer: int, q, out=None, k_new=None, v_new=None):
+        from pagedkv.ops.views import KVLayerView
+
         store = self.require_store()
         g, slot = self.groups.layer_slot(layer)
-        if getattr(store, "window", None) is None:
-            return step.run(q, store.view(slot), out=out)
-        sink = self.group_sink(g)
-        view = store.view(slot, sink=sink)     # the layer's format, views and exact rows: the store's to build
-        if view.exact is None:
-            return step.run(q, view, out=out)
-        with store.window.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
-            res = step.run(q, view, out=out)
-            store.attended(slot, step.indptr, step.indices, step.seq_lens, sink=sink)
+        window = getattr(store, "window", None)
+        sink = self.group_sink(g) if window is not None else None
+        view = store.view(slot) if window is None else store.view(slot, sink=sink)   # the store's to build
+        if isinstance(view, KVLayerView):
+            rows = self._pass_rows_of(view, q, step, k_new, v_new)
+        elif k_new is not None or v_new is not None:
+            raise InvalidArgumentError(expected("k_new", "None for MLA latent rows (write the pass's rows first)",
+                                                type(k_new).__name__))
+        else:
+            rows = {}
+        if window is None or getattr(view, "exact", None) is None:
+            return step.run(q, view, out=out, **rows)
+        with window.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
+            res = step.run(q, view, out=out, **rows)
+            lens = np.asarray(step.seq_lens.cpu()).astype(np.int64) - _pass_rows(rows, step.q_indptr)
+            store.attended(slot, step.indptr, step.indices, lens, sink=sink)   # the window ends at the pass's rows
         return res
+
+    def _pass_rows_of(self, view, q, step, k_new, v_new) -> dict:
+        """What the op takes of the pass's own K/V for this layer (one definition of what
+        a read returns: :mod:`pagedkv.format.new_rows`)."""
+        fmt, pending = view.format, step.pending
+        if k_new is None and v_new is None and (fmt.quantized or pending is not None):
+            return dict(pending=self._no_pass_rows(pending, step.q_indptr))
+        if not fmt.quantized and k_new is not None:
+            _held_pass_rows(q, view.data, view.layout, fmt, k_new, v_new, pending, step.q_indptr)
+            return {}
+        return dict(k_new=k_new, v_new=v_new, pending=pending)
 
     def mla_attention(self, layer: int, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale,
                       num_splits=None, out=None):
@@ -154,11 +180,39 @@ class DataPath:
         step = self.plan_attention(indptr, indices, seq_lens, q_indptr, sm_scale=sm_scale, num_splits=num_splits)
         return step.run(layer, (q_nope, q_pe), out=out)
 
-    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
+    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, *, k_new=None, v_new=None,
+                  pending=None, **options):
         if self.config.kv_lora_rank is not None:
             require("paged attention (attention)", self.config)
         out = options.pop("out", None)
-        return self.plan_attention(indptr, indices, seq_lens, q_indptr, **options).run(layer, q, out=out)
+        step = self.plan_attention(indptr, indices, seq_lens, q_indptr, pending=pending, **options)
+        return step.run(layer, q, out=out, k_new=k_new, v_new=v_new)
+
+    def _no_pass_rows(self, pending, q_indptr):
+        """A quantized layer read without the pass's own K/V: only when the caller says
+        that no query's row was written by this pass (``pending`` all zeros); otherwise
+        the op would read those rows back quantized, silently unlike every other read
+        (one definition of what a read returns: see :mod:`pagedkv.format.new_rows`)."""
+        import torch
+
+        want = ("the pass's own K/V (k_new, v_new) for a quantized layer: the rows a forward pass wrote "
+                "are read at model precision; pending=0 (ints [B]) where no query's row was written by this pass")
+        if pending is None:
+            raise InvalidArgumentError(expected("k_new", want, None))
+        try:
+            p = np.asarray(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArgumentTypeError(expected("pending", "ints [B]", type(pending).__name__)) from None
+        try:
+            qp = np.asarray(q_indptr.cpu() if isinstance(q_indptr, torch.Tensor) else q_indptr)
+        except (TypeError, ValueError, RuntimeError):
+            qp = None
+        # a q_indptr that is no 1-D table: the op names it (its length is not compared here)
+        batch = max(qp.shape[0] - 1, 0) if qp is not None and qp.ndim == 1 else None
+        if p.dtype.kind not in "iu" or p.ndim != 1 or (batch is not None and p.shape[0] != batch) or p.any():
+            raise InvalidArgumentError(expected("pending", "zeros [B] without k_new and v_new (" + want + ")",
+                                                p.tolist() if p.ndim == 1 else repr(pending)))
+        return None
 
     def table_tensor(self, a, name: str):
         """A NumPy integer page-table array as an int32 tensor on the cache's device;
@@ -215,6 +269,53 @@ class DataPath:
                 raise ArgumentTypeError(expected("pairs", "an int [P, 2] array of (src, dst) block ids",
                                                  f"a {type(pairs).__name__} of other values")) from None
         store.copy_blocks(pairs)
+
+
+def _refuse_pass_rows(seq_ids, ends: np.ndarray, done: np.ndarray) -> None:
+    """A gather by sequence of a quantized layer reads committed rows only: rows written
+    by the forward pass in progress (reserved, not committed) are read at model precision
+    (one definition of what a read returns), which the arena no longer holds."""
+    over = np.nonzero(np.asarray(ends) > np.asarray(done))[0]
+    if len(over):
+        b = int(over[0])
+        sid = seq_ids if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__") else list(seq_ids)[b]
+        raise InvalidArgumentError(expected(
+            "num_tokens", "at most the committed tokens of a quantized layer's sequence (the forward pass's own "
+            "rows are read at model precision: gather before writing, gather_pages(pending=), or commit first)",
+            f"{int(ends[b])} tokens of {sid!r}, {int(done[b])} committed"))
+
+
+def _held_pass_rows(q, view, layout, fmt, k_new, v_new, pending, q_indptr) -> None:
+    """A model-precision layer holds the pass's rows as computed, so the arena reads the
+    same as ``k_new``/``v_new`` (and a CUDA decode keeps the decode kernel, which reads
+    only the arena): checked as the op would check them, then not passed on."""
+    import torch
+
+    from pagedkv.format.new_rows import check_new_rows, check_pending_values
+    from pagedkv.format.op_checks import check_layer
+
+    if not isinstance(q, torch.Tensor):
+        return None          # the op names the problem
+    geo = check_layer(view, layout, None, None, layer_format=fmt)
+    check_new_rows(k_new, v_new, pending, q, geo, view.device)
+    if pending is not None:
+        qp = np.asarray(q_indptr.cpu() if isinstance(q_indptr, torch.Tensor) else q_indptr).astype(np.int64)
+        p = np.asarray(pending.cpu() if isinstance(pending, torch.Tensor) else pending)
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise ArgumentTypeError(expected("pending", "ints [B]", f"{p.dtype} array of shape {p.shape}"))
+        check_pending_values(p.astype(np.int64).tolist(), qp.tolist())
+    return None
+
+
+def _pass_rows(options, q_indptr) -> np.ndarray:
+    """Each row's positions read from the pass's own K/V (the op checked the counts)."""
+    if options.get("k_new") is None:
+        return np.zeros(1, dtype=np.int64)
+    pending = options.get("pending")
+    if pending is not None:
+        return np.asarray(pending.cpu() if hasattr(pending, "cpu") else pending).astype(np.int64)
+    qp = np.asarray(q_indptr.cpu() if hasattr(q_indptr, "cpu") else q_indptr).astype(np.int64)
+    return np.diff(qp)
 
 
 def _slots_tensor(slot_mapping, device):

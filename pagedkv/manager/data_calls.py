@@ -42,7 +42,8 @@ class KVDataCalls:
     def gather(self, seq_id: SeqId, layer: int, num_tokens: int | None = None):
         """Contiguous K and V ``[n, num_kv_heads, head_dim]`` in token order: the first
         ``num_tokens`` tokens, by default every token holding a slot (committed plus
-        reserved this step)."""
+        reserved this step). A quantized layer reads committed tokens only (see
+        :meth:`gather_batch`)."""
         k, v, _ = self.gather_batch([seq_id], layer, None if num_tokens is None else [num_tokens])
         return k, v
 
@@ -52,7 +53,14 @@ class KVDataCalls:
         ``num_tokens`` (optional, one per sequence) gathers only each sequence's first
         tokens; by default all reserved tokens. A sliding-window layer returns the
         tokens its group holds (sinks, then the window; :meth:`gather_window` adds
-        their positions)."""
+        their positions).
+
+        One definition of what a read returns: the rows a forward pass wrote are read at
+        model precision until they are committed. A quantized layer's arena holds them
+        quantized, so gathering a sequence's reserved but uncommitted tokens from it is
+        refused (``InvalidArgumentError``): gather the committed ones (``num_tokens``)
+        and use the pass's K/V as computed, or read before writing with
+        :meth:`gather_pages` (``pending=``)."""
         return self._data.gather(seq_ids, layer, num_tokens, False)
 
     def gather_window(self, seq_ids, layer: int, num_tokens=None):
@@ -79,6 +87,10 @@ class KVDataCalls:
         not written yet. Their rows hold stale bytes for the caller to overwrite, and
         ``kv_window`` then keeps the ``kv_window`` tokens *before* them in model
         precision, so every query of the pass sees at least that many exact tokens.
+        Within a forward pass, a caller that has written the pass's rows to a quantized
+        layer reads them from its own K/V, not from here: the pass's rows are read at
+        model precision (one definition of what a read returns; :meth:`attention` takes
+        them as ``k_new``/``v_new``). Without ``pending`` every row is read as stored.
 
         ``rotated=True`` (a cache with ``kv_rotation``): K/V in the rotated domain, as
         stored, without the per-row unrotation, which costs more than the dequantization.
@@ -88,16 +100,26 @@ class KVDataCalls:
         per cached token."""
         return self._data.gather_pages(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
 
-    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, **options):
+    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, *, k_new=None, v_new=None,
+                  pending=None, **options):
         """:func:`pagedkv.ops.paged_attention` of ``q`` over ``layer``'s pages, reading
-        exactly what :meth:`gather_pages` (no ``pending``) reads: the quantized rows in
-        place, the window and sink rows in model precision from the window arena, the
-        rotation folded into ``q`` and the output. The table is as for :meth:`gather_pages`
-        (with layer groups, the layer's group's). ``options``: the op's keywords
-        (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``, ``num_splits``, ``out``,
-        ``backend``; :func:`~.arguments.check_attention_call`)."""
+        what :meth:`gather_pages` reads (one definition of what a read returns): the rows
+        this forward pass wrote at model precision, from ``k_new``/``v_new``
+        (``[num_q_tokens, H, D]``, q's dtype: each query token's own K/V as computed;
+        ``pending``: ints ``[B]``, each row's last positions they cover, default every
+        query's); older rows in place in their stored format, except the ``kv_window``
+        rows before the pass's and the sink rows, in model precision from the window
+        arena; the rotation folded into ``q`` and the output. The table is as for
+        :meth:`gather_pages` (with layer groups, the layer's group's).
+
+        A quantized layer needs ``k_new``/``v_new``, or ``pending`` of zeros when no query's
+        row was written by this pass: reading the pass's rows back quantized would differ
+        from every other read, so it is refused (``InvalidArgumentError``). ``options``: the
+        op's keywords (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``,
+        ``num_splits``, ``out``, ``backend``)."""
         check_attention_call(options, q, self.config.torch_dtype)
-        return self._data.attention(layer, q, indptr, indices, seq_lens, q_indptr, **options)
+        return self._data.attention(layer, q, indptr, indices, seq_lens, q_indptr, k_new=k_new, v_new=v_new,
+                                    pending=pending, **options)
 
     def plan_attention(self, indptr, indices, seq_lens, q_indptr, **options):
         """Plan one forward step's paged attention, then run it per layer

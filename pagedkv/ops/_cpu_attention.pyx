@@ -9,7 +9,8 @@ snapshots), and hands over addresses and counts. Work items are (sequence, KV he
 split): a decode sequence (at most 16 queries) takes all its KV heads in one item, so
 an NHD page is streamed once rather than once per head; a prefill chunk takes one head
 per item (its rows are parallelism enough, and its reads are shared by many queries).
-One OpenMP loop runs the items (``schedule(static)``), then a second merges each
+One OpenMP loop hands the items out one at a time (``schedule(dynamic)``: a preempted
+worker holds back one item), then a second merges each
 sequence's splits exactly. Threads: the CPU loops' one policy (``_threads.pxd``, set by
 ``pagedkv.set_num_threads``), with ``_PARALLEL_WORK`` multiply-adds as the piece of work
 one thread must have; the splits follow the thread setting, never the machine's load, so
@@ -23,6 +24,7 @@ cimport openmp
 
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.ops._threads cimport configured_threads, threads_for
+from pagedkv.ops._threads import _pretend_runnable, get_num_threads, set_num_threads  # noqa: F401  (the tests reach the policy through each loop module)
 
 cdef extern from "attention_rows.h" nogil:
     int PKV_F32, PKV_INT4, PKV_INT3, PKV_INT8, PKV_E4M3
@@ -63,6 +65,9 @@ cdef extern from "attention_rows.h" nogil:
         const uint8_t* exact_valid
         int64_t exact_recent, exact_sink
         const float* signs
+        const float* new_k
+        const float* new_v
+        const int32_t* pending
         pkv_dequantize_row_fn deq
         pkv_key_row_fn key_row
         int64_t row_bytes, param_row, elem_bytes
@@ -92,7 +97,9 @@ cdef int64_t _TILE_FLOATS = 32768
 # a decode item's KV heads at most (its tile rows are tile x heads)
 cdef int64_t _ITEM_HEADS = 256
 # what an item prefetches of its next tile (attention_rows.h's PKV_ATTN_PREFETCH_), -1:
-# every line of float rows, each block's first lines of code rows (the measured best)
+# each block's first lines (the measured best since model-dtype rows are copied a run at
+# a time: 1 thread, batch 8, fp32 9q/3kv/64 x 2,000 3.7 ms against 4.3 for every line,
+# 32q/8kv/128 x 4,096 32 ms against 39; code rows about even)
 cdef int _PREFETCH = -1
 # sealed block keys: widen each block's parameters once per item (else per row)
 cdef int _KEY_CACHE = 1
@@ -161,13 +168,18 @@ def attend(
     float sm_scale, float soft_cap, int64_t window, int64_t sink_tokens, int64_t num_splits, int64_t split_tokens,
     uintptr_t exact_data_ptr=0, int exact_type=0, uintptr_t exact_slot_ptr=0, uintptr_t exact_valid_ptr=0,
     int64_t exact_recent=0, int64_t exact_sink=0, uintptr_t signs_ptr=0, int64_t tile_floats=0,
+    uintptr_t new_k_ptr=0, uintptr_t new_v_ptr=0, uintptr_t pending_ptr=0,
 ):
     """``out`` (float32 ``[num_q, Hq, D]``, rotated domain when ``qrot_ptr``) of checked tables.
 
     ``num_splits`` > 0 forces that many splits per sequence; else one per
     ``split_tokens`` keys for sequences of at most 16 queries (a prefill chunk has
     parallelism enough across its rows' heads and would need a partial result per split
-    and row). ``tile_floats`` > 0 overrides the tile budget (benchmarks)."""
+    and row). ``tile_floats`` > 0 overrides the tile budget (benchmarks).
+
+    ``new_k_ptr``/``new_v_ptr``: float32 ``[num_q, H, D]``, the pass's own K/V (rotated
+    when ``qrot_ptr`` is), read for each sequence's last ``pending[b]`` positions
+    (``pending_ptr``: int32 ``[batch]``, checked; 0: every query's own position)."""
     if head_dim < 1 or num_heads < 1 or num_q_heads % num_heads or batch < 0 or split_tokens < 1:
         raise ValueError("attend: bad sizes")
     if num_q > INT64_MAX // (num_q_heads * head_dim * 8):
@@ -204,12 +216,17 @@ def attend(
     a.exact_recent = exact_recent
     a.exact_sink = exact_sink
     a.signs = <const float*> signs_ptr
+    a.new_k = <const float*> new_k_ptr
+    a.new_v = <const float*> new_v_ptr
+    a.pending = <const int32_t*> pending_ptr
+    if (new_k_ptr == 0) != (new_v_ptr == 0) or (pending_ptr != 0 and new_k_ptr == 0):
+        raise ValueError("attend: new_k, new_v and pending go together")
     a.deq = dequantize_row
     a.key_row = key_row
     a.elem_bytes = elem_bytes
     a.prefetch = _PREFETCH
     if _PREFETCH == -1:
-        a.prefetch = PKV_ATTN_PREFETCH_BLOCKS if quantized else PKV_ATTN_PREFETCH_ALL
+        a.prefetch = PKV_ATTN_PREFETCH_BLOCKS
     a.key_cache = _KEY_CACHE
     if kv_type == PKV_INT4 and quantized:
         a.row_bytes = head_dim // 2
@@ -307,7 +324,7 @@ def attend(
     cdef float mx, c, lsum
     cdef int64_t base, rows, q0, row_off, hq
     with nogil:
-        for it in prange(num_items, num_threads=nth, schedule="static"):
+        for it in prange(num_items, num_threads=nth, schedule="dynamic"):
             b = items[6 * it]
             rows = (a.q_indptr[b + 1] - a.q_indptr[b]) * Hq
             # the split's partials: m [rows], l [rows], acc [rows, D], rows in query order

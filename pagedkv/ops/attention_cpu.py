@@ -3,7 +3,9 @@
 The loops (:mod:`pagedkv.ops._cpu_attention`) take contiguous arenas; a strided arena
 (or parameter view) goes to the float64 reference after the same checks. ``q`` is
 widened to float32 once (and rotated once for a rotated arena); the float32 output is
-unrotated once and narrowed to ``q.dtype`` once.
+unrotated once and narrowed to ``q.dtype`` once. The pass's own K/V (``k_new``/``v_new``)
+are widened to float32 once and, for a rotated arena, rotated once, so that the loops
+read them as they read the arena's rows.
 """
 from __future__ import annotations
 
@@ -31,6 +33,14 @@ def _hadamard_(y: torch.Tensor, signs: torch.Tensor, *, inverse: bool) -> torch.
     return y
 
 
+def _widen_new(t: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+    """The pass's own rows as contiguous float32, rotated as the arena's rows are."""
+    x = t.detach().to(torch.float32).contiguous()
+    if signs is None:
+        return x
+    return _hadamard_(x.clone() if x.data_ptr() == t.data_ptr() else x, signs, inverse=False)
+
+
 def _contig(*ts) -> bool:
     return all(t is None or t.is_contiguous() for t in ts)
 
@@ -50,6 +60,11 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
     if rotation_signs is not None:
         signs = rotation_signs.contiguous()
         qrot = _hadamard_(qf.clone(), signs, inverse=False)   # qf may be q itself
+    new_args = {}
+    if plan.k_new is not None:
+        nk, nv = _widen_new(plan.k_new, signs), _widen_new(cast(torch.Tensor, plan.v_new), signs)  # both, checked
+        new_args = dict(new_k_ptr=nk.data_ptr(), new_v_ptr=nv.data_ptr(),
+                        pending_ptr=0 if plan.pending is None else plan.pending.data_ptr())
     res = torch.empty(q.shape, dtype=torch.float32)
     if geo.quantized:
         kv_type = _q.QUANT_CODES[cast(str, geo.kv_dtype)]     # quantized: the name is set
@@ -71,7 +86,7 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
         plan.indptr.data_ptr(), plan.indices.data_ptr(), plan.seq_lens.data_ptr(), plan.q_indptr.data_ptr(),
         plan.batch, geo.block_size, geo.num_heads, geo.head_dim, groups, layout == "HND",
         plan.sm_scale, 0.0 if plan.soft_cap is None else plan.soft_cap, plan.window or 0, plan.sink_tokens,
-        plan.num_splits or 0, split_tokens, **ex_args,
+        plan.num_splits or 0, split_tokens, **ex_args, **new_args,
     )
     if signs is not None:
         _hadamard_(res, signs, inverse=True)    # res is this call's own

@@ -20,13 +20,21 @@ Semantics (shapes: ``B`` sequences, ``Hq`` query heads, ``Hkv`` KV heads, ``D`` 
   ``soft_cap * tanh(logits / soft_cap)`` when ``soft_cap`` is given;
 - ``out[t, h] = sum_j softmax(logits)_j v_j``, returned in ``q.dtype``.
 
+The pass's own rows (``k_new``, ``v_new``, ``pending``; see :mod:`pagedkv.format.new_rows`):
+sequence ``b``'s last ``P = pending[b]`` positions (default: all ``n_b`` of its query
+positions) are read from ``k_new``/``v_new`` row ``q_indptr[b+1] - P + i`` for position
+``L - P + i``, in model precision, instead of from the arena. This is one definition of
+what a read returns: the rows a forward pass wrote are read as computed, whether the
+caller wrote them before attending (this op) or attends before writing (a gather with
+``pending``).
+
 ``exact_rows`` (:class:`ExactRows`) makes the op read what ``PagedKVCache.gather_pages``
 reads from a store with ``kv_window``/``kv_sink_tokens``: for sequence ``b`` with
-``lo = max(0, L - recent)`` and ``head = min(sink, lo)``, a key at position ``p`` with
-``p < head`` or ``p >= lo`` whose page ``blk`` has a slot ``s = slot_of[blk] >= 0`` and
-``valid[s, p % bs]`` is read from ``data[s, :, p % bs]`` (model precision, unrotated)
-instead of from the (quantized) arena. This is :meth:`pagedkv.store.window.RecentWindow.overlay`
-with no pending tokens.
+``end = L - P`` (its rows before the pending ones), ``lo = max(0, end - recent)`` and
+``head = min(sink, lo)``, a key at position ``p < end`` with ``p < head`` or ``p >= lo``
+whose page ``blk`` has a slot ``s = slot_of[blk] >= 0`` and ``valid[s, p % bs]`` is read
+from ``data[s, :, p % bs]`` (model precision, unrotated) instead of from the (quantized)
+arena. This is :meth:`pagedkv.store.window.RecentWindow.overlay` with ``P`` pending tokens.
 
 Rotation (``rotation_signs`` of a rotated arena): the definition is in the unrotated
 domain (the gather unrotates every row). A fast backend instead rotates ``q`` once and
@@ -52,7 +60,7 @@ from pagedkv.format.attention_checks import check_attention_args, index_array, o
 from pagedkv.format.quant import MODEL_DTYPES
 
 # index_array: re-exported (it was first published here)
-__all__ = ["ExactRows", "AttentionPlan", "check_attention", "paged_attention", "index_array"]
+__all__ = ["ExactRows", "AttentionPlan", "check_attention", "paged_attention", "index_array", "pending_counts"]
 
 
 class ExactRows(NamedTuple):
@@ -91,6 +99,19 @@ class AttentionPlan(NamedTuple):
     seq_lens: torch.Tensor
     q_indptr: torch.Tensor
     exact: ExactRows | None  # with slot_of as a contiguous int64 CPU tensor
+    k_new: torch.Tensor | None = None   # [num_q, Hkv, D] the pass's own K (q's dtype), or None
+    v_new: torch.Tensor | None = None
+    pending: torch.Tensor | None = None  # int32 [B] CPU snapshot (checked), or None: every query's row
+
+
+def pending_counts(plan: AttentionPlan) -> list[int]:
+    """Each sequence's positions read from the pass's own rows (0 without ``k_new``)."""
+    qp = plan.q_indptr.tolist()
+    if plan.k_new is None:
+        return [0] * plan.batch
+    if plan.pending is None:
+        return [qp[b + 1] - qp[b] for b in range(plan.batch)]
+    return plan.pending.tolist()
 
 
 def _check_exact(exact: object, geo: op_checks.LayerGeometry, device: torch.device) -> ExactRows | None:
@@ -131,7 +152,7 @@ def _check_exact(exact: object, geo: op_checks.LayerGeometry, device: torch.devi
 def check_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                     kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                     soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None,
-                    exact_rows=None, layer_format=None) -> AttentionPlan:
+                    exact_rows=None, layer_format=None, k_new=None, v_new=None, pending=None) -> AttentionPlan:
     """Every check of :func:`pagedkv.ops.paged_attention`, before any tensor is written.
 
     The index arrays are read once: the plan holds CPU int32 snapshots whose values
@@ -140,23 +161,26 @@ def check_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout=
     a = check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale,
                              kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
                              rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
-                             sink_tokens=sink_tokens, num_splits=num_splits, out=out, layer_format=layer_format)
+                             sink_tokens=sink_tokens, num_splits=num_splits, out=out, layer_format=layer_format,
+                             k_new=k_new, v_new=v_new, pending=pending)
     exact = _check_exact(exact_rows, a.geo, kv_layer.device)
     return AttentionPlan(a.geo, a.batch, a.num_q_heads, a.num_q_heads // a.geo.num_heads, a.sm_scale, a.soft_cap,
-                         a.window, a.sink_tokens, a.num_splits, a.indptr, a.indices, a.seq_lens, a.q_indptr, exact)
+                         a.window, a.sink_tokens, a.num_splits, a.indptr, a.indices, a.seq_lens, a.q_indptr, exact,
+                         a.k_new, a.v_new, a.pending)
 
 
 # ----------------------------------------------------------------------------------
 # the definition
 
 
-def _exact_overlay(k, v, plan: AttentionPlan, b: int, n: int) -> None:
+def _exact_overlay(k, v, plan: AttentionPlan, b: int, end: int) -> None:
+    """The window and sink rows of sequence ``b``'s positions before ``end`` (its pending rows)."""
     ex = plan.exact
     if ex is None:
         return
-    lo = max(0, n - ex.recent)
+    lo = max(0, end - ex.recent)
     head = min(ex.sink, lo)
-    pos = torch.cat([torch.arange(head), torch.arange(lo, n)]).long()
+    pos = torch.cat([torch.arange(head), torch.arange(lo, end)]).long()
     if not pos.numel():
         return
     bs = plan.geo.block_size
@@ -176,12 +200,13 @@ def _exact_overlay(k, v, plan: AttentionPlan, b: int, n: int) -> None:
 def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                     kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                     soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None,
-                    exact_rows=None) -> torch.Tensor:
+                    exact_rows=None, k_new=None, v_new=None, pending=None) -> torch.Tensor:
     """The float64 definition of :func:`pagedkv.ops.paged_attention` (see the module)."""
     plan = check_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale,
                            kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero, rotation_signs=rotation_signs,
                            sm_scale=sm_scale, soft_cap=soft_cap, window=window, sink_tokens=sink_tokens,
-                           num_splits=num_splits, out=out, exact_rows=exact_rows)
+                           num_splits=num_splits, out=out, exact_rows=exact_rows, k_new=k_new, v_new=v_new,
+                           pending=pending)
     return attend_reference(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out)
 
 
@@ -200,6 +225,7 @@ def attend_reference(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero
     qd = q.detach().cpu().double()
     res = torch.zeros(q.shape, dtype=torch.float64)
     lens, qp = plan.seq_lens.tolist(), plan.q_indptr.tolist()
+    pend = pending_counts(plan)
     base = 0
     for b, n in enumerate(lens):
         k, v = k_all[base:base + n].clone(), v_all[base:base + n].clone()
@@ -208,7 +234,11 @@ def attend_reference(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero
         if nq == 0:
             continue
         if plan.exact is not None:
-            _exact_overlay(k, v, plan, b, n)
+            _exact_overlay(k, v, plan, b, n - pend[b])
+        if pend[b]:    # the pass's own rows, as computed
+            rows = slice(qp[b + 1] - pend[b], qp[b + 1])
+            k[n - pend[b]:] = cast(torch.Tensor, plan.k_new)[rows].detach().cpu().double()
+            v[n - pend[b]:] = cast(torch.Tensor, plan.v_new)[rows].detach().cpu().double()
         # [nq, Hq, D] x [n, Hkv, D] -> [Hq, nq, n], each query head against its KV head
         kh = k.repeat_interleave(plan.group, dim=1).transpose(0, 1)        # [Hq, n, D]
         vh = v.repeat_interleave(plan.group, dim=1).transpose(0, 1)

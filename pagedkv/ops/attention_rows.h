@@ -81,6 +81,9 @@ typedef struct {
     const uint8_t* exact_valid;
     int64_t exact_recent, exact_sink;
     const float* signs;      /* rotation signs (rotating exact V rows), NULL without rotation */
+    const float* new_k;      /* [num_q, H, D] float32: the pass's own K/V (rotated with the arena), or NULL */
+    const float* new_v;
+    const int32_t* pending;  /* [batch] positions read from new_k/new_v, or NULL: each query's own */
     pkv_dequantize_row_fn deq;
     pkv_key_row_fn key_row;
     int64_t row_bytes, param_row, elem_bytes;
@@ -91,9 +94,10 @@ typedef struct {
 
 /* what the item prefetches of the next tile: nothing, every line, or the first lines of
  * each block's rows (a block's rows are contiguous; the hardware prefetcher follows them
- * once started). Measured (1 thread, batch 8 x 4096): every line wins for float32 rows
- * (32q/8kv/128: 33 ms against 36), the blocks' first lines for code rows (int4 block keys
- * 22.3 ms against 23.3, int8 23.2 against 24.1), within this machine's noise otherwise */
+ * once started). Measured (1 thread, batch 8 x 4096): the blocks' first lines for code rows
+ * (int4 block keys 22.3 ms against 23.3, int8 23.2 against 24.1); for model-dtype rows
+ * every line won while they were copied one row at a time, and the blocks' first lines
+ * since they are copied a run at a time (pkv_attn_load_runs; 32q/8kv/128: 32 ms against 39) */
 #define PKV_ATTN_PREFETCH_NONE 0
 #define PKV_ATTN_PREFETCH_ALL 1
 #define PKV_ATTN_PREFETCH_BLOCKS 2
@@ -240,20 +244,28 @@ static inline __attribute__((always_inline)) void pkv_attn_dots(const int R, con
             acc[r] += x * c;
         }
     }
+    /* the R horizontal sums at once (as pkv_attn_fdots: a per-row sum was measured as 9% of
+     * that loop), then a tail of head_dim % 8 elements per row */
+    pkv_attn_v8 v[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) v[r] = r < R ? acc[r] + acc2[r] : (pkv_attn_v8){0};
+    const pkv_attn_v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+    const pkv_attn_v8 u01 = __builtin_shuffle(v[0], v[1], even) + __builtin_shuffle(v[0], v[1], odd);
+    const pkv_attn_v8 u23 = __builtin_shuffle(v[2], v[3], even) + __builtin_shuffle(v[2], v[3], odd);
+    const pkv_attn_v8 w = __builtin_shuffle(u01, u23, even) + __builtin_shuffle(u01, u23, odd);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-        const pkv_attn_v8 v = acc[r] + acc2[r];
-        float x = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+        float x = w[r] + w[r + 4];
         for (int64_t e = d; e < D; ++e) x += q[r * D + e] * k[e];
         out[r] = x;
     }
 }
 
-/* acc_r += sum over visible t of w[r * T + t] * v_t, for R (constant) rows acc + r * D:
- * 16 lanes of every row's accumulator stay in registers across the tile's tokens */
+/* acc_r += sum over visible t of w[r * T + t] * v_t (v_t = vr[t]), for R (constant) rows
+ * acc + r * D: 16 lanes of every row's accumulator stay in registers across the tile's tokens */
 static inline __attribute__((always_inline)) void pkv_attn_vtile(const int R, float* acc, const float* w,
-                                                                 int64_t T, const uint8_t* vis, const float* v,
-                                                                 int64_t nt, int64_t D) {
+                                                                 int64_t T, const uint8_t* vis,
+                                                                 const float* const* vr, int64_t nt, int64_t D) {
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
         pkv_attn_v8 x[PKV_ATTN_ROWS], x2[PKV_ATTN_ROWS];
@@ -265,8 +277,8 @@ static inline __attribute__((always_inline)) void pkv_attn_vtile(const int R, fl
         for (int64_t t = 0; t < nt; ++t) {
             if (!vis[t]) continue;
             pkv_attn_v8 c, c2;
-            memcpy(&c, v + t * D + d, 32);
-            memcpy(&c2, v + t * D + d + 8, 32);
+            memcpy(&c, vr[t] + d, 32);
+            memcpy(&c2, vr[t] + d + 8, 32);
 #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
                 const pkv_attn_v8 wv = (pkv_attn_v8){0} + w[r * T + t];
@@ -285,18 +297,44 @@ static inline __attribute__((always_inline)) void pkv_attn_vtile(const int R, fl
         for (int r = 0; r < R; ++r) {
             float x = acc[r * D + d];
             for (int64_t t = 0; t < nt; ++t)
-                if (vis[t]) x += w[r * T + t] * v[t * D + d];
+                if (vis[t]) x += w[r * T + t] * vr[t][d];
             acc[r * D + d] = x;
         }
 }
 
+/* The next tile's bytes, prefetched a few lines per scored token rather than all at once:
+ * a burst of prefetches waits for free line-fill buffers and leaves the scoring idle, while
+ * prefetches spread over the scoring overlap the reads with it. Runs of contiguous bytes
+ * (model-dtype NHD rows: pkv_attn_load_runs' runs), prefetched into L2. */
+#define PKV_ATTN_STREAM_RUNS (2 * PKV_ATTN_TILE)
+typedef struct {
+    const char* p[PKV_ATTN_STREAM_RUNS];
+    int64_t bytes[PKV_ATTN_STREAM_RUNS];
+    int n, i;
+    int64_t off, per;     /* the cursor (run i, byte off), lines per step */
+} pkv_attn_stream;
+
+static inline __attribute__((always_inline)) void pkv_attn_stream_step(pkv_attn_stream* st) {
+    for (int64_t k = 0; k < st->per && st->i < st->n; ++k) {
+        __builtin_prefetch(st->p[st->i] + st->off, 0, 2);
+        st->off += 64;
+        if (st->off >= st->bytes[st->i]) {
+            ++st->i;
+            st->off = 0;
+        }
+    }
+}
+
 /* The rows [r0, r0 + R) (R constant) of one query token at position p and one KV head
- * take in a tile: scores, the online softmax, then the values. s: R * T floats. */
+ * take in a tile (token t's float32 K and V rows at kr[t], vr[t]): scores, the online
+ * softmax, then the values. s: R * T floats. st: the next tile's stream, or NULL. */
 static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_attn_args* a, const int R,
                                                                      int64_t r0, int64_t qoff, int64_t p,
-                                                                     int64_t c0, int64_t nt, const float* kh,
-                                                                     const float* vh, const uint8_t* ph,
-                                                                     float* m, float* l, float* acc, float* s) {
+                                                                     int64_t c0, int64_t nt,
+                                                                     const float* const* kr,
+                                                                     const float* const* vr, const uint8_t* ph,
+                                                                     float* m, float* l, float* acc, float* s,
+                                                                     pkv_attn_stream* st) {
     const int64_t D = a->head_dim, T = a->tile;
     uint8_t vis[PKV_ATTN_TILE];
     float mx[PKV_ATTN_ROWS], dots[PKV_ATTN_ROWS];
@@ -312,8 +350,9 @@ static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_a
             continue;
         }
         any = 1;
+        if (st) pkv_attn_stream_step(st);
         const float* qv = (a->qrot && !ph[t]) ? a->qrot + qoff : a->q + qoff;
-        pkv_attn_dots(R, qv, kh + t * D, D, dots);
+        pkv_attn_dots(R, qv, kr[t], D, dots);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
             float x = dots[r] * a->sm_scale;
@@ -340,7 +379,7 @@ static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_a
         }
         l[rr] += pkv_attn_exp_tile(sr, nt, mx[r]);  /* masked: e^-inf = 0 */
     }
-    pkv_attn_vtile(R, acc + r0 * D, s, T, vis, vh, nt, D);
+    pkv_attn_vtile(R, acc + r0 * D, s, T, vis, vr, nt, D);
 }
 
 typedef uint32_t pkv_attn_v8u __attribute__((vector_size(32)));
@@ -459,18 +498,39 @@ typedef struct {
     uint8_t sealed[256];
 } pkv_attn_keys;
 
+/* Sequence b's positions from ``end`` on are the pass's own rows: its last ``pending``
+ * (the caller checked 0 <= pending[b] <= its queries), or every query's without a count;
+ * position pos >= end is row pos + (q_end - n) of new_k/new_v. Without new rows: n. */
+static inline int64_t pkv_attn_new_end(const pkv_attn_args* a, int64_t b) {
+    if (!a->new_k) return a->seq_lens[b];
+    const int64_t nq = a->q_indptr[b + 1] - a->q_indptr[b];
+    return a->seq_lens[b] - (a->pending ? a->pending[b] : nq);
+}
+
 /* Read K/V of token ``pos`` of sequence b into k/v (float32); returns whether the K row
- * is in the unrotated domain (a sealed block key or an exact row). A float32 arena's rows
+ * is in the unrotated domain (a sealed block key or an exact row). ``end``: the first of
+ * the pass's own rows (pkv_attn_new_end), read from new_k/new_v row pos + qshift (they
+ * are rotated as the arena is). The window's exact rows are the ``exact_recent`` before
+ * ``end``. A float32 arena's rows
  * are copied too: scoring them in place (the tile holding row pointers) was measured
  * slower (1 thread, 32q/8kv/128, batch 8 x 4096: 57 ms against 33): the copy streams each
  * block's rows in address order, and the scoring then reads them from L1/L2. */
-static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_args* a, int64_t first, int64_t n,
-                                                               int64_t pos, int64_t h, float* k, float* v,
-                                                               float* tmp, pkv_attn_keys* kc) {
+static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_args* a, int64_t first, int64_t end,
+                                                               int64_t qshift, int64_t pos, int64_t h, float* k,
+                                                               float* v, float* tmp, pkv_attn_keys* kc,
+                                                               const float** kout, const float** vout) {
     const int64_t D = a->head_dim;
+    *kout = k;
+    *vout = v;
+    if (pos >= end) {   /* float32 rows already: read in place */
+        const int64_t r = ((pos + qshift) * a->num_heads + h) * D;
+        *kout = a->new_k + r;
+        *vout = a->new_v + r;
+        return 0;
+    }
     const int64_t blk = a->indices[first + pos / a->block_size], off = pos % a->block_size;
     if (a->exact_data) {
-        const int64_t lo = n - a->exact_recent > 0 ? n - a->exact_recent : 0;
+        const int64_t lo = end - a->exact_recent > 0 ? end - a->exact_recent : 0;
         const int64_t head = a->exact_sink < lo ? a->exact_sink : lo;
         if (pos < head || pos >= lo) {
             const int64_t s = a->exact_slot[blk];
@@ -528,6 +588,78 @@ static inline __attribute__((always_inline)) int pkv_attn_load(const pkv_attn_ar
     a->deq(a->layer + rv * a->row_bytes, a->kv_type, D, a->groups, (const float*)(a->scale + rv * a->param_row),
            a->zero ? (const float*)(a->zero + rv * a->param_row) : NULL, PKV_F32, (char*)v, tmp, NULL);
     return plain;
+}
+
+/* Tokens [c0, c0 + nt) of heads [h0, h0 + nh) of a model-dtype NHD arena (no exact rows)
+ * into tiles laid out [T, nh, D] (kp/vp point at each row: kp[hh * T + t]): a token's rows
+ * of consecutive heads are adjacent in a page, and with every head a block's tokens are
+ * too, so each run is widened (float32: copied) by one call instead of one per row.
+ * Measured (1 thread, 9q/3kv/64, batch 8 x 2,000, fp32): a 256-byte memcpy per row cost
+ * as much as the scoring; scoring the rows in place instead of copying them was slower
+ * still (6.7 ms against 4.8: the copy's loads are independent, the dot products' are not). */
+static inline __attribute__((always_inline)) void pkv_attn_load_runs(const pkv_attn_args* a, int64_t first,
+                                                                     int64_t end, int64_t qshift, int64_t c0,
+                                                                     int64_t nt, int64_t h0, int64_t nh, float* kt,
+                                                                     float* vt, const float** kp, const float** vp,
+                                                                     uint8_t* plain) {
+    const int64_t D = a->head_dim, T = a->tile, H = a->num_heads, bs = a->block_size;
+    const int64_t whole = nh == H;   /* a block's rows of every head are one run */
+    for (int64_t t = 0; t < nt;) {
+        const int64_t pos = c0 + t;
+        if (pos >= end) {   /* the pass's own rows: float32 already, read in place */
+            for (int64_t hh = 0; hh < nh; ++hh) {
+                const int64_t r = ((pos + qshift) * H + h0 + hh) * D;
+                kp[hh * T + t] = a->new_k + r;
+                vp[hh * T + t] = a->new_v + r;
+                plain[hh * T + t] = 0;
+            }
+            ++t;
+            continue;
+        }
+        const int64_t blk = a->indices[first + pos / bs], off = pos % bs;
+        int64_t len = whole ? bs - off : 1;   /* tokens in this run */
+        if (len > nt - t) len = nt - t;
+        if (len > end - pos) len = end - pos;
+        const int64_t rk = pkv_attn_row(a, blk, 0, off, h0), rv = pkv_attn_row(a, blk, 1, off, h0);
+        pkv_widen_row((const char*)a->layer + rk * D * a->elem_bytes, a->kv_type, len * nh * D, kt + t * nh * D);
+        pkv_widen_row((const char*)a->layer + rv * D * a->elem_bytes, a->kv_type, len * nh * D, vt + t * nh * D);
+        for (int64_t i = t; i < t + len; ++i)
+            for (int64_t hh = 0; hh < nh; ++hh) {
+                kp[hh * T + i] = kt + (i * nh + hh) * D;
+                vp[hh * T + i] = vt + (i * nh + hh) * D;
+                plain[hh * T + i] = 0;
+            }
+        t += len;
+    }
+}
+
+/* The runs pkv_attn_load_runs will copy for tokens [c0, c0 + nt) (the pass's own rows
+ * excluded), as a stream spread over ``calls`` steps */
+static inline __attribute__((always_inline)) void pkv_attn_stream_plan(const pkv_attn_args* a, int64_t first,
+                                                                       int64_t end, int64_t c0, int64_t nt,
+                                                                       int64_t h0, int64_t nh, int64_t calls,
+                                                                       pkv_attn_stream* st) {
+    const int64_t D = a->head_dim, H = a->num_heads, bs = a->block_size;
+    const int64_t whole = nh == H, row = D * a->elem_bytes;
+    int64_t lines = 0;
+    st->n = st->i = 0;
+    st->off = 0;
+    for (int64_t t = 0; t < nt && st->n + 2 <= PKV_ATTN_STREAM_RUNS;) {
+        const int64_t pos = c0 + t;
+        if (pos >= end) break;
+        const int64_t blk = a->indices[first + pos / bs], off = pos % bs;
+        int64_t len = whole ? bs - off : 1;
+        if (len > nt - t) len = nt - t;
+        if (len > end - pos) len = end - pos;
+        for (int kv = 0; kv < 2; ++kv) {
+            st->p[st->n] = (const char*)a->layer + pkv_attn_row(a, blk, kv, off, h0) * row;
+            st->bytes[st->n] = len * nh * row;
+            lines += (st->bytes[st->n] + 63) / 64;
+            ++st->n;
+        }
+        t += len;
+    }
+    st->per = calls > 0 ? (lines + calls - 1) / calls : lines;
 }
 
 /* Prefetch the K and V rows (and their parameters) of tokens [c0, c1) of heads [h0, h1):
@@ -769,14 +901,14 @@ static inline __attribute__((always_inline)) void pkv_attn_fkind(const pkv_attn_
     }
 }
 
-/* pkv_attn_item_body for code rows (a->kind >= 0) without exact rows */
+/* pkv_attn_item_body for code rows (a->kind >= 0) without exact rows, over arena rows only */
 static inline __attribute__((always_inline)) void pkv_attn_item_fused(const pkv_attn_args* a, int64_t b,
                                                                       int64_t h0, int64_t h1, int64_t t0,
                                                                       int64_t t1, float* m, float* l, float* acc,
                                                                       float* scratch) {
-    const int64_t D = a->head_dim, Hq = a->num_q_heads, T = a->tile, nh = h1 - h0, nc = a->groups;
+    const int64_t D = a->head_dim, T = a->tile, nh = h1 - h0, nc = a->groups;
     const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0;
-    const int64_t first = a->indptr[b], G = a->group;
+    const int64_t first = a->indptr[b];
     const int64_t rows = nh * T;
     float* s = scratch;                       /* [PKV_ATTN_ROWS, T] */
     pkv_attn_ftile ft;
@@ -790,12 +922,6 @@ static inline __attribute__((always_inline)) void pkv_attn_item_fused(const pkv_
     ft.ng = a->groups;
     for (int64_t c = 0; c < D >> 3; ++c) cg[c] = (int32_t)(c / ((D >> 3) / a->groups));
     ft.cg = cg;
-    for (int64_t i = 0; i < nq; ++i)
-        for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-            memset(acc + r * D, 0, (size_t)D * sizeof(float));
-        }
     const int64_t p_min = n - nq;
     for (int64_t c0 = t0; c0 < t1; c0 += T) {
         const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
@@ -865,25 +991,28 @@ static inline __attribute__((always_inline)) void pkv_attn_item_fused(const pkv_
  * token's heads are adjacent, so one item streams its pages once instead of once per
  * head; HND: each head's tokens run contiguously). scratch: pkv_attn_scratch_floats. */
 static inline int64_t pkv_attn_scratch_floats(int64_t tile, int64_t heads, int64_t head_dim) {
-    const int64_t widened = 2 * tile * heads * head_dim + head_dim + 4 * tile + 2 * heads * head_dim;
+    /* the widened tiles, their row pointers (two floats a pointer, plus alignment), tmp,
+     * scores, block-key parameters */
+    const int64_t widened = 2 * tile * heads * head_dim + 4 * tile * heads + 2 + head_dim + 4 * tile +
+                            2 * heads * head_dim;
     const int64_t fused = 4 * tile + pkv_attn_fused_floats(tile, heads, head_dim) + 2;
     return widened > fused ? widened : fused;
 }
 
-static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
-                                                                     int64_t h0, int64_t h1, int64_t t0,
-                                                                     int64_t t1, float* m, float* l, float* acc,
-                                                                     float* scratch) {
-    if (a->fused && a->kind >= 0 && !a->exact_data && a->head_dim <= 8 * 512) {  /* cg: 512 chunks */
-        pkv_attn_item_fused(a, b, h0, h1, t0, t1, m, l, acc, scratch);
-        return;
-    }
+/* the item's keys [t0, t1) through widened tiles (any row source), taken into (m, l, acc) */
+static inline __attribute__((always_inline)) void pkv_attn_item_tiles(const pkv_attn_args* a, int64_t b,
+                                                                      int64_t h0, int64_t h1, int64_t t0,
+                                                                      int64_t t1, float* m, float* l, float* acc,
+                                                                      float* scratch) {
     const int64_t D = a->head_dim, G = a->group, Hq = a->num_q_heads, T = a->tile, nh = h1 - h0;
     const int64_t n = a->seq_lens[b], q0 = a->q_indptr[b], nq = a->q_indptr[b + 1] - q0;
-    const int64_t first = a->indptr[b];
-    float* kt = scratch;                 /* [nh, T, D] */
+    const int64_t first = a->indptr[b], end = pkv_attn_new_end(a, b), qshift = q0 + nq - n;
+    float* kt = scratch;                 /* [nh, T, D] rows widened to float32 */
     float* vt = kt + nh * T * D;
-    float* tmp = vt + nh * T * D;
+    /* [nh, T] where each row's float32 copy is (or the pass's own row, float32 already) */
+    const float** kp = (const float**)(void*)(((uintptr_t)(vt + nh * T * D) + 7) & ~(uintptr_t)7);
+    const float** vp = kp + nh * T;
+    float* tmp = (float*)(void*)(vp + nh * T);
     float* s = tmp + D;                  /* [PKV_ATTN_ROWS, T] a few rows' scores, then weights */
     pkv_attn_keys kc;                    /* sealed block keys' parameters, widened once per block */
     kc.s = s + 4 * T;                    /* [nh, D] */
@@ -891,48 +1020,79 @@ static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_a
     kc.h0 = h0;
     for (int64_t hh = 0; hh < nh; ++hh) kc.blk[hh] = -1;
     uint8_t plain[PKV_ATTN_MAX_TILE_ROWS];
-    for (int64_t i = 0; i < nq; ++i)
-        for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-            memset(acc + r * D, 0, (size_t)D * sizeof(float));
-        }
     const int64_t p_min = n - nq;  /* the first query's position */
+    /* a model-dtype NHD arena without exact rows: whole runs of rows at once */
+    const int runs = !a->quantized && !a->hnd && !a->exact_data;
     for (int64_t c0 = t0; c0 < t1; c0 += T) {
         const int64_t c1 = c0 + T < t1 ? c0 + T : t1, nt = c1 - c0;
         if (c0 > n - 1) break;
         if (a->window && c1 - 1 <= p_min - a->window && c0 >= a->sink_tokens) continue;  /* seen by no query */
-        if (c1 < t1 && a->prefetch != PKV_ATTN_PREFETCH_NONE)
+        pkv_attn_stream stream, *sp = NULL;
+        if (c1 < t1 && runs && a->prefetch != PKV_ATTN_PREFETCH_NONE) {
+            /* the scoring calls per tile: heads x queries x ceil(G / 4) x tokens */
+            const int64_t calls = nh * nq * ((G + PKV_ATTN_ROWS - 1) / PKV_ATTN_ROWS) * nt;
+            pkv_attn_stream_plan(a, first, end, c1, (c1 + T < t1 ? c1 + T : t1) - c1, h0, nh, calls, &stream);
+            sp = &stream;
+        } else if (c1 < t1 && a->prefetch != PKV_ATTN_PREFETCH_NONE) {
             pkv_attn_prefetch(a, first, h0, h1, c1, c1 + T < t1 ? c1 + T : t1);
-        if (a->hnd) {
+        }
+        if (runs) {
+            pkv_attn_load_runs(a, first, end, qshift, c0, nt, h0, nh, kt, vt, kp, vp, plain);
+        } else if (a->hnd) {
             for (int64_t hh = 0; hh < nh; ++hh)
                 for (int64_t t = 0; t < nt; ++t)
-                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, n, c0 + t, h0 + hh, kt + (hh * T + t) * D,
-                                                               vt + (hh * T + t) * D, tmp, &kc);
+                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, end, qshift, c0 + t, h0 + hh,
+                                                               kt + (hh * T + t) * D, vt + (hh * T + t) * D, tmp,
+                                                               &kc, kp + hh * T + t, vp + hh * T + t);
         } else {
             for (int64_t t = 0; t < nt; ++t)
                 for (int64_t hh = 0; hh < nh; ++hh)
-                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, n, c0 + t, h0 + hh, kt + (hh * T + t) * D,
-                                                               vt + (hh * T + t) * D, tmp, &kc);
+                    plain[hh * T + t] = (uint8_t)pkv_attn_load(a, first, end, qshift, c0 + t, h0 + hh,
+                                                               kt + (hh * T + t) * D, vt + (hh * T + t) * D, tmp,
+                                                               &kc, kp + hh * T + t, vp + hh * T + t);
         }
         for (int64_t hh = 0; hh < nh; ++hh) {
-            const float* kh = kt + hh * T * D;
-            const float* vh = vt + hh * T * D;
+            const float* const* kh = kp + hh * T;
+            const float* const* vh = vp + hh * T;
             const uint8_t* ph = plain + hh * T;
             for (int64_t i = 0; i < nq; ++i) {
                 const int64_t p = p_min + i;
                 for (int64_t g0 = 0; g0 < G; g0 += PKV_ATTN_ROWS) {
                     const int64_t r0 = i * Hq + (h0 + hh) * G + g0, qoff = (q0 * Hq + r0) * D;
                     switch (G - g0 < PKV_ATTN_ROWS ? G - g0 : PKV_ATTN_ROWS) {
-                        case 1: pkv_attn_rows_tile(a, 1, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
-                        case 2: pkv_attn_rows_tile(a, 2, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
-                        case 3: pkv_attn_rows_tile(a, 3, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
-                        default: pkv_attn_rows_tile(a, 4, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s); break;
+                        case 1: pkv_attn_rows_tile(a, 1, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s, sp); break;
+                        case 2: pkv_attn_rows_tile(a, 2, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s, sp); break;
+                        case 3: pkv_attn_rows_tile(a, 3, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s, sp); break;
+                        default: pkv_attn_rows_tile(a, 4, r0, qoff, p, c0, nt, kh, vh, ph, m, l, acc, s, sp); break;
                     }
                 }
             }
         }
     }
+}
+
+/* The item: its rows' state starts empty; code rows without exact rows are decoded in
+ * registers (pkv_attn_item_fused) up to the pass's own rows, which (and everything else)
+ * go through widened tiles. */
+static inline __attribute__((always_inline)) void pkv_attn_item_body(const pkv_attn_args* a, int64_t b,
+                                                                     int64_t h0, int64_t h1, int64_t t0,
+                                                                     int64_t t1, float* m, float* l, float* acc,
+                                                                     float* scratch) {
+    const int64_t D = a->head_dim, G = a->group, Hq = a->num_q_heads;
+    const int64_t nq = a->q_indptr[b + 1] - a->q_indptr[b];
+    for (int64_t i = 0; i < nq; ++i)
+        for (int64_t r = i * Hq + h0 * G; r < i * Hq + h1 * G; ++r) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+            memset(acc + r * D, 0, (size_t)D * sizeof(float));
+        }
+    if (a->fused && a->kind >= 0 && !a->exact_data && a->head_dim <= 8 * 512) {  /* cg: 512 chunks */
+        const int64_t end = pkv_attn_new_end(a, b);
+        pkv_attn_item_fused(a, b, h0, h1, t0, t1 < end ? t1 : end, m, l, acc, scratch);
+        if (t1 > end) pkv_attn_item_tiles(a, b, h0, h1, t0 > end ? t0 : end, t1, m, l, acc, scratch);
+        return;
+    }
+    pkv_attn_item_tiles(a, b, h0, h1, t0, t1, m, l, acc, scratch);
 }
 
 static void pkv_attn_item_base(const pkv_attn_args* a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1,

@@ -34,11 +34,13 @@ class AttentionStep:
             layer (MLA: ``sm_scale`` is required, the others must be left unset but
             ``num_splits``).
         backend: as the ops take it.
+        pending: ints ``[B]``, each row's last positions a layer's ``k_new``/``v_new``
+            cover (:func:`pagedkv.ops.paged_attention`), the same for every layer.
     """
 
     def __init__(self, indptr, indices, seq_lens, q_indptr, *, device, sm_scale: float | None = None,
                  soft_cap: float | None = None, window: int | None = None, sink_tokens: int = 0,
-                 num_splits: int | None = None, backend: str = "auto"):
+                 num_splits: int | None = None, backend: str = "auto", pending=None):
         device = torch.device(device)
         self.indptr = index_array("indptr", indptr, device)
         self.indices = index_array("indices", indices, device)
@@ -47,15 +49,17 @@ class AttentionStep:
         self.options: dict[str, Any] = dict(sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                                             sink_tokens=sink_tokens, num_splits=num_splits)
         self.backend = backend
+        self.pending = pending      # each row's trailing positions the layers' k_new/v_new cover (checked by the op)
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(indptr, indices, seq_lens, q_indptr)`` on the device."""
         return self.indptr, self.indices, self.seq_lens, self.q_indptr
 
-    def run(self, q, view, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, q, view, *, out: torch.Tensor | None = None, **pass_rows: Any) -> torch.Tensor:
         """The attention of ``q`` over one layer: ``[Nq, Hq, D]`` queries for a
         :class:`KVLayerView`; ``(q_nope, q_pe)`` for a :class:`LatentView` (absorbed
-        queries, see :func:`pagedkv.ops.mla_attention`)."""
+        queries, see :func:`pagedkv.ops.mla_attention`). ``pass_rows``: ``k_new``, ``v_new``,
+        ``pending`` as :func:`pagedkv.ops.paged_attention` takes them (K/V rows only)."""
         o = self.options
         if isinstance(view, LatentView):
             unset = [k for k in ("soft_cap", "window") if o[k] is not None] + (["sink_tokens"] if o["sink_tokens"]
@@ -68,6 +72,9 @@ class AttentionStep:
                                  num_splits=o["num_splits"], out=out, backend=self.backend)
         if isinstance(view, KVLayerView):
             # looked up on the package at each run: the public op, as a caller (or a test's spy) sees it
-            return ops.paged_attention(q, view, *self.tables(), out=out, backend=self.backend, **o)
+            ip, ix, lens, qi = self.tables()
+            return ops.paged_attention(q, view, ip, ix, lens, qi, out=out, backend=self.backend,
+                                       k_new=pass_rows.get("k_new"), v_new=pass_rows.get("v_new"),
+                                       pending=pass_rows.get("pending"), **o)
         raise InvalidArgumentError(expected("view", "a KVLayerView or a LatentView (a store's view(layer))",
                                             type(view).__name__))

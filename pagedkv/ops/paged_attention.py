@@ -73,6 +73,9 @@ def paged_attention(
     out: torch.Tensor | None = None,
     exact_rows: ExactRows | None = None,
     layer_format: LayerFormat | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    pending=None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` over paged K/V.
@@ -99,7 +102,18 @@ def paged_attention(
         num_splits: CPU: splits per sequence (default: one per :data:`SPLIT_TOKENS` keys).
         out: optional contiguous output shaped and typed as ``q``.
         exact_rows: model-precision rows read instead of the arena's
-            (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window).
+            (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window); its
+            recent rows are those before the pending ones.
+        k_new, v_new: ``[num_q_tokens, num_kv_heads, head_dim]`` in ``q``'s dtype: the K/V
+            the forward pass computed for each query token (row ``t``: query token ``t``'s
+            own). The pass's rows are read from here, at model precision, instead of
+            from the arena it has just written them to (one definition of what a read
+            returns; see :mod:`pagedkv.format.new_rows`).
+        pending: ints ``[batch]`` (an int32 tensor or a NumPy array): sequence ``b``'s last
+            ``pending[b]`` positions (``<= `` its query count) are the pass's rows read
+            from ``k_new``/``v_new``. Default with ``k_new``: every query's own position;
+            a query that re-reads a committed token (a recomputed prefix hit) is given
+            fewer.
         layer_format: the layer's :class:`~pagedkv.format.layer_format.LayerFormat` (the
             store passes its own); the tensors are verified against it. None: the format
             the tensors imply (the group size read off ``kv_scale``'s trailing dim).
@@ -122,7 +136,7 @@ def paged_attention(
     kwargs = dict(layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
                   rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows,
-                  layer_format=layer_format)
+                  layer_format=layer_format, k_new=k_new, v_new=v_new, pending=pending)
     device = kv_layer.device if isinstance(kv_layer, torch.Tensor) else torch.device("meta")
     if backend == "auto" and device.type == "cpu" and _ca is None:
         name = "reference"

@@ -10,7 +10,7 @@ prefill leaves every finished chunk in the cache::
         for layer in range(num_layers):
             ...                                     # q, k, v for chunk.token_ids at chunk.positions
             cache.write(layer, chunk.slot_mapping, k, v)
-            k_all, v_all = chunk.gather(layer)      # positions [0, chunk.end)
+            k_all, v_all = chunk.gather(layer, k, v)   # positions [0, chunk.end), the chunk's own as computed
             ...                                     # causal attention of the chunk over them
         return logits_of_last_token
 
@@ -85,14 +85,24 @@ class PrefillChunk:
     def is_last(self) -> bool:
         return self.end == self.total_tokens
 
-    def gather(self, layer: int):
+    def gather(self, layer: int, key=None, value=None):
         """K, V ``[end, num_kv_heads, head_dim]`` of positions ``[0, end)`` in ``layer``.
 
-        Sliced to ``end`` because the sequence may hold more reserved slots than this
-        chunk (left by a chunk whose forward failed); those hold no valid KV yet.
+        ``key``/``value``: the chunk's own K/V ``[len(token_ids), H, D]`` as computed, read
+        in place of its rows in the cache (one definition of what a read returns: a pass's
+        own rows are read at model precision; a quantized cache refuses to read them back
+        from its arena before they are committed). Without them, the chunk's rows are
+        read from the cache. Sliced to ``end`` because the sequence may hold more reserved
+        slots than this chunk (left by a chunk whose forward failed); those hold no valid
+        KV yet.
         """
-        k, v = self.cache.gather(self.seq_id, layer)
-        return k[: self.end], v[: self.end]
+        if key is None and value is None:
+            k, v = self.cache.gather(self.seq_id, layer)
+            return k[: self.end], v[: self.end]
+        import torch
+
+        k, v = self.cache.gather(self.seq_id, layer, self.start)
+        return torch.cat([k, key.to(k.dtype)]), torch.cat([v, value.to(v.dtype)])
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@
   wheel, and a tiny random Llama that needs no network);
 - :mod:`pagedkv.testing.core_model`: a pure-Python model of the Cython core (the
   oracle of the stateful tests, the fuzzer and the core benchmark's baseline);
+- :mod:`pagedkv.testing.quality`: perplexity, KL and top-1 of caches and read paths
+  against a baseline on held-out text (the quality measurements' shared loop);
 - :func:`weak_hash_cache` (:mod:`pagedkv.testing.caches`): a ``PagedKVCache`` whose
   block hash collides on purpose, to prove that collisions cost misses, never wrong KV.
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["models", "caches", "core_model", "weak_hash_cache"]
+__all__ = ["models", "caches", "core_model", "quality", "weak_hash_cache"]
 
 _LAZY = {"weak_hash_cache": "caches"}
 
