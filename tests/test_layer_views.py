@@ -47,6 +47,9 @@ def test_a_store_view_is_the_layers_parts():
     kv.free("a")
 
 
+NONE_PENDING = np.zeros(1, np.int32)     # one row, none of its positions written by this pass
+
+
 def test_attention_through_a_view_equals_the_loose_tensors():
     kv = filled(**WINDOWED)
     store = kv.store
@@ -60,7 +63,8 @@ def test_attention_through_a_view_equals_the_loose_tensors():
                                 kv_zero=view.zero, key_scale=view.key_scale, key_zero=view.key_zero,
                                 rotation_signs=view.rotation_signs, exact_rows=view.exact, layer_format=view.format)
         assert torch.equal(paged_attention(q, view, indptr, indices, lens, qi), loose)
-        assert torch.equal(kv.attention(layer, q, indptr, indices, lens, qi), loose)
+        # committed rows only (no row of this pass): pending zeros
+        assert torch.equal(kv.attention(layer, q, indptr, indices, lens, qi, pending=NONE_PENDING), loose)
         k1, v1 = gather_kv(view, torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(lens),
                            out_dtype=torch.float32)
         k2, v2 = gather_kv(view.data, torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(lens),
@@ -107,10 +111,10 @@ def test_attention_keeps_the_sink_pins_most_recently_used_through_the_store():
     first = int(w.slot_of[indices[0]])
     assert first >= 0 and w.pinned[first]
     before = int(w.stamp[first])
-    kv.attention(0, torch.randn(1, 4, 16), indptr, indices, lens, np.array([0, 1], np.int32))
+    kv.attention(0, torch.randn(1, 4, 16), indptr, indices, lens, np.array([0, 1], np.int32), pending=NONE_PENDING)
     assert int(w.stamp[first]) > before
     stamp = int(w.stamp[first])
-    kv.attention(1, torch.randn(1, 4, 16), indptr, indices, lens, np.array([0, 1], np.int32))
+    kv.attention(1, torch.randn(1, 4, 16), indptr, indices, lens, np.array([0, 1], np.int32), pending=NONE_PENDING)
     assert int(w.stamp[first]) == stamp          # once per pass: the first quantized layer
     kv.free("a")
 
@@ -128,14 +132,21 @@ def test_a_planned_step_runs_every_layer_as_attention_does():
     indptr, indices, _ = kv.page_table_csr(["a"])
     lens = kv.seq_lens(["a"]).astype(np.int32)
     qi = np.array([0, 2], dtype=np.int32)
-    step = kv.plan_attention(indptr, indices, lens, qi, sm_scale=0.3, soft_cap=5.0)
+    step = kv.plan_attention(indptr, indices, lens, qi, sm_scale=0.3, soft_cap=5.0, pending=NONE_PENDING)
     assert all(t.dtype == torch.int32 for t in step.step.tables())      # moved once, at the plan
+    h = kv.config.num_kv_heads
+    passed = kv.plan_attention(indptr, indices, lens, qi, sm_scale=0.3, soft_cap=5.0)   # every query's own row
     for layer in range(3):
         q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(layer))
-        want = kv.attention(layer, q, indptr, indices, lens, qi, sm_scale=0.3, soft_cap=5.0)
+        want = kv.attention(layer, q, indptr, indices, lens, qi, sm_scale=0.3, soft_cap=5.0, pending=NONE_PENDING)
         assert torch.equal(step.run(layer, q), want)
         out = torch.empty_like(q)
         assert step.run(layer, q, out=out) is out and torch.equal(out, want)
+        # the pass's own K/V, given per layer to a step planned once, read as attention() reads them
+        k_new, v_new = (torch.randn(2, h, 16, generator=torch.Generator().manual_seed(10 + layer + i))
+                        for i in (0, 1))
+        want = kv.attention(layer, q, indptr, indices, lens, qi, sm_scale=0.3, soft_cap=5.0, k_new=k_new, v_new=v_new)
+        assert torch.equal(passed.run(layer, q, k_new=k_new, v_new=v_new), want)
     kv.free("a")
 
 
