@@ -132,7 +132,7 @@ def paged_attention(
             rotation_signs=rotation_signs, exact_rows=exact_rows, layer_format=layer_format), attention=True)
         return paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, sm_scale=sm_scale,
                                soft_cap=soft_cap, window=window, sink_tokens=sink_tokens, num_splits=num_splits,
-                               out=out, backend=backend, **layer)
+                               out=out, backend=backend, k_new=k_new, v_new=v_new, pending=pending, **layer)
     kwargs = dict(layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
                   rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows,
