@@ -64,6 +64,7 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")   # stdout carr
 
 import argparse
 import gc
+import inspect
 import statistics
 import sys
 import time
@@ -119,12 +120,16 @@ class VLLM:
         self.hasher = m.kv_cache_utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
 
     def manager(self, prefix, max_model_len):
-        return self.KVCacheManager(
+        kwargs = dict(
             kv_cache_config=self.config, max_model_len=max_model_len, max_in_flight_tokens=8192,
             enable_caching=prefix, use_eagle=False, num_hash_lookahead_tokens=0,
             num_prefill_lookahead=0, log_stats=False, enable_kv_cache_events=False,
             dcp_world_size=1, pcp_world_size=1, scheduler_block_size=BLOCK_SIZE,
             hash_block_size=BLOCK_SIZE, metrics_collector=None, watermark=0.0)
+        # vLLM releases add and drop keyword arguments (0.32 has no
+        # num_hash_lookahead_tokens); pass those this one takes, all of them defaults here
+        taken = inspect.signature(self.KVCacheManager.__init__).parameters
+        return self.KVCacheManager(**{k: v for k, v in kwargs.items() if k in taken})
 
 
 def timed(fn):

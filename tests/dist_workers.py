@@ -815,7 +815,39 @@ def hybrid_prefix(rank, out):
         assert_clean(kv)
 
 
-SCENARIOS = {"hybrid_generate": hybrid_generate, "hybrid": hybrid, "hybrid_prefix": hybrid_prefix, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
+# ---- MLA latent rows ----------------------------------------------------------------------------
+MLA_FORMATS = [("bfloat16", None), ("bfloat16", "fp8_e4m3"), ("float32", "int4")]
+
+
+def mla(rank, out):
+    """Latent rows hand off by sequence and by prefix, in each format; a tensor-parallel
+    peer (another rank of the same latent) is a valid receiver: the fingerprint names no
+    rank, because every rank holds the same latent."""
+    import test_mla_cache as tm
+    req, sys_prompt = tokens(100, 21), tokens(500, 17)
+    for i, (dtype, kv_dtype) in enumerate(MLA_FORMATS):
+        cache = tm.mla(dtype, kv_dtype, num_blocks=32, tp_size=2, tp_rank=rank, hash_seed=3)
+        if rank == 0:
+            tm.fill(cache, "req", req)
+            out[f"sent_{i}"] = pd.send_sequence(cache, "req", 1, timeout=TIMEOUT)
+            cache.free("req")
+            tm.fill(cache, "sys", sys_prompt)
+            cache.free("sys")
+            out[f"prefix_sent_{i}"] = pd.send_prefix(cache, sys_prompt, 1, timeout=TIMEOUT)
+        else:
+            got = pd.recv_sequence(cache, 0, timeout=TIMEOUT)
+            out[f"received_{i}"] = [got.num_tokens, got.cached_tokens]
+            tm.assert_rows(cache, "req", req)
+            cache.free("req")
+            out[f"prefix_received_{i}"] = pd.recv_prefix(cache, 0, timeout=TIMEOUT)
+            out[f"prefix_hit_{i}"] = tm.fill(cache, "x", sys_prompt)
+            tm.assert_rows(cache, "x", sys_prompt)
+            cache.free("x")
+        assert_clean(cache)
+        cache.close()
+
+
+SCENARIOS = {"mla": mla, "hybrid_generate": hybrid_generate, "hybrid": hybrid, "hybrid_prefix": hybrid_prefix, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
 
 
 _TRACE = None

@@ -14,6 +14,7 @@ from pagedkv._core.tables import FullAttentionTables, TablesBase
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, SequenceNotFoundError
 from pagedkv.groups.layers import GroupPlan, LayerGroup, plan_groups
+from pagedkv.groups.spec import SlidingWindowSpec
 from pagedkv.groups.tables import TABLES_FOR, AttentionTables, GroupTables
 from pagedkv.manager.cache import PagedKVCache
 
@@ -152,7 +153,34 @@ def test_the_coordinator_refuses_an_attention_type_without_tables():
     bad = GroupPlan((plan.groups[0], odd), plan.layer_group, plan.layer_slot)
     pool, index = pool_and_index(num_blocks=32)
     with pytest.raises(InvalidArgumentError, match=r"layer_groups: expected attention types with block tables "
-                                                   r"\(full, sliding\), got 'chunked_local' in group 1"):
+                                                   r"\(full, mla, sliding\), got 'chunked_local' in group 1"):
         GroupTables(pool, index, 4, bad, str)
-    assert sorted(TABLES_FOR) == ["full", "sliding"]
+    assert sorted(TABLES_FOR) == ["full", "mla", "sliding"]
     assert pool.num_free_blocks == 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _EvenBoundaries(SlidingWindowSpec):
+    """A type whose reuse needs something at exactly a boundary (as a recurrent state's
+    snapshot): here, only after an even number of blocks."""
+
+    def longest_hit(self, tables, matched, cap):
+        return min(matched, cap) // 2 * 2
+
+
+def test_a_per_type_hit_rule_lowers_the_hit_every_group_agrees_on():
+    pool, index = pool_and_index(num_blocks=32)
+    plan = plan_groups((64, 0))
+    odd = _EvenBoundaries(**{f.name: getattr(plan.groups[1], f.name) for f in dataclasses.fields(plan.groups[1])})
+    groups = GroupTables(pool, index, 4, GroupPlan((plan.groups[0], odd), plan.layer_group, plan.layer_slot), str)
+    tokens = np.arange(14, dtype=np.int32)
+    assert groups.add(1, tokens) == 0
+    groups.reserve(1, 14)
+    groups.commit(1, 14)
+    groups.remove(1)
+    assert groups.prefix_hits(tokens, 0, 0) == [3, 2]          # each group's own rule (3 cached full blocks)
+    assert groups.match(tokens, 0, 0)["tokens"] == 8
+    assert groups.add(2, tokens) == 8                          # both groups reuse 2 blocks, not 3
+    assert [len(t.blocks(2)) for t in groups.tables] == [2, 2]
+    groups.check_invariants()
+    groups.remove(2)

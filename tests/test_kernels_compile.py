@@ -97,9 +97,11 @@ def test_attention_compiles_one_storage_format_at_a_time(tmp_path):
     assert seen == set(names)
 
 
-@pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu", "seal_keys.cu"])
+@pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu", "seal_keys.cu", "latent_rows.cu"])
 def test_quantization_math_is_not_contracted_into_fma(ptx, source):
     # The torch reference rounds after every multiply and add; an FMA would not.
+    # (The attention sources call expf, whose libdevice body is made of FMAs: they are
+    # checked against the float64 reference within a bound instead.)
     assert b"fma.rn.f32" not in ptx(source, "sm_90")
 
 

@@ -335,8 +335,8 @@ def test_the_cache_passes_its_layer_format(monkeypatch):
     seen = []
     real = ops.paged_attention
 
-    def spy(*a, **k):
-        seen.append(k.get("layer_format"))
+    def spy(*a, **k):     # the format comes as a keyword, or inside the layer's view (KVLayerView.format)
+        seen.append(k.get("layer_format") or getattr(a[1], "format", None))
         return real(*a, **k)
 
     monkeypatch.setattr(ops, "paged_attention", spy)

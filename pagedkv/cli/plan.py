@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--num-layers", type=int, metavar="N")
     shape.add_argument("--num-kv-heads", type=int, metavar="N")
     shape.add_argument("--head-dim", type=int, metavar="N")
+    shape.add_argument("--kv-lora-rank", type=int, metavar="N",
+                       help="MLA: the latent's compressed elements (with --qk-rope-head-dim; one KV head of "
+                            "kv_lora_rank + qk_rope_head_dim)")
+    shape.add_argument("--qk-rope-head-dim", type=int, metavar="N", help="MLA: the latent's positional elements")
     parser.add_argument("--budget", required=True, help="memory budget, e.g. 4GiB, 512MB, 1073741824")
     parser.add_argument("--max-seq-len", type=int, metavar="TOKENS", help="full sequence length to plan for")
     parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS")
@@ -49,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             cfg = CacheConfig.from_hf_config(args.model_config, **opts)
         elif all(v is not None for v in explicit):
-            cfg = CacheConfig(num_layers=explicit[0], num_kv_heads=explicit[1], head_dim=explicit[2], **opts)
+            mla = dict(kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.qk_rope_head_dim)
+            cfg = CacheConfig(num_layers=explicit[0], num_kv_heads=explicit[1], head_dim=explicit[2],
+                              **{k: v for k, v in mla.items() if v is not None}, **opts)
         else:
             raise InvalidArgumentError(
                 expected("--model-config", "a path, or all of --num-layers/--num-kv-heads/--head-dim", "neither")

@@ -337,11 +337,17 @@ class KVCacheManager:
     @property
     def kv_cache(self) -> torch.Tensor:
         """All layers: ``[num_layers] + config.kv_cache_shape``."""
-        return self.cache._require_store().kv
+        return self._store().kv
 
     def layer_cache(self, layer: int) -> torch.Tensor:
         """One layer's ``config.kv_cache_shape`` view (no copy), what the seed's kernels take."""
-        return self.cache._require_store().layer(layer)
+        return self._store().layer(layer)
+
+    def _store(self):
+        store = self.cache.store
+        if store is None:
+            raise InvalidArgumentError(expected("allocate_store", "True for KV data operations", False))
+        return store
 
     def _grow(self, seq_id: int, num_tokens: int, what: str) -> None:
         try:

@@ -17,10 +17,12 @@ from typing import Any
 from pagedkv.config import support
 from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
 from pagedkv.config.remote import RemoteTierConfig
+from pagedkv.config.specs import build_specs, mla_from_hf, validate_mla
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
 from pagedkv.format import dtypes
 from pagedkv.format.layer_format import key_spare_bits
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
+from pagedkv.groups.spec import KVSpec
 
 __all__ = [
     "CacheConfig",
@@ -303,7 +305,10 @@ class CacheConfig:
     prefix_remote: Any = None
     layer_windows: tuple[int, ...] | None = None
     attention_sinks: int = 0
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
     _groups: GroupPlan | None = field(default=None, init=False, repr=False, compare=False)
+    _specs: tuple[KVSpec, ...] = field(default=(), init=False, repr=False, compare=False)
     _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -328,6 +333,9 @@ class CacheConfig:
         self._validate_options(put)
         self._validate_lowbit(put)
         self._validate_groups(put)
+        put("_specs", build_specs(self))
+        if self._groups is not None:       # the plan's groups are the placed specs: one truth
+            put("_groups", GroupPlan(self._specs, self._groups.layer_group, self._groups.layer_slot))
         if (self.num_blocks is None) == (self.memory_budget is None):
             raise InvalidArgumentError(
                 expected(
@@ -367,6 +375,12 @@ class CacheConfig:
             raise InvalidArgumentError(expected("kv_full_precision_layers", "at least one quantized layer slot "
                                                 "(with layer groups a slot holds one layer of each group; use "
                                                 "kv_dtype=None for none)", list(self.kv_full_precision_layers)))
+
+    @property
+    def kv_specs(self) -> tuple[KVSpec, ...]:
+        """One spec per layer group (:mod:`pagedkv.groups.spec`): its attention type, block
+        geometry and format; every size below derives from it."""
+        return self._specs
 
     @property
     def layer_groups(self) -> GroupPlan | None:
@@ -453,6 +467,10 @@ class CacheConfig:
         for name, low in (("kv_group_size", 1), ("kv_window", 0), ("kv_sink_tokens", 0)):
             if getattr(self, name) is not None:   # a wrong type first, whatever kv_dtype
                 _check_int(name, getattr(self, name), low)
+        if self.kv_lora_rank is not None or self.qk_rope_head_dim is not None:
+            _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
+            validate_mla(self, put)      # latent rows: their own formats and options
+            return
         if q is None:
             if not isinstance(self.kv_rotation, (bool, type(None))):
                 _check_bool("kv_rotation", self.kv_rotation)
@@ -583,10 +601,13 @@ class CacheConfig:
 
     @property
     def bits_per_element(self) -> float:
-        """Stored bits per K/V element of a quantized layer, scales included (model bits if none)."""
+        """Stored bits per K/V element of a quantized layer, scales included (model bits if none;
+        MLA: per latent element, the positional slice included)."""
         if not self.quantized:
             return 8.0 * MODEL_DTYPE_NAMES[self.dtype]
-        return 8.0 * self.quant_head_bytes / self.head_dim + (16.0 / self.block_size if self.block_keys else 0.0)
+        spec = self._specs[0]
+        per_row = spec.token_bytes() / (spec.rows_per_token * self.kv_heads_per_rank)
+        return 8.0 * per_row / self.head_dim + (16.0 / self.block_size if self.block_keys else 0.0)
 
     @property
     def block_keys(self) -> bool:
@@ -690,15 +711,13 @@ class CacheConfig:
 
     @property
     def _row_bytes_per_token(self) -> int:
-        full = self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
-        layers = self.arena_layers
-        if not self.quantized:
-            return 2 * layers * self.kv_heads_per_rank * full
-        if self.kv_full_precision_dtype == "int8":   # codes plus a float32 scale and zero point per row
-            full = self.head_dim + 8
+        spec = self._specs[0]        # the groups of one pool share a geometry (groups.spec.check_pool)
+        full = spec.model_token_bytes()
+        if self.quantized and self.kv_full_precision_dtype == "int8":
+            # the precise layers' K and V rows: int8 codes plus a float32 scale and zero point each
+            full = 2 * self.kv_heads_per_rank * (self.head_dim + 8)
         lq = len(self.quantized_slots)
-        per_layers = lq * self.quant_head_bytes + (layers - lq) * full
-        return 2 * self.kv_heads_per_rank * per_layers
+        return lq * spec.token_bytes() + (self.arena_layers - lq) * full
 
     @property
     def bytes_per_block(self) -> int:
@@ -721,7 +740,7 @@ class CacheConfig:
         dtype (0 when not quantized); the window arena is not counted here."""
         if not self.quantized:
             return 0
-        plain = 2 * self.arena_layers * self.kv_heads_per_rank * self.head_dim * MODEL_DTYPE_NAMES[self.dtype]
+        plain = self.arena_layers * self._specs[0].model_token_bytes()
         return max(0, self.resolved_num_blocks * (plain * self.block_size - self.bytes_per_block))
 
     @property
@@ -756,7 +775,7 @@ class CacheConfig:
         """Scale (and int8/int4/int3 zero) arena shape: ``arena_shape`` without ``head_dim``
         (int4/int3: with ``head_dim / kv_group_size`` groups instead); None unquantized.
         Its dtype is :attr:`torch_scale_dtype`."""
-        if not self.quantized:
+        if not self.quantized or self.kv_lora_rank is not None:     # a latent row carries its scales
             return None
         groups = (self.param_groups,) if dtypes.info(self.kv_dtype).grouped else ()
         return self.arena_shape[:-1] + groups
@@ -773,6 +792,9 @@ class CacheConfig:
         int4 packs two codes per byte, so its last dim is ``head_dim / 2``; int3 packs eight
         codes in three bytes (``3 * head_dim / 8``)."""
         bs, h = self.block_size, self.kv_heads_per_rank
+        spec = self._specs[0]
+        if spec.rows_per_token == 1:      # a latent row per token: [NB, bs, row elements]
+            return (num_blocks, bs, spec.latent.row_elems)  # type: ignore[attr-defined, return-value]
         d = dtypes.info(self.cache_dtype).stored_dim(self.head_dim)
         return (num_blocks, 2, bs, h, d) if self.layout == "NHD" else (num_blocks, 2, h, bs, d)
 
@@ -806,7 +828,10 @@ class CacheConfig:
 
     @property
     def torch_cache_dtype(self):
-        """The data arena's torch dtype (imports torch)."""
+        """The data arena's torch dtype (imports torch; a quantized latent row is uint8 bytes)."""
+        spec = self._specs[0]
+        if spec.rows_per_token == 1:
+            return spec.latent.storage_dtype  # type: ignore[attr-defined]
         return dtypes.info(self.cache_dtype).torch_dtype
 
     @property
@@ -835,7 +860,10 @@ class CacheConfig:
         Reads ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``
         (absent or None: MHA, so ``num_attention_heads``) and ``head_dim`` (absent or
         None: ``hidden_size // num_attention_heads``), and each layer's attention window
-        (see :func:`pagedkv.groups.layers.layer_windows_from_hf`).
+        (see :func:`pagedkv.groups.layers.layer_windows_from_hf`). An MLA model
+        (``kv_lora_rank``: DeepSeek V2/V3, Kimi K2, GLM-4-MoE-Lite) gets its latent rows
+        (``kv_lora_rank``, ``qk_rope_head_dim``; see :func:`pagedkv.config.specs.mla_from_hf`,
+        which refuses DeepSeek-V3.2's sparse-attention indexer).
         """
         src = _text_config(_as_mapping(config))
         get = lambda *names: _first(src, names)  # noqa: E731
@@ -859,6 +887,9 @@ class CacheConfig:
         if model_type is not None and not isinstance(model_type, str):
             raise ArgumentTypeError(expected("model_type", "a str", show(model_type)))
         values = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads)
+        mla = mla_from_hf(src)
+        if mla is not None:     # one latent row per token: a single "head" of c_kv and k_pe
+            values.update(mla, num_kv_heads=1, head_dim=mla["kv_lora_rank"] + mla["qk_rope_head_dim"])
         windows = layer_windows_from_hf(src, layers)
         if windows is not None:
             values["layer_windows"] = windows

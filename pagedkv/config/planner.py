@@ -2,9 +2,12 @@
 
 The ``pagedkv plan`` command line is :mod:`pagedkv.cli.plan`.
 
-KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x element bytes, plus,
-for quantized storage, one float32 scale (and for int8 one float32 zero point) per
-(K/V, layer, kv head).
+KV bytes per token = layers x the layer group spec's bytes per token per layer
+(:meth:`pagedkv.groups.spec.KVSpec.token_bytes`): for K/V attention 2 (K and V) x
+kv_heads x head_dim x element bytes, plus, for quantized storage, one float32 scale
+(and for int8 one float32 zero point) per (K/V, layer, kv head); for an MLA latent
+row the formulas of :mod:`pagedkv.format.latent` (bfloat16 R = 512, P = 64: 1,152 B;
+fp8_e4m3: 656 B; int8: 648 B; int4: 448 B).
 
 Sliding-window layers (see :mod:`pagedkv.groups.layers`): a block holds one layer
 group's layer slots, and a sequence holds blocks in every group. A full-attention group
@@ -52,6 +55,8 @@ class PlanResult:
     window_bytes: int = 0  # the window arena (model-precision rows of kv_window / sinks), in arena_bytes
     quantization_saving_bytes: int = 0  # what the quantized blocks save against the model dtype
     note: str | None = None  # set when the window arena costs more than quantization saves
+    attention: str = "full"  # the layer group's spec ("full", "mla(kv_lora_rank=..., rope_dim=...)"), or "hybrid"
+    layer_bytes_per_token: int = 0  # one token in one layer of kv_dtype: its rows, scales included
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_groups", tuple(self.layer_groups))   # to_dict() gives a list
@@ -68,6 +73,7 @@ class PlanResult:
         lines = [
             f"model           {self.num_layers} layers, {self.num_kv_heads} kv heads x {self.head_dim} head dim{heads}",
             f"cache           {kv}, block size {self.block_size}, layout {self.layout}",
+            f"attention       {self.attention}, {self.layer_bytes_per_token:,} B per token per layer",
             f"bytes/token     {self.bytes_per_token:,} B ({format_bytes(self.bytes_per_token)})"
             + (" per block slot" if self.layer_groups else ""),
             f"bytes/block     {self.bytes_per_block:,} B ({format_bytes(self.bytes_per_block)})",
@@ -105,27 +111,16 @@ def plan_config(config: CacheConfig, max_seq_len: int | None = None) -> PlanResu
     budget = config.memory_budget if config.memory_budget is not None else config.total_bytes
     nb = config.resolved_num_blocks
     per_seq = blocks = exact = fits = None
-    groups = config.layer_groups
-    bpb = config.bytes_per_block
-    described: tuple[str, ...]
-    if groups is None:
-        described, per_token, constant = (), config.bytes_per_token, 0
-    else:
-        described = tuple(f"{g.kind} x {len(g.layers)} layers" for g in groups.groups)
-        full = sum(1 for g in groups.groups if not g.window)
-        per_token = full * config.bytes_per_token
-        constant = sum(b for g, b in zip(groups.groups, groups.blocks_held(2**62, config.block_size))
-                       if g.window) * bpb
+    specs = config.kv_specs
+    bpb, bpt = config.bytes_per_block, config.bytes_per_token
+    # each group's spec says what a sequence keeps: a group that releases blocks stops
+    # at its window, the others grow with the context
+    described = tuple(f"{s.kind} x {len(s.layers)} layers" for s in specs) if config.layer_groups else ()
+    per_token = sum(1 for s in specs if not s.releases_blocks) * bpt
+    constant = sum(s.blocks_held(2**62) for s in specs if s.releases_blocks) * bpb
     if max_seq_len is not None:
-        if groups is None:
-            blocks = config.blocks_for_tokens(max_seq_len)
-            exact = max_seq_len * config.bytes_per_token
-        else:
-            held = groups.blocks_held(max_seq_len, config.block_size)
-            blocks = sum(held)
-            exact = sum(max_seq_len * config.bytes_per_token if not g.window
-                        else min(max_seq_len, g.window - 1 + g.sinks) * config.bytes_per_token
-                        for g in groups.groups)
+        blocks = sum(s.blocks_held(max_seq_len) for s in specs)
+        exact = sum(s.kept_tokens(max_seq_len) for s in specs) * bpt
         per_seq = blocks * bpb
         fits = nb // blocks
     return PlanResult(
@@ -154,6 +149,8 @@ def plan_config(config: CacheConfig, max_seq_len: int | None = None) -> PlanResu
         layer_groups=described,
         context_bytes_per_token=per_token,
         constant_bytes_per_sequence=constant,
+        attention=specs[0].kind if len(specs) == 1 else "hybrid",
+        layer_bytes_per_token=specs[0].token_bytes(),
     )
 
 

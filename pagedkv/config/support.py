@@ -6,12 +6,13 @@ transfer) asks :func:`require`, so the refusal has one error type and one wordin
 and the README's table is generated from the same rows (a test keeps them equal).
 
 Two kinds of limits are listed. The columns: the model's attention layout, every layer
-full attention or sliding-window layer groups (``layer_windows`` with at least one
-sliding layer, see :mod:`pagedkv.groups.layers`). And a row's ``needs``: what else the
-configuration must hold for the capability (an option that only means something with
-another, such as ``kv_window`` with a quantized ``kv_dtype``); :func:`require` refuses a
-configuration that uses the capability without it, naming the option. A capability
-absent from the table works in every configuration.
+full attention, sliding-window layer groups (``layer_windows`` with at least one
+sliding layer, see :mod:`pagedkv.groups.layers`), or MLA latent KV (``kv_lora_rank``:
+one latent row per token, see :class:`pagedkv.groups.spec.MLASpec`). And a row's
+``needs``: what else the configuration must hold for the capability (an option that
+only means something with another, such as ``kv_window`` with a quantized
+``kv_dtype``); :func:`require` refuses a configuration that uses the capability without
+it, naming the option. A capability absent from the table works in every configuration.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ __all__ = ["Capability", "CAPABILITIES", "UnsupportedCombinationError", "require
 
 FULL = "full attention"
 GROUPS = "sliding-window layer groups"
-CONFIGURATIONS = (FULL, GROUPS)
+MLA = "MLA latent KV"
+CONFIGURATIONS = (FULL, GROUPS, MLA)
 
 
 class UnsupportedCombinationError(InvalidArgumentError):
@@ -63,6 +65,8 @@ class Capability:
     groups: bool              # works with sliding-window layer groups
     why: str = ""             # why not, where it does not
     full: bool = True         # works with full attention in every layer
+    mla: bool = True          # works with MLA latent KV
+    mla_why: str = ""         # why not, where it does not
     needs: str = ""           # what else the configuration must hold (the README's last column)
     #: what a refusal of ``needs`` says was expected of the option it names; ``{c.field}``
     #: places are filled from the configuration
@@ -84,7 +88,17 @@ TP_PREFIX = "tensor parallelism with prefix caching (tp_size > 1)"
 
 CAPABILITIES: tuple[Capability, ...] = (
     Capability("add_sequence / reserve / advance / commit / free (prefix caching)", True),
-    Capability("write / gather / gather_pages (every kv_dtype, kv_window, kv_sink_tokens)", True),
+    Capability("write / gather / gather_pages (every kv_dtype, kv_window, kv_sink_tokens)", True, mla=False,
+               mla_why="a latent row is K only: write(layer, slots, kv_c, k_pe) and gather_latent, in "
+                       "bfloat16/float16/float32, fp8_e4m3, int8 or int4"),
+    Capability("paged attention (attention)", True, mla=False,
+               mla_why="the latent's absorbed-weight attention is mla_attention"),
+    Capability("kv_window / kv_sink_tokens (model-precision rows beside quantized blocks)", True, mla=False,
+               mla_why="the latent's positional slice is kept at model precision in the row itself"),
+    Capability("kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3", True, mla=False,
+               mla_why="latent rows are stored in the model dtype, fp8_e4m3, int8 or int4"),
+    Capability("mixing attention types with MLA layers", True, mla=False,
+               mla_why="every layer of an MLA model stores a latent row"),
     Capability("fork / truncate / unreserve (beams, rollback, speculative decoding)", True),
     Capability("set_priority (priority eviction)", True),
     Capability("pin_prefix / unpin_prefix / match_prefix / can_admit", True),
@@ -95,12 +109,14 @@ CAPABILITIES: tuple[Capability, ...] = (
                needs="enable_prefix_caching=True", expected="True with prefix tiers",
                refused=lambda c: ("enable_prefix_caching", False)
                if c.has_prefix_tiers and not c.enable_prefix_caching else None),
-    Capability("kv_full_precision_layers (the layers sharing such a layer's arena slot are exact too)", True),
+    Capability("kv_full_precision_layers (the layers sharing such a layer's arena slot are exact too)", True,
+               mla=False, mla_why="one latent format for every layer"),
     Capability("relocate / compact (each block moves within its group)", True),
     Capability("send_sequence / recv_sequence (every block is sent; the receiver reuses no prefix)", True),
     Capability("send_prefix / recv_prefix (every group's whole cached chain is sent; what every group "
                "still holds is offered)", True),
     Capability(ATTENTION_SINKS, True, full=False, why="a full-attention layer attends to every position",
+               mla=False, mla_why="an MLA layer attends to every position",
                expected="0 without sliding-window layers",
                refused=lambda c: ("attention_sinks", c.attention_sinks)
                if c.layer_windows is None and c.attention_sinks != 0 else None),
@@ -125,6 +141,8 @@ _BY_NAME = {c.name: c for c in CAPABILITIES}
 
 def configuration_of(config) -> str:
     """The configuration (a column of the table) a ``CacheConfig`` is in."""
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return MLA
     return GROUPS if getattr(config, "layer_groups", None) is not None else FULL
 
 
@@ -137,6 +155,8 @@ def _capability(name: str) -> Capability:
 
 def supported(name: str, configuration: str) -> bool:
     cap = _capability(name)
+    if configuration == MLA:
+        return cap.mla
     return cap.full if configuration == FULL else cap.groups
 
 
@@ -150,8 +170,9 @@ def require(name: str, config, *, configuration: str | None = None) -> None:
     # is asked by the validation whether or not the option is used, and ``refused`` says
     # whether it is used where it does not work
     if cap.refused is None and not supported(name, conf):
+        why = cap.mla_why if conf == MLA else cap.why
         raise UnsupportedCombinationError(
-            f"{cap.name}: expected a cache with {FULL} in every layer ({cap.why}), got {conf}; "
+            f"{cap.name}: expected a cache with {FULL} in every layer ({why}), got {conf}; "
             "see pagedkv.config.support.CAPABILITIES")
     found = cap.refused(config) if cap.refused is not None else None
     if found is not None:
@@ -161,9 +182,10 @@ def require(name: str, config, *, configuration: str | None = None) -> None:
 
 def markdown_table() -> str:
     """The table as the README shows it."""
-    lines = [f"| capability | {FULL} | {GROUPS} | needs |", "|---|---|---|---|"]
+    lines = [f"| capability | {FULL} | {GROUPS} | {MLA} | needs |", "|---|---|---|---|---|"]
     for c in CAPABILITIES:
-        cells = ("yes" if ok else "no: " + c.why for ok in (c.full, c.groups))
+        cells = ["yes" if ok else "no: " + c.why for ok in (c.full, c.groups)]
+        cells.append("yes" if c.mla else "no: " + c.mla_why)
         lines.append(f"| {c.name} | {' | '.join(cells)} | {c.needs} |")
     return "\n".join(lines)
 

@@ -37,10 +37,13 @@ def _rotation_seed(c) -> dict[str, Any]:
     return {"kv_rotation_seed": c.kv_rotation_seed if c.kv_rotation else None}
 
 
-def _groups(c) -> dict[str, Any]:
-    plan = c.layer_groups
-    return {"layer_groups": None if plan is None else
-            [[g.window, g.sinks, list(g.layers)] for g in plan.groups]}
+def _specs(c) -> dict[str, Any]:
+    # Each layer group's spec says what of it a block's bytes depend on; a cache of one
+    # full-attention group has nothing to add (None, as before specs).
+    specs = c.kv_specs
+    if len(specs) == 1 and specs[0].attention == "full":
+        return {"layer_groups": None}
+    return {"layer_groups": [s.fingerprint() for s in specs]}
 
 
 #: CacheConfig field -> its entries in the fingerprint (named after the setting, so a
@@ -64,7 +67,9 @@ STORED: dict[str, Callable[[Any], dict[str, Any]]] = {
     "kv_full_precision_dtype": _value("kv_full_precision_dtype"),   # those layers' storage
     "layer_windows": _value("layer_windows"),         # which layers share a block's layer slots
     "attention_sinks": _value("attention_sinks"),
-    "_groups": _groups,                               # the layer-slot plan those two give
+    "_specs": _specs,                                 # each layer group's attention type and slots
+    "kv_lora_rank": _value("kv_lora_rank"),           # MLA: a latent row's compressed elements
+    "qk_rope_head_dim": _value("qk_rope_head_dim"),   # MLA: its positional elements
     "prefix_disk_tag": lambda c: {"tag": c.prefix_disk_tag},   # names the weights the KV is of
 }
 
@@ -74,6 +79,7 @@ NOT_STORED: dict[str, str] = {
     "num_blocks": "capacity",
     "memory_budget": "capacity",
     "_resolved_blocks": "capacity",
+    "_groups": "the layer partition the specs carry (their entry, _specs)",
     "device": "where the arena lives, not what its bytes mean",
     "enable_prefix_caching": "bookkeeping policy",
     "eviction": "bookkeeping policy",

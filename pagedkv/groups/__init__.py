@@ -1,2 +1,3 @@
-"""Layer groups of hybrid models: which layers share a block table (``layers``), the
-coordinator that fans table calls out to each group (``tables``) and their data views (``data``)."""
+"""Layer groups of hybrid models: each group's spec (its attention type, block geometry
+and format: ``spec``), which layers share a block table (``layers``), the coordinator
+that fans table calls out to each group (``tables``) and their data views (``data``)."""

@@ -37,10 +37,11 @@ def layer_slots(plan: GroupPlan, layer, slot_mapping):
     return slot, slot_mapping
 
 
-def kept_lengths(tables, keys, internal: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per sequence: tokens a gather through ``tables`` returns, and tokens released."""
+def kept_lengths(spec, tables, keys, internal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence: tokens a gather through ``tables`` (of a group of ``spec``) returns,
+    and tokens released."""
     lens = tables.seq_lens(keys, internal=internal)
-    gone = tables.released_tokens(keys, internal=internal) if tables.window else np.zeros_like(lens)
+    gone = tables.released_tokens(keys, internal=internal) if spec.releases_blocks else np.zeros_like(lens)
     return lens - gone, gone
 
 

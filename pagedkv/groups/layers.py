@@ -8,7 +8,7 @@ in tokens: 0 for full attention, W >= 1 when a query at position p sees keys
 positions stay visible, StreamingLLM-style; HF configs do not carry them, so the
 user sets them).
 
-Layers of one kind form groups, as in vLLM's hybrid allocator: every group has its own
+Layers of one kind form groups (each a :mod:`spec <pagedkv.groups.spec>`), as in vLLM's hybrid allocator: every group has its own
 block tables over the one shared block pool, and only the bookkeeping differs between
 groups. All groups have the same number of layer slots (the smallest kind's layer
 count; a larger kind is split into several groups), so a block holds that many layers
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.groups.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 
 __all__ = ["LayerGroup", "GroupPlan", "layer_windows_from_hf", "plan_groups"]
 
@@ -36,30 +37,8 @@ SLIDING = "sliding_attention"
 _IMPLICIT_PATTERN: dict[Any, int] = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
 
 
-@dataclass(frozen=True)
-class LayerGroup:
-    """One group: its layers (in model order), their window and sinks."""
-
-    index: int
-    window: int                 # tokens; 0 = full attention
-    sinks: int                  # leading tokens a sliding group never releases; 0 for full attention
-    layers: tuple[int, ...]
-
-    @property
-    def is_sliding(self) -> bool:
-        return self.window > 0
-
-    @property
-    def attention(self) -> str:
-        """The attention type, which picks the group's block tables class
-        (``pagedkv.groups.tables.TABLES_FOR``)."""
-        return "sliding" if self.window else "full"
-
-    @property
-    def kind(self) -> str:
-        if not self.window:
-            return "full"
-        return f"sliding(window={self.window}" + (f", sinks={self.sinks})" if self.sinks else ")")
+#: A layer group is its spec (:mod:`pagedkv.groups.spec`): the name this module had before.
+LayerGroup = KVSpec
 
 
 @dataclass(frozen=True)
@@ -83,18 +62,9 @@ class GroupPlan:
         return self.groups[self.layer_group[layer]]
 
     def blocks_held(self, tokens: int, block_size: int) -> tuple[int, ...]:
-        """Blocks each group holds at most for a sequence of ``tokens`` tokens: all of
-        them in a full group; in a sliding group the sink blocks, the window's blocks
-        and one partial block at each end."""
-        total = -(-tokens // block_size)
-        out = []
-        for g in self.groups:
-            if not g.window:
-                out.append(total)
-            else:
-                cap = -(-g.sinks // block_size) + -(-(g.window - 1) // block_size) + 1
-                out.append(min(total, cap))
-        return tuple(out)
+        """Blocks each group holds at most for a sequence of ``tokens`` tokens, by its
+        spec's rule (:meth:`~pagedkv.groups.spec.KVSpec.blocks_held`)."""
+        return tuple(g.placed(block_size=block_size).blocks_held(tokens) for g in self.groups)
 
 
 def _window(value: Any, name: str) -> int:
@@ -176,7 +146,7 @@ def plan_groups(layer_windows: Sequence[int], sinks: int = 0) -> GroupPlan | Non
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
     size = min(len(layers) for layers in kinds.values())
-    groups: list[LayerGroup] = []
+    groups: list[KVSpec] = []
     layer_group = [0] * len(windows)
     layer_slot = [0] * len(windows)
     # Full attention first: group 0 is then the one whose tables keep every block.
@@ -185,7 +155,8 @@ def plan_groups(layer_windows: Sequence[int], sinks: int = 0) -> GroupPlan | Non
         for start in range(0, len(layers), size):
             members = tuple(layers[start:start + size])
             g = len(groups)
-            groups.append(LayerGroup(g, w, sinks if w else 0, members))
+            groups.append(SlidingWindowSpec(g, members, window_tokens=w, sink_tokens=sinks) if w
+                          else FullAttentionSpec(g, members))
             for slot, layer in enumerate(members):
                 layer_group[layer] = g
                 layer_slot[layer] = slot

@@ -34,7 +34,8 @@ from pagedkv._core.prefix import hash_bytes
 from pagedkv._core.sliding import SlidingWindowTables
 from pagedkv._core.tables import FullAttentionTables
 from pagedkv.errors import InternalError, InvalidArgumentError, InvalidBlockError, OutOfBlocksError, expected
-from pagedkv.groups.layers import GroupPlan, LayerGroup
+from pagedkv.groups.layers import GroupPlan
+from pagedkv.groups.spec import KVSpec
 
 __all__ = ["AttentionTables", "TABLES_FOR", "GroupTables", "GroupNamespaces", "GROUP_NS_BITS", "group_key"]
 
@@ -99,16 +100,25 @@ class AttentionTables(Protocol):
     def check_invariants(self, pool_refs: bool = True) -> None: ...
 
 
-def _full(pool, block_size: int, index, group: LayerGroup) -> AttentionTables:
+def _full(pool, block_size: int, index, group: KVSpec) -> AttentionTables:
     return FullAttentionTables(pool, block_size, index)
 
 
-def _sliding(pool, block_size: int, index, group: LayerGroup) -> AttentionTables:
+def _sliding(pool, block_size: int, index, group: KVSpec) -> AttentionTables:
     return SlidingWindowTables(pool, block_size, index, window=group.window, sinks=group.sinks)
 
 
-# A layer group's attention type -> how its tables are built over the shared pool.
-TABLES_FOR: dict[str, Callable[..., AttentionTables]] = {"full": _full, "sliding": _sliding}
+# A layer group's spec type (its attention name) -> how its tables are built over the
+# shared pool. MLA keeps every block, as full attention (vLLM's MLAAttentionSpec reuses
+# the full-attention manager); only its rows differ, which the tables never see.
+TABLES_FOR: dict[str, Callable[..., AttentionTables]] = {"full": _full, "sliding": _sliding, "mla": _full}
+
+
+def make_tables(pool, block_size: int, index, spec: KVSpec, namer) -> AttentionTables:
+    """The block tables of one group, of its spec's class."""
+    t = TABLES_FOR[spec.attention](pool, block_size, index, spec)
+    t.namer = namer      # core errors name the caller's id, not the key
+    return t
 
 
 def check_mix(plan: GroupPlan) -> list[str]:
@@ -170,16 +180,13 @@ class GroupTables:
     so the manager drives either through one code path."""
 
     def __init__(self, pool, index, block_size: int, plan: GroupPlan, namer):
-        types = check_mix(plan)
+        check_mix(plan)
         self.plan = plan
         self.pool = pool
         self.index = index
         self.block_size = block_size
-        self.tables: list[AttentionTables] = []
-        for g, a in zip(plan.groups, types):
-            t = TABLES_FOR[a](pool, block_size, index, g)
-            t.namer = namer
-            self.tables.append(t)
+        self.specs: tuple[KVSpec, ...] = tuple(plan.groups)
+        self.tables: list[AttentionTables] = [make_tables(pool, block_size, index, g, namer) for g in plan.groups]
         self.limited_by = [0] * len(plan.groups)   # admissions whose hit each group limited
 
     # ---- namespaces ------------------------------------------------------------------
@@ -192,20 +199,38 @@ class GroupTables:
                                                 "namespaces with layer groups", f"namespace id {ns_id}"))
         return ns_id | (group << GROUP_NS_BITS), hash_bytes(struct.pack("<QQ", ns_hash, group))
 
-    def prefix_hits(self, tokens: np.ndarray, ns_id: int, ns_hash: int) -> list[int]:
-        """Cached full blocks of ``tokens`` per group (pure query)."""
+    def prefix_hits(self, tokens: np.ndarray, ns_id: int, ns_hash: int, cap: int | None = None) -> list[int]:
+        """Full blocks of ``tokens`` each group may reuse by its own rule (pure query):
+        its cached chain, cut by its spec's :meth:`~pagedkv.groups.spec.KVSpec.longest_hit`
+        (at most ``cap`` blocks)."""
         if self.index is None:
             return [0] * len(self.tables)
-        return [len(self.index.match(tokens, *self.namespace(g, ns_id, ns_hash))) for g in range(len(self.tables))]
+        top = len(tokens) // self.block_size if cap is None else cap
+        return [spec.longest_hit(t, len(self.index.match(tokens, *self.namespace(g, ns_id, ns_hash))), top)
+                for g, (spec, t) in enumerate(zip(self.specs, self.tables))]
+
+    def agreed_hit(self, hits: list[int], cap: int) -> int:
+        """The longest hit every group agrees on, at most ``cap`` blocks: each group's rule
+        is asked again at the current bound until none lowers it (a group whose hits are
+        only at some boundaries may lower it below the others' chains)."""
+        best = min(min(hits), cap)
+        while True:
+            low = best
+            for spec, t, h in zip(self.specs, self.tables, hits):
+                low = spec.longest_hit(t, h, low)
+            if low == best:
+                return best
+            best = low
 
     def match(self, tokens: np.ndarray, ns_id: int, ns_hash: int) -> dict:
         """What an admission of ``tokens`` would reuse now: ``tokens`` (the longest
         prefix every group holds), ``per_group`` (tokens each group holds) and
         ``limited_by`` (the group holding the least; None when all hold the same)."""
-        hits = [h * self.block_size for h in self.prefix_hits(tokens, ns_id, ns_hash)]
-        least = min(hits)
+        blocks = self.prefix_hits(tokens, ns_id, ns_hash)
+        hits = [h * self.block_size for h in blocks]
+        least = self.agreed_hit(blocks, min(blocks)) * self.block_size
         return {"tokens": least, "per_group": hits,
-                "limited_by": None if hits.count(least) == len(hits) else hits.index(least)}
+                "limited_by": None if hits.count(least) == len(hits) else hits.index(min(hits))}
 
     def blocks_to_admit(self, tokens: np.ndarray, total: int, ns_id: int, ns_hash: int) -> int:
         """Free blocks an admission of ``tokens`` then a reserve up to ``total`` tokens
@@ -216,7 +241,8 @@ class GroupTables:
         for g in range(len(self.tables)):
             per.append(self.index.match(tokens, *self.namespace(g, ns_id, ns_hash))[:cap]
                        if self.index is not None else np.empty(0, np.int32))
-        h = min(len(b) for b in per)
+        h = self.agreed_hit([spec.longest_hit(t, len(b), cap) for spec, t, b in zip(self.specs, self.tables, per)],
+                            cap)
         ref = self.pool.ref_cnt
         need = 0
         for blocks in per:
@@ -230,12 +256,12 @@ class GroupTables:
             priority: int = -1, max_hit_blocks: int | None = None) -> int:
         cap = max_hit_blocks
         if self.index is not None and tokens is not None and len(tokens):
-            hits = self.prefix_hits(tokens, ns_id, ns_hash)
-            least = min(hits)
             limit = min((len(tokens) - 1) // self.block_size, cap if cap is not None else len(tokens))
+            hits = self.prefix_hits(tokens, ns_id, ns_hash, limit)
+            least = min(hits)
             if least < limit and hits.count(least) < len(hits):
                 self.limited_by[hits.index(least)] += 1     # this group held the least
-            cap = min(least, limit)
+            cap = self.agreed_hit(hits, limit)
         spaces = [self.namespace(g, ns_id, ns_hash) for g in range(len(self.tables))]
         done = []
         got = []
@@ -261,8 +287,9 @@ class GroupTables:
         an untracked table never registers a block as a prefix. All or nothing."""
         done = []
         try:
-            for g, t in enumerate(self.tables):
-                t.add(key, tokens if not t.window else None, *self.namespace(g, ns_id, ns_hash), priority, False)
+            for g, (spec, t) in enumerate(zip(self.specs, self.tables)):
+                t.add(key, tokens if spec.tracks_restored() else None, *self.namespace(g, ns_id, ns_hash),
+                      priority, False)
                 done.append(t)
         except BaseException:
             for t in done:
@@ -434,7 +461,7 @@ class GroupTables:
                 held += n
                 if n and blocks[-1] >= 0:       # a released last block wastes nothing
                     waste += len(blocks) * self.block_size - t.num_reserved(k)
-            out.append({"window": g.window, "layers": tuple(g.layers), "blocks_held": held,
+            out.append({"window": g.window, "attention": g.kind, "layers": tuple(g.layers), "blocks_held": held,
                         "waste_slots": waste, "cow_copies": t.num_cow, "query_tokens": t.num_query_tokens,
                         "hit_tokens": t.num_hit_tokens})
         return out

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedkv.config.support import require
 from pagedkv.errors import ArgumentTypeError, InternalError, InvalidArgumentError, ShapeError, expected
 from pagedkv.integrations import hf_attention, hf_windows
 from pagedkv.manager.arguments import as_row_counts
@@ -184,6 +185,11 @@ class PagedCache(Cache):
                                                 "sliding layers have none)", f"{kv.config.attention_sinks} sinks"))
         if paged_attention is not True and paged_attention is not False:
             raise InvalidArgumentError(expected("paged_attention", "True or False", repr(paged_attention)))
+        self._latent = None     # MLA: (kv_lora_rank, qk_rope_head_dim) of the latent update(kv_nope, k_rot)
+        if kv.config.kv_lora_rank is not None:
+            if paged_attention:     # transformers' attention sees the expanded heads, not the latent
+                require("paged attention (attention)", kv.config)
+            self._latent = (kv.config.kv_lora_rank, kv.config.qk_rope_head_dim)
         self.kv = kv
         self.cache_salt = cache_salt
         # update() only writes; the "pagedkv" attention reads the pages (hf_attention)
@@ -431,6 +437,9 @@ class PagedCache(Cache):
         if q != plan.q or B != len(self.seq_ids):
             raise ShapeError(expected("key_states", f"[{len(self.seq_ids)}, H, {plan.q}, D] as at layer 0",
                                       tuple(key_states.shape)))
+        Dv = value_states.shape[-1]     # an MLA latent: kv_nope (D = kv_lora_rank) and k_rot (qk_rope_head_dim)
+        if self._latent is not None:
+            self._check_latent(key_states, value_states)
         # Read before writing: the new tokens' rows are overwritten below by their K/V
         # as computed, and a recent window still holds the tokens just before the pass.
         columns = plan.columns
@@ -446,10 +455,11 @@ class PagedCache(Cache):
             k, v = self.kv.gather_pages(layer_idx, plan.indptr, plan.indices, plan.lens, pending=plan.n_new)
             if plan.dest is None:  # no padding: the packed rows are the rectangle
                 keys = k.view(B, columns, H, D)
-                values = v.view(B, columns, H, D)
+                values = v.view(B, columns, H, Dv)
             else:
-                keys = k.new_zeros(B * columns, H, D).index_copy_(0, plan.dest, k).view(B, columns, H, D)
-                values = v.new_zeros(B * columns, H, D).index_copy_(0, plan.dest, v).view(B, columns, H, D)
+                keys = k.new_zeros(B * columns, H, D).index_copy_(0, plan.dest, k.view(-1, H, D)).view(B, columns, H, D)
+                values = v.new_zeros(B * columns, H, Dv).index_copy_(0, plan.dest, v.view(-1, H, Dv)).view(
+                    B, columns, H, Dv)
         # The pass's own tokens attend to their K/V as computed, as in serving engines
         # (prefill attention runs on the in-flight K/V) and HF's QuantizedCache; earlier
         # tokens are read back from the arena (for a lossy store: dequantized). A
@@ -459,11 +469,23 @@ class PagedCache(Cache):
         values[:, columns - q:][new] = value_states.transpose(1, 2)[new].to(values.dtype)
         # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
-                      value_states.transpose(1, 2).reshape(B * q, H, D))
+                      value_states.transpose(1, 2).reshape(B * q, H, Dv))
         self.layers[layer_idx].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
         if layer_idx == self.num_layers - 1:
             self._finish_step()
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def _check_latent(self, kv_nope, k_rot) -> None:
+        """An MLA layer's update: one latent "head" of ``kv_lora_rank``, then of
+        ``qk_rope_head_dim`` (a model that caches expanded heads is refused here, typed)."""
+        r, p = self._latent   # type: ignore[misc]  # set for an MLA cache
+        B, _, q, _ = kv_nope.shape
+        if tuple(kv_nope.shape) != (B, 1, q, r):
+            raise ShapeError(expected("key_states", f"the latent kv_nope [batch, 1, tokens, {r}] of an MLA model",
+                                      tuple(kv_nope.shape)))
+        if tuple(k_rot.shape) != (B, 1, q, p):
+            raise ShapeError(expected("value_states", f"the latent k_rot [batch, 1, tokens, {p}] of an MLA model",
+                                      tuple(k_rot.shape)))
 
     def _write_only(self, key_states, value_states, layer_idx: int, plan):
         """Paged attention: write the pass's K/V, hand the attention a ticket to the pages."""

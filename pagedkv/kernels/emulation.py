@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.errors import DeviceError, KernelCompileError, KernelUnavailableError, expected
-from pagedkv.kernels import attention_plans, build, plans, sources
+from pagedkv.kernels import attention_plans, build, latent_plans, plans, sources
 
 __all__ = [
     "library",
@@ -43,6 +43,9 @@ __all__ = [
     "swap_blocks",
     "convert_layout",
     "paged_attention",
+    "write_latent",
+    "gather_latent",
+    "mla_attention",
 ]
 
 CXX = os.environ.get("CXX", "g++")
@@ -324,4 +327,30 @@ def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout=
         layer_format=layer_format, k_new=k_new, v_new=v_new, pending=pending, num_sms=num_sms, kernel=kernel,
         workspace=workspace)
     run(launches, grid=grid, block=block)
+    return out
+
+
+def write_latent(view, slot_mapping, kv_c, k_pe, *, grid: Dims = None, block: Dims = None) -> None:
+    """:func:`pagedkv.ops.latent.write_latent` through the kernels' plan, on the CPU."""
+    _check_cpu("view.data", getattr(view, "data", None))
+    run(latent_plans.plan_write_latent(view, slot_mapping, kv_c, k_pe), grid=grid, block=block)
+
+
+def gather_latent(view, indptr, indices, seq_lens, *, out_dtype=None, grid: Dims = None, block: Dims = None):
+    _check_cpu("view.data", getattr(view, "data", None))
+    launches, kv_c, k_pe = latent_plans.plan_gather_latent(view, indptr, indices, seq_lens, out_dtype=out_dtype)
+    run(launches, grid=grid, block=block)
+    return kv_c, k_pe
+
+
+def mla_attention(view, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale, num_splits=None, out=None,
+                  num_sms=attention_plans.DEFAULT_SMS, grid: Dims = None, block: Dims = None):
+    """:func:`pagedkv.ops.latent.mla_attention` through the kernels' plan, on the CPU
+    (``grid``/``block`` override only the attention launch's dims, not the merge's)."""
+    _check_cpu("view.data", getattr(view, "data", None))
+    launches, out = latent_plans.plan_mla_attention(view, q_nope, q_pe, indptr, indices, seq_lens, q_indptr,
+                                                    sm_scale=sm_scale, num_splits=num_splits, out=out,
+                                                    num_sms=num_sms)
+    run(launches[:1], grid=grid, block=block)
+    run(launches[1:])
     return out

@@ -25,11 +25,11 @@ import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, expected
 from pagedkv.format import op_checks as checks
-from pagedkv.kernels import attention_plans, build, driver, plans
+from pagedkv.kernels import attention_plans, build, driver, latent_plans, plans
 from pagedkv.kernels.plans import as_tensor
 
 __all__ = ["write_kv", "seal_key_blocks", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks", "convert_layout",
-           "paged_attention"]
+           "paged_attention", "write_latent", "gather_latent", "mla_attention"]
 
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLPack device types that are GPU memory
@@ -305,5 +305,44 @@ def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout:
             soft_cap=soft_cap, window=window, sink_tokens=sink_tokens, num_splits=num_splits, out=out,
             exact_rows=exact_rows, layer_format=layer_format, k_new=k_new, v_new=v_new, pending=pending,
             num_sms=num_sms, kernel=kernel, workspace=workspace)
+        _run(launches, ts, device)
+    return out
+
+
+def _latent_device(view) -> torch.device:
+    return _cuda_device("view.data", getattr(view, "data", None))
+
+
+def write_latent(view, slot_mapping, kv_c, k_pe, *, stream=None) -> None:
+    """:func:`pagedkv.ops.latent.write_latent` on the GPU (a slot past the arena is skipped)."""
+    device = _latent_device(view)
+    with _on_stream(device, stream) as ts:
+        _run(latent_plans.plan_write_latent(view, as_tensor(slot_mapping), as_tensor(kv_c), as_tensor(k_pe)), ts,
+             device)
+
+
+def gather_latent(view, indptr, indices, seq_lens, *, out_dtype=None, stream=None):
+    """:func:`pagedkv.ops.latent.gather_latent` on the GPU (sizing the output reads
+    ``seq_lens.sum()``: a sync)."""
+    device = _latent_device(view)
+    with _on_stream(device, stream) as ts:
+        tables = (x if isinstance(x, np.ndarray) else as_tensor(x) for x in (indptr, indices, seq_lens))
+        launches, kv_c, k_pe = latent_plans.plan_gather_latent(view, *tables, out_dtype=out_dtype)
+        _run(launches, ts, device)
+    return kv_c, k_pe
+
+
+def mla_attention(view, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale, num_splits=None, out=None,
+                  stream=None):
+    """:func:`pagedkv.ops.latent.mla_attention` on the GPU; the tables are not read on the
+    host (a bad entry reads as zeros)."""
+    device = _latent_device(view)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+    with _on_stream(device, stream) as ts:
+        tables = (x if isinstance(x, np.ndarray) else as_tensor(x) for x in (indptr, indices, seq_lens, q_indptr))
+        launches, out = latent_plans.plan_mla_attention(view, as_tensor(q_nope), as_tensor(q_pe), *tables,
+                                                        sm_scale=sm_scale, num_splits=num_splits,
+                                                        out=as_tensor(out), num_sms=num_sms)
         _run(launches, ts, device)
     return out

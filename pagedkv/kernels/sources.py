@@ -38,6 +38,11 @@ __all__ = [
     "ATTENTION_MODES",
     "attention_name",
     "attention_merge_name",
+    "LATENT_FORMATS",
+    "latent_format_name",
+    "latent_write_name",
+    "latent_gather_name",
+    "latent_attention_name",
     "VARIANT_SOURCES",
     "decode_name",
     "decode_merge_name",
@@ -45,7 +50,7 @@ __all__ = [
 ]
 
 SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu", "seal_keys.cu",
-                "paged_attention.cu")
+                "paged_attention.cu", "latent_rows.cu", "latent_attention.cu")
 #: sources compiled one variant at a time (their defines pick it and name its entry point;
 #: pagedkv.kernels.decode_plans): not in the emulation's shared library nor SOURCE_FILES' tests
 VARIANT_SOURCES = ("decode_attention.cu",)
@@ -171,6 +176,38 @@ def decode_merge_name(out_type: str) -> str:
 
 _COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
 
+#: MLA latent row formats with kernels: the model dtypes, fp8 (positional slice
+#: bfloat16) and int8/int4 with the positional slice in each model dtype (latent_rows.cu,
+#: latent_attention.cu)
+LATENT_FORMATS = MODEL_TYPES + ("e4m3",) + tuple(f"{q}_r{t}" for q in ("int8", "int4") for t in MODEL_TYPES)
+
+
+def latent_format_name(kv_dtype: str, rope_type: str) -> str:
+    """The kernels' spelling of a latent row format (``kv_dtype`` a kernel name, e.g.
+    ``"bf16"``, ``"e4m3"``, ``"int4"``; ``rope_type`` the positional slice's)."""
+    if kv_dtype in MODEL_TYPES or kv_dtype == "e4m3":
+        return kv_dtype
+    return f"{kv_dtype}_r{rope_type}"
+
+
+def latent_write_name(in_type: str, fmt: str) -> str:
+    return f"pkv_latent_write_{in_type}_to_{fmt}"
+
+
+def latent_gather_name(fmt: str, out_type: str) -> str:
+    return f"pkv_latent_gather_{fmt}_to_{out_type}"
+
+
+def latent_attention_name(fmt: str, q_type: str) -> str:
+    return f"pkv_latent_attn_{fmt}_q{q_type}"
+
+
+def _latent_attention_entries() -> list[str]:
+    out = [latent_attention_name(t, t) for t in MODEL_TYPES]
+    out += [latent_attention_name("e4m3", t) for t in MODEL_TYPES]
+    out += [latent_attention_name(f"{q}_r{t}", t) for q in ("int8", "int4") for t in MODEL_TYPES]
+    return out
+
 
 @functools.cache
 def entry_points() -> dict[str, tuple[str, ...]]:
@@ -199,4 +236,7 @@ def entry_points() -> dict[str, tuple[str, ...]]:
         "convert_layout.cu": tuple(transpose),
         "seal_keys.cu": tuple(seal),
         "paged_attention.cu": tuple(attn),
+        "latent_rows.cu": tuple([latent_write_name(i, f) for f in LATENT_FORMATS for i in MODEL_TYPES]
+                                + [latent_gather_name(f, o) for f in LATENT_FORMATS for o in MODEL_TYPES]),
+        "latent_attention.cu": tuple(_latent_attention_entries()),
     }

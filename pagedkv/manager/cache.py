@@ -29,8 +29,9 @@ private negative keys, and errors always name the caller's id.
 Bad input raises a typed :mod:`pagedkv.errors` error (checks in
 :mod:`pagedkv.manager.arguments`), and a call that raises changes nothing.
 
-The class is the API and the wiring; the work lives in one module per concept, each
-given what it needs, never the cache: :mod:`~pagedkv.manager.lifecycle` (admission, the
+The class is the API and the wiring (its prefix-cache and KV data calls are written in
+:mod:`~pagedkv.manager.prefix_calls` and :mod:`~pagedkv.manager.data_calls`, mixed in);
+the work lives in one module per concept, each given what it needs, never the cache: :mod:`~pagedkv.manager.lifecycle` (admission, the
 per-step calls, release), :mod:`~pagedkv.manager.prefix` (lookups, admission costs,
 pins, events), :mod:`~pagedkv.manager.data` (writes, gathers, attention),
 :mod:`~pagedkv.manager.moves` (relocate, compact, host swap) and
@@ -54,14 +55,16 @@ from pagedkv.config.options import CacheConfig, format_bytes
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 from pagedkv.events import KVEvent
 from pagedkv.manager.absent import NoHost, NoTiers, OwedCopies, StoreCopies
-from pagedkv.manager.arguments import as_token_ids, check_attention_call
+from pagedkv.manager.arguments import as_token_ids
 from pagedkv.manager.coordinator import coordinator
 from pagedkv.manager.data import DataPath
+from pagedkv.manager.data_calls import KVDataCalls
 from pagedkv.manager.lifecycle import CallerLock, Lifecycle
 from pagedkv.manager.moves import Moves
 from pagedkv.manager.namespaces import NamespaceRegistry, namespace_key  # noqa: F401 (imported from here)
 from pagedkv.manager.pool_view import PoolView
 from pagedkv.manager.prefix import Prefixes
+from pagedkv.manager.prefix_calls import PrefixCalls
 from pagedkv.manager.queries import Queries
 from pagedkv.manager.seq_ids import SequenceIds
 from pagedkv.manager.stats import CacheStats, with_window_figures
@@ -81,7 +84,7 @@ SeqId = Any
 SeqIds = SeqId | Sequence[SeqId] | np.ndarray
 
 
-class PagedKVCache:
+class PagedKVCache(PrefixCalls, KVDataCalls):
     """A paged KV cache for one model (see the module docstring for the call order).
 
     Args:
@@ -105,9 +108,9 @@ class PagedKVCache:
             raise ArgumentTypeError(expected("allocate_store", "True or False", repr(allocate_store)))
         self.store = None
         if allocate_store:
-            from pagedkv.store.kvstore import KVStore
+            from pagedkv.store.stores import make_store
 
-            self.store = KVStore(config)
+            self.store = make_store(config)     # the arenas the layer groups' spec asks for
             config = self.store.config  # may differ: fp8 -> int8 fallback
         self.config = config
         store = self.store
@@ -180,12 +183,6 @@ class PagedKVCache:
         """
         return self._life.add_sequence(seq_id, prompt_token_ids, cache_salt=cache_salt, adapter_id=adapter_id,
                                        priority=priority, max_cached_tokens=max_cached_tokens)
-
-    def _admit_restored(self, seq_id: SeqId, tokens: np.ndarray, cache_salt, adapter_id, priority) -> None:
-        """Admit a sequence of a layer-grouped cache whose KV is about to arrive whole
-        from elsewhere (a transfer): no prefix lookup, sliding groups untracked (see
-        :meth:`~pagedkv.groups.tables.GroupTables.add_restored`)."""
-        self._life.admit_restored(seq_id, tokens, cache_salt, adapter_id, priority)
 
     def reserve(self, seq_ids: SeqIds, num_tokens: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Slots (int64, concatenated in batch order) for the next tokens of each sequence.
@@ -377,81 +374,6 @@ class PagedKVCache:
         (``with cache.lock: ...``)."""
         return self._caller_lock
 
-    def match_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
-                     adapter_id: Any = None) -> int:
-        """Tokens of ``token_ids`` a new sequence would find cached now (no side effects),
-        on the device or in a prefix tier (whichever holds more full blocks). With
-        layer groups: the longest prefix every group holds (:meth:`match_prefix_groups`)."""
-        return self._prefix.match_prefix(token_ids, cache_salt, adapter_id)
-
-    def prefetch_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
-                        adapter_id: Any = None) -> None:
-        """Start bringing the blocks of ``token_ids`` from a remote prefix tier in the
-        background (no effect without one), so a later :meth:`add_sequence` of them
-        finds them landed instead of waiting on the network."""
-        self._prefix.prefetch_prefix(token_ids, cache_salt, adapter_id)
-
-    def match_prefix_groups(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
-                            adapter_id: Any = None) -> dict:
-        """Per layer group, the cached prefix of ``token_ids``: a dict of ``tokens`` (what
-        an admission reuses: the longest prefix every group holds), ``per_group`` and
-        ``limited_by`` (the group holding the least, or None). No side effects."""
-        return self._prefix.match_prefix_groups(token_ids, cache_salt, adapter_id)
-
-    def has_available_blocks(self, n: int = 1) -> bool:
-        """Whether ``n`` blocks can be allocated now (free or evictable).
-
-        It does not know about prefix hits; for an admission use :meth:`can_admit`."""
-        return self._prefix.has_available_blocks(n)
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` tokens' worth of new blocks can be allocated now."""
-        return self.has_available_blocks(self.config.blocks_for_tokens(num_tokens))
-
-    def blocks_to_admit(self, prompt_token_ids: Iterable[int], num_tokens: int | None = None, *,
-                        cache_salt: str | None = None, adapter_id: Any = None) -> int:
-        """Free blocks that admitting this prompt, then reserving ``num_tokens`` tokens
-        in all (default: the prompt), takes out of the pool now.
-
-        Exact, where counting blocks is not: the prompt's cached prefix (in its
-        namespace, without its last token, which is always computed) is not allocated,
-        but each of its blocks that sits cached-free and evictable *is* taken off the
-        free list when the admission revives it. Blocks in use by other sequences and
-        pinned blocks cost nothing.
-        """
-        return self._prefix.blocks_to_admit(prompt_token_ids, num_tokens, cache_salt, adapter_id)
-
-    def can_admit(self, prompt_token_ids: Iterable[int], num_tokens: int | None = None, *,
-                  cache_salt: str | None = None, adapter_id: Any = None) -> bool:
-        """Whether :meth:`add_sequence` of this prompt, then reserving ``num_tokens``
-        tokens in all (default: the prompt), would succeed now
-        (see :meth:`blocks_to_admit`)."""
-        return self._prefix.can_admit(prompt_token_ids, num_tokens, cache_salt, adapter_id)
-
-    # ---- prefix cache ---------------------------------------------------------------
-    def pin_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
-                   adapter_id: Any = None) -> int:
-        """Pin the cached full blocks of ``token_ids``; returns the tokens pinned.
-
-        Pinned blocks are never evicted, under any policy, until :meth:`unpin_prefix`.
-        The blocks of this prefix that a prefix tier holds are pinned there too (the
-        count is then the longest prefix pinned in any medium).
-        """
-        return self._prefix.pin_prefix(token_ids, cache_salt, adapter_id, True)
-
-    def unpin_prefix(self, token_ids: Iterable[int], *, cache_salt: str | None = None,
-                     adapter_id: Any = None) -> int:
-        """Release the pins :meth:`pin_prefix` set on the cached full blocks of
-        ``token_ids`` (same namespace: ``cache_salt``, ``adapter_id``), on the device and
-        in the prefix tiers; returns the tokens unpinned. The blocks stay cached and
-        become evictable again once no sequence references them."""
-        return self._prefix.pin_prefix(token_ids, cache_salt, adapter_id, False)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix, in the prefix tiers too. Raises
-        :class:`CacheBusyError` while any block is in use."""
-        self._prefix.reset_prefix_cache()
-
     def set_priority(self, seq_id: SeqId, priority: int, start_token: int = 0,
                      end_token: int | None = None) -> None:
         """Eviction class of a sequence's blocks (or of a token range) when freed."""
@@ -460,112 +382,6 @@ class PagedKVCache:
     def drain_events(self) -> list[KVEvent]:
         """KV events since the last drain (``enable_kv_events=True``), oldest first."""
         return self._prefix.drain_events()
-
-    # ---- data -----------------------------------------------------------------------
-    def _require_store(self):
-        return self._data.require_store()
-
-    @property
-    def device(self):
-        """The ``torch.device`` of the KV arena (None for a bookkeeping-only cache)."""
-        return None if self.store is None else self.store.device
-
-    def write(self, layer: int, slot_mapping, key, value) -> None:
-        """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``
-        (from :meth:`reserve`; negative slots are skipped)."""
-        self._data.write(layer, slot_mapping, key, value)
-
-    def gather(self, seq_id: SeqId, layer: int, num_tokens: int | None = None):
-        """Contiguous K and V ``[n, num_kv_heads, head_dim]`` in token order: the first
-        ``num_tokens`` tokens, by default every token holding a slot (committed plus
-        reserved this step). A quantized layer reads committed tokens only (see
-        :meth:`gather_batch`)."""
-        k, v, _ = self.gather_batch([seq_id], layer, None if num_tokens is None else [num_tokens])
-        return k, v
-
-    def gather_batch(self, seq_ids: SeqIds, layer: int, num_tokens=None):
-        """K, V ``[sum(lens), H, D]`` of many sequences, and ``cu_seqlens`` (int64 ``[B+1]``).
-
-        ``num_tokens`` (optional, one per sequence) gathers only each sequence's first
-        tokens; by default all reserved tokens. A sliding-window layer returns the
-        tokens its group holds (sinks, then the window; :meth:`gather_window` adds
-        their positions).
-
-        One definition of what a read returns: the rows a forward pass wrote are read at
-        model precision until they are committed. A quantized layer's arena holds them
-        quantized, so gathering a sequence's reserved but uncommitted tokens from it is
-        refused (``InvalidArgumentError``): gather the committed ones (``num_tokens``)
-        and use the pass's K/V as computed, or read before writing with
-        :meth:`gather_pages` (``pending=``)."""
-        return self._data.gather(seq_ids, layer, num_tokens, False)
-
-    def gather_window(self, seq_ids: SeqIds, layer: int, num_tokens=None):
-        """:meth:`gather_batch` plus the int64 absolute position of every gathered token
-        (concatenated per sequence): all of them for a full-attention layer; for a
-        sliding one the sinks, then the window."""
-        return self._data.gather(seq_ids, layer, num_tokens, True)
-
-    def gather_pages(self, layer: int, indptr, indices, seq_lens, *, pending=None, rotated=False):
-        """K, V ``[sum(seq_lens), H, D]`` of ``layer`` read through a CSR page table
-        (``indptr``, ``indices``: int32 tensors on :attr:`device`, or the NumPy arrays
-        :meth:`page_table_csr` returns; ``seq_lens``: int32 tokens per row, a tensor or
-        a NumPy integer array such as :meth:`seq_lens` returns). NumPy integer arrays are
-        moved to :attr:`device` as int32; values outside int32 are refused.
-
-        For a caller that plans a step once and gathers every layer with the same table
-        (no bookkeeping lookup per layer). The table must come from this cache and be
-        current: the store checks shapes, dtypes and block ranges, not ownership. With
-        layer groups the table must be the layer's group's (``page_table_csr(ids,
-        group=...)``).
-
-        ``pending``: for a caller that reads before it writes the pass's own tokens
-        (it attends to their K/V as computed): ints ``[B]``, each row's trailing tokens
-        not written yet. Their rows hold stale bytes for the caller to overwrite, and
-        ``kv_window`` then keeps the ``kv_window`` tokens *before* them in model
-        precision, so every query of the pass sees at least that many exact tokens.
-        Within a forward pass, a caller that has written the pass's rows to a quantized
-        layer reads them from its own K/V, not from here: the pass's rows are read at
-        model precision (one definition of what a read returns; :meth:`attention` takes
-        them as ``k_new``/``v_new``). Without ``pending`` every row is read as stored.
-
-        ``rotated=True`` (a cache with ``kv_rotation``): K/V in the rotated domain, as
-        stored, without the per-row unrotation, which costs more than the dequantization.
-        The rotation is orthonormal, so an attention that rotates its queries
-        (``pagedkv.format.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
-        its output is unrotated once per query (``unrotate(out, signs)``) instead of once
-        per cached token."""
-        return self._data.gather_pages(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
-
-    def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, *, k_new=None, v_new=None,
-                  pending=None, **options):
-        """:func:`pagedkv.ops.paged_attention` of ``q`` over ``layer``'s pages, reading
-        what :meth:`gather_pages` reads (one definition of what a read returns): the rows
-        this forward pass wrote at model precision, from ``k_new``/``v_new``
-        (``[num_q_tokens, H, D]``, q's dtype: each query token's own K/V as computed;
-        ``pending``: ints ``[B]``, each row's last positions they cover, default every
-        query's); older rows in place in their stored format, except the ``kv_window``
-        rows before the pass's and the sink rows, in model precision from the window
-        arena; the rotation folded into ``q`` and the output. The table is as for
-        :meth:`gather_pages` (with layer groups, the layer's group's).
-
-        A quantized layer needs ``k_new``/``v_new``, or ``pending`` of zeros when no query's
-        row was written by this pass: reading the pass's rows back quantized would differ
-        from every other read, so it is refused (``InvalidArgumentError``). ``options``: the
-        op's keywords (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``,
-        ``num_splits``, ``out``, ``backend``)."""
-        check_attention_call(options, q, self.config.torch_dtype)
-        return self._data.attention(layer, q, indptr, indices, seq_lens, q_indptr, k_new=k_new, v_new=v_new,
-                                    pending=pending, **options)
-
-    @property
-    def rotation_signs(self):
-        """The float32 ``[head_dim]`` signs of the cache's rotation (a copy), or None
-        without ``kv_rotation``: what :func:`pagedkv.format.rotation.rotate` takes."""
-        return self._data.rotation_signs()
-
-    def copy_blocks(self, pairs) -> None:
-        """Copy (src, dst) block pairs ``[P, 2]`` across all layers."""
-        self._data.copy_blocks(pairs)
 
     def swap_out(self, seq_id: SeqId) -> int:
         """Preempt a sequence to the host tier: its KV moves to host blocks and its

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedkv._core.tables import FullAttentionTables
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.groups.data import layer_slot, layer_slots
-from pagedkv.groups.tables import GroupNamespaces, GroupTables
+from pagedkv.groups.spec import KVSpec
+from pagedkv.groups.tables import GroupNamespaces, GroupTables, make_tables
 from pagedkv.manager.stats import CacheStats
 
 __all__ = ["OneGroup", "Groups", "coordinator"]
@@ -35,13 +35,14 @@ _FORWARDED = ("add", "reserve", "advance", "commit", "unreserve", "truncate", "f
 
 
 class OneGroup:
-    """Every layer is full attention: one ``FullAttentionTables`` as a group of one."""
+    """One layer group (every layer full attention, or every layer MLA): its tables,
+    of its spec's class, as a group of one."""
 
-    def __init__(self, pool, index, block_size: int, namer):
-        t = FullAttentionTables(pool, block_size, index)
-        t.namer = namer      # core errors name the caller's id, not the key
+    def __init__(self, pool, index, block_size: int, namer, spec: KVSpec):
+        t = make_tables(pool, block_size, index, spec, namer)
         self.book = t
         self.tables = [t]
+        self.specs = (spec,)
         self.pool = pool
         self.index = index
         self.block_size = block_size
@@ -55,6 +56,7 @@ class OneGroup:
 
     # the group questions, answered for one group by the grouped code itself
     prefix_hits = GroupTables.prefix_hits
+    agreed_hit = GroupTables.agreed_hit
     match = GroupTables.match
     blocks_to_admit = GroupTables.blocks_to_admit
     held_blocks = GroupTables.held_blocks
@@ -70,8 +72,13 @@ class OneGroup:
     def group_for(self, group):
         if group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
                                       and group == 0):
-            raise InvalidArgumentError(expected("group", "None or 0 (every layer is full attention)", repr(group)))
+            raise InvalidArgumentError(expected("group", "None or 0 (the cache has one layer group)", repr(group)))
         return self.book
+
+    def spec_for(self, group):
+        """The spec of layer group ``group`` (None: the first), checked as :meth:`group_for`."""
+        self.group_for(group)
+        return self.specs[0]
 
     @staticmethod
     def layer_slot(layer: int) -> tuple[int, int]:
@@ -101,6 +108,11 @@ class Groups(GroupTables):
     @property
     def book(self) -> Groups:
         return self
+
+    def spec_for(self, group):
+        """The spec of layer group ``group`` (None: the first), checked as :meth:`group_for`."""
+        self.group_for(group)
+        return self.specs[0 if group is None else int(group)]
 
     def layer_slot(self, layer: int) -> tuple[int, int]:
         return layer_slot(self.plan, layer)
@@ -133,5 +145,5 @@ class Groups(GroupTables):
 def coordinator(pool, index, config, namer) -> OneGroup | Groups:
     """The tables of a cache with ``config``: one group, or one per layer group."""
     if config.layer_groups is None:
-        return OneGroup(pool, index, config.block_size, namer)
+        return OneGroup(pool, index, config.block_size, namer, config.kv_specs[0])
     return Groups(pool, index, config.block_size, config.layer_groups, namer)

@@ -10,10 +10,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedkv.config.support import require
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError, expected
 from pagedkv.manager.arguments import as_counts, tensor_values
 
-__all__ = ["DataPath"]
+__all__ = ["DataPath", "LayerAttention"]
+
+
+class LayerAttention:
+    """One forward step's paged attention over a cache's layers: planned once
+    (:meth:`PagedKVCache.plan_attention`: the tables moved to the device once, the
+    options fixed), then :meth:`run` per layer, FlashInfer's ``plan()``/``run()``."""
+
+    __slots__ = ("_path", "step")
+
+    def __init__(self, path, step):
+        self._path = path
+        self.step = step        # the ops' AttentionStep (the tables on the device)
+
+    def run(self, layer: int, q, *, out=None, k_new=None, v_new=None):
+        """The attention of ``q`` over ``layer``: ``[Nq, Hq, D]`` queries for K/V rows,
+        ``(q_nope, q_pe)`` for MLA latent rows (see ``PagedKVCache.mla_attention``);
+        ``k_new``/``v_new``: this layer's rows of the pass as computed (see
+        ``PagedKVCache.attention``; the step's ``pending`` says which positions they are)."""
+        return self._path.run_attention(self.step, layer, q, out, k_new, v_new)
 
 
 class DataPath:
@@ -56,7 +76,7 @@ class DataPath:
             indptr, indices, _ = tables.csr(keys, internal=internal)
             lens = tables.seq_lens(keys, internal=internal)
             done = tables.seq_lens(keys, computed=True, internal=internal)
-            gone = tables.released_tokens(keys, internal=internal) if tables.window else None
+            gone = tables.released_tokens(keys, internal=internal) if self.groups.specs[g].releases_blocks else None
         if gone is not None and gone.any():
             if want is not None:
                 raise InvalidArgumentError(expected("num_tokens", "None for a sliding-window layer whose "
@@ -109,60 +129,64 @@ class DataPath:
         bs = self.config.block_size
         return min(self.config.kv_sink_tokens or 0, -(-group.sinks // bs) * bs)
 
+    def plan_attention(self, indptr, indices, seq_lens, q_indptr, *, pending=None, **options) -> LayerAttention:
+        """One step's attention over any layer (see :class:`LayerAttention`)."""
+        from pagedkv.ops.attention_step import AttentionStep
+
+        store = self.require_store()
+        backend = options.pop("backend", "auto")
+        return LayerAttention(self, AttentionStep(indptr, indices, seq_lens, q_indptr, device=store.device,
+                                                  backend=backend, pending=pending, **options))
+
+    def run_attention(self, step, layer: int, q, out=None, k_new=None, v_new=None):
+        from pagedkv.ops.views import KVLayerView
+
+        store = self.require_store()
+        g, slot = self.groups.layer_slot(layer)
+        window = getattr(store, "window", None)
+        sink = self.group_sink(g) if window is not None else None
+        view = store.view(slot) if window is None else store.view(slot, sink=sink)   # the store's to build
+        if isinstance(view, KVLayerView):
+            rows = self._pass_rows_of(view, q, step, k_new, v_new)
+        elif k_new is not None or v_new is not None:
+            raise InvalidArgumentError(expected("k_new", "None for MLA latent rows (write the pass's rows first)",
+                                                type(k_new).__name__))
+        else:
+            rows = {}
+        if window is None or getattr(view, "exact", None) is None:
+            return step.run(q, view, out=out, **rows)
+        with window.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
+            res = step.run(q, view, out=out, **rows)
+            lens = np.asarray(step.seq_lens.cpu()).astype(np.int64) - _pass_rows(rows, step.q_indptr)
+            store.attended(slot, step.indptr, step.indices, lens, sink=sink)   # the window ends at the pass's rows
+        return res
+
+    def _pass_rows_of(self, view, q, step, k_new, v_new) -> dict:
+        """What the op takes of the pass's own K/V for this layer (one definition of what
+        a read returns: :mod:`pagedkv.format.new_rows`)."""
+        fmt, pending = view.format, step.pending
+        if k_new is None and v_new is None and (fmt.quantized or pending is not None):
+            return dict(pending=self._no_pass_rows(pending, step.q_indptr))
+        if not fmt.quantized and k_new is not None:
+            _held_pass_rows(q, view.data, view.layout, fmt, k_new, v_new, pending, step.q_indptr)
+            return {}
+        return dict(k_new=k_new, v_new=v_new, pending=pending)
+
+    def mla_attention(self, layer: int, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale,
+                      num_splits=None, out=None):
+        if self.config.kv_lora_rank is None:
+            raise InvalidArgumentError(expected("cache", "an MLA cache (kv_lora_rank) for mla_attention",
+                                                "a cache of K/V rows: use attention()"))
+        step = self.plan_attention(indptr, indices, seq_lens, q_indptr, sm_scale=sm_scale, num_splits=num_splits)
+        return step.run(layer, (q_nope, q_pe), out=out)
+
     def attention(self, layer: int, q, indptr, indices, seq_lens, q_indptr, *, k_new=None, v_new=None,
                   pending=None, **options):
-        from pagedkv.ops import ExactRows, paged_attention
-
-        store = self.require_store()
-        g, layer = self.groups.layer_slot(layer)
-        fmt = store.layer_format(layer)
-        if k_new is None and v_new is None and (fmt.quantized or pending is not None):
-            pending = self._no_pass_rows(pending, q_indptr)
-        view = store.layer(layer)
-        if not fmt.quantized and k_new is not None:
-            _held_pass_rows(q, view, store.layout, fmt, k_new, v_new, pending, q_indptr)
-            k_new = v_new = pending = None
-        options.update(k_new=k_new, v_new=v_new, pending=pending)
-        scale, zero = store.layer_scales(layer)
-        kscale, kzero = store.layer_key_params(layer)
-        main, i = store._where[layer]
-        w, exact = store.window, None
-        sink = self.group_sink(g) if w is not None else None
-        if main and w is not None and (w.window or w.sink):
-            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink if sink is None else sink)
-        if exact is None:
-            return paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout,
-                                   kv_scale=scale, kv_zero=zero, key_scale=kscale, key_zero=kzero,
-                                   rotation_signs=store.rotation_signs if main else None,
-                                   layer_format=fmt, **options)
-        with w.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
-            return self._attention_exact(w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale,
-                                         kzero, exact, fmt, options, sink)
-
-    def _attention_exact(self, w, i, q, view, indptr, indices, seq_lens, q_indptr, scale, zero, kscale, kzero,
-                         exact, fmt, options, sink=None):
-        from pagedkv.ops import paged_attention
-        from pagedkv.store.window import blocks_of_csr
-
-        store = self.require_store()
-        out = paged_attention(q, view, indptr, indices, seq_lens, q_indptr, layout=store.layout, kv_scale=scale,
-                              kv_zero=zero, key_scale=kscale, key_zero=kzero, rotation_signs=store.rotation_signs,
-                              exact_rows=exact, layer_format=fmt, **options)
-        if i == 0:      # once per pass, as a gather: count fallbacks, keep the sinks' pins recent
-            ptr, idx = np.asarray(indptr.cpu() if hasattr(indptr, "cpu") else indptr), np.asarray(
-                indices.cpu() if hasattr(indices, "cpu") else indices)
-            lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
-            lens = lens - _pass_rows(options, q_indptr)     # the window ends where the pass's rows begin
-            w.count_fallbacks(blocks_of_csr(ptr, idx), lens, sink)
-        if i == 0 and exact.sink:
-            heads = np.minimum(exact.sink, np.maximum(lens - w.window, 0))
-            first = [idx[ptr[b]:ptr[b] + (n - 1) // w.block_size + 1] for b, n in enumerate(heads.tolist()) if n]
-            if first:
-                ws = w.slot_of[np.concatenate(first).astype(np.int64)]
-                ws = ws[ws >= 0]
-                w.clock += 1
-                w.stamp[ws[w.pinned[ws]]] = w.clock
-        return out
+        if self.config.kv_lora_rank is not None:
+            require("paged attention (attention)", self.config)
+        out = options.pop("out", None)
+        step = self.plan_attention(indptr, indices, seq_lens, q_indptr, pending=pending, **options)
+        return step.run(layer, q, out=out, k_new=k_new, v_new=v_new)
 
     def _no_pass_rows(self, pending, q_indptr):
         """A quantized layer read without the pass's own K/V: only when the caller says

@@ -86,7 +86,7 @@ class Queries:
 
     def released_tokens(self, seq_ids, group) -> np.ndarray:
         tables = self.groups.group_for(group)
-        if not tables.window:
+        if not self.groups.spec_for(group).releases_blocks:
             return np.zeros(len(self.seq_lens(seq_ids, False)), dtype=np.int64)
         return self.batch(tables.released_tokens, seq_ids)
 

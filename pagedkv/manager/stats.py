@@ -22,6 +22,7 @@ class GroupStats:
     cow_copies: int
     query_tokens: int
     hit_tokens: int
+    attention: str = "full"        # the group's spec: "full", "sliding(window=W)", "mla(...)"
 
 
 @dataclass(frozen=True)

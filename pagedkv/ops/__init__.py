@@ -20,7 +20,9 @@ import torch
 from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops import backends
 from pagedkv.ops.backends import BACKENDS, resolve_backend
+from pagedkv.ops.latent import LatentView, gather_latent, mla_attention, write_latent
 from pagedkv.ops.paged_attention import ExactRows, paged_attention
+from pagedkv.ops.views import KVLayerView, unpack
 
 __all__ = [
     "BACKENDS",
@@ -35,6 +37,11 @@ __all__ = [
     "resolve_backend",
     "paged_attention",
     "ExactRows",
+    "LatentView",
+    "KVLayerView",
+    "write_latent",
+    "gather_latent",
+    "mla_attention",
 ]
 
 # The fast CPU module when its loops are built: the per-call fast path skips the
@@ -63,7 +70,7 @@ def _cpu_fast(backend: str, t: object) -> backends.DataOpsBackend | None:
 
 
 def write_kv(
-    kv_layer: torch.Tensor,
+    kv_layer: torch.Tensor | KVLayerView,
     slot_mapping: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -75,7 +82,14 @@ def write_kv(
     layer_format: LayerFormat | None = None,
     backend: str = "auto",
 ) -> None:
-    """Store new K/V tokens at their slots; see :func:`pagedkv.ops.reference.write_kv`."""
+    """Store new K/V tokens at their slots; see :func:`pagedkv.ops.reference.write_kv`.
+    ``kv_layer`` may be a :class:`~pagedkv.ops.views.KVLayerView` (then no layer keywords)."""
+    if type(kv_layer) is KVLayerView:
+        kv_layer, kw = unpack("write_kv", kv_layer, dict(layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
+                                                         rotation_signs=rotation_signs, layer_format=layer_format),
+                              write=True)
+        write_kv(kv_layer, slot_mapping, key, value, backend=backend, **kw)
+        return
     cpu = _cpu_fast(backend, kv_layer)
     if cpu is not None:
         cpu.write_kv(kv_layer, slot_mapping, key, value, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
@@ -112,7 +126,7 @@ def unseal_key_blocks(kv_layer, blocks, live, kv_scale, kv_zero, key_scale, key_
 
 
 def gather_kv(
-    kv_layer: torch.Tensor,
+    kv_layer: torch.Tensor | KVLayerView,
     indptr: torch.Tensor,
     indices: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -129,7 +143,15 @@ def gather_kv(
     layer_format: LayerFormat | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read K/V of a batch (CSR block tables); see :func:`pagedkv.ops.reference.gather_kv`."""
+    """Read K/V of a batch (CSR block tables); see :func:`pagedkv.ops.reference.gather_kv`.
+    ``kv_layer`` may be a :class:`~pagedkv.ops.views.KVLayerView` (then no layer keywords;
+    the view's exact rows are not overlaid: the store's gather does that)."""
+    if type(kv_layer) is KVLayerView:
+        kv_layer, kw = unpack("gather_kv", kv_layer, dict(
+            layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, rotation_signs=rotation_signs, key_scale=key_scale,
+            key_zero=key_zero, layer_format=layer_format))
+        return gather_kv(kv_layer, indptr, indices, seq_lens, out_dtype=out_dtype, out_key=out_key,
+                         out_value=out_value, backend=backend, **kw)
     cpu = _cpu_fast(backend, kv_layer)
     fn = cpu.gather_kv if cpu is not None else _impl("gather_kv", backend, _device(kv_layer))
     return fn(kv_layer, indptr, indices, seq_lens, layout=layout, out_dtype=out_dtype, kv_scale=kv_scale,

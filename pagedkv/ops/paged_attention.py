@@ -36,6 +36,7 @@ from pagedkv.errors import DeviceError, KernelUnavailableError, expected
 from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops import backends
 from pagedkv.ops.attention_reference import ExactRows, attend_reference, check_attention
+from pagedkv.ops.views import KVLayerView, unpack
 
 try:
     from pagedkv.ops import _cpu_attention as _ca
@@ -52,7 +53,7 @@ SPLIT_TOKENS = 1024
 
 def paged_attention(
     q: torch.Tensor,
-    kv_layer: torch.Tensor,
+    kv_layer: torch.Tensor | KVLayerView,
     indptr,
     indices,
     seq_lens,
@@ -120,7 +121,18 @@ def paged_attention(
 
     Returns:
         ``[num_q_tokens, num_q_heads, head_dim]`` in ``q.dtype`` (``out`` when given).
+
+    ``kv_layer`` may be a :class:`~pagedkv.ops.views.KVLayerView` (a store's layer: its
+    format, views and exact rows), standing for the layer keywords, which are then not
+    given.
     """
+    if type(kv_layer) is KVLayerView:
+        kv_layer, layer = unpack("paged_attention", kv_layer, dict(
+            layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
+            rotation_signs=rotation_signs, exact_rows=exact_rows, layer_format=layer_format), attention=True)
+        return paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, sm_scale=sm_scale,
+                               soft_cap=soft_cap, window=window, sink_tokens=sink_tokens, num_splits=num_splits,
+                               out=out, backend=backend, k_new=k_new, v_new=v_new, pending=pending, **layer)
     kwargs = dict(layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
                   rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
                   sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows,

@@ -30,6 +30,8 @@ from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.format import dtypes, op_checks
 from pagedkv.format.layer_format import LayerFormat
 from pagedkv.format.rotation import rotate, rotation_signs
+from pagedkv.ops.attention_reference import ExactRows
+from pagedkv.ops.views import KVLayerView
 from pagedkv.store.block_keys import BlockKeys
 from pagedkv.store.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
@@ -262,6 +264,37 @@ class KVStore:
         """The format of ``layer`` (what the data ops are told about its views)."""
         main, _ = self._where[self._layer_index(layer)]
         return self.format if main else self.full_format
+
+    def view(self, layer: int, sink: int | None = None) -> KVLayerView:
+        """``layer`` as the data ops take it (:class:`~pagedkv.ops.views.KVLayerView`): its
+        format, data and parameter views, rotation signs, and the window's model-precision
+        rows a read takes instead of the arena's (read them under ``window.lock``).
+        ``sink``: the sink tokens the tables read through this view start with, when not
+        every sequence's ``kv_sink_tokens`` (a sliding-window group's; see
+        :meth:`RecentWindow.overlay <pagedkv.store.window.RecentWindow.overlay>`)."""
+        main, i = self._where[self._layer_index(layer)]
+        scale, zero = self.layer_scales(layer)
+        kscale, kzero = self.layer_key_params(layer)
+        w, exact = self.window, None
+        if main and w is not None and (w.window or w.sink):
+            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink if sink is None else sink)
+        return KVLayerView(self.layer_format(layer), self.layer(layer), self.layout, scale, zero, kscale, kzero,
+                           self.rotation_signs if main else None, exact)
+
+    def attended(self, layer: int, indptr, indices, seq_lens, sink: int | None = None) -> None:
+        """``layer`` was read in place through its view's exact rows (paged attention,
+        under ``window.lock``; ``sink`` as for :meth:`view`). Once per pass (at the first
+        quantized layer), as a gather does: the reads that found a window or sink row gone
+        are counted, and the sequences' sink pins stay the most recently used."""
+        main, i = self._where[self._layer_index(layer)]
+        w = self.window
+        if not main or i != 0 or w is None or not (w.window or w.sink):
+            return
+        ptr, idx, lens = (np.asarray(t.cpu() if hasattr(t, "cpu") else t) for t in (indptr, indices, seq_lens))
+        lens = lens.astype(np.int64)
+        w.count_fallbacks(blocks_of_csr(ptr, idx), lens, sink)
+        if w.sink if sink is None else sink:
+            w.touch_sinks(ptr, idx, lens, sink)
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4/int3 ``[NB, 2, bs, H, groups]``);

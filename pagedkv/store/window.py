@@ -450,6 +450,22 @@ class RecentWindow:
             self._count(wanted, held, torch.cat(oks))
 
     @_locked
+    def touch_sinks(self, indptr, indices, seq_lens, sink: int | None = None) -> None:
+        """A read of these sequences' rows in place (paged attention through the exact
+        rows) used their pinned sink blocks: they become the most recently used, as
+        :meth:`overlay` makes them for a gather (once per pass). ``sink``: as for
+        :meth:`overlay`."""
+        ptr, idx = (np.asarray(t.cpu() if hasattr(t, "cpu") else t) for t in (indptr, indices))
+        lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
+        heads = np.minimum(self.sink if sink is None else sink, np.maximum(lens - self.window, 0))
+        first = [idx[ptr[b]:ptr[b] + (n - 1) // self.block_size + 1] for b, n in enumerate(heads.tolist()) if n]
+        if first:
+            ws = self.slot_of[np.concatenate(first).astype(np.int64)]
+            ws = ws[ws >= 0]
+            self.clock += 1
+            self.stamp[ws[self.pinned[ws]]] = self.clock
+
+    @_locked
     def held(self, block: int) -> int | None:
         """The window slot of ``block`` (None when it has none)."""
         s = int(self.slot_of[block])

@@ -9,7 +9,7 @@ receives are committed and registered like computed ones, then left cached-free:
 next admission with that prefix hits them.
 
 With sliding-window layer groups every group's chain travels, the part that left a
-sliding group's window too (see :mod:`pagedkv.groups.chains`): the receiver registers
+sliding group's window too (see :mod:`pagedkv.manager.handoff`): the receiver registers
 each group's blocks as a prefix, and an admission that shares only the chain's first
 blocks reads them in its window, so a blank block must never register. What is offered
 is the longest prefix *every* group still holds on the sender (a sliding group whose
@@ -28,8 +28,8 @@ import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
-from pagedkv.groups.chains import hold_chains, release_chains
 from pagedkv.manager.cache import as_token_ids, namespace_key
+from pagedkv.manager.handoff import hold_chains, release_chains
 from pagedkv.tiers.chain import ROOT_HASH, chain_hash
 from pagedkv.transfer.protocol import (
     MAX_TOKENS,

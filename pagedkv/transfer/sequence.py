@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, PagedKVError, TransferError, expected
+from pagedkv.manager.handoff import admit_restored
 from pagedkv.transfer.protocol import (
     MAX_TOKENS,
     abort,
@@ -67,7 +68,7 @@ def _held_positions(cache, h) -> list[np.ndarray] | None:
         arr = np.asarray(pos, dtype=np.int64)
         if len(arr) and (arr.min() < 0 or arr.max() >= nb or (np.diff(arr) <= 0).any()):
             raise Invalid(f"group {g}: increasing positions in [0, {nb})")
-        if not lg.window and len(arr) != nb:     # a full-attention group holds every block
+        if not lg.releases_blocks and len(arr) != nb:     # a group that keeps every block sends them all
             raise Invalid(f"group {g} (full attention): all {nb} positions")
         out.append(arr)
     return out
@@ -181,7 +182,7 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
                 hit = cache.add_sequence(sid, tokens, cache_salt=h["cache_salt"], adapter_id=h["adapter_id"],
                                          priority=h["priority"])
             else:   # every block comes (no prefix reuse), sliding groups untracked: no blank block registers
-                cache._admit_restored(sid, tokens, h["cache_salt"], h["adapter_id"], h["priority"])
+                admit_restored(cache, sid, tokens, h["cache_salt"], h["adapter_id"], h["priority"])
             added = True
             need = max(0, h["num_computed"] - hit)
             if need:

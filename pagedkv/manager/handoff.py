@@ -1,4 +1,10 @@
-"""Every layer group's cached chain of one prefix, held while its KV is copied out.
+"""What a transfer asks of the manager: hold every layer group's cached chain of a
+prefix while its KV is copied out, and admit a sequence whose KV arrives whole.
+
+(A module of the manager package: it reads the cache's parts, which nothing outside
+the package does.)
+
+Every layer group's cached chain of one prefix, held while its KV is copied out.
 
 A sliding group's table holds only the blocks its window needs, but its prefix index
 keeps the whole chain (the blocks that left the window stay cached, registered, until
@@ -12,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["hold_chains", "release_chains"]
+__all__ = ["hold_chains", "release_chains", "admit_restored"]
 
 
 def hold_chains(cache, tokens: np.ndarray, cache_salt, adapter_id) -> list[np.ndarray]:
@@ -40,3 +46,10 @@ def release_chains(cache, chains: list[np.ndarray]) -> None:
     if chains and len(chains[0]):
         with cache._lock:
             cache._pool.unpin(np.concatenate(chains))
+
+
+def admit_restored(cache, seq_id, tokens: np.ndarray | None, cache_salt, adapter_id, priority) -> None:
+    """Admit a sequence of a layer-grouped cache whose KV is about to arrive whole from
+    elsewhere: no prefix lookup, sliding groups untracked (see
+    :meth:`~pagedkv.groups.tables.GroupTables.add_restored`)."""
+    cache._life.admit_restored(seq_id, tokens, cache_salt, adapter_id, priority)
