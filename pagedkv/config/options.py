@@ -16,9 +16,10 @@ from typing import Any
 
 from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
 from pagedkv.config.specs import build_specs, mla_from_hf, validate_mla
+from pagedkv.config.state import validate_state
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
-from pagedkv.groups.spec import KVSpec
+from pagedkv.groups.spec import KVSpec, RecurrentStateSpec
 from pagedkv.store import dtypes
 
 __all__ = [
@@ -244,6 +245,15 @@ class CacheConfig:
     the model), ``attention_sinks`` the leading tokens every sliding layer keeps. Layers
     then form groups, a block holds :attr:`arena_layers` layer slots of one group, and
     all sizes count those slots.
+
+    Recurrent-state layers (Mamba2, Gated DeltaNet, ...; see :mod:`pagedkv.config.state`):
+    ``layer_kinds`` gives each model layer's kind (``"attention"``, ``"state"``,
+    ``"hybrid"``, ``"none"``); ``num_layers`` then counts the layers with attention (the KV
+    store's layers; 0 for a model without any, which then needs ``num_blocks``: its
+    blocks only track tokens). Each state layer holds ``state_tensors`` (name, shape,
+    dtype) per sequence, in ``state_slots`` slots (or as many as
+    ``state_memory_budget`` holds), apart from the blocks; a snapshot is taken every
+    ``state_checkpoint_every`` blocks (see :mod:`pagedkv.state`).
     """
 
     num_layers: int
@@ -287,13 +297,21 @@ class CacheConfig:
     attention_sinks: int = 0
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    layer_kinds: tuple[str, ...] | None = None
+    state_tensors: tuple = ()
+    state_slots: int | None = None
+    state_memory_budget: int | str | None = None
+    state_checkpoint_every: int = 16
+    _state: RecurrentStateSpec | None = field(default=None, init=False, repr=False, compare=False)
+    _state_slots: int = field(default=0, init=False, repr=False, compare=False)
     _groups: GroupPlan | None = field(default=None, init=False, repr=False, compare=False)
     _specs: tuple[KVSpec, ...] = field(default=(), init=False, repr=False, compare=False)
     _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        put("num_layers", _check_int("num_layers", self.num_layers, 1))
+        # a model without attention layers (pure Mamba) has no KV layer: its blocks track tokens
+        put("num_layers", _check_int("num_layers", self.num_layers, 0 if self.layer_kinds is not None else 1))
         put("num_kv_heads", _check_int("num_kv_heads", self.num_kv_heads, 1))
         put("head_dim", _check_int("head_dim", self.head_dim, 1))
         self._validate_tp(put)
@@ -313,6 +331,9 @@ class CacheConfig:
         self._validate_options(put)
         self._validate_lowbit(put)
         self._validate_groups(put)
+        state, slots = validate_state(self, put)
+        put("_state", state)
+        put("_state_slots", slots)
         put("_specs", build_specs(self))
         if self._groups is not None:       # the plan's groups are the placed specs: one truth
             put("_groups", GroupPlan(self._specs, self._groups.layer_group, self._groups.layer_slot))
@@ -328,6 +349,10 @@ class CacheConfig:
             put("num_blocks", _check_int("num_blocks", self.num_blocks, 1))
             put("_resolved_blocks", self.num_blocks)
         elif self.memory_budget is not None:     # always, by the exactly-one check above
+            if self.num_layers == 0:
+                raise InvalidArgumentError(expected("memory_budget", "None without attention layers (blocks hold "
+                                                    "no KV: give num_blocks; state_slots sizes the states)",
+                                                    self.memory_budget))
             budget = parse_bytes(self.memory_budget)
             put("memory_budget", budget)
             blocks = (budget - self.window_bytes) // self.bytes_per_block
@@ -367,6 +392,39 @@ class CacheConfig:
     def layer_groups(self) -> GroupPlan | None:
         """The layer groups, or None when every layer is full attention."""
         return self._groups
+
+    @property
+    def state_spec(self) -> RecurrentStateSpec | None:
+        """The recurrent-state group's spec (its layers are model layer indices), or None
+        for a model without recurrent-state layers."""
+        return self._state
+
+    @property
+    def resolved_state_slots(self) -> int:
+        """State slots (``state_slots``, or what ``state_memory_budget`` holds); 0 without
+        state layers."""
+        return self._state_slots
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the state arena (every slot, every state layer)."""
+        return 0 if self._state is None else self._state_slots * self._state.slot_bytes()
+
+    def kv_layer_of(self, model_layer: int) -> int | None:
+        """The KV layer of a model layer (its index among the layers with attention), or
+        None for a layer without K/V rows. Without ``layer_kinds`` every layer is one."""
+        if self.layer_kinds is None:
+            return model_layer if 0 <= model_layer < self.num_layers else None
+        if not 0 <= model_layer < len(self.layer_kinds) or self.layer_kinds[model_layer] not in ("attention", "hybrid"):
+            return None
+        return sum(1 for k in self.layer_kinds[:model_layer] if k in ("attention", "hybrid"))
+
+    def state_layer_of(self, model_layer: int) -> int | None:
+        """The state layer of a model layer (its index among the layers with a recurrent
+        state), or None for a layer without one."""
+        if self._state is None or model_layer not in self._state.layers:
+            return None
+        return self._state.layers.index(model_layer)
 
     @property
     def arena_layers(self) -> int:
