@@ -108,7 +108,7 @@ class StateCacheMachine(RuleBasedStateMachine):
             self.kv.write_state(sid, layer, state_of(self.spec, [tokens[:s.pos + n]], layer))
         self.kv.commit(sid, n, tokens[s.pos:s.pos + n] if new else None)
         s.tokens = tokens
-        self.oracle.commit(sid, n)
+        self.oracle.commit(sid, n, prefill=not new)
         self._check_state(sid)
 
     @precondition(lambda self: self.oracle.seqs)

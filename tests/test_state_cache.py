@@ -172,24 +172,30 @@ def test_namespaces_do_not_share_states():
 def test_checkpoints_every_n_blocks_at_chunk_ends_and_junctions():
     kv = PagedKVCache(config(state_checkpoint_every=2))
     a = list(range(1, 30))
-    kv.add_sequence("a", a)
-    for _ in range(9):
-        step(kv, "a", a, 1)                       # decode-like steps: periodic snapshots only (at 8)
+    kv.add_sequence("a", a[:1])
+    step(kv, "a", a, 1)
+    for _ in range(8):
+        step(kv, "a", a, 1, new=True)             # decode steps: periodic snapshots only (at 8)
     assert [len(s.tokens) for s in kv._groups.snapshots.snapshots()] == [8]
-    step(kv, "a", a, 3)                           # a chunk ending on a boundary (12): a snapshot
+    kv.free("a")
+    assert kv.add_sequence("a", a) == 8
+    step(kv, "a", a, 1)                           # a prompt chunk ending off a boundary: none
+    step(kv, "a", a, 3)                           # a prompt chunk ending on a boundary (12): a snapshot
     assert sorted(len(s.tokens) for s in kv._groups.snapshots.snapshots()) == [8, 12]
     assert kv.next_checkpoint("a") == 16
     step(kv, "a", a, 8)                           # 20, a chunk end
     kv.free("a")
     kv._groups.snapshots.remove(next(s for s in kv._groups.snapshots.snapshots() if len(s.tokens) == 20))
     # a later request: the chain holds 20 tokens, the states 12: a junction snapshot is due at 20
-    b = a[:22]
+    b = a[:26]
     assert kv.add_sequence("b", b) == 12
     assert kv.next_checkpoint("b") == 16
     assert kv.sequence_info("b")["state"]["next_checkpoint"] == 16
-    for _ in range(8):
-        step(kv, "b", b, 1)
-    assert 20 in [len(s.tokens) for s in kv._groups.snapshots.snapshots()]
+    step(kv, "b", b, 4)
+    assert kv.next_checkpoint("b") == 20          # the junction, before the periodic 24
+    step(kv, "b", b, 4)
+    assert kv.next_checkpoint("b") == 24
+    assert sorted(len(s.tokens) for s in kv._groups.snapshots.snapshots()) == [8, 12, 16, 20]
     kv.free("b")
 
 

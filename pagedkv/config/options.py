@@ -17,6 +17,7 @@ from typing import Any
 from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
 from pagedkv.config.specs import build_specs, mla_from_hf, validate_mla
 from pagedkv.config.state import validate_state
+from pagedkv.config.state_hf import state_from_hf
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
 from pagedkv.groups.spec import KVSpec, RecurrentStateSpec
@@ -871,36 +872,50 @@ class CacheConfig:
         (see :func:`pagedkv.groups.layers.layer_windows_from_hf`). An MLA model
         (``kv_lora_rank``: DeepSeek V2/V3, Kimi K2, GLM-4-MoE-Lite) gets its latent rows
         (``kv_lora_rank``, ``qk_rope_head_dim``; see :func:`pagedkv.config.specs.mla_from_hf`,
-        which refuses DeepSeek-V3.2's sparse-attention indexer).
+        which refuses DeepSeek-V3.2's sparse-attention indexer). A recurrent or hybrid
+        model (Mamba2, Bamba, Granite 4, Falcon-H1, Jamba, Nemotron-H, Zamba2, Qwen3-Next,
+        Qwen3.5, Kimi-Linear, LFM2, ...) gets its ``layer_kinds`` and ``state_tensors``
+        (:func:`pagedkv.config.state_hf.state_from_hf`); ``num_layers`` then counts its
+        attention layers, and ``state_slots`` or ``state_memory_budget`` is required.
         """
         src = _text_config(_as_mapping(config))
         get = lambda *names: _first(src, names)  # noqa: E731
         layers = get("num_hidden_layers", "n_layer", "num_layers")
-        heads = get("num_attention_heads", "n_head")
-        for label, val in (("num_hidden_layers", layers), ("num_attention_heads", heads)):
-            if val is None:
-                raise InvalidArgumentError(expected("config", f"a '{label}' field", _keys(src)))
-        # every field is checked as read: a model's config is input like any other
+        if layers is None:
+            raise InvalidArgumentError(expected("config", "a 'num_hidden_layers' field", _keys(src)))
         layers = _check_int("num_hidden_layers", layers, 1)
+        model_type = src.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise ArgumentTypeError(expected("model_type", "a str", show(model_type)))
+        state = state_from_hf(src, layers)      # recurrent-state layers (Mamba2, Gated DeltaNet, ...)
+        kv_count = layers if state is None else len(state["windows"])
+        heads = get("num_attention_heads", "n_head")
+        if heads is None and kv_count == 0:     # a pure state model: no K/V, no attention heads
+            heads = 1
+        if heads is None:
+            raise InvalidArgumentError(expected("config", "a 'num_attention_heads' field", _keys(src)))
+        # every field is checked as read: a model's config is input like any other
         heads = _check_int("num_attention_heads", heads, 1)
-        kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv")
+        kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv") if kv_count else 1
         kv_heads = heads if kv_heads is None else _check_int("num_key_value_heads", kv_heads, 1)
-        head_dim = get("head_dim")
+        head_dim = get("head_dim") if kv_count else 1
         if head_dim is None:
             hidden = get("hidden_size", "n_embd", "d_model")
             if hidden is None:
                 raise InvalidArgumentError(expected("config", "a 'head_dim' or 'hidden_size' field", _keys(src)))
             head_dim = _check_int("hidden_size", hidden, 1) // heads
-        model_type = src.get("model_type")
-        if model_type is not None and not isinstance(model_type, str):
-            raise ArgumentTypeError(expected("model_type", "a str", show(model_type)))
-        values = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads)
+        values = dict(num_layers=kv_count, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads)
         mla = mla_from_hf(src)
         if mla is not None:     # one latent row per token: a single "head" of c_kv and k_pe
             values.update(mla, num_kv_heads=1, head_dim=mla["kv_lora_rank"] + mla["qk_rope_head_dim"])
-        windows = layer_windows_from_hf(src, layers)
-        if windows is not None:
-            values["layer_windows"] = windows
+        if state is not None:
+            values.update(layer_kinds=state["layer_kinds"], state_tensors=state["state_tensors"])
+            if any(state["windows"]):
+                values["layer_windows"] = state["windows"]
+        else:
+            windows = layer_windows_from_hf(src, layers)
+            if windows is not None:
+                values["layer_windows"] = windows
         names = {f.name for f in fields(cls) if f.init}
         for key in overrides:
             if key not in names:

@@ -51,7 +51,7 @@ from pagedkv.integrations import hf_attention, hf_windows
 from pagedkv.manager.cache import PagedKVCache
 
 try:
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 except ImportError as exc:  # pragma: no cover - transformers < 4.56
     raise ImportError(
         "pagedkv.integrations.transformers needs transformers >= 4.56 (the layered Cache API); "
@@ -132,6 +132,34 @@ class PagedLayer(CacheLayerMixin):
         pass
 
 
+def _model_layers(parent: PagedCache, kinds, windows) -> list:
+    """One layer object per model layer of a cache with recurrent-state layers: a
+    :class:`PagedLayer` (K/V), a state layer, both (a hybrid layer) or a dummy."""
+    from pagedkv.integrations.hf_states import PagedStateLayer
+
+    class PagedHybridLayer(PagedStateLayer, PagedLayer):     # Falcon-H1, Zamba2: a state and K/V in one layer
+        def __init__(self, parent, layer_idx: int, window: int = 0):
+            PagedLayer.__init__(self, parent, layer_idx, window)
+            PagedStateLayer.__init__(self, parent, layer_idx)
+
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            self.is_initialized = True
+
+    out: list = []
+    kv_layer = 0
+    for i, k in enumerate(kinds):
+        if k == "attention":
+            out.append(PagedLayer(parent, i, windows[kv_layer]))
+        elif k == "hybrid":
+            out.append(PagedHybridLayer(parent, i, windows[kv_layer]))
+        elif k == "state":
+            out.append(PagedStateLayer(parent, i))
+        else:
+            out.append(DummyLayer())
+        kv_layer += k in ("attention", "hybrid")
+    return out
+
+
 class _StepPlan:
     """What layer 0 decided for one forward pass; every layer reuses it."""
 
@@ -194,9 +222,19 @@ class PagedCache(Cache):
         self.paged_attention = paged_attention
         self._ticket: hf_attention.Ticket | None = None
         self.num_layers = kv.config.num_layers
-        self._windows = hf_windows.layer_windows(kv)     # None: every layer is full attention
+        self._windows = hf_windows.layer_windows(kv)     # None: every layer is full attention (per KV layer)
         windows = self._windows or [0] * self.num_layers
-        super().__init__(layers=[PagedLayer(self, i, windows[i]) for i in range(self.num_layers)])
+        self._states = None     # recurrent-state layers: the pass's working states (hf_states)
+        if kv.config.state_spec is not None:
+            from pagedkv.integrations import hf_states
+
+            hf_states.state_names(kv.config.state_spec)
+            self._states = hf_states.StatePass(kv, kv.config.layer_kinds, kv.config.torch_dtype)
+            layers = _model_layers(self, kv.config.layer_kinds, windows)
+            self.num_layers = len(layers)
+            super().__init__(layers=layers)
+        else:
+            super().__init__(layers=[PagedLayer(self, i, windows[i]) for i in range(self.num_layers)])
         self._owned: set = set()   # rows this object frees; the same set lives in the finalizer
         self._clear_rows()
         weakref.finalize(self, _free_on_collection, kv, self._owned)
@@ -214,6 +252,8 @@ class PagedCache(Cache):
         self._input_ids: torch.Tensor | None = None
         self._fresh = False  # admitted, no forward pass yet
         self._holding = False   # recording the past: sliding groups keep blocks until crop
+        if self._states is not None:
+            self._states.clear()
 
     def _new_id(self):
         return ("pagedkv.hf", next(_serial))
@@ -227,6 +267,7 @@ class PagedCache(Cache):
         them; a row's hit tokens beyond that common point are recomputed by the model
         but not written again.
         """
+        self._sync()
         if self.seq_ids:
             raise InvalidArgumentError(expected("admit", "a PagedCache without rows (call release() first)",
                                                 f"{len(self.seq_ids)} rows"))
@@ -255,7 +296,9 @@ class PagedCache(Cache):
         salt = self.cache_salt if cache_salt is None else cache_salt
         hits = np.zeros(ids.shape[0], dtype=np.int64)
         caps = [None] * ids.shape[0]
-        if self._windows is not None and any(self._windows):
+        if self._states is not None:       # every row resumes at one column, where its state is kept
+            caps = self._state_caps(ids, pads.numpy().astype(np.int64), salt, adapter_id).tolist()
+        elif self._windows is not None and any(self._windows):
             caps = self._sliding_caps(ids, pads.numpy().astype(np.int64), salt, adapter_id).tolist()
         added = []
         try:
@@ -263,6 +306,8 @@ class PagedCache(Cache):
                 tokens = ids[b, int(pads[b]):].to("cpu")
                 hits[b] = self.kv.add_sequence(sid, tokens, cache_salt=salt, adapter_id=adapter_id,
                                                max_cached_tokens=caps[b])
+                if self._states is not None and hits[b] != caps[b]:
+                    raise InternalError(f"row {b} reused {hits[b]} tokens where its state resumes at {caps[b]} (a bug)")
                 added.append(sid)
         except BaseException:
             if added:
@@ -275,6 +320,77 @@ class PagedCache(Cache):
         self._columns = int((self._pads + hits).min())
         self._fresh = True
         return hits
+
+    def _state_caps(self, ids, pads: np.ndarray, salt, adapter_id) -> np.ndarray:
+        """Per row, the prefix-hit tokens a cache with recurrent-state layers lets it reuse:
+        a recurrent state resumes only where a snapshot was taken, and the model runs every
+        row from one column on, so each row's hit must end at that column (or the row has
+        not begun there). The column is lowered until every row has a snapshot there."""
+        bs = self.kv.config.block_size
+        rows = [ids[b, int(pads[b]):].to("cpu") for b in range(ids.shape[0])]
+
+        def hit(t, top: int) -> int:     # the agreed hit (KV and state) at most top tokens
+            return min(self.kv.match_prefix(t[:top + 1], cache_salt=salt, adapter_id=adapter_id), top // bs * bs)
+
+        col = int(min(int(pads[b]) + hit(t, len(t) - 1) for b, t in enumerate(rows)))
+        while True:
+            low = col
+            for b, t in enumerate(rows):
+                target = col - int(pads[b])
+                if target > 0:
+                    h = hit(t, target)
+                    if h != target:
+                        low = min(low, int(pads[b]) + h)
+            if low == col:
+                return np.maximum(col - pads, 0)
+            col = low
+
+    def prefill(self, model, input_ids, attention_mask=None, **forward_kwargs) -> int:
+        """Run the admitted prompts through ``model`` up to their last block boundary, in
+        chunks that end where a recurrent state is due to be kept (every
+        ``state_checkpoint_every`` blocks, a shared prefix's junction, and the last block
+        boundary before each prompt's end), so that a later prompt sharing any of those
+        prefixes resumes from there. Call it after :meth:`admit`, with the same
+        ``input_ids`` / ``attention_mask``; ``generate`` then computes the rest. Returns
+        the columns now cached. A cache without state layers needs none of this (its
+        blocks are kept whatever the chunks)."""
+        self._sync()
+        if not self.seq_ids or not self._fresh and self._plan is not None:
+            raise InvalidArgumentError(expected("prefill", "admitted rows (admit() first)", "none"))
+        ids = torch.as_tensor(input_ids)
+        ids = ids[None] if ids.ndim == 1 else ids
+        if ids.ndim != 2 or ids.shape[0] != len(self.seq_ids):
+            raise ShapeError(expected("input_ids", f"[{len(self.seq_ids)}, tokens] (the admitted rows)",
+                                      tuple(ids.shape)))
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ShapeError(expected("attention_mask", f"shape {tuple(ids.shape)}", tuple(mask.shape)))
+        if self._states is None:
+            return self._columns
+        import inspect
+
+        positions = "position_ids" in inspect.signature(model.forward).parameters
+        bs, T = self.kv.config.block_size, ids.shape[1]
+        while True:
+            ends = []
+            for b, sid in enumerate(self.seq_ids):
+                pad = int(self._pads[b])
+                last = (T - pad - 1) // bs * bs       # the last boundary before the prompt's last token
+                done = self._columns - pad
+                for t in (self.kv.next_checkpoint(sid), last):
+                    if done < t <= last:
+                        ends.append(pad + t)
+            if not ends:
+                return self._columns
+            start, end = self._columns, min(ends)
+            kwargs = dict(input_ids=ids[:, start:end].to(model.device), attention_mask=mask[:, :end].to(model.device),
+                          past_key_values=self, use_cache=True)
+            if positions:
+                pos = (mask[:, :end].long().cumsum(-1) - 1).clamp(min=0)
+                kwargs["position_ids"] = pos[:, start:end].to(model.device)
+            with torch.no_grad():
+                model(**kwargs, **forward_kwargs)
+            self._sync()
 
     def _sliding_caps(self, ids, pads: np.ndarray, salt, adapter_id) -> np.ndarray:
         """Per row, the prefix-hit tokens a sliding-window cache lets it reuse
@@ -301,6 +417,7 @@ class PagedCache(Cache):
         ``(attention_mask, position_ids)`` for that forward (a padding column gets
         position 0). The sequences stay owned by the caller.
         """
+        self._sync()
         if self._plan is not None:
             raise InvalidArgumentError(expected("select", "no forward pass in progress", "a pending step"))
         if self._owned:  # they would be orphaned: nothing would free them
@@ -343,6 +460,7 @@ class PagedCache(Cache):
     def release(self) -> None:
         """Free the sequences this object admitted (their full blocks stay cached), and
         give back what a forward pass that stopped early had reserved in the others."""
+        self._sync()
         self._abort_step()
         owned = [s for s in self.seq_ids if s in self._owned]
         self._clear_rows()
@@ -354,6 +472,8 @@ class PagedCache(Cache):
         created itself are freed."""
         reserved, self._reserved = self._reserved, None
         self._plan = self._input_ids = self._ticket = None
+        if self._states is not None:
+            self._states.clear()
         if reserved is not None and reserved.any():
             self.kv.unreserve(self.seq_ids, reserved)
         if self._implicit:
@@ -365,6 +485,7 @@ class PagedCache(Cache):
         """Keep what sliding-window layers would drop until the next :meth:`crop`, so a
         rejected speculative step can be rolled back (transformers calls this for
         assisted generation). A no-op without sliding layers."""
+        self._sync()
         if not self._windows:
             return
         self._holding = True
@@ -389,16 +510,24 @@ class PagedCache(Cache):
 
     # ---- the transformers Cache protocol ------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._sync()
         return self._columns
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
+        self._sync()
         return self._columns
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple:
         # 5.x passes the query length; 4.56/4.57 pass cache_position.
+        self._sync()
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
-        if self._windows is not None and self._windows[layer_idx]:
-            return hf_windows.sliding_mask_sizes(self._columns, q, self._windows[layer_idx])
+        if self._states is not None:        # the mask of a K/V layer (a state layer has none: full sizes)
+            kl = self._states.kv_of.get(layer_idx)
+            window = self._windows[kl] if self._windows is not None and kl is not None else 0
+        else:
+            window = self._windows[layer_idx] if self._windows is not None else 0
+        if window:
+            return hf_windows.sliding_mask_sizes(self._columns, q, window)
         return self._columns + q, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -425,11 +554,127 @@ class PagedCache(Cache):
                 e.add_note(f"pagedkv: undoing the failed forward pass also failed: {undo!r}")  # type: ignore[attr-defined]  # Python 3.11+; 3.10 has no notes
             raise
 
+    # ---- recurrent-state layers (see hf_states) -------------------------------------------------
+    def _guard(self, fn, *args):
+        """Run a state call; if it raises, the pass is undone, as for :meth:`update`."""
+        try:
+            return fn(*args)
+        except BaseException as e:
+            try:
+                self._abort_step()
+            except Exception as undo:
+                e.add_note(f"pagedkv: undoing the failed forward pass also failed: {undo!r}")  # type: ignore[attr-defined]  # Python 3.11+
+            raise
+
+    def _note(self, layer: int, part: str, kind: str) -> None:
+        st = self._states
+        if st.note(layer, part, kind):         # a call this pass made already: the next pass began
+            if not st.complete:
+                raise InvalidArgumentError(expected(
+                    "forward", "the previous forward pass to reach every layer",
+                    "a pass that stopped early (its reserved slots are given back)"))
+            self._end_pass()
+            st.note(layer, part, kind)
+
+    def _sync(self) -> None:
+        """End the pass in progress if every layer made its calls (an outside call: the
+        model's forward is over), writing the states and committing its tokens."""
+        st = self._states
+        if st is not None and st.started and st.complete:
+            self._end_pass()
+
+    def _end_pass(self) -> None:
+        if self._plan is None:          # a decode step that only updated states in place: one token
+            if not self.seq_ids:
+                self._states.clear()
+                return
+            self._plan_step(len(self.seq_ids), 1)
+        self._finish_step()
+        self._states.clear()
+
+    def _state_idx(self, state_idx) -> None:
+        if state_idx not in (0, None):
+            raise InvalidArgumentError(expected("state_idx", "0 (one conv and one recurrent state per layer)",
+                                                repr(state_idx)))
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        """The rows' conv states of ``layer_idx`` ``[B, C, K]``, or None without a previous
+        state (the model then takes its prefill path)."""
+        return self._guard(self._get_state, layer_idx, state_idx, "get_conv", "conv")
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        """The rows' recurrent (SSM / delta-rule) states of ``layer_idx``, or None."""
+        return self._guard(self._get_state, layer_idx, state_idx, "get_rec", "ssm")
+
+    def _get_state(self, layer_idx, state_idx, kind: str, name: str):
+        self._state_idx(state_idx)
+        if self._states is None:
+            raise InvalidArgumentError(expected("layer_idx", "a recurrent-state layer", f"{layer_idx} of a cache "
+                                                "without state layers"))
+        self._states.state_layer(layer_idx)
+        self._note(layer_idx, "state", kind)
+        return self._states.states(layer_idx, self.seq_ids).get(name)
+
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        """A chunk's convolution input ``[B, C, q]``; returns it after the cached left
+        context (what the causal convolution reads)."""
+        return self._guard(self._update_conv, conv_states, layer_idx, state_idx, kwargs.get("conv_kernel_size"))
+
+    def _update_conv(self, conv_states, layer_idx, state_idx, kernel):
+        self._state_idx(state_idx)
+        if self._states is None:
+            raise InvalidArgumentError(expected("layer_idx", "a recurrent-state layer", f"{layer_idx} of a cache "
+                                                "without state layers"))
+        self._states.state_layer(layer_idx)
+        self._note(layer_idx, "state", "upd_conv")
+        if conv_states.ndim != 3:
+            raise ShapeError(expected("conv_states", "[batch, channels, tokens]", tuple(conv_states.shape)))
+        if self._plan is None:
+            self._plan_step(conv_states.shape[0], conv_states.shape[2])
+        if conv_states.shape[0] != len(self.seq_ids):
+            raise ShapeError(expected("conv_states", f"batch {len(self.seq_ids)} (the cache's rows)",
+                                      tuple(conv_states.shape)))
+        return self._states.update_conv(layer_idx, self.seq_ids, conv_states, kernel)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        """The layer's recurrent state after the pass; returns the cache's copy."""
+        return self._guard(self._update_recurrent, recurrent_states, layer_idx, state_idx)
+
+    def _update_recurrent(self, recurrent_states, layer_idx, state_idx):
+        self._state_idx(state_idx)
+        if self._states is None:
+            raise InvalidArgumentError(expected("layer_idx", "a recurrent-state layer", f"{layer_idx} of a cache "
+                                                "without state layers"))
+        self._states.state_layer(layer_idx)
+        self._note(layer_idx, "state", "upd_rec")
+        if self.seq_ids and recurrent_states.shape[0] != len(self.seq_ids):
+            raise ShapeError(expected("recurrent_states", f"batch {len(self.seq_ids)} (the cache's rows)",
+                                      tuple(recurrent_states.shape)))
+        return self._states.update_recurrent(layer_idx, self.seq_ids, recurrent_states)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the rows' recurrent states hold tokens (a previous pass or a prefix hit)."""
+        if self._states is None or not self.seq_ids:
+            return False
+        return self._states.has_prev(self.seq_ids)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        # Every layer reports the cached columns (get_seq_length), so generate feeds only
+        # the columns not cached, a pure state model's included (a prefix hit skips them).
+        return [False] * len(self.layers)
+
     def _update(self, key_states, value_states, layer_idx: int):
         if not 0 <= layer_idx < self.num_layers:
             raise InvalidArgumentError(expected("layer_idx", f"an int in [0, {self.num_layers})", layer_idx))
-        if layer_idx == 0:
-            self._plan_step(key_states)
+        model_layer = layer_idx
+        if self._states is not None:    # K/V layer l of the store is the l-th layer with attention
+            layer_idx = self._states.kv_layer(model_layer)
+            self._note(model_layer, "kv", "update")
+            if self._plan is None:
+                self._plan_step(key_states.shape[0], key_states.shape[2])
+        elif layer_idx == 0:
+            self._plan_step(key_states.shape[0], key_states.shape[2])
         plan = self._plan
         if plan is None:
             raise InvalidArgumentError(expected("layer_idx", "0 first in every forward pass", layer_idx))
@@ -444,7 +689,7 @@ class PagedCache(Cache):
         # as computed, and a recent window still holds the tokens just before the pass.
         columns = plan.columns
         if self.paged_attention:
-            return self._write_only(key_states, value_states, layer_idx, plan)
+            return self._write_only(key_states, value_states, layer_idx, plan, model_layer)
         groups = self.kv.config.layer_groups
         if plan.groups is not None and groups is not None:   # layer groups: this layer's group's tables
             step = plan.groups[groups.layer_group[layer_idx]]
@@ -470,8 +715,8 @@ class PagedCache(Cache):
         # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, Dv))
-        self.layers[layer_idx].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
-        if layer_idx == self.num_layers - 1:
+        self.layers[model_layer].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
+        if self._states is None and layer_idx == self.num_layers - 1:
             self._finish_step()
         return keys.transpose(1, 2), values.transpose(1, 2)
 
@@ -487,15 +732,16 @@ class PagedCache(Cache):
             raise ShapeError(expected("value_states", f"the latent k_rot [batch, 1, tokens, {p}] of an MLA model",
                                       tuple(k_rot.shape)))
 
-    def _write_only(self, key_states, value_states, layer_idx: int, plan):
-        """Paged attention: write the pass's K/V, hand the attention a ticket to the pages."""
+    def _write_only(self, key_states, value_states, layer_idx: int, plan, model_layer: int):
+        """Paged attention: write the pass's K/V, hand the attention a ticket to the pages
+        (``layer_idx``: the KV layer; ``model_layer``: the model's)."""
         self._check_ticket()
         B, H, q, D = key_states.shape
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
-        self.layers[layer_idx].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
+        self.layers[model_layer].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
         ticket = self._ticket = hf_attention.Ticket(self, layer_idx, plan)
-        if layer_idx == self.num_layers - 1:
+        if self._states is None and layer_idx == self.num_layers - 1:
             self._finish_step()
         return hf_attention.tag(key_states, ticket), value_states
 
@@ -543,12 +789,11 @@ class PagedCache(Cache):
             return out.view(B, q, Hq, D)
         return out.new_zeros(B * q, Hq, D).index_copy_(0, q_rows, out).view(B, q, Hq, D)
 
-    def _plan_step(self, key_states) -> None:
+    def _plan_step(self, B: int, q: int) -> None:
         if self._plan is not None:   # undone by update()'s handler before this reaches the caller
             raise InvalidArgumentError(expected(
                 "forward", f"the previous forward pass to reach layer {self.num_layers - 1}",
                 "a pass that stopped early (its reserved slots are given back)"))
-        B, _, q, _ = key_states.shape
         if not self.seq_ids:  # first pass without admit(): rows with unknown prompts
             ids = [self._new_id() for _ in range(B)]
             for i, sid in enumerate(ids):
@@ -566,7 +811,10 @@ class PagedCache(Cache):
         if self._fresh and B != len(self.seq_ids) and B % len(self.seq_ids) == 0:
             # generate() repeats each prompt for num_return_sequences / num_beams
             # before the first forward; mirror that with forks (shared prefix blocks).
-            self.batch_repeat_interleave(B // len(self.seq_ids))
+            repeats = B // len(self.seq_ids)
+            self._replace_rows([i for i in range(len(self.seq_ids)) for _ in range(repeats)])
+            if self._states is not None:     # states the model read already follow the rows
+                self._states.expand(repeats)
         self._fresh = False
         if B != len(self.seq_ids):
             raise ShapeError(expected("key_states", f"batch {len(self.seq_ids)} (the cache's rows)", B))
@@ -612,6 +860,8 @@ class PagedCache(Cache):
         plan = self._plan
         if plan is None:
             raise InternalError("a forward pass finished that layer 0 never planned: a bug")
+        if self._states is not None:
+            self._states.write(self.seq_ids)
         token_ids = None
         if self._input_ids is not None and tuple(self._input_ids.shape) == tuple(plan.new_mask.shape):
             token_ids = self._input_ids.cpu().numpy()[plan.new_mask]
@@ -646,14 +896,17 @@ class PagedCache(Cache):
         self._owned.update(new_ids)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._sync()
         if self.seq_ids:
             self._replace_rows([i for i in range(len(self.seq_ids)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices) -> None:
+        self._sync()
         if self.seq_ids:
             self._replace_rows([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
 
     def reorder_cache(self, beam_idx) -> None:
+        self._sync()
         if self.seq_ids:
             self._replace_rows([int(i) for i in torch.as_tensor(beam_idx).reshape(-1).tolist()])
 
@@ -665,11 +918,16 @@ class PagedCache(Cache):
         (see :meth:`PagedKVCache.truncate`). While the past is recorded
         (:meth:`activate_past_recording`), every crop, ``0`` included, then releases what
         left the sliding windows, as ``DynamicSlidingWindowLayer.crop`` does."""
+        self._sync()
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
             raise InvalidArgumentError(expected("tokens_to_remove", "an int", repr(tokens_to_remove)))
         if self._plan is not None:
             raise InvalidArgumentError(expected("crop", "no forward pass in progress", "a pending step"))
         n = int(tokens_to_remove)
+        if n and self._states is not None:
+            raise InvalidArgumentError(expected(
+                "crop", "PagedCache.rewind with recurrent-state layers (a state resumes only where one is kept; "
+                "rewind says which columns to compute again)", f"crop({n})"))
         if n == 0:
             self._slide()     # like DynamicSlidingWindowLayer.crop(0): drop what left the window
             return
@@ -684,12 +942,47 @@ class PagedCache(Cache):
         self._columns = target
         self._slide()
 
+    def rewind(self, tokens_to_remove: int) -> int:
+        """Roll every row back ``tokens_to_remove`` columns (e.g. rejected draft tokens),
+        with recurrent-state layers: a state resumes only where one is kept (a restore
+        point while recording the past, :meth:`activate_past_recording`, or a snapshot),
+        so the rows go back to the newest such column at or before the target, all to the
+        same one. Returns the columns the caller must compute again (feed the tokens from
+        ``get_seq_length()`` on): 0 when the rows resumed exactly where asked."""
+        self._sync()
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)) or \
+                not 0 <= tokens_to_remove <= self._columns:
+            raise InvalidArgumentError(expected("tokens_to_remove", f"an int in [0, {self._columns}]",
+                                                repr(tokens_to_remove)))
+        if self._plan is not None:
+            raise InvalidArgumentError(expected("rewind", "no forward pass in progress", "a pending step"))
+        target = self._columns - int(tokens_to_remove)
+        col = target
+        while self.seq_ids:
+            have = self.kv.seq_lens(self.seq_ids, computed=True).astype(np.int64)
+            drop = np.maximum(have - np.maximum(col - self._pads, 0), 0)
+            if drop.any():
+                self.kv.truncate(self.seq_ids, drop)
+            now = self.kv.seq_lens(self.seq_ids, computed=True).astype(np.int64)
+            ends = np.where(now > 0, self._pads + now, np.minimum(self._pads, col))
+            low = int(ends.min())
+            if low == col:
+                break
+            col = low
+        self._pads = np.minimum(self._pads, col)
+        self._columns = col
+        self._slide()
+        return target - col
+
     def reset(self) -> None:
         self.release()
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        # a recurrent state cannot stop at any token: assisted generation (which crops after
+        # its verify pass and never computes the kept tokens again) is refused up front, as
+        # with transformers' own cache; PagedCache.rewind is the rollback that replays
+        return self._states is None
 
     def __repr__(self) -> str:
         return f"PagedCache(rows={len(self.seq_ids)}, columns={self._columns}, kv={self.kv!r})"

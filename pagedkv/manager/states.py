@@ -194,7 +194,7 @@ class StateGroups:
         need = self.states.need(ks, due)
         self.states.check_room(need, "advance")
         slots = self.inner.advance(keys, token_ids, internal=internal)
-        self.states.commit(ks, np.asarray(pending, dtype=np.int64), np.asarray(pending) > 1)
+        self.states.commit(ks, np.asarray(pending, dtype=np.int64), np.zeros(len(ks), dtype=bool))
         self._prepare(ks, need)
         return slots
 
@@ -222,7 +222,8 @@ class StateGroups:
         ks = self._known(keys, internal)
         n = np.asarray(_counts(counts, len(ks)), dtype=np.int64)
         self.inner.commit(keys, counts, token_ids, internal=internal)
-        self.states.commit(ks, n, n > 1)
+        # tokens known before the step (a prompt chunk) end a prefill chunk; new ids are decoded tokens
+        self.states.commit(ks, n, np.full(len(ks), token_ids is None))
 
     def _rewind(self, keys, internal: bool, targets: list[int]) -> None:
         """Bring each sequence back to where its state can resume at or before its target

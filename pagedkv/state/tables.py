@@ -147,14 +147,14 @@ class StateTables:
             self.snapshots.evict(short)
 
     def snapshot_due(self, keys: list[int], counts: list[int]) -> list[bool]:
-        """Whether committing ``counts`` tokens of each sequence takes a snapshot."""
+        """Whether committing ``counts`` decoded tokens of each sequence takes a snapshot."""
         bs = self.block_size
         out = []
         for k, n in zip(keys, counts):
             s = self.seqs[k]
             p = s.pos + n
             out.append(bool(n) and self.snapshots is not None and s.slot >= 0 and p % bs == 0 and
-                       (n > 1 or p % self.every == 0 or p == s.junction))
+                       (p % self.every == 0 or p == s.junction))
         return out
 
     def prepare(self, keys: list[int]) -> None:
@@ -187,8 +187,8 @@ class StateTables:
 
     def commit(self, keys: list[int], counts: np.ndarray, prefill: np.ndarray) -> None:
         """``counts`` tokens of each sequence are computed (its state written); snapshot
-        where due. ``prefill``: per sequence, whether this was a prompt chunk (its end is a
-        checkpoint when it lands on a block boundary)."""
+        where due. ``prefill``: per sequence, whether this was a prompt chunk (tokens known
+        before the step; its end is a checkpoint when it lands on a block boundary)."""
         bs = self.block_size
         for k, n, chunk in zip(keys, counts.tolist(), prefill.tolist()):
             s = self.seqs[k]

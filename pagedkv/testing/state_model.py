@@ -85,15 +85,16 @@ class StateOracle:
     def add(self, sid, tokens: Sequence[int], ns: object, hit: int, chain: int) -> None:
         self.seqs[sid] = _Seq(list(tokens), hit, ns, chain if chain > hit else 0)
 
-    def commit(self, sid, n: int) -> None:
-        """``n`` more of the sequence's known tokens (``seqs[sid].tokens``) are computed."""
+    def commit(self, sid, n: int, prefill: bool = True) -> None:
+        """``n`` more of the sequence's known tokens (``seqs[sid].tokens``) are computed;
+        ``prefill``: they were known before the step (a prompt chunk), not decoded."""
         s = self.seqs[sid]
         old = s.pos
         s.pos += n
         for b in range(old // self.bs + 1, s.pos // self.bs + 1):
             self.registered.add((s.ns, tuple(s.tokens[:b * self.bs])))
         p = s.pos
-        if n and p % self.bs == 0 and (n > 1 or p % self.every == 0 or p == s.junction):
+        if n and p % self.bs == 0 and (prefill or p % self.every == 0 or p == s.junction):
             self.snapshots.add((s.ns, tuple(s.tokens[:p])))
 
     def rewound(self, sid, pos: int, tokens: Sequence[int]) -> None:
