@@ -369,7 +369,10 @@ class PagedCache(Cache):
             return self._columns
         import inspect
 
-        positions = "position_ids" in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
+        positions = "position_ids" in params
+        # transformers 5.2x names a pure state model's cache argument ``cache``
+        cache_arg = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
         bs, T = self.kv.config.block_size, ids.shape[1]
         while True:
             ends = []
@@ -384,13 +387,17 @@ class PagedCache(Cache):
                 return self._columns
             start, end = self._columns, min(ends)
             kwargs = dict(input_ids=ids[:, start:end].to(model.device), attention_mask=mask[:, :end].to(model.device),
-                          past_key_values=self, use_cache=True)
+                          use_cache=True)
+            kwargs[cache_arg] = self
             if positions:
                 pos = (mask[:, :end].long().cumsum(-1) - 1).clamp(min=0)
                 kwargs["position_ids"] = pos[:, start:end].to(model.device)
             with torch.no_grad():
                 model(**kwargs, **forward_kwargs)
             self._sync()
+            if self._columns != end:
+                raise InvalidArgumentError(expected("model", f"a model that runs columns {start}:{end} through this "
+                                                    "cache", f"{self._columns} columns cached after the pass"))
 
     def _sliding_caps(self, ids, pads: np.ndarray, salt, adapter_id) -> np.ndarray:
         """Per row, the prefix-hit tokens a sliding-window cache lets it reuse
