@@ -386,7 +386,9 @@ class PagedCache(Cache):
             if not ends:
                 return self._columns
             start, end = self._columns, min(ends)
-            kwargs = dict(input_ids=ids[:, start:end].to(model.device), attention_mask=mask[:, :end].to(model.device),
+            # a model without attention masks the chunk's own columns (Mamba's padding mask)
+            chunk_mask = mask[:, start:end] if self.kv.config.num_layers == 0 else mask[:, :end]
+            kwargs = dict(input_ids=ids[:, start:end].to(model.device), attention_mask=chunk_mask.to(model.device),
                           use_cache=True)
             kwargs[cache_arg] = self
             if positions:
