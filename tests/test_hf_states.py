@@ -15,7 +15,7 @@ from pagedkv.testing.state_models import STATE_MODELS, state_config
 BS = 4
 #: families whose greedy output matches the model's own cache, hits included
 WORKING = ["mamba2", "falcon_mamba", "bamba", "granitemoehybrid", "falcon_h1", "jamba", "nemotron_h",
-           "qwen3_next", "qwen3_5", "lfm2"]
+           "zamba2", "qwen3_next", "qwen3_5", "lfm2"]
 _models: dict = {}
 
 
