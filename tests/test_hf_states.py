@@ -115,3 +115,18 @@ def test_a_snapshot_of_another_prefix_gives_other_output():
 def test_minimax_is_refused_naming_the_layer_type():
     with pytest.raises(UnsupportedCombinationError, match="linear_attention"):
         CacheConfig.from_hf_config(state_config("minimax"), num_blocks=8, state_slots=4)
+
+
+def test_kimi_linear_hits_where_one_token_is_left():
+    # transformers' Kimi-Linear cannot run a pass of several tokens over cached columns
+    # (its own DynamicCache fails the same way): a hit that leaves one token to compute works
+    model = model_of("kimi_linear")
+    kv = make_kv(model)
+    a = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    out, hits = paged(model, kv, a)
+    assert hits.tolist() == [0]
+    assert torch.equal(out, own(model, a))
+    b = torch.cat([a, torch.tensor([[9]])], 1)
+    out, hits = paged(model, kv, b)
+    assert hits.tolist() == [12]
+    assert torch.equal(out, own(model, b))
