@@ -904,7 +904,8 @@ class CacheConfig:
             if hidden is None:
                 raise InvalidArgumentError(expected("config", "a 'head_dim' or 'hidden_size' field", _keys(src)))
             head_dim = _check_int("hidden_size", hidden, 1) // heads
-        values = dict(num_layers=kv_count, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads)
+        values: dict[str, Any] = dict(num_layers=kv_count, num_kv_heads=kv_heads, head_dim=head_dim,
+                                      num_attention_heads=heads)
         mla = mla_from_hf(src)
         if mla is not None:     # one latent row per token: a single "head" of c_kv and k_pe
             values.update(mla, num_kv_heads=1, head_dim=mla["kv_lora_rank"] + mla["qk_rope_head_dim"])

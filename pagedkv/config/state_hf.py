@@ -108,8 +108,8 @@ def _tensors(src: Mapping[str, Any], mt: Any) -> list[tuple[str, tuple[int, ...]
             head_dim = _int(src, "mamba_head_dim")
             inner = heads * head_dim
         else:
-            inner = _get(src, "mamba_d_ssm") if mt == "falcon_h1" else None
-            inner = int(expand * hidden) if inner is None else int(inner)
+            d_ssm = _get(src, "mamba_d_ssm") if mt == "falcon_h1" else None
+            inner = int(expand * hidden) if d_ssm is None else int(d_ssm)
             head_dim = _int(src, "mamba_d_head", "mamba_headdim", "head_dim") if mt != "zamba2" else inner // heads
         return [("conv", (inner + 2 * groups * d_state, d_conv), "float32"),
                 ("ssm", (heads, head_dim, d_state), "float32")]

@@ -95,8 +95,8 @@ class StatePass:
     def __init__(self, kv, kinds, dtype):
         self.kv = kv
         self.dtype = dtype
-        self.state_of = {}
-        self.kv_of = {}
+        self.state_of: dict[int, int] = {}    # model layer -> state layer
+        self.kv_of: dict[int, int] = {}       # model layer -> K/V layer
         for i, k in enumerate(kinds):
             if k in ("attention", "hybrid"):
                 self.kv_of[i] = len(self.kv_of)
@@ -162,7 +162,7 @@ class StatePass:
         states: repeat the working tensors in place, so the tensors it holds follow."""
         for w in self.working.values():
             for t in w.values():
-                t.set_(t.repeat_interleave(repeats, dim=0))
+                t.set_(t.repeat_interleave(repeats, dim=0))  # type: ignore[call-overload]  # Tensor source: documented
 
     def update_conv(self, layer: int, rows, conv: torch.Tensor, kernel: int | None) -> torch.Tensor:
         """A chunk's convolution input ``[B, C, q]``: keep the last ``kernel`` columns of
