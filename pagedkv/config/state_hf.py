@@ -75,8 +75,11 @@ def _types(src: Mapping[str, Any], num_layers: int) -> list[str] | None:
     mt = src.get("model_type")
     types = _get(src, "layer_types", "layers_block_type")
     if types is not None:
-        if isinstance(types, (str, bytes)) or not isinstance(types, Sequence) or len(types) != num_layers:
-            raise InvalidArgumentError(expected("layer_types", f"{num_layers} entries (one per layer)", repr(types)))
+        if isinstance(types, (str, bytes)) or not isinstance(types, Sequence):     # as the windows reader says
+            raise InvalidArgumentError(expected("layer_types", f"a list of {num_layers} layer kinds",
+                                                type(types).__name__))
+        if len(types) != num_layers:
+            raise InvalidArgumentError(expected("layer_types", f"{num_layers} entries (one per layer)", len(types)))
         return list(types)
     pattern = src.get("hybrid_override_pattern")
     if isinstance(pattern, str) and len(pattern) == num_layers:        # Nemotron-H: M mamba, * attention, - mlp, E moe
