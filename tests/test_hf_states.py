@@ -130,3 +130,22 @@ def test_kimi_linear_hits_where_one_token_is_left():
     out, hits = paged(model, kv, b)
     assert hits.tolist() == [12]
     assert torch.equal(out, own(model, b))
+
+
+def test_an_unknown_family_with_state_layers_is_refused_naming_the_layer_type():
+    src = dict(model_type="not_a_family", num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
+               layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(UnsupportedCombinationError, match="'linear_attention' of model_type 'not_a_family'"):
+        CacheConfig.from_hf_config(src, num_blocks=8, state_slots=4)
+    src["model_type"], src["layer_types"] = "qwen3_5", ["linear_attention", "cross_attention"]
+    with pytest.raises(UnsupportedCombinationError, match="'cross_attention' at index 1"):
+        CacheConfig.from_hf_config(src, num_blocks=8, state_slots=4)
+
+
+def test_state_tensors_read_from_the_config():
+    cfg = CacheConfig.from_hf_config(state_config("qwen3_5"), num_blocks=8, state_slots=4)
+    assert cfg.layer_kinds == ("state", "attention", "state") and cfg.num_layers == 1
+    # Gated DeltaNet: conv over q, k (2 x 2 heads x 8) and v (4 heads x 8); a [4, 8, 8] delta state
+    assert [(t.name, t.shape) for t in cfg.state_spec.tensors] == [("conv", (64, 4)), ("ssm", (4, 8, 8))]
+    cfg = CacheConfig.from_hf_config(state_config("mamba2"), num_blocks=8, state_slots=4)
+    assert cfg.num_layers == 0 and cfg.layer_kinds == ("state",) * 3
