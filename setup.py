@@ -51,7 +51,9 @@ setup(
         "pagedkv.config",
         "pagedkv.manager",
         "pagedkv.groups",
+        "pagedkv.format",
         "pagedkv.store",
+        "pagedkv.tools",
         "pagedkv.sched",
         "pagedkv.ops",
         "pagedkv.kernels",
@@ -67,7 +69,7 @@ setup(
     package_data={
         "pagedkv": ["py.typed", "*.pyi"],
         "pagedkv._core": ["*.pxd", "*.pyi", "*.h"],
-        "pagedkv.ops": ["*.pyi", "*.h"],
+        "pagedkv.ops": ["*.pxd", "*.pyi", "*.h"],
         "pagedkv._cuda_src": ["*.cu", "*.cuh", "*.h"],
     },
     # cythonize writes its .c files beside the .pyx: they are build products, not package data

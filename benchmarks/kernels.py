@@ -72,7 +72,7 @@ def int4_gather_cases(dev, NB: int, BS: int, H: int, D: int, T: int):
     tokens: per-token keys, then every block's keys sealed (block keys: per-channel
     bfloat16 parameters per (block, head), the K rows never unrotated), each plain and
     rotated."""
-    from pagedkv.store.rotation import rotation_signs
+    from pagedkv.format.rotation import rotation_signs
 
     G = min(32, D)
     codes = torch.randint(0, 256, (NB, 2, BS, H, D // 2), dtype=torch.int32, device=dev).to(torch.uint8)
@@ -109,8 +109,8 @@ def attention_cases(dev, smoke: bool):
     128, block size 16, over shuffled blocks; fp16 K/V, then int8 and rotated int4
     (group 32) with block keys. Bytes read: the K/V rows (codes and their parameters)
     and the queries, written: the output; the same bytes a memcpy moves is the bar."""
+    from pagedkv.format.rotation import rotation_signs
     from pagedkv.kernels import ops
-    from pagedkv.store.rotation import rotation_signs
 
     B, N, HQ, H, D, BS = (2, 256, 32, 8, 128, 16) if smoke else (8, 4096, 32, 8, 128, 16)
     nb = B * N // BS

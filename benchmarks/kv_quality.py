@@ -69,7 +69,7 @@ PRECISIONS = {
     "int4_unrotated_window128": (dict(kv_dtype="int4", kv_window=128, kv_rotation=False), None),
     "int4_unrotated_window0": (dict(kv_dtype="int4", kv_window=0, kv_rotation=False), None),
     "int4_window0_fp_first_last": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=(0, -1)), None),
-    # the CALIBRATED_LAYERS layers that pagedkv.store.calibration ranks most sensitive on text
+    # the CALIBRATED_LAYERS layers that pagedkv.tools.calibration ranks most sensitive on text
     # outside the measured slice and the greedy prompts
     "int4_window0_fp_calibrated": (dict(kv_dtype="int4", kv_window=0, kv_full_precision_layers=CALIBRATED),
                                    None),
@@ -176,7 +176,7 @@ def greedy(model, prompts, variant, new_tokens):
 def calibrated(overrides, model, ids):
     """``overrides`` with ``kv_full_precision_layers`` set to the layers a calibration
     pass on ``ids`` ranks most sensitive for the same low-bit options."""
-    from pagedkv.store.calibration import choose_full_precision_layers, layer_sensitivity
+    from pagedkv.tools.calibration import choose_full_precision_layers, layer_sensitivity
 
     opts = {k: v for k, v in overrides.items() if k != "kv_full_precision_layers"}
     t0 = time.perf_counter()

@@ -24,8 +24,8 @@ import sys
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
+from pagedkv.format.latent import LatentFormat
 from pagedkv.integrations.transformers import PagedCache
-from pagedkv.store.latent import LatentFormat
 from pagedkv.testing.mla_models import tiny_deepseek_v3
 
 FORMATS = {"model": None, "fp8_e4m3": "fp8_e4m3", "int8": "int8", "int4": "int4"}

@@ -65,8 +65,8 @@ from typing import Callable, Dict, List
 import torch
 
 import pagedkv.ops as ops
+from pagedkv.format.rotation import rotation_signs
 from pagedkv.ops import cpu as cpu_ops
-from pagedkv.store.rotation import rotation_signs
 
 SHAPES = [("smollm2", 3, 64), ("8x128", 8, 128)]
 DTYPES = [torch.float16, torch.float32]
@@ -211,8 +211,8 @@ QUANT_KV = ("fp8_e4m3", "int8", "int4", "int3")
 
 def quant_arena(shape, kv_dtype: str, d: int):
     """``(data, scale, zero)`` views of a quantized layer holding reference-quantized random K/V."""
-    from pagedkv.store import dtypes
-    from pagedkv.store.quant import DEFAULT_INT4_GROUP, int3_group
+    from pagedkv.format import dtypes
+    from pagedkv.format.quant import DEFAULT_INT4_GROUP, int3_group
 
     row = dtypes.info(kv_dtype)
     group = {"int4": min(DEFAULT_INT4_GROUP, d), "int3": int3_group(d, None)}.get(kv_dtype, d)

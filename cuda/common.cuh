@@ -176,7 +176,7 @@ __device__ __forceinline__ float pkv_fp8_to_f32(pkv_u8 q) {
 // one scale: a whole (token, head) row, or one int4 group of it.
 
 // int3's parameters: f rounded to a bfloat16 value toward +inf (up) or -inf, as
-// float32 (pagedkv/store/quant.py; quant_scalar.h's pkv_f32_to_bf16_directed).
+// float32 (pagedkv/format/quant.py; quant_scalar.h's pkv_f32_to_bf16_directed).
 __device__ __forceinline__ float pkv_bf16_directed(float f, bool up) {
   return pkv_bf16_to_f32(pkv_f32_to_bf16_directed(f, up ? 1u : 0u));
 }

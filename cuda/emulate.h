@@ -1,7 +1,8 @@
 // emulate.h - build the pagedkv .cu kernels with a host C++ compiler.
 //
-// The kernels are plain CUDA C++: grid-stride loops, no warp intrinsics, and
-// barriers only through common.cuh's PKV_PHASE. This header maps the few CUDA
+// Most kernels are plain CUDA C++: grid-stride loops, no warp intrinsics, and
+// barriers only through common.cuh's PKV_PHASE; the warp-level ones (warp.cuh) run as
+// fibers, see emulate_fibers.h. This header maps the few CUDA
 // names they use onto host C++ so that g++ compiles the unchanged sources into a
 // shared library that pagedkv.kernels.emulation drives through ctypes.
 // pkv_emu::launch() runs a kernel over its whole grid, one (block, thread) at a
@@ -93,9 +94,13 @@ inline void each_thread(F&& f) {
   threadIdx = pkv_emu_dim3{0, 0, 0};
 }
 
-// dims = {grid.x, grid.y, grid.z, block.x, block.y, block.z}.
+inline thread_local bool failed = false;  // (emulate_fibers.h: an error in the launch)
+
+// dims = {grid.x, grid.y, grid.z, block.x, block.y, block.z}; returns 0, or 1 after an
+// error (a misaligned vector access: pkv_emu::last_error()).
 template <typename... A>
-inline void launch(void (*kernel)(A...), const unsigned int* dims, void** argv) {
+inline int launch(void (*kernel)(A...), const unsigned int* dims, void** argv) {
+  failed = false;
   gridDim = pkv_emu_dim3{dims[0], dims[1], dims[2]};
   blockDim = pkv_emu_dim3{dims[3], dims[4], dims[5]};
   for (unsigned int bz = 0; bz < gridDim.z; ++bz)
@@ -108,6 +113,9 @@ inline void launch(void (*kernel)(A...), const unsigned int* dims, void** argv) 
               threadIdx = pkv_emu_dim3{tx, ty, tz};
               call(kernel, argv, std::index_sequence_for<A...>{});
             }
+  return failed ? 1 : 0;
 }
 
 }  // namespace pkv_emu
+
+#include "emulate_fibers.h"

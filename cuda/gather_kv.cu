@@ -25,8 +25,13 @@
 // (pagedkv/quant.py, "block keys"). A K row whose key_scale[block, head, 0] is
 // nonzero (a float compare: -0.0 is zero, NaN is not) is code * s + z per channel
 // and is never unrotated; every other row takes its per-token parameters.
+//   pkv_gather_{csr,pad}_{nhd,hnd}_{e4m3,e5m2,int8,int4,int3}_to_{f32,f16,bf16}_v16
+//       the dequantizing gather at one thread per 16 output bytes (4 or 8 elements: the
+//       launcher takes it when head_dim is a multiple of that and the outputs are 16-byte
+//       aligned): a chunk's parameters are looked up once per scale group it meets, its
+//       block-key test once, and it is stored as one 16-byte vector.
 // csr: indptr [B + 1] + indices [nnz]; pad: block_table [B, width], row-major.
-#include "common.cuh"
+#include "warp.cuh"
 
 #define PKV_TABLE_CSR 0
 #define PKV_TABLE_PAD 1
@@ -173,6 +178,73 @@ __device__ __forceinline__ void pkv_gather_dequant(
   }
 }
 
+template <int Q, typename O, int LAYOUT, int TABLE>
+__device__ __forceinline__ void pkv_gather_dequant_v16(
+    const pkv_u8* __restrict__ kv, const float* __restrict__ scale,
+    const float* __restrict__ zero, O* __restrict__ out_key, O* __restrict__ out_value,
+    const int* __restrict__ table, const int* __restrict__ indptr,
+    const int* __restrict__ seq_lens, const pkv_i64* __restrict__ seq_ends, pkv_i64 batch,
+    pkv_i64 num_entries, pkv_i64 width, pkv_i64 total_tokens, pkv_i64 num_blocks,
+    pkv_i64 block_size, pkv_i64 num_heads, pkv_i64 head_dim, pkv_i64 groups,
+    const pkv_u16* __restrict__ key_scale, const pkv_u16* __restrict__ key_zero) {
+  constexpr int CE = 16 / (int)sizeof(O);  // elements per 16-byte chunk
+  const pkv_i64 head_chunks = head_dim / CE, row_chunks = num_heads * head_chunks;
+  const pkv_i64 out_chunks = total_tokens * row_chunks;
+  const pkv_i64 g_len = pkv_div(head_dim, groups);
+  const bool has_zero = Q == PKV_Q_INT8 || Q == PKV_Q_INT4 || Q == PKV_Q_INT3;
+  for (pkv_i64 j = pkv_row_begin(); j < num_entries; j += pkv_row_step()) {
+    pkv_entry e;
+    if (!pkv_entry_at<TABLE>(j, table, indptr, seq_lens, seq_ends, batch, width, num_blocks,
+                             block_size, &e))
+      continue;
+    const pkv_i64 n = e.count * row_chunks;
+    for (pkv_i64 i = pkv_col_begin(); i < n; i += pkv_col_step()) {
+      const pkv_i64 dst = e.out_begin * row_chunks + i;
+      if (dst < 0 || dst >= out_chunks) continue;
+      float k[CE], v[CE];
+      for (int c = 0; c < CE; ++c) k[c] = v[c] = 0.0f;
+      if (e.valid_block) {
+        const pkv_i64 row = pkv_div(i, head_chunks);  // offset * H + head
+        const pkv_i64 d0 = (i - row * head_chunks) * CE;
+        const pkv_i64 offset = pkv_div(row, num_heads);
+        const pkv_i64 h = row - offset * num_heads;
+        const pkv_i64 k_row = pkv_row_index<LAYOUT>(e.block, 0, offset, h, block_size, num_heads);
+        const pkv_i64 v_row = pkv_row_index<LAYOUT>(e.block, 1, offset, h, block_size, num_heads);
+        const bool sealed = pkv_key_sealed<Q>(key_scale, e.block, h, num_heads, head_dim);
+        pkv_i64 g = -1;
+        float ks = 0.0f, kz = 0.0f, vs = 0.0f, vz = 0.0f;
+        for (int c = 0; c < CE; ++c) {
+          const pkv_i64 d = d0 + c;
+          const pkv_i64 gd = groups == 1 ? 0 : pkv_div(d, g_len);
+          if (gd != g) {  // once per scale group the chunk meets
+            g = gd;
+            ks = pkv_param_load<Q>(scale, k_row * groups + g);
+            vs = pkv_param_load<Q>(scale, v_row * groups + g);
+            kz = has_zero ? pkv_param_load<Q>(zero, k_row * groups + g) : 0.0f;
+            vz = has_zero ? pkv_param_load<Q>(zero, v_row * groups + g) : 0.0f;
+          }
+          const pkv_u32 k_code = pkv_code_at<Q>(kv, k_row, head_dim, d);
+          k[c] = sealed ? pkv_key_channel_value(k_code, key_scale, key_zero, e.block, h, num_heads, head_dim, d)
+                        : pkv_dequantize<Q>(k_code, ks, kz);
+          v[c] = pkv_dequantize<Q>(pkv_code_at<Q>(kv, v_row, head_dim, d), vs, vz);
+        }
+      }
+      pkv_u32 wk[4] = {0u, 0u, 0u, 0u}, wv[4] = {0u, 0u, 0u, 0u};
+      for (int c = 0; c < CE; ++c) {
+        if constexpr (sizeof(O) == 4) {
+          wk[c] = __float_as_uint(k[c]);
+          wv[c] = __float_as_uint(v[c]);
+        } else {
+          wk[c / 2] |= (pkv_u32)pkv_dtype<O>::from_f32(k[c]).bits << (16 * (c & 1));
+          wv[c / 2] |= (pkv_u32)pkv_dtype<O>::from_f32(v[c]).bits << (16 * (c & 1));
+        }
+      }
+      pkv_st16(out_key + dst * CE, make_uint4(wk[0], wk[1], wk[2], wk[3]));
+      pkv_st16(out_value + dst * CE, make_uint4(wv[0], wv[1], wv[2], wv[3]));
+    }
+  }
+}
+
 // Where output token t lives: its block and its offset in that block; -1 when the
 // tables name no valid block for it (the row reads as zeros, as in the plain
 // gather), -2 when t lies past every sequence (the row is not written).
@@ -315,6 +387,17 @@ __device__ __forceinline__ void pkv_gather_dequant_rot(
     pkv_gather_dequant<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,             \
                                             PKV_GATHER_TABLE_ARGS, head_dim, groups,         \
                                             key_scale, key_zero);                            \
+  }                                                                                          \
+  extern "C" __global__ void NAME##_v16(const pkv_u8* __restrict__ kv,                       \
+                                        const float* __restrict__ scale,                     \
+                                        const float* __restrict__ zero,                      \
+                                        O* __restrict__ out_key, O* __restrict__ out_value,  \
+                                        PKV_GATHER_TABLE_PARAMS, pkv_i64 head_dim,           \
+                                        pkv_i64 groups, const pkv_u16* __restrict__ key_scale, \
+                                        const pkv_u16* __restrict__ key_zero) {              \
+    pkv_gather_dequant_v16<Q, O, LAYOUT, TABLE>(kv, scale, zero, out_key, out_value,         \
+                                                PKV_GATHER_TABLE_ARGS, head_dim, groups,     \
+                                                key_scale, key_zero);                        \
   }                                                                                          \
   extern "C" __global__ void NAME##_rot(const pkv_u8* __restrict__ kv,                       \
                                         const float* __restrict__ scale,                     \

@@ -289,7 +289,11 @@ PKV_UNROLL
       PKV_PHASE({  // 3. online softmax
         for (pkv_i64 r = pkv_attn_tid(); r < R; r += pkv_attn_threads()) {
           float mx = mrow[r];
-          for (pkv_i64 t = 0; t < T; ++t) mx = sc[r * T + t] > mx ? sc[r * T + t] : mx;
+          // a NaN score (NaN or inf in q) wins and makes the row NaN, as the definition's
+          for (pkv_i64 t = 0; t < T; ++t) {
+            const float s = sc[r * T + t];
+            mx = (s > mx || s != s) ? s : mx;
+          }
           const float a = mx == neg_inf ? 1.0f : expf(__fsub_rn(mrow[r], mx));  // m = -inf: a = 0
           float sum = 0.0f;
           for (pkv_i64 t = 0; t < T; ++t) {
@@ -332,7 +336,7 @@ PKV_UNROLL
     PKV_PHASE({
       for (pkv_i64 e = pkv_attn_tid(); e < R * D; e += pkv_attn_threads()) {
         const float l = lrow[pkv_div(e, D)];
-        acc[e] = l > 0.0f ? __fdiv_rn(acc[e], l) : 0.0f;
+        acc[e] = l != 0.0f ? __fdiv_rn(acc[e], l) : 0.0f;  // no key seen: 0; a NaN row stays NaN
       }
     });
     if (rotated) {
@@ -375,7 +379,7 @@ __device__ __forceinline__ void pkv_attn_merge(const float* __restrict__ part_o,
         float m = neg_inf;
         for (pkv_i64 s = 0; s < num_splits; ++s) {
           const float ms = part_ml[(s * rows + r) * 2];
-          m = ms > m ? ms : m;
+          m = (ms > m || ms != ms) ? ms : m;
         }
         for (pkv_i64 d = threadIdx.x; d < D; d += blockDim.x) {
           float l = 0.0f, x = 0.0f;
@@ -386,7 +390,7 @@ __device__ __forceinline__ void pkv_attn_merge(const float* __restrict__ part_o,
             l = __fadd_rn(l, __fmul_rn(part_ml[(s * rows + r) * 2 + 1], c));
             x = __fadd_rn(x, __fmul_rn(part_o[(s * rows + r) * D + d], c));
           }
-          buf[threadIdx.y * D + d] = l > 0.0f ? __fdiv_rn(x, l) : 0.0f;
+          buf[threadIdx.y * D + d] = l != 0.0f ? __fdiv_rn(x, l) : 0.0f;
         }
       }
     });

@@ -5,7 +5,7 @@
  * emulation builds it with g++ through emulate.h).
  *
  * One definition, so the CPU ops and the kernels cannot drift apart: each function is
- * the arithmetic of pagedkv/store/quant.py bit for bit (float32 throughout, each step
+ * the arithmetic of pagedkv/format/quant.py bit for bit (float32 throughout, each step
  * rounding once: the CPU build has -ffp-contract=off, NVRTC --fmad=false, and the
  * products and sums below go through PKV_MUL/PKV_ADD, the _rn intrinsics on a GPU).
  * They are written without branches on the value's class (every case computed, one
@@ -115,7 +115,7 @@ PKV_HD pkv_u16 pkv_f32_to_bf16(float f) {
 /* float32 -> bfloat16 rounded toward +inf (up = 1) or -inf (up = 0): the magnitude is
  * truncated when that moves toward the wanted infinity, else rounded away from zero
  * (overflowing to infinity past bfloat16's range); the sign stays; NaN -> 0x7fc0.
- * int3's parameters are rounded outward so (pagedkv/store/quant.py). */
+ * int3's parameters are rounded outward so (pagedkv/format/quant.py). */
 PKV_HD pkv_u16 pkv_f32_to_bf16_directed(float f, pkv_u32 up) {
     const pkv_u32 u = pkv_bits(f), a = u & 0x7fffffffu, neg = u >> 31;
     const pkv_u32 mag = pkv_sel(neg != up, (a + 0xffffu) & 0xffff0000u, a & 0xffff0000u);

@@ -18,14 +18,20 @@ bad inputs, and the scale, zero-point and window arenas are part of what must no
 ``--kv-key-quant block`` (int4) adds the block keys' parameter arenas, with sealed blocks.
 
 ``--surfaces`` adds the surfaces of :mod:`hostile_surfaces` (fuzz/hostile_surfaces.py):
-the disk tier's directory, a transfer peer, configs and the CLI (``all``: every one).
+the disk tier's directory, a transfer peer, configs and the CLI; of :mod:`hostile_serving`
+(``serving``: ``PagedCache.select``, paged attention and ``gather_pages``, the layer
+groups' tables, the prefix tiers' calls, the newer CLI options); and of
+:mod:`hostile_connector` (``connector``: the vLLM connector's worker and scheduler sides
+and the shared-memory directory where neighbours can plant files) (``all``: every one).
 A case that gives no verdict within ``--case-timeout`` seconds is a hang (its child is
 killed and a new one resumes after it). The last line is a JSON summary: inputs,
 verdict counts (``typed``, ``accepted``, ``untyped``, ``crash``, ``hang``,
-``wrong-kv``, ...), failures, and the counts by surface.
+``wrong-kv``, ...), failures, ``counts`` (inputs, typed with the state unchanged,
+accepted and checked, crashes, hangs, wrong KV, untyped, other failures) and the counts
+by surface.
 
 Usage: ``python fuzz/hostile_inputs.py [--json] [--kv-dtype NAME] [--kv-key-quant MODE]
-[--surfaces api,tier,transfer,config,cli|all] [--smoke] [--case-timeout S]``;
+[--surfaces api,tier,transfer,config,cli,serving,connector|all] [--smoke] [--case-timeout S]``;
 exit status 1 on any failure.
 """
 from __future__ import annotations
@@ -44,8 +50,11 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
-#: what ``--surfaces`` may name: the cache's calls here, the rest in hostile_surfaces.py
-SURFACES = ("api", "tier", "transfer", "config", "cli")
+#: what ``--surfaces`` may name: the cache's calls here; tier, transfer, config and cli
+#: in hostile_surfaces.py; serving (select, attention, gather_pages, the group tables)
+#: in hostile_serving.py; connector (the vLLM connector's two sides) in hostile_connector.py
+SURFACES = ("api", "tier", "transfer", "config", "cli", "serving", "connector")
+_OWN_MODULE = {"serving": "hostile_serving", "connector": "hostile_connector"}
 
 #: the cache's kv_dtype (None: float32) and head_dim, set by ``--kv-dtype``
 KV_DTYPE = None
@@ -249,7 +258,10 @@ def all_cases(surfaces, smoke: bool) -> List[Tuple[str, str, Callable[[], str]]]
     if others:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from hostile_surfaces import surface_cases
-        out.extend(surface_cases(others, smoke))
+        out.extend(surface_cases([s for s in others if s not in _OWN_MODULE], smoke))
+        for s in others:
+            if s in _OWN_MODULE:
+                out.extend(__import__(_OWN_MODULE[s]).surface_cases(smoke))
     return out
 
 
@@ -268,6 +280,9 @@ def child(start: int, surfaces, smoke: bool) -> None:
     if any(s != "api" for s in surfaces):
         from hostile_surfaces import prepare
         prepare(surfaces)
+        for s in surfaces:
+            if s in _OWN_MODULE:
+                __import__(_OWN_MODULE[s]).prepare()
     print(json.dumps({"ready": len(todo)}), flush=True)
     for i in range(start, len(todo)):
         surface, name, fn = todo[i]
@@ -356,6 +371,26 @@ def run(surfaces=("api",), smoke: bool = False, case_timeout: float = 10.0) -> D
             "results": results}
 
 
+def counts(rep: Dict[str, Any]) -> Dict[str, int]:
+    """The figures a report gives (issue 32): inputs; typed errors with the state
+    unchanged; valid inputs accepted with their result checked (for the API catalog the
+    inputs listed in ACCEPTABLE, each checked by hand); crashes; hangs; wrong KV served;
+    untyped errors; and every other failure (state changed by a failing call, a bad
+    input accepted, an escape from the tier directory, a broken invariant, a leak)."""
+    out = dict(inputs=0, typed_state_unchanged=0, accepted_and_checked=0, crashes=0, hangs=0, wrong_kv=0,
+               untyped=0, other_failures=0)
+    names = {"typed": "typed_state_unchanged", "crash": "crashes", "hang": "hangs", "wrong-kv": "wrong_kv",
+             "untyped": "untyped"}
+    for r in rep["results"]:
+        out["inputs"] += 1
+        c = verdict_class(r["verdict"])
+        if c == "accepted":
+            out["accepted_and_checked" if not failed(r) else "other_failures"] += 1
+        else:
+            out[names.get(c, "other_failures")] += 1
+    return out
+
+
 def verdict_class(v: str) -> str:
     return v.split(":")[0].split(" ")[0]
 
@@ -425,7 +460,7 @@ def main(argv=None) -> int:
             print(json.dumps(r))
     for r in bad:
         print(f"FAIL {r['verdict'][:60]:60s} {r['name']}")
-    summary = {"inputs": rep["inputs"], "verdicts": rep["counts"], "failures": len(bad)}
+    summary = {"inputs": rep["inputs"], "verdicts": rep["counts"], "failures": len(bad), "counts": counts(rep)}
     if surfaces != ["api"]:
         summary["by_surface"] = rep["by_surface"]
     print(json.dumps(summary))

@@ -27,8 +27,8 @@ except ImportError as exc:  # pragma: no cover - depends on how pagedkv was impo
 from pagedkv._core.prefix import PrefixIndex  # noqa: E402
 from pagedkv._core.tables import BlockTables  # noqa: E402
 from pagedkv.config.options import CacheConfig  # noqa: E402
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pagedkv.manager.cache import PagedKVCache  # noqa: E402
-from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pagedkv.manager.stats import CacheStats  # noqa: E402
 from pagedkv.manager.threads import _from_env as _threads_from_env  # noqa: E402
 from pagedkv.manager.threads import get_num_threads, set_num_threads  # noqa: E402

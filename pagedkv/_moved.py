@@ -20,10 +20,11 @@ from typing import Any
 
 #: old module path -> new module path. ``pagedkv.config`` and ``pagedkv.store`` are packages
 #: now; they re-export their old module's names themselves (see their ``__init__``).
+#: ``pagedkv.events`` is a real module again (0.3): events are below both the manager and
+#: the tiers, so the 0.1 path needs no redirect.
 MOVED: dict[str, str] = {
     "pagedkv.cache": "pagedkv.manager.cache",
     "pagedkv.stats": "pagedkv.manager.stats",
-    "pagedkv.events": "pagedkv.manager.events",
     "pagedkv.threads": "pagedkv.manager.threads",
     "pagedkv.seq_ids": "pagedkv.manager.seq_ids",
     "pagedkv.namespaces": "pagedkv.manager.namespaces",
@@ -36,12 +37,12 @@ MOVED: dict[str, str] = {
     "pagedkv.layer_groups": "pagedkv.groups.layers",
     "pagedkv.window": "pagedkv.store.window",
     "pagedkv.block_keys": "pagedkv.store.block_keys",
-    "pagedkv.kvformat": "pagedkv.store.format",
-    "pagedkv.quant": "pagedkv.store.quant",
-    "pagedkv.rotation": "pagedkv.store.rotation",
-    "pagedkv.dtypes": "pagedkv.store.dtypes",
-    "pagedkv.calibration": "pagedkv.store.calibration",
-    "pagedkv.op_checks": "pagedkv.store.op_checks",
+    "pagedkv.kvformat": "pagedkv.format.fingerprint",
+    "pagedkv.quant": "pagedkv.format.quant",
+    "pagedkv.rotation": "pagedkv.format.rotation",
+    "pagedkv.dtypes": "pagedkv.format.dtypes",
+    "pagedkv.calibration": "pagedkv.tools.calibration",
+    "pagedkv.op_checks": "pagedkv.format.op_checks",
     "pagedkv.offload": "pagedkv.tiers.swap",
     "pagedkv.prefill": "pagedkv.sched.prefill",
     "pagedkv.chunking": "pagedkv.sched.chunking",
@@ -50,6 +51,15 @@ MOVED: dict[str, str] = {
     "pagedkv.planner": "pagedkv.config.planner",
     "pagedkv.gguf_metadata": "pagedkv.config.gguf",
     "pagedkv.memory_check": "pagedkv.config.memory",
+    # 0.2 paths that moved in 0.3 (issue 34: the format below the ops, the arena owner above)
+    "pagedkv.store.dtypes": "pagedkv.format.dtypes",
+    "pagedkv.store.quant": "pagedkv.format.quant",
+    "pagedkv.store.layer_format": "pagedkv.format.layer_format",
+    "pagedkv.store.rotation": "pagedkv.format.rotation",
+    "pagedkv.store.format": "pagedkv.format.fingerprint",
+    "pagedkv.store.op_checks": "pagedkv.format.op_checks",
+    "pagedkv.store.calibration": "pagedkv.tools.calibration",
+    "pagedkv.manager.events": "pagedkv.events",
 }
 
 

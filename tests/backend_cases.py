@@ -14,10 +14,10 @@ from typing import Optional
 import pytest
 import torch
 
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
+from pagedkv.format.quant import dequantize, quantize
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
-from pagedkv.store.quant import dequantize, quantize
 
 MODEL = tuple(d.torch_dtype for d in dtypes.MODEL)
 # storage formats by kv_dtype name: int4 and int3 share the uint8 storage dtype (int3's

@@ -16,17 +16,14 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from backend_cases import (
     BS,
-    H,
     KV_DTYPES,
     LAYOUTS,
     MODEL,
     NB,
     QUANT,
+    H,
     Layer,
     arenas,
     assert_same,
@@ -44,8 +41,8 @@ from backend_cases import (
     quant_views,
     quantized_layer,
     rand_kv,
-    raw,
     random_layer,
+    raw,
     same,
     same_state,
     slot_mapping,
@@ -54,10 +51,13 @@ from backend_cases import (
     tables,
     tokens,
 )
-from pagedkv.store import dtypes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from pagedkv.errors import DTypeError, InvalidArgumentError, InvalidBlockError, KernelUnavailableError, ShapeError
+from pagedkv.format import dtypes
+from pagedkv.format.rotation import rotation_signs
 from pagedkv.kernels import plans, sources
-from pagedkv.store.rotation import rotation_signs
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
 

@@ -1,4 +1,4 @@
-"""int4 block keys (pagedkv/store/quant.py, "block keys") in the CUDA gather kernels: the
+"""int4 block keys (pagedkv/format/quant.py, "block keys") in the CUDA gather kernels: the
 kernels read a K row per channel from ``key_scale``/``key_zero`` where
 ``key_scale[block, head, 0]`` is nonzero, and never unrotate it; every other row
 takes the per-token path. Compared bit for bit with the torch reference on the host
@@ -12,9 +12,6 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from backend_cases import (
     LAYOUTS,
     MODEL,
@@ -31,11 +28,14 @@ from backend_cases import (
     raw,
     tables,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError
+from pagedkv.format.quant import quantize_key_block
+from pagedkv.format.rotation import rotation_signs
 from pagedkv.kernels import plans
 from pagedkv.ops import reference as ref
-from pagedkv.store.quant import quantize_key_block
-from pagedkv.store.rotation import rotation_signs
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 NB, BS, H = 7, 5, 3  # odd sizes: partial blocks everywhere; head 0 sealed, head 1 not, head 2 either

@@ -1,4 +1,4 @@
-"""int4 block keys on the fast CPU gathers: ``key_scale``/``key_zero`` (pagedkv/store/quant.py,
+"""int4 block keys on the fast CPU gathers: ``key_scale``/``key_zero`` (pagedkv/format/quant.py,
 "block keys") give each sealed (block, head) per-channel bfloat16 parameters for its K
 rows. The Cython loops must equal pagedkv.ops.reference bit for bit (NaN positions
 equal) with sealed and unsealed blocks and heads mixed in one gather, rotation on
@@ -12,15 +12,12 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from backend_cases import (
     BS,
-    H,
     LAYOUTS,
     MODEL,
     NB,
+    H,
     Layer,
     assert_same,
     csr,
@@ -31,11 +28,14 @@ from backend_cases import (
     same_state,
     tables,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from pagedkv.errors import DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
+from pagedkv.format.quant import dequantize_key_channels, quantize_key_block
+from pagedkv.format.rotation import rotation_signs
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
-from pagedkv.store.quant import dequantize_key_channels, quantize_key_block
-from pagedkv.store.rotation import rotation_signs
 
 cpu = pytest.importorskip("pagedkv.ops.cpu")
 if not backends.cpu_ops_built():

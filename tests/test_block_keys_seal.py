@@ -2,12 +2,11 @@
 machine runs, equal to the torch definition; bad input is refused before any write."""
 import pytest
 import torch
+from backend_cases import make_backend
 
 from pagedkv import ops
 from pagedkv.errors import DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
-
-from backend_cases import make_backend
-from pagedkv.store.quant import quantize_key_block
+from pagedkv.format.quant import quantize_key_block
 
 NB, BS, H, D = 6, 4, 2, 8
 

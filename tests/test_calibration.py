@@ -1,11 +1,11 @@
-"""The per-layer calibration pass (pagedkv.store.calibration) on a random-weight 2-layer model."""
+"""The per-layer calibration pass (pagedkv.tools.calibration) on a random-weight 2-layer model."""
 import pytest
 import torch
-
 from model_fixtures import tiny  # noqa: F401
+
 from pagedkv import CacheConfig
-from pagedkv.store.calibration import choose_full_precision_layers, layer_sensitivity
 from pagedkv.errors import InvalidArgumentError, ShapeError
+from pagedkv.tools.calibration import choose_full_precision_layers, layer_sensitivity
 
 
 def _ids(model, n=96, seed=3):
@@ -26,7 +26,7 @@ def test_sensitivity_is_per_layer_and_grows_as_precision_drops(tiny):
 
 
 def test_keeping_the_chosen_layer_in_model_precision_loses_less_than_quantizing_all(tiny):
-    from pagedkv.store.calibration import _log_probs
+    from pagedkv.tools.calibration import _log_probs
 
     model, _ = tiny
     ids = _ids(model, seed=5)

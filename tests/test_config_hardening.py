@@ -12,14 +12,13 @@ import threading
 
 import pytest
 import torch
-
 from model_fixtures import tiny  # noqa: F401
+
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.config import memory as memory_check
-from pagedkv.store.calibration import choose_full_precision_layers, layer_sensitivity
 from pagedkv.config.options import parse_bytes, show
-from pagedkv.errors import (ArgumentTypeError, DeviceError, InvalidArgumentError, OutOfMemoryError,
-                            PagedKVError)
+from pagedkv.errors import ArgumentTypeError, DeviceError, InvalidArgumentError, OutOfMemoryError, PagedKVError
+from pagedkv.tools.calibration import choose_full_precision_layers, layer_sensitivity
 
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=16)
 HF = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)

@@ -9,12 +9,11 @@ Equality over the layouts and table kinds runs for every backend in test_backend
 
 import pytest
 import torch
-
 from backend_cases import (
     QUANT,
-    calls_while_flipping,
     assert_same,
     assert_same_views,
+    calls_while_flipping,
     csr,
     padded,
     params,
@@ -22,8 +21,9 @@ from backend_cases import (
     quant_views,
     storage,
 )
-from pagedkv.store import dtypes
+
 from pagedkv.errors import InvalidBlockError
+from pagedkv.format import dtypes
 from pagedkv.ops import cpu as cpu_ops
 from pagedkv.ops import reference as ref
 
@@ -240,8 +240,8 @@ def test_every_float_narrows_like_the_reference(out_dtype):
 _BASELINE_SCRIPT = r"""
 import torch
 from pagedkv.ops import _cpu_quant, cpu, reference as ref
-from pagedkv.store.rotation import rotation_signs
-from pagedkv.store.quant import storage_dtype
+from pagedkv.format.rotation import rotation_signs
+from pagedkv.format.quant import storage_dtype
 assert _cpu_quant.ROW_ISA == "baseline", _cpu_quant.ROW_ISA
 gen = torch.Generator().manual_seed(0)
 cases = 0

@@ -1,12 +1,10 @@
-"""The dtype table (pagedkv.store.dtypes) and every module that reads it agree."""
+"""The dtype table (pagedkv.format.dtypes) and every module that reads it agree."""
 import pytest
 import torch
 
-from pagedkv.store import dtypes
-
-from pagedkv.store import quant
 from pagedkv.config.options import KV_DTYPE_NAMES, MODEL_DTYPE_NAMES, CacheConfig, dtype_name, kv_dtype_name
 from pagedkv.errors import DTypeError
+from pagedkv.format import dtypes, quant
 from pagedkv.kernels import plans, sources
 from pagedkv.ops import reference as ref
 

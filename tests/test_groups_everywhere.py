@@ -280,11 +280,23 @@ def r_no_states(name):
     return recipe
 
 
+def r_plan_attention(kv):
+    """A step planned once runs each layer as attention() does, each group's layers
+    through that group's table."""
+    q = torch.randn(1, 2, 8)
+    for layer, group, window in ((1, 0, None), (0, 1, 6)):
+        indptr, indices, _ = kv.page_table_csr(["a"], group=group)
+        lens = np.array([14 - int(kv.released_tokens(["a"], group=group)[0])], dtype=np.int32)
+        qi = np.array([0, 1], dtype=np.int32)
+        step = kv.plan_attention(indptr, indices, lens, qi, window=window)
+        assert torch.equal(step.run(layer, q), kv.attention(layer, q, indptr, indices, lens, qi, window=window))
+
+
 RECIPES = {
     "add_sequence": lambda kv: None,            # live() admits
     "reserve": r_write, "commit": r_write, "write": r_write,
     "advance": r_advance,
-    "attention": r_attention, "mla_attention": r_mla_attention,
+    "attention": r_attention, "mla_attention": r_mla_attention, "plan_attention": r_plan_attention,
     "block_table": lambda kv: held(kv),
     "block_tables": lambda kv: kv.block_tables(["a"], group=1).shape == (1, 4),
     "blocks_to_admit": r_can_admit, "can_admit": r_can_admit,

@@ -64,3 +64,23 @@ def test_the_harness_classifies_every_input_of_the_other_surfaces():
     known = {"typed", "accepted", "accepted-bad", "untyped", "wrong-base", "state-changed", "wrong-kv", "escape",
              "leak", "invariant-broken", "crash", "hang"}
     assert set(summary["verdicts"]) <= known, summary["verdicts"]
+
+
+def test_the_serving_and_connector_surfaces_give_typed_errors_or_checked_results():
+    # issue 32: select, paged attention and gather_pages, the layer groups' tables, the
+    # prefix tiers' calls, the newer CLI options, and the vLLM connector's two sides and
+    # its shared-memory directory; every case typed with the state unchanged, or a valid
+    # input whose result was checked (the smoke subset; the full run is in the report)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--surfaces", "serving,connector", "--smoke", "--json",
+                        "--case-timeout", "30"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    c = summary["counts"]
+    assert summary["failures"] == 0 and c["inputs"] == summary["inputs"] >= 100
+    assert c["typed_state_unchanged"] + c["accepted_and_checked"] == c["inputs"]
+    assert c["crashes"] == c["hangs"] == c["wrong_kv"] == c["untyped"] == c["other_failures"] == 0
+    names = [json.loads(x)["name"] for x in p.stdout.splitlines() if x.startswith('{"case"')]
+    for part in ("serving: select(", "serving: attention", "serving: gather_pages", "tiers: ", "cli: plan",
+                 "connector: planted arena", "connector: engine-start sweep", "connector: worker save",
+                 "connector: store lookup", "connector: kv_connector_extra_config"):
+        assert any(n.startswith(part) for n in names), part

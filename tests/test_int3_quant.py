@@ -4,13 +4,13 @@ the error bound, special values, typed errors."""
 import numpy as np
 import pytest
 import torch
+from backend_cases import make_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend_cases import make_backend
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError
+from pagedkv.format.quant import bf16_down, bf16_up, dequantize, quantize, unpack_int3
 from pagedkv.ops import reference
-from pagedkv.store.quant import bf16_down, bf16_up, dequantize, quantize, unpack_int3
 
 INF, NAN = float("inf"), float("nan")
 

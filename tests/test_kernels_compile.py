@@ -97,9 +97,11 @@ def test_attention_compiles_one_storage_format_at_a_time(tmp_path):
     assert seen == set(names)
 
 
-@pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu", "seal_keys.cu", "latent.cu"])
+@pytest.mark.parametrize("source", ["write_kv.cu", "gather_kv.cu", "seal_keys.cu", "latent_rows.cu"])
 def test_quantization_math_is_not_contracted_into_fma(ptx, source):
     # The torch reference rounds after every multiply and add; an FMA would not.
+    # (The attention sources call expf, whose libdevice body is made of FMAs: they are
+    # checked against the float64 reference within a bound instead.)
     assert b"fma.rn.f32" not in ptx(source, "sm_90")
 
 
@@ -111,7 +113,7 @@ def test_cubin_target_is_machine_code(fresh_cache):
 
 def test_sources_carry_their_headers_transitively():
     src = sources.load("write_kv.cu")
-    assert set(src.headers) == {"common.cuh", "emulate.h", "quant_scalar.h"}   # common.cuh includes the shared scalar header
+    assert set(src.headers) == {"common.cuh", "emulate.h", "emulate_fibers.h", "quant_scalar.h"}   # common.cuh includes the scalar header, emulate.h the fiber scheduler
     assert b"pkv_write_kv_copy" in src.text
 
 

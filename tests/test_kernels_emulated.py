@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from backend_cases import BS, LAYOUTS, NB, H, assert_same, layer_shape, name, random_layer, tokens
 
 from pagedkv.errors import (
     DeviceError,
@@ -25,7 +26,6 @@ from pagedkv.errors import (
     InvalidArgumentError,
     ShapeError,
 )
-from backend_cases import BS, H, LAYOUTS, NB, assert_same, layer_shape, name, random_layer, tokens
 from pagedkv.kernels import emulation as emu
 from pagedkv.kernels import plans
 from pagedkv.ops import reference as ref
@@ -245,7 +245,7 @@ def test_cuda_launchers_refuse_non_tensors():
 # ----------------------------------------------------------------------------------
 # AddressSanitizer: the emulation library rebuilt with -fsanitize=address, loaded
 # into a child Python with libasan preloaded, runs one case of every kernel family
-# (vector and scalar paths, guards); torch's CPU tensors come from the intercepted
+# (vector and scalar paths, guards; the decode kernel's fibers too); torch's CPU tensors come from the intercepted
 # allocator, so every out-of-bounds kernel access would be reported. Result so far:
 # clean, and the negative control below is reported as a heap-buffer-overflow.
 
@@ -292,6 +292,12 @@ for rotated in (False, True):  # int4 block keys: the per-channel parameters' re
 for layout in c.LAYOUTS:  # int4 block keys: the seal, and its guard on block ids
     sk.test_sealed_blocks_equal_the_reference_bit_for_bit(B, (10, 7), layout, torch.bfloat16)
 sk.test_kernel_skips_ids_outside_the_layer()
+# the decode kernel as fibers (ucontext under ASan): int3's parameters are copied as the
+# aligned words holding them, up to the scale arena's last element; int4 groups of 8
+import test_decode_attention as da
+for fmt, d, layout, g_len in (("int3", 128, "HND", 32), ("int4", 64, "NHD", 8)):
+    case = da.make(fmt, d, 1, layout, g_len, [40, 300, 9], rotated=True, seed=3)
+    da.check(case, da.run(case, kernel="decode", num_splits=3))
 print("ASAN-CLEAN", flush=True)
 """
 
@@ -342,7 +348,7 @@ def test_address_sanitizer_catches_an_out_of_bounds_launch(tmp_path):
 def test_quantizing_write_shares_each_scale_group_among_a_cta_row(kv_dtype, d, groups, block):
     # A CTA row of threads reduces one scale group together; the grid's CTAs stride
     # over the (token, K/V, head) rows, so its x is 1.
-    from pagedkv.store import dtypes
+    from pagedkv.format import dtypes
 
     row = dtypes.info(kv_dtype)
     shape = layer_shape("NHD", NB, BS, H, row.stored_dim(d))

@@ -9,12 +9,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from tier_helpers import SHAPE, expected_kv
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import InternalError, InvalidArgumentError, TierFileError
-from pagedkv.store.format import NOT_STORED, STORED, differences, fingerprint, kv_format, unclassified
-
-from tier_helpers import SHAPE, expected_kv
+from pagedkv.format.fingerprint import NOT_STORED, STORED, differences, fingerprint, kv_format, unclassified
 
 # (setting, written with, opened with, {fingerprint entry: (written value, opened value)});
 # "arenas" differs too where the shapes differ (not listed). One row per setting that
@@ -105,14 +104,14 @@ def test_a_field_added_without_a_classification_is_caught():
     assert unclassified(Grown) == (["kv_new_encoding"], [])
     grown = Grown(**dict(SHAPE, num_blocks=4))
     with pytest.raises(InternalError, match=r"CacheConfig field\(s\) \['kv_new_encoding'\] not classified "
-                                            r"in pagedkv\.store\.format \(STORED or NOT_STORED\)"):
+                                            r"in pagedkv\.format\.fingerprint \(STORED or NOT_STORED\)"):
         fingerprint(grown)
 
 
 def test_a_classified_name_that_no_longer_exists_is_caught(monkeypatch):
     monkeypatch.setitem(NOT_STORED, "kv_gone", "removed")
     assert unclassified(CacheConfig) == ([], ["kv_gone"])
-    with pytest.raises(InternalError, match=r"classified in pagedkv\.store\.format but not CacheConfig fields: \['kv_gone'\]"):
+    with pytest.raises(InternalError, match=r"classified in pagedkv\.format\.fingerprint but not CacheConfig fields: \['kv_gone'\]"):
         fingerprint(config())
 
 

@@ -24,11 +24,11 @@ import torch
 
 from backend_cases import ONE_THREAD, SMALL_GRID
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
+from pagedkv.format.latent import LatentFormat
 from pagedkv.kernels import emulation, latent_plans
 from pagedkv.ops import gather_latent, mla_attention, write_latent
 from pagedkv.ops import latent_reference as ref
 from pagedkv.ops.views import LatentView
-from pagedkv.store.latent import LatentFormat
 
 U = 2.0 ** -24
 EPS_OUT = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}

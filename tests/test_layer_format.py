@@ -10,11 +10,11 @@ import torch
 
 from pagedkv import CacheConfig, ops
 from pagedkv.errors import DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
+from pagedkv.format.layer_format import LayerFormat
+from pagedkv.format.quant import dequantize, dequantize_key_channels, quantize
+from pagedkv.format.rotation import rotate, rotation_signs
 from pagedkv.kernels import sources
 from pagedkv.store.kvstore import KVStore
-from pagedkv.store.layer_format import LayerFormat
-from pagedkv.store.quant import dequantize, dequantize_key_channels, quantize
-from pagedkv.store.rotation import rotate, rotation_signs
 
 ROOT = Path(__file__).resolve().parents[1]
 NB, BS, H, D = 4, 4, 2, 16
@@ -173,7 +173,7 @@ def test_a_format_that_is_not_a_layer_format_is_refused():
     kv, scale, zero = layer(LayerFormat("int8"))
     k, v = kv_rows(1)
     with pytest.raises(InvalidArgumentError, match=r"layer_format: expected None or a "
-                                                   r"pagedkv.store.layer_format.LayerFormat, got str"):
+                                                   r"pagedkv.format.layer_format.LayerFormat, got str"):
         ops.write_kv(kv, torch.tensor([0]), k, v, kv_scale=scale, kv_zero=zero, layer_format="int8",
                      backend="reference")
 

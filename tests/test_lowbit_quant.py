@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError
-from pagedkv.store.quant import dequantize, is_quantized, quantize, storage_dtype, unpack_int4
-from pagedkv.store.rotation import hadamard_blocks, rotate, rotation_signs, unrotate
+from pagedkv.format.quant import dequantize, is_quantized, quantize, storage_dtype, unpack_int4
+from pagedkv.format.rotation import hadamard_blocks, rotate, rotation_signs, unrotate
 
 
 def _data(shape, seed=0):

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError
 from pagedkv.config.planner import plan
-from pagedkv.store.quant import dequantize, quantize
-from pagedkv.store.rotation import rotate, rotation_signs, unrotate
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockError
+from pagedkv.format.quant import dequantize, quantize
+from pagedkv.format.rotation import rotate, rotation_signs, unrotate
 from pagedkv.store.kvstore import KVStore
 
 L, H, D, BS = 3, 2, 32, 4
@@ -103,7 +103,7 @@ def test_plan_reports_int3_bytes():
 
 
 def test_kv_format_tells_int3_from_int4():
-    from pagedkv.store.format import kv_format
+    from pagedkv.format.fingerprint import kv_format
 
     f3, f4 = (kv_format(KVStore(config(kv_dtype=q, kv_window=0))) for q in ("int3", "int4"))
     assert f3["cache_dtype"] == "int3" and f4["cache_dtype"] == "int4" and f3 != f4
@@ -232,10 +232,31 @@ def test_least_recently_written_window_gives_way_when_the_arena_is_full():
     kb, vb = kv_data(8, seed=2)
     fill(cache, "a", ka, va)
     assert torch.equal(cache.gather("a", 0)[0][-4:], ka[-4:])
-    fill(cache, "b", kb, vb)  # takes both window blocks
+    assert cache.stats().window_fallbacks == 0
+    # a second sequence, past kv_window_sequences=1: its blocks are its newest while it
+    # writes them one token at a time, and they take the slots
+    fill(cache, "b", kb, vb, step=1)
     assert torch.equal(cache.gather("b", 0)[0][-4:], kb[-4:])
     ga = cache.gather("a", 0)[0]
     assert torch.equal(ga, expected_quantized(cfg, ka))  # a's window was handed to b
+    assert cache.stats().window_fallbacks == 1             # and a's read counted the fallback
+    cache.free(["a", "b"])
+
+
+def test_a_prefill_takes_no_window_slot_another_sequence_reads():
+    # kv_window_sequences=2: two sequences keep their windows whatever the other writes;
+    # a long prefill's early blocks keep their copies only in slots no window needs
+    cfg = config(kv_dtype="int4", kv_window=4, kv_window_sequences=2)   # 4 window blocks
+    cache = PagedKVCache(cfg)
+    ka, va = kv_data(8, seed=1)
+    kb, vb = kv_data(40, seed=2)
+    fill(cache, "a", ka, va, step=1)
+    fill(cache, "b", kb, vb)              # 10 blocks in one write: its newest two claim slots
+    for seq, k in (("a", ka), ("b", kb)):
+        got = cache.gather(seq, 0)[0]
+        assert torch.equal(got[-4:], k[-4:])
+        assert torch.equal(got[:-4], expected_quantized(cfg, k)[:-4])
+    assert cache.stats().window_fallbacks == 0
     cache.free(["a", "b"])
 
 

@@ -15,9 +15,9 @@ from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.config.planner import plan
 from pagedkv.config.support import UnsupportedCombinationError
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.format.fingerprint import fingerprint
 from pagedkv.groups.spec import MLASpec
 from pagedkv.ops import gather_latent, mla_attention
-from pagedkv.store.format import fingerprint
 from pagedkv.store.latent_store import LatentStore
 
 R, P = 128, 32
@@ -345,10 +345,16 @@ def test_every_row_mla_cannot_take_is_refused_in_one_wording():
 
     cfg = CacheConfig(num_layers=2, num_kv_heads=1, head_dim=R + P, kv_lora_rank=R, qk_rope_head_dim=P, num_blocks=8)
     refused = [c for c in CAPABILITIES if not c.mla]
-    assert len(refused) == 6
+    assert len(refused) == 7
     for cap in CAPABILITIES:
         if cap.mla:
             require(cap.name, cfg)
+            continue
+        if cap.refused is not None:     # an option's row: the config refuses the option itself
+            assert cap.name.startswith("attention_sinks")
+            with pytest.raises(UnsupportedCombinationError, match="attention_sinks: expected 0 without sliding"):
+                CacheConfig(num_layers=2, num_kv_heads=1, head_dim=R + P, kv_lora_rank=R, qk_rope_head_dim=P,
+                            num_blocks=8, attention_sinks=4)
             continue
         with pytest.raises(UnsupportedCombinationError) as err:
             require(cap.name, cfg)

@@ -18,16 +18,23 @@ from pagedkv._moved import MOVED
 
 # every old top-level module of the flat layout (0.1.0), listed here on purpose rather than read
 # from MOVED, so dropping a redirect by mistake fails this test
+# (``events`` was one of them: it is a real module at its 0.1 path again, see below)
 OLD_MODULES = [
     "arguments", "block_keys", "buddy", "cache", "calibration", "chunking", "compaction",
-    "distributed", "dtypes", "events", "gguf_metadata", "group_data", "group_tables",
+    "distributed", "dtypes", "gguf_metadata", "group_data", "group_tables",
     "kvformat", "layer_groups", "memory_check", "namespaces", "offload", "op_checks",
     "planner", "pool_view", "prefill", "quant", "rotation", "seq_ids", "stats", "support",
     "threads", "window",
 ]
+# 0.2 paths that moved in 0.3 (issue 34: the format below the ops, calibration above the
+# manager, the events below the manager and the tiers), also listed on purpose
+MOVED_02 = [
+    "store.dtypes", "store.quant", "store.layer_format", "store.rotation", "store.format", "store.op_checks",
+    "store.calibration", "manager.events",
+]
 
 
-@pytest.mark.parametrize("old", OLD_MODULES)
+@pytest.mark.parametrize("old", OLD_MODULES + MOVED_02)
 def test_old_path_is_the_new_module(old):
     name = f"pagedkv.{old}"
     new = importlib.import_module(MOVED[name])
@@ -66,7 +73,7 @@ def test_packages_keep_their_old_module_names(package, module):
 
 
 def test_every_redirect_target_exists_and_is_listed():
-    assert sorted(k.removeprefix("pagedkv.") for k in MOVED) == sorted(OLD_MODULES)
+    assert sorted(k.removeprefix("pagedkv.") for k in MOVED) == sorted(OLD_MODULES + MOVED_02)
     for new in MOVED.values():
         importlib.import_module(new)
 
@@ -96,3 +103,30 @@ def test_renamed_names_keep_their_old_spelling():
     cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=8, block_size=4,
                       kv_dtype="int8", kv_sink_tokens=5)
     assert cfg.precise_sink_blocks == cfg.sink_blocks == 2
+
+
+def test_events_is_home_again_at_its_01_path():
+    """``pagedkv.events`` (0.1) -> ``pagedkv.manager.events`` (0.2) -> ``pagedkv.events`` (0.3):
+    the 0.1 path imports without a warning, the 0.2 one redirects to the same module."""
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "import pagedkv.events as e\n"
+            "from pagedkv import BlockStored\n"
+            "print(e.BlockStored is BlockStored, e.__spec__.name)\n"
+            "warnings.simplefilter('ignore')\n"
+            "import pagedkv.manager.events as old\n"
+            "print(old is e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "pagedkv.events", "True"]
+
+
+def test_store_package_hands_out_its_moved_format_modules():
+    """``from pagedkv.store import quant`` (0.2) still gives the format module, with the warning."""
+    import pagedkv.format.quant as quant
+    import pagedkv.store
+
+    sys.modules.pop("pagedkv.store.quant", None)
+    vars(pagedkv.store).pop("quant", None)     # an earlier import bound it on the package
+    with pytest.warns(DeprecationWarning, match="pagedkv.store.quant moved to pagedkv.format.quant"):
+        from pagedkv.store import quant as old
+    assert old is quant

@@ -17,13 +17,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedkv.store import dtypes
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
+from pagedkv.format import dtypes
+from pagedkv.format.layer_format import LayerFormat
+from pagedkv.format.rotation import rotation_signs
 from pagedkv.ops import ExactRows, paged_attention
 from pagedkv.ops import reference as ref
 from pagedkv.ops.paged_attention import CPU_AVAILABLE
-from pagedkv.store.layer_format import LayerFormat
-from pagedkv.store.rotation import rotation_signs
 
 MODEL_FMTS = ("float32", "float16", "bfloat16")
 QUANT_FMTS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "int3")
@@ -348,7 +348,8 @@ def test_the_cache_passes_its_layer_format(monkeypatch):
     kv.write(0, slots, k, -k)
     kv.commit("a", 5, list(range(5)))
     indptr, indices, _ = kv.page_table_csr(["a"])
-    kv.attention(0, torch.randn(1, 2, 16), indptr, indices, np.array([5], np.int32), np.array([0, 1], np.int32))
+    q = torch.randn(1, 2, 16).to(kv.config.torch_dtype)    # the model dtype: q is never cast
+    kv.attention(0, q, indptr, indices, np.array([5], np.int32), np.array([0, 1], np.int32))
     assert seen == [kv.store.layer_format(0)] and seen[0].group_size == 8
     kv.free("a")
 
@@ -357,9 +358,9 @@ def test_the_cache_passes_its_layer_format(monkeypatch):
 @pytest.mark.parametrize("d", [1, 2, 3, 5, 48, 64, 80, 96, 128, 200, 256])
 def test_cpu_rotation_of_q_and_out_is_the_definition_bit_for_bit(d):
     """The CPU backend rotates q and unrotates its output with the C row function; it
-    must give exactly what pagedkv.store.rotation defines."""
+    must give exactly what pagedkv.format.rotation defines."""
+    from pagedkv.format.rotation import rotate, unrotate
     from pagedkv.ops import attention_cpu
-    from pagedkv.store.rotation import rotate, unrotate
 
     gen = torch.Generator().manual_seed(d)
     x = torch.randn(7, 3, d, generator=gen) * torch.logspace(-3, 3, d)

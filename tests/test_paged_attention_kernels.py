@@ -28,16 +28,16 @@ import math
 
 import pytest
 import torch
+from backend_cases import NO_GPU, ONE_THREAD, SMALL_GRID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend_cases import NO_GPU, ONE_THREAD, SMALL_GRID
-from pagedkv.store import dtypes
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
+from pagedkv.format import dtypes
+from pagedkv.format.quant import quantize_key_block
+from pagedkv.format.rotation import rotation_signs
 from pagedkv.kernels import attention_plans, sources
 from pagedkv.ops import reference as ref
-from pagedkv.store.quant import quantize_key_block
-from pagedkv.store.rotation import rotation_signs
 
 try:  # the public op's float64 definition, where the CPU backend's branch has landed
     from pagedkv.ops.attention_reference import paged_attention as _defined
@@ -254,12 +254,18 @@ def test_split_k_merges_exactly(backend):
     """Every split count gives the definition; and flash-decoding is really taken: the
     plan launches the merge kernel after the splits."""
     case = Case("int8", "HND", 64, 16, 2, 8, [1000, 333], [1, 1], seed=11)
-    for splits in (1, 2, 5, 16, 100):  # 100: more splits than key tiles, most of them empty
-        check(case, run(backend, case, num_splits=splits))
+    for kernel in ("tiled", "decode"):  # paged_attention.cu, and decode_attention.cu (the default here)
+        for splits in (1, 2, 5, 16, 100):  # 100: more splits than key tiles, most of them empty
+            check(case, run(backend, case, num_splits=splits, kernel=kernel))
     launches, _ = attention_plans.plan_paged_attention(case.q, case.kv, *case.tables("cpu"), **case.kw,
-                                                       num_splits=5)
+                                                       num_splits=5, kernel="tiled")
     assert [ln.kernel for ln in launches] == [sources.attention_name("decode", "hnd", "int8", "f32"),
                                               sources.attention_merge_name("f32")]
+    assert launches[0].grid[0] == 5
+    launches, _ = attention_plans.plan_paged_attention(case.q, case.kv, *case.tables("cpu"), **case.kw,
+                                                       num_splits=5)
+    assert [ln.kernel for ln in launches] == [sources.decode_name("hnd", "int8", 64, 8, 1),
+                                              sources.decode_merge_name("f32")]
     assert launches[0].grid[0] == 5
 
 

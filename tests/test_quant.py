@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError
-from pagedkv.store.quant import (
+from pagedkv.format.quant import (
     FP8_E4M3_MAX,
     FP8_E5M2_MAX,
     dequantize,

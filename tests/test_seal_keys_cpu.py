@@ -12,11 +12,10 @@ import os
 
 import pytest
 import torch
+from backend_cases import LAYOUTS, MODEL, assert_same, calls_while_flipping, name, offset_view, run_on_baseline_build
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend_cases import (LAYOUTS, MODEL, assert_same, calls_while_flipping, name, offset_view,
-                           run_on_baseline_build)
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, InvalidBlockError, ShapeError
 from pagedkv.ops import backends
 from pagedkv.ops import reference as ref
@@ -140,7 +139,7 @@ def test_the_loop_runs_without_the_reference(no_fallback):
 
 def test_every_fix_up_reads_back_as_the_reference_defines():
     # one block, one head, channels chosen by hand: the codes and parameters of each
-    # fix-up path, checked against values worked out from pagedkv/store/quant.py's definition
+    # fix-up path, checked against values worked out from pagedkv/format/quant.py's definition
     nan, inf = float("nan"), float("inf")
     cols = [
         [1.5, 1.5, 1.5, 1.5],            # all equal: s = 0 -> 1, z = 1.5, codes 0

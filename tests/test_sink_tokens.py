@@ -6,13 +6,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_lowbit_store import BS, D, H, L, config, kv_data
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
-from pagedkv.store.quant import dequantize_key_channels, quantize_key_block
+from pagedkv.format.quant import dequantize_key_channels, quantize_key_block
 from pagedkv.store.kvstore import KVStore
-
-from test_lowbit_store import BS, D, H, L, config, kv_data
 
 LOWBIT = [dict(kv_dtype="int4"), dict(kv_dtype="int3"), dict(kv_dtype="int4", kv_key_quant="block")]
 LOWBIT_IDS = ["int4", "int3", "int4-block-keys"]

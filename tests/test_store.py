@@ -6,7 +6,7 @@ import torch
 
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, InvalidBlockError
-from pagedkv.store.quant import dequantize, quantize
+from pagedkv.format.quant import dequantize, quantize
 from pagedkv.store.kvstore import KVStore, fp8_supported
 
 

@@ -116,3 +116,78 @@ def test_env_var_sets_the_count_and_a_bad_value_is_refused(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode != 0
     assert "PAGEDKV_NUM_THREADS: expected an int >= 0" in out.stderr and "'many'" in out.stderr
+
+
+@pytest.fixture
+def attention():
+    from pagedkv.ops import _cpu_attention, _threads
+
+    old_pkv, old_torch = pagedkv.get_num_threads(), torch.get_num_threads()
+    yield _cpu_attention
+    _threads._pretend_runnable(-1)
+    pagedkv.set_num_threads(old_pkv)
+    torch.set_num_threads(old_torch)
+
+
+def _attention_call(seed=0, seq=1024, bs=16, hkv=4, hq=16, d=64):
+    """One decode query over ``seq`` float32 keys: ``seq * hq * d`` multiply-adds."""
+    g = torch.Generator().manual_seed(seed)
+    nb = seq // bs
+    layer = torch.randn(nb, 2, bs, hkv, d, generator=g)
+    q = torch.randn(1, hq, d, generator=g)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    tables = (i32([0, nb]), torch.randperm(nb, generator=g).to(torch.int32), i32([seq]), i32([0, 1]))
+    return q, layer, tables, seq * hq * d
+
+
+def test_the_thread_setting_reaches_cpu_attention(attention):
+    """pagedkv.set_num_threads sets the threads of the attention loops too (issue 34: they
+    followed OpenMP's count alone), read back through one policy for every loop."""
+    from pagedkv.ops import _cpu_copy, _cpu_quant
+
+    big = 100 * (1 << 18)                       # 100 pieces of attention work
+    torch.set_num_threads(1)
+    for n in (3, 2, 1):
+        pagedkv.set_num_threads(n)
+        assert pagedkv.get_num_threads() == n
+        assert attention.planned_threads(big) == n
+        assert (_cpu_copy.get_num_threads(), _cpu_quant.get_num_threads()) == (n, n)
+    pagedkv.set_num_threads(4)
+    assert attention.planned_threads(2 * (1 << 18) - 1) == 1     # each thread gets a piece of work
+    assert attention.planned_threads(2 * (1 << 18)) == 2
+    pagedkv.set_num_threads(0)                                     # follows torch's count
+    assert attention.planned_threads(big) == 1
+
+
+def test_cpu_attention_result_does_not_depend_on_idle_cores(attention):
+    """Under the automatic setting the attention loops take threads only for idle cores, and
+    the split plan follows the setting, not the load: the same call gives the same bits on 2
+    threads and on 1."""
+    if CPUS < 2:
+        pytest.skip("one CPU: every loop is serial")
+    q, layer, tables, work = _attention_call()
+    pagedkv.set_num_threads(0)
+    torch.set_num_threads(2)
+    from pagedkv.ops import _threads
+
+    outs = []
+    for runnable, threads in ((1, 2), (CPUS + 6, 1)):
+        _threads._pretend_runnable(runnable)
+        assert attention.planned_threads(work) == threads
+        outs.append(pagedkv.ops.paged_attention(q, layer, *tables, backend="cpu"))
+    assert torch.equal(outs[0], outs[1])
+    ref = pagedkv.ops.paged_attention(q, layer, *tables, backend="reference")
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting", [1, 2, 3])
+def test_cpu_attention_at_every_thread_setting_matches_the_reference(attention, setting):
+    from pagedkv.ops import _threads
+
+    _threads._pretend_runnable(1)
+    q, layer, tables, work = _attention_call(seed=setting)
+    pagedkv.set_num_threads(setting)
+    assert attention.planned_threads(work) == min(setting, work // (1 << 18))
+    got = pagedkv.ops.paged_attention(q, layer, *tables, backend="cpu")
+    ref = pagedkv.ops.paged_attention(q, layer, *tables, backend="reference")
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -19,8 +19,8 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import OutOfBlocksError
-from pagedkv.store.quant import dequantize, dequantize_key_channels, quantize, quantize_key_block
-from pagedkv.store.rotation import rotate, rotation_signs, unrotate
+from pagedkv.format.quant import dequantize, dequantize_key_channels, quantize, quantize_key_block
+from pagedkv.format.rotation import rotate, rotation_signs, unrotate
 
 THREADS, L, H, D, BS = 4, 2, 2, 32, 4
 VOCAB, MAX_LEN = 40, 40

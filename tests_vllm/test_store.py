@@ -76,7 +76,7 @@ def test_config_errors_are_typed_and_named():
         ConnectorConfig.from_extra({"hostblocks": 4})
     with pytest.raises(InvalidArgumentError, match=r"\['storage'\].*one of .*got 'int2'"):
         ConnectorConfig.from_extra({"storage": "int2"})
-    with pytest.raises(InvalidArgumentError, match=r"\['host_blocks'\].*an int >= 0"):
+    with pytest.raises(InvalidArgumentError, match=r"\['host_blocks'\].*an int in \[0, 1099511627776\], got -1"):
         ConnectorConfig.from_extra({"host_blocks": -1})
 
 

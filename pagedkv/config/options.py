@@ -14,14 +14,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagedkv.config import support
 from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
 from pagedkv.config.specs import build_specs, mla_from_hf, validate_mla
 from pagedkv.config.state import validate_state
 from pagedkv.config.state_hf import state_from_hf
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
+from pagedkv.format import dtypes
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
 from pagedkv.groups.spec import KVSpec, RecurrentStateSpec
-from pagedkv.store import dtypes
 
 __all__ = [
     "CacheConfig",
@@ -199,7 +200,9 @@ class CacheConfig:
     Low-bit options (quantized ``kv_dtype`` only; see README "Low-bit KV"):
 
     - ``kv_group_size``: int4/int3 elements per scale/zero group along ``head_dim``
-      (int4: default 64, capped at ``head_dim``; int3: a multiple of 8, default 32 or
+      (int4: default the largest divisor of ``head_dim`` up to 64 that is a multiple of
+      8, or even where ``head_dim`` is no multiple of 8: 64 for 128, 24 for 72, 40 for
+      80, 48 for 96, 56 for 112, ``head_dim`` itself up to 64; int3: a multiple of 8, default 32 or
       the largest multiple of 8 below it that divides ``head_dim``, which int3 needs to
       be a multiple of 8).
     - ``kv_rotation``: store K/V rotated by a randomized Hadamard transform of
@@ -221,7 +224,7 @@ class CacheConfig:
     - ``kv_key_quant``: int4 only: ``"token"`` (default: keys quantized per token, as
       values) or ``"block"``: once a block's ``block_size`` keys are all written, they
       are requantized per channel over the block (KIVI's per-channel keys, aligned to
-      blocks; :func:`pagedkv.store.quant.quantize_key_block`), from the model-precision
+      blocks; :func:`pagedkv.format.quant.quantize_key_block`), from the model-precision
       copies the window arena holds. A block that never fills, or whose copies left the
       window arena first (more than ``kv_window_sequences`` sequences writing at once),
       keeps its per-token keys. The window arena exists even with ``kv_window=0``.
@@ -369,10 +372,9 @@ class CacheConfig:
             put("_resolved_blocks", blocks)
 
     def _validate_groups(self, put) -> None:
-        sinks = _check_int("attention_sinks", self.attention_sinks, 0)
+        _check_int("attention_sinks", self.attention_sinks, 0)
         if self.layer_windows is None:
-            if sinks != 0:
-                raise InvalidArgumentError(expected("attention_sinks", "0 without sliding-window layers", sinks))
+            support.require(support.ATTENTION_SINKS, self)
             return
         windows = _layer_windows(self.layer_windows, self.num_layers)
         plan = plan_groups(list(windows), self.attention_sinks)
@@ -468,8 +470,7 @@ class CacheConfig:
         if self.prefix_tier_eviction not in TIER_EVICTION_POLICIES:
             raise InvalidArgumentError(expected("prefix_tier_eviction", "'lru' or 'frequency'",
                                                 repr(self.prefix_tier_eviction)))
-        if self.has_prefix_tiers and not self.enable_prefix_caching:
-            raise InvalidArgumentError(expected("enable_prefix_caching", "True with prefix tiers", False))
+        support.require(support.PREFIX_TIERS, self)
 
     def _validate_options(self, put) -> None:
         put("enable_prefix_caching", _check_bool("enable_prefix_caching", self.enable_prefix_caching))
@@ -496,11 +497,9 @@ class CacheConfig:
         put("host_num_blocks", _check_int("host_num_blocks", self.host_num_blocks, 0))
         if self.shuffle_free_blocks is not None:
             put("shuffle_free_blocks", _check_int("shuffle_free_blocks", self.shuffle_free_blocks, 0))
-        if self.tp_size > 1 and self.enable_prefix_caching and self.hash_seed is None:
-            # Every rank must take the same prefix decisions; a per-process hash root
-            # could (on a 64-bit collision) differ between ranks.
-            raise InvalidArgumentError(expected(
-                "hash_seed", f"an int shared by all ranks when tp_size > 1 (tp_size={self.tp_size})", None))
+        # Every rank must take the same prefix decisions; a per-process hash root
+        # could (on a 64-bit collision) differ between ranks.
+        support.require(support.TP_PREFIX, self)
         self._validate_tiers(put)
 
     def _validate_lowbit(self, put) -> None:
@@ -517,14 +516,7 @@ class CacheConfig:
             if not isinstance(self.kv_rotation, (bool, type(None))):
                 _check_bool("kv_rotation", self.kv_rotation)
             _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
-            for name, ok in (("kv_group_size", self.kv_group_size is None), ("kv_rotation", not self.kv_rotation),
-                             ("kv_key_quant", self.kv_key_quant in (None, "token")),
-                             ("kv_window", not self.kv_window), ("kv_sink_tokens", not self.kv_sink_tokens),
-                             ("kv_full_precision_layers",
-                                                                 not self.kv_full_precision_layers)):
-                if not ok:
-                    raise InvalidArgumentError(expected(name, "its default for an unquantized cache (kv_dtype=None)",
-                                                        repr(getattr(self, name))))
+            support.require(support.LOW_BIT, self)
             put("kv_rotation", False)
             put("kv_window", 0)
             put("kv_sink_tokens", 0)
@@ -534,24 +526,21 @@ class CacheConfig:
         kq = "token" if self.kv_key_quant is None else self.kv_key_quant
         if kq not in KEY_QUANT_MODES:
             raise InvalidArgumentError(expected("kv_key_quant", "'token' or 'block'", repr(kq)))
-        if kq == "block" and q != "int4":
-            raise InvalidArgumentError(expected("kv_key_quant", f"'token' for kv_dtype={q!r} ('block' is int4 only)",
-                                                repr(kq)))
+        support.require(support.BLOCK_KEYS, self)
         put("kv_key_quant", kq)
         if q == "int4":
             if self.head_dim % 2:
                 raise InvalidArgumentError(expected("head_dim", "an even head_dim for int4 (two codes per byte)",
                                                     self.head_dim))
-            g = min(DEFAULT_INT4_GROUP, self.head_dim) if self.kv_group_size is None else self.kv_group_size
+            g = dtypes.default_int4_group(self.head_dim) if self.kv_group_size is None else self.kv_group_size
             g = _check_int("kv_group_size", g, 1)
             if self.head_dim % g:
                 raise InvalidArgumentError(expected("kv_group_size", f"a divisor of head_dim ({self.head_dim})", g))
             put("kv_group_size", g)
         elif q == "int3":
             put("kv_group_size", self._int3_group())
-        elif self.kv_group_size is not None:
-            raise InvalidArgumentError(expected("kv_group_size", "None unless kv_dtype is 'int4' or 'int3'",
-                                                repr(self.kv_group_size)))
+        else:
+            support.require(support.GROUP_SIZE, self)
         rot = dtypes.info(q).grouped if self.kv_rotation is None else _check_bool("kv_rotation", self.kv_rotation)
         put("kv_rotation", rot)
         seed = _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
@@ -957,6 +946,9 @@ def _as_mapping(config: Any) -> Mapping[str, Any]:
         except RecursionError:   # the decoder's own depth guard: nesting no config has
             raise InvalidArgumentError(expected("config", "a JSON object nested as a model config is",
                                                 f"{path!r} (nested too deep to decode)")) from None
+        except ValueError as e:  # Python's int-conversion limit: a number of thousands of digits
+            raise InvalidArgumentError(expected("config", "a JSON object with numbers a model config has",
+                                                f"{path!r} ({str(e)[:80]})")) from None
         if not isinstance(data, dict):
             raise InvalidArgumentError(expected("config", "a JSON object", f"{type(data).__name__} in {path!r}"))
         return data
@@ -978,12 +970,18 @@ def _layer_windows(windows: Any, num_layers: int) -> tuple[Any, ...]:
                 sorted(int(k) for k in keys) != list(range(num_layers)):
             raise InvalidArgumentError(expected("layer_windows", f"{want[:-1]}: a dict keyed by every layer "
                                                 f"0..{num_layers - 1})", f"a dict keyed by {show(sorted(keys, key=str))}"))
-        return tuple(windows[k] for k in sorted(keys))
-    if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence):
-        raise ArgumentTypeError(expected("layer_windows", want, show(windows)))
-    if len(windows) != num_layers:
-        raise InvalidArgumentError(expected("layer_windows", want, show(windows)))
-    return tuple(windows)
+        out = tuple(windows[k] for k in sorted(keys))
+    else:
+        if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence):
+            raise ArgumentTypeError(expected("layer_windows", want, show(windows)))
+        if len(windows) != num_layers:
+            raise InvalidArgumentError(expected("layer_windows", want, show(windows)))
+        out = tuple(windows)
+    for i, w in enumerate(out):      # a wrong type is a TypeError, as for every int option
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise ArgumentTypeError(expected("layer_windows", "ints >= 0 (0 = full attention)",
+                                             f"{show(w)} at layer {i}"))
+    return out
 
 
 class _ObjectView(Mapping):

@@ -6,7 +6,7 @@ KV bytes per token = layers x the layer group spec's bytes per token per layer
 (:meth:`pagedkv.groups.spec.KVSpec.token_bytes`): for K/V attention 2 (K and V) x
 kv_heads x head_dim x element bytes, plus, for quantized storage, one float32 scale
 (and for int8 one float32 zero point) per (K/V, layer, kv head); for an MLA latent
-row the formulas of :mod:`pagedkv.store.latent` (bfloat16 R = 512, P = 64: 1,152 B;
+row the formulas of :mod:`pagedkv.format.latent` (bfloat16 R = 512, P = 64: 1,152 B;
 fp8_e4m3: 656 B; int8: 648 B; int4: 448 B).
 
 Sliding-window layers (see :mod:`pagedkv.groups.layers`): a block holds one layer

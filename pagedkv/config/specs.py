@@ -15,9 +15,9 @@ from typing import Any
 
 from pagedkv.config.support import require
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
+from pagedkv.format.latent import LatentFormat
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.groups.spec import FullAttentionSpec, KVSpec, MLASpec, check_pool
-from pagedkv.store.latent import LatentFormat
-from pagedkv.store.layer_format import LayerFormat
 
 __all__ = ["build_specs", "validate_mla", "mla_from_hf", "INDEXER_FIELDS"]
 
@@ -36,7 +36,7 @@ def _int(name: str, value: Any) -> int:
 def validate_mla(cfg: Any, put) -> None:
     """MLA fields of ``cfg``: both or neither; one latent "head" of ``kv_lora_rank +
     qk_rope_head_dim`` elements; no option latent rows do not have (support table).
-    The latent format is checked (:class:`~pagedkv.store.latent.LatentFormat`) and its
+    The latent format is checked (:class:`~pagedkv.format.latent.LatentFormat`) and its
     group size resolved into ``kv_group_size``."""
     r, p = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     if r is None and p is None:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
+from pagedkv.format import dtypes
 from pagedkv.groups.spec import RecurrentStateSpec, StateTensor
-from pagedkv.store import dtypes
 
 __all__ = ["LAYER_KINDS", "validate_state", "kv_layers", "state_layers"]
 

@@ -2,7 +2,7 @@
 
 A spec is the single source of what a layer group is (vLLM's ``KVCacheSpec``, one per
 group): its layers, its attention type, its block geometry (tokens per block, rows per
-token, row shape, bytes per token) and its :class:`~pagedkv.store.layer_format.LayerFormat`.
+token, row shape, bytes per token) and its :class:`~pagedkv.format.layer_format.LayerFormat`.
 The rest of pagedkv derives from it and never re-derives the type from a window or a
 dtype:
 
@@ -21,7 +21,7 @@ The types today:
 - :class:`MLASpec`: Multi-head Latent Attention (DeepSeek V2/V3, Kimi K2): one latent
   row per token, K only (``kv_lora_rank`` compressed elements, then ``rope_dim``
   positional ones; V is the first ``kv_lora_rank`` elements of the same row). The
-  row's byte layout per format is :class:`~pagedkv.store.latent.LatentFormat`'s.
+  row's byte layout per format is :class:`~pagedkv.format.latent.LatentFormat`'s.
 
 - :class:`RecurrentStateSpec`: a recurrent state per sequence (Mamba2's conv and SSM
   state, Gated DeltaNet's conv and delta-rule state), not rows per token: its slots
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.store import dtypes
-from pagedkv.store.latent import LatentFormat
-from pagedkv.store.layer_format import LayerFormat
+from pagedkv.format import dtypes
+from pagedkv.format.latent import LatentFormat
+from pagedkv.format.layer_format import LayerFormat
 
 __all__ = ["KVSpec", "FullAttentionSpec", "SlidingWindowSpec", "MLASpec", "StateTensor", "RecurrentStateSpec",
            "SPEC_TYPES", "check_pool"]
@@ -200,7 +200,7 @@ class MLASpec(KVSpec):
     """Multi-head Latent Attention: one latent row per token (``kv_lora_rank`` + ``rope_dim``
     elements, one "head"), K only: V is the row's first ``kv_lora_rank`` elements. The
     tables are full attention's (vLLM's ``MLAAttentionSpec`` reuses that manager);
-    the row's bytes are :class:`~pagedkv.store.latent.LatentFormat`'s."""
+    the row's bytes are :class:`~pagedkv.format.latent.LatentFormat`'s."""
 
     kv_lora_rank: int = 512
     rope_dim: int = 64

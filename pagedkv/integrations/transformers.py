@@ -39,16 +39,17 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from pagedkv.config.support import require
-from pagedkv.errors import InternalError, InvalidArgumentError, ShapeError, expected
+from pagedkv.errors import ArgumentTypeError, InternalError, InvalidArgumentError, ShapeError, expected
 from pagedkv.integrations import hf_attention, hf_windows
 from pagedkv.integrations.hf_state_calls import StateCalls
+from pagedkv.manager.arguments import as_row_counts
 from pagedkv.manager.cache import PagedKVCache
 
 try:
@@ -354,19 +355,17 @@ class PagedCache(StateCalls, Cache):
         if self._owned:  # they would be orphaned: nothing would free them
             raise InvalidArgumentError(expected("select", "a PagedCache without admitted rows (call release() first)",
                                                 f"{len(self._owned)} admitted rows"))
+        # "ab" is not two ids, and a set or a dict has no row order
+        if isinstance(seq_ids, (str, bytes, Mapping, set, frozenset)) or not hasattr(seq_ids, "__iter__"):
+            raise ArgumentTypeError(expected("seq_ids", "a sequence of sequence ids", type(seq_ids).__name__))
         seq_ids = list(seq_ids)
         if not seq_ids:
             raise InvalidArgumentError(expected("seq_ids", "at least one sequence", "none"))
-        if isinstance(num_new_tokens, (int, np.integer)):
-            new = np.full(len(seq_ids), int(num_new_tokens), dtype=np.int64)
-        else:
-            new = np.asarray(list(num_new_tokens), dtype=np.int64)
-            if new.shape != (len(seq_ids),):
-                raise ShapeError(expected("num_new_tokens", f"an int or {len(seq_ids)} counts (one per row)",
-                                          f"{new.shape[0]} counts"))
-        if (new < 1).any():
-            raise InvalidArgumentError(expected("num_new_tokens", "counts >= 1", new.tolist()))
-        n = self.kv.seq_lens(seq_ids, computed=True).astype(np.int64)
+        # Checked whole before anything is sized from it: a step takes at most what the
+        # cache's blocks can hold (10**9 would build a [B, 10**9] mask first).
+        most = self.kv.config.resolved_num_blocks * self.kv.config.block_size
+        new = as_row_counts(num_new_tokens, len(seq_ids), "num_new_tokens", 1, most)
+        n = self.kv.seq_lens(seq_ids, computed=True).astype(np.int64)     # live and distinct, or typed
         reserved = self.kv.seq_lens(seq_ids).astype(np.int64)
         if (n != reserved).any():
             raise InvalidArgumentError(expected("seq_ids", "sequences with no reserved, uncommitted tokens",

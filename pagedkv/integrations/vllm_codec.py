@@ -4,13 +4,13 @@ vLLM's CPU attention keeps, per layer, one tensor ``[num_blocks, kv_heads, block
 2 * head_size]``; inside one (block, head) the keys are stored transposed (``K[t, d]``
 at ``d * block_size + t``) and the values row-major after them. ``bf16`` copies whole
 blocks and needs none of that. The quantized formats read K and V per token through
-that layout, quantize with :mod:`pagedkv.store.quant`, and write the same layout back:
+that layout, quantize with :mod:`pagedkv.format.quant`, and write the same layout back:
 
 - ``int8``: per (token, head) scale and zero point, K and V;
-- ``fp8``: a randomized Hadamard rotation over the head dim (:mod:`pagedkv.store.rotation`),
+- ``fp8``: a randomized Hadamard rotation over the head dim (:mod:`pagedkv.format.rotation`),
   then e4m3 with a per (token, head) scale;
 - ``int4``: keys as "block keys" (per-channel scale/zero over the block's tokens,
-  :func:`pagedkv.store.quant.quantize_key_block`), values int4 per group of 64 channels.
+  :func:`pagedkv.format.quant.quantize_key_block`), values int4 per group of 64 channels.
 
 A codec's ``arenas`` are the per-block shapes and dtypes it stores; the tiers keep one
 ``[num_layers, capacity, *shape]`` arena per entry.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.store import quant
-from pagedkv.store.rotation import rotate, rotation_signs, unrotate
+from pagedkv.format import quant
+from pagedkv.format.rotation import rotate, rotation_signs, unrotate
 
 __all__ = ["Codec", "make_codec"]
 

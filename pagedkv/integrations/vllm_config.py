@@ -6,11 +6,12 @@ better than a connector that silently does something else)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 
 __all__ = ["ConnectorConfig", "STORAGE_FORMATS"]
 
@@ -33,7 +34,13 @@ class ConnectorConfig:
         model_tag: names the weights (two models of one shape have different KV);
             default: vLLM's model path or name.
         lock_timeout_s: how long to wait for another engine's hold on the disk tier
-            before counting a miss (or skipping a write).
+            before counting a miss (or skipping a write); finite, at most a day.
+        report_timeout_s: how long the scheduler side waits for the worker's report of
+            a step's copies (it comes with that step's output). Past it, the step's
+            pending saves are dropped (a later miss) and its loads' leases released, so
+            a lost report (a worker that failed the step) cannot hold host slots for
+            good; counted in ``PrefixStore.num_report_timeouts``. A report that comes
+            later is ignored. Finite, > 0, at most a day.
         rotation_seed: the fp8 format's Hadamard sign seed (part of the format).
         weak_hash: tests only: a 4-valued tier hash, so collisions happen constantly.
     """
@@ -46,17 +53,23 @@ class ConnectorConfig:
     storage: str = "bf16"
     model_tag: str | None = None
     lock_timeout_s: float = 5.0
+    report_timeout_s: float = 60.0
     rotation_seed: int = 0x5EED
     weak_hash: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        extra = dict(extra or {})
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ArgumentTypeError(expected("kv_connector_extra_config", "a mapping of settings (or None)",
+                                             type(extra).__name__))
+        extra = dict(extra)
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - names)
+        unknown = sorted((k for k in extra if k not in names), key=repr)
         if unknown:
             raise InvalidArgumentError(expected("kv_connector_extra_config", f"keys among {sorted(names)}",
-                                                f"unknown key {unknown[0]!r}"))
+                                                f"unknown key {unknown[0]!r}"[:200]))
         cfg = cls(**extra)
         cfg._check()
         return cfg
@@ -64,11 +77,11 @@ class ConnectorConfig:
     def _check(self) -> None:
         def bad(key, what):
             raise InvalidArgumentError(expected(f"kv_connector_extra_config[{key!r}]", what,
-                                                repr(getattr(self, key))))
-        for key in ("host_blocks", "disk_blocks", "rotation_seed"):
+                                                repr(getattr(self, key))[:200]))
+        for key, hi in (("host_blocks", 2**40), ("disk_blocks", 2**31 - 1), ("rotation_seed", 2**63 - 1)):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                bad(key, "an int >= 0")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+                bad(key, f"an int in [0, {hi}]")
         if self.disk_dir is not None and (not isinstance(self.disk_dir, str) or not self.disk_dir):
             bad("disk_dir", "a directory path (str) or None")
         if self.disk_dir is not None and self.disk_blocks < 1:
@@ -83,9 +96,13 @@ class ConnectorConfig:
             bad("storage", f"one of {STORAGE_FORMATS}")
         if self.model_tag is not None and not isinstance(self.model_tag, str):
             bad("model_tag", "a str or None")
-        if isinstance(self.lock_timeout_s, bool) or not isinstance(self.lock_timeout_s, (int, float)) \
-                or not self.lock_timeout_s >= 0:
-            bad("lock_timeout_s", "a number >= 0")
+        for key, lo in (("lock_timeout_s", 0.0), ("report_timeout_s", None)):
+            v = getattr(self, key)
+            # a day at most: an infinite or absurd wait would hang a step for good
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and \
+                (v >= 0 if lo is not None else v > 0) and v <= 86400
+            if not ok:
+                bad(key, "a finite number of seconds in " + ("[0, 86400]" if lo is not None else "(0, 86400]"))
         if not isinstance(self.weak_hash, bool):
             bad("weak_hash", "a bool")
 

@@ -24,10 +24,12 @@ report.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pagedkv.errors import InternalError
 from pagedkv.integrations.vllm_config import ConnectorConfig
-from pagedkv.integrations.vllm_shm import _alive, shm_dir
+from pagedkv.integrations.vllm_shm import _alive, read_status, shm_dir
 from pagedkv.integrations.vllm_store import PrefixStore, get_store, lookup_store, store_of_arena
 from pagedkv.integrations.vllm_worker import BlockMover, KVSpec
 from pagedkv.tiers.chain import ROOT
@@ -57,12 +59,15 @@ _movers: dict[str, BlockMover] = {}      # this process's worker sides, by engin
 @dataclass
 class PagedKVMetadata(KVConnectorMetadata):
     arena: str | None = None                                      # the shared arena's name
+    step: int = 0                                                 # the scheduler side's step number
     loads: list[tuple[int, int]] = field(default_factory=list)    # (host slot, vLLM block)
     saves: list[tuple[int, int]] = field(default_factory=list)    # (vLLM block, host slot)
 
 
 @dataclass
 class ArenaReport:
+    arena: str = ""                                        # the arena's name
+    step: int = 0                                          # the step whose metadata this reports on
     opened: bool = False
     refused: str | None = None
     loaded: list[int] = field(default_factory=list)        # slots copied into vLLM blocks
@@ -79,12 +84,12 @@ class ArenaReport:
 
 @dataclass
 class PagedKVWorkerMetadata(KVConnectorWorkerMetadata):
-    reports: dict[str, ArenaReport] = field(default_factory=dict)   # arena name -> this step's report
+    reports: dict[str, ArenaReport] = field(default_factory=dict)   # "<arena>@<step>" -> that step's report
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, PagedKVWorkerMetadata):
             for name, r in other.reports.items():
-                self.reports.setdefault(name, ArenaReport()).merge(r)
+                self.reports.setdefault(name, ArenaReport(arena=r.arena, step=r.step)).merge(r)
         return self
 
 
@@ -140,6 +145,7 @@ class PagedKVConnector(KVConnectorBase_V1):
         self._lookups: dict[str, tuple[int, list[int]]] = {}   # req -> (first block, leased slots)
         self._loads: list[tuple[int, int]] = []
         self._reqs: dict[str, Any] = {}
+        self._step = 0                                          # the metadata's step number
         self._chains: dict[str, list[tuple[int, int]]] = {}    # req -> host (slot, gen) per stored block
         # worker side
         self.mover: BlockMover | None = None
@@ -155,14 +161,16 @@ class PagedKVConnector(KVConnectorBase_V1):
 
     def _read_worker_status(self, store: PrefixStore) -> None:
         path = _status_path(self._key)
-        try:
-            status = json.loads(path.read_text())
-            path.unlink(missing_ok=True)
-        except (OSError, ValueError):
-            log.info("pagedkv connector: no worker status at %s; loads start after the worker's first report",
-                     path)
+        status = read_status(path)      # never blocks, follows no symlink, reads only this user's small file
+        if status is None:
+            log.info("pagedkv connector: no usable worker status at %s; loads start after the worker's first "
+                     "report", path)
             return
-        if not isinstance(status, dict) or not _alive(int(status.get("pid", 0) or 0)):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        if not _alive(status["pid"]):
             log.info("pagedkv connector: stale worker status at %s ignored", path)
         elif status.get("refused"):
             store.refuse(f"the worker refused vLLM's KV: {status['refused']}")
@@ -236,8 +244,11 @@ class PagedKVConnector(KVConnectorBase_V1):
         self._loads.extend(zip(use, ids[first:first + n]))
 
     def build_connector_meta(self, scheduler_output) -> PagedKVMetadata:
-        meta = PagedKVMetadata(loads=self._loads)
+        self._step += 1
+        meta = PagedKVMetadata(loads=self._loads, step=self._step)
         self._loads = []
+        if self.store is not None:
+            self.store.expire()                    # steps whose report never came (see PrefixStore.expire)
         if not self._usable(loads=False) or self._kv_cache_manager is None:
             if meta.loads:                         # the store was swapped or refused since the lookup
                 self._live().release([p[0] for p in meta.loads])
@@ -252,6 +263,7 @@ class PagedKVConnector(KVConnectorBase_V1):
             self._maybe_save(rid, so, bs, meta.saves)
         if meta.loads or meta.saves:
             meta.arena = s.arena.name
+            s.sent(meta.step, [slot for _, slot in meta.saves], [slot for slot, _ in meta.loads])
         return meta
 
     def _maybe_save(self, rid: str, so, bs: int, saves: list) -> None:
@@ -299,7 +311,8 @@ class PagedKVConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, PagedKVWorkerMetadata):
             return
-        for name, r in meta.reports.items():
+        for r in meta.reports.values():
+            name = r.arena
             s = store_of_arena(name)
             if s is None:
                 continue
@@ -308,14 +321,16 @@ class PagedKVConnector(KVConnectorBase_V1):
             elif r.opened:
                 s.worker_ready = True
                 s.arena.unlink()                   # both sides hold it mapped: a crash leaves nothing
+            # each settles only what step r.step sent (a report that comes after its step
+            # expired, or names slots that step did not send, changes nothing)
             if r.loaded:
-                s.loaded(r.loaded, ok=True)
+                s.loaded(r.loaded, ok=True, step=r.step)
             if r.load_failed:
-                s.loaded(r.load_failed, ok=False)
+                s.loaded(r.load_failed, ok=False, step=r.step)
             if r.saved:
-                s.committed(r.saved)
+                s.committed(r.saved, step=r.step)
             if r.save_failed:
-                s.abandon(r.save_failed)
+                s.abandon(r.save_failed, step=r.step)
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
@@ -356,11 +371,20 @@ class PagedKVConnector(KVConnectorBase_V1):
         # The scheduler side is built after this (vLLM sets the worker up first): leave it
         # the verdict, atomically, keyed by the engine id.
         path = _status_path(self._key)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps({"pid": os.getpid(), "refused": why}))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+        created = False
+        try:       # a fresh name, created here: nothing planted under it is followed or truncated
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            created = True
+            try:
+                os.write(fd, json.dumps({"pid": os.getpid(), "refused": why}).encode())
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except OSError as e:
+            if created:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
             log.info("pagedkv connector: could not leave the worker status (%s); loads start after the "
                      "first report", e)
 
@@ -368,7 +392,7 @@ class PagedKVConnector(KVConnectorBase_V1):
         if self.mover is None or meta.arena is None:
             return None, None
         got, why, new = self.mover.arena(meta.arena)
-        r = self._report.setdefault(meta.arena, ArenaReport())
+        r = self._report.setdefault(f"{meta.arena}@{meta.step}", ArenaReport(arena=meta.arena, step=meta.step))
         if new:
             r.opened = got is not None
             r.refused = why

@@ -15,7 +15,12 @@ numbers and vLLM block ids (the step's metadata one way, the worker's report the
   (never a hit, never evicted); the worker fills it after the forward and reports it;
   only then is it committed (:meth:`PrefixStore.committed`): visible to lookups and,
   with ``disk_write="through"``, written to disk. A save the worker reports failed is
-  abandoned. Host evictions go to disk before their slot is reused (chain-closed, like
+  abandoned. Each step's copies are recorded (:meth:`PrefixStore.sent`) with the step's
+  number, which the worker's report carries back: a report commits or releases only what
+  that step sent, and a step whose report has not come within ``report_timeout_s`` has
+  its pending saves abandoned and its loads released (:meth:`PrefixStore.expire`,
+  counted in ``num_report_timeouts``), so a lost report never holds host slots for good
+  and a late one changes nothing. Host evictions go to disk before their slot is reused (chain-closed, like
   :class:`~pagedkv.tiers.PrefixTiers`).
 - **Sharing a directory:** the disk tier is opened (``flock``) only for one batch of
   lookups or writes, then closed, so several engines take turns; a block's CRC is
@@ -43,11 +48,12 @@ import numpy as np
 import torch
 
 from pagedkv.config.memory import arena_bytes, check_fits
-from pagedkv.errors import TierFileError
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, TierFileError, expected
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.integrations.vllm_shm import SharedArena
 from pagedkv.integrations.vllm_worker import KVSpec
+from pagedkv.manager.arguments import as_int, as_token_ids
 from pagedkv.tiers import DiskPrefixTier, HostPrefixTier, TierStats
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ChainIndex, slot_dtype
@@ -107,6 +113,18 @@ def drop_store(key: str) -> None:
         store.close()
 
 
+def _checked(tokens, ns_key, length: int | None = None) -> tuple[np.ndarray, bytes]:
+    """A request's token ids (int32, flat; ``length`` of them for one block) and its
+    namespace key (bytes), or a typed error: what vLLM hands the scheduler side is
+    checked before it reaches the tier index."""
+    tokens = as_token_ids(tokens, "tokens")
+    if length is not None and tokens.shape != (length,):
+        raise InvalidArgumentError(expected("tokens", f"{length} token ids (one block)", tokens.shape[0]))
+    if not isinstance(ns_key, bytes):
+        raise ArgumentTypeError(expected("ns_key", "bytes", type(ns_key).__name__))
+    return tokens, ns_key
+
+
 class SharedHostTier(HostPrefixTier):
     """The host tier over a shared arena (the worker side maps the same bytes)."""
 
@@ -149,6 +167,10 @@ class PrefixStore:
         self.refused: str | None = None                 # why nothing is served, if so
         self.disk_refused: str | None = None
         self.pending: set = set()                          # host slots admitted, data not yet landed
+        self._pending_step: dict[int, int] = {}            # pending slot -> the step that carries its save
+        # step -> (deadline, its pending saves' slots, its loads' leased slots) until its report
+        self._sent: dict[int, tuple[float, list[int], list[int]]] = {}
+        self.num_report_timeouts = 0                       # slots a step's report never settled in time
         self._disk: DiskPrefixTier | None = None
         self._view: DiskPrefixTier | None = None     # the last session's tier, closed: its index in memory
         self._view_gen: tuple | None = None          # the directory's generation that index reflects
@@ -278,6 +300,8 @@ class PrefixStore:
     def lookup(self, tokens: np.ndarray, ns_key: bytes, max_blocks: int) -> list[int]:
         """Host slots of the longest verified prefix of ``tokens`` (at most ``max_blocks``),
         promoting disk hits into the host tier. The caller leases what it will load."""
+        tokens, ns_key = _checked(tokens, ns_key)
+        max_blocks = as_int(max_blocks, "max_blocks")
         with self.lock:
             chain = self._host_chain(tokens, ns_key, max_blocks)
             if len(chain) >= max_blocks or self.cfg.disk_path is None or self.disk_refused:
@@ -345,6 +369,10 @@ class PrefixStore:
     def admit(self, parent: int, tokens: np.ndarray, ns_key: bytes) -> tuple[int, bool]:
         """``(slot, created)`` for one full block under host ``parent``; a created slot is
         pending until :meth:`save` fills it. ``(-1, False)``: not admitted (collision or full)."""
+        tokens, ns_key = _checked(tokens, ns_key, self.bs)
+        parent = as_int(parent, "parent", ROOT, self.host.capacity - 1)
+        if parent != ROOT and self.host.index.rec["valid"][parent] != 1:
+            raise InvalidArgumentError(expected("parent", "the root (-1) or a host slot that holds a block", parent))
         with self.lock:
             ns, h = self._ns(self.host, ns_key, True)
             slot, created = self.host.index.insert(parent, ns, h, tokens)
@@ -352,33 +380,96 @@ class PrefixStore:
                 self.pending.add(slot)
             return slot, created
 
-    def abandon(self, slots: Sequence[int]) -> None:
-        """Pending slots whose data will never land (the step did not run)."""
+    def abandon(self, slots: Sequence[int], step: int | None = None) -> None:
+        """Pending slots whose data will never land (the step did not run); with ``step``,
+        only those that step's save carries (a report settles only its own step)."""
         with self.lock:
-            for s in reversed(list(slots)):
+            for s in reversed(self._of_step(slots, step)):
                 if s in self.pending:
-                    self.pending.discard(s)
-                    self.host.index.release([s])
                     for x in self.host.index.descendants(s) + [s]:
+                        if x in self.pending:      # a pending slot holds its admission's lease
+                            self._settle(x)
+                            self.host.index.release([x])
                         self.host.index.remove(x)
 
     # ---- the worker's reports ------------------------------------------------------------
-    def committed(self, slots: Sequence[int]) -> None:
-        """The worker wrote these pending slots: they become hits (and go to disk)."""
+    def sent(self, step: int, saves: Sequence[int], loads: Sequence[int]) -> None:
+        """Step ``step``'s metadata carries these saves (pending slots) and loads (leased
+        slots): recorded until its report settles them, or :meth:`expire` does."""
         with self.lock:
-            landed = [s for s in slots if s in self.pending]
+            for s in saves:
+                self._pending_step[s] = step
+            self._sent[step] = (time.monotonic() + self.cfg.report_timeout_s, list(saves), list(loads))
+
+    def expire(self, now: float | None = None) -> int:
+        """Settle the steps whose report is overdue (see the module): their pending saves
+        are abandoned and their loads released. Returns the slots settled."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            late = [step for step, (deadline, _, _) in self._sent.items() if deadline <= now]
+            n = 0
+            for step in late:
+                _, saves, loads = self._sent.pop(step)
+                saves = [s for s in saves if self._pending_step.get(s) == step]
+                self.abandon(saves, step)
+                if loads:
+                    self.host.index.release(loads)
+                n += len(saves) + len(loads)
+            if n:
+                self.num_report_timeouts += n
+                log.warning("pagedkv connector: no worker report for %d step(s) within %.1f s; %d host slot(s) "
+                            "released (their saves are misses)", len(late), self.cfg.report_timeout_s, n)
+            return n
+
+    def _of_step(self, slots: Sequence[int], step: int | None) -> list[int]:
+        if step is None:
+            return list(slots)
+        return [s for s in slots if self._pending_step.get(s) == step]
+
+    def _settle(self, slot: int) -> None:
+        self.pending.discard(slot)
+        step = self._pending_step.pop(slot, None)
+        if step is None:
+            return
+        rec = self._sent.get(step)
+        if rec is not None and slot in rec[1]:
+            rec[1].remove(slot)
+            self._drop_settled(step)
+
+    def _drop_settled(self, step: int) -> None:
+        rec = self._sent.get(step)
+        if rec is not None and not rec[1] and not rec[2]:
+            del self._sent[step]
+
+    def committed(self, slots: Sequence[int], step: int | None = None) -> None:
+        """The worker wrote these pending slots: they become hits (and go to disk). With
+        ``step``, only the slots that step's save carries."""
+        with self.lock:
+            landed = [s for s in self._of_step(slots, step) if s in self.pending]
             if not landed:
                 return
             self.host.written(np.asarray(landed))
             for s in landed:
-                self.pending.discard(s)
+                self._settle(s)
             self.host.index.release(landed)
             if self.cfg.disk_path is not None and self.cfg.disk_write == "through":
                 self.to_disk(landed)
 
-    def loaded(self, slots: Sequence[int], ok: bool) -> None:
-        """The worker copied (``ok``) or failed to copy these leased slots: release them."""
+    def loaded(self, slots: Sequence[int], ok: bool, step: int | None = None) -> None:
+        """The worker copied (``ok``) or failed to copy these leased slots: release them.
+        With ``step``, only the leases that step's loads hold (a step already expired
+        released its own)."""
         with self.lock:
+            if step is not None:
+                rec = self._sent.get(step)
+                held = rec[2] if rec is not None else []
+                mine = []
+                for s in slots:
+                    if s in held:
+                        held.remove(s)
+                        mine.append(s)
+                slots = mine
+                self._drop_settled(step)
             if ok:
                 for s in slots:
                     self.host.index.touch(s, hit=True)
@@ -446,6 +537,7 @@ class PrefixStore:
     def pin(self, tokens: np.ndarray, ns_key: bytes, pin: bool = True) -> int:
         """(Un)pin the host blocks of this prefix (pinned slots are never evicted);
         returns the tokens covered."""
+        tokens, ns_key = _checked(tokens, ns_key)
         with self.lock:
             chain = self._host_chain(tokens, ns_key, len(tokens) // self.bs)
             for s in chain:
@@ -473,6 +565,8 @@ class PrefixStore:
                 return
             self.host.index.clear()
             self.pending.clear()
+            self._pending_step.clear()
+            self._sent.clear()
             if disk:
                 with self.disk() as d:
                     if d is not None:

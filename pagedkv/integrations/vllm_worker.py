@@ -5,16 +5,24 @@ loads and the ``(block, slot)`` saves the scheduler side chose. It maps each are
 (by name, :class:`.vllm_shm.SharedArena`), builds the arena's codec from its header, and
 checks the header's KV shape against the tensors vLLM registered before the first copy;
 a mismatch refuses that arena (its loads are reported failed, its saves abandoned).
+
+``/dev/shm`` is world-writable and the arena's name comes through the step's metadata,
+so everything read from a header is checked before it sizes or selects anything: every
+failure below :meth:`BlockMover.arena` is a typed pagedkv error, which it turns into a
+logged refusal of that arena (a miss), never an exception in vLLM's worker step. A copy
+checks all its ``(block, slot)`` pairs before it moves a byte.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from pagedkv.errors import InternalError, TierFileError
+from pagedkv.errors import ArgumentTypeError, InternalError, InvalidArgumentError, PagedKVError, TierFileError, expected
 from pagedkv.integrations.vllm_codec import Codec, make_codec
+from pagedkv.integrations.vllm_config import STORAGE_FORMATS
 from pagedkv.integrations.vllm_shm import _DTYPES, SharedArena
 
 __all__ = ["BlockMover", "KVSpec", "check_kv"]
@@ -60,8 +68,48 @@ def check_kv(spec: KVSpec, kv: list[torch.Tensor]) -> str | None:
 
 
 def _spec_of_layout(layout: dict) -> KVSpec:
+    """The KV spec a (size-checked) header describes; a field that is missing or of
+    another type is a TierFileError."""
+    for key in ("num_layers", "kv_heads", "block_size", "head_size"):
+        v = layout.get(key)
+        if type(v) is not int or not 1 <= v <= 2**31 - 1:
+            raise TierFileError(expected(f"shared arena header: {key}", "an int in [1, 2**31)", repr(v)[:80]))
+    if layout.get("dtype") not in _DTYPES or not isinstance(layout.get("dtype"), str):
+        raise TierFileError(expected("shared arena header: dtype", f"one of {sorted(_DTYPES)}",
+                                     repr(layout.get("dtype"))[:80]))
+    if not isinstance(layout.get("storage"), str) or layout["storage"] not in STORAGE_FORMATS:
+        raise TierFileError(expected("shared arena header: storage", f"one of {STORAGE_FORMATS}",
+                                     repr(layout.get("storage"))[:80]))
+    seed = layout.get("rotation_seed")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise TierFileError(expected("shared arena header: rotation_seed", "None or an int in [0, 2**63)",
+                                     repr(seed)[:80]))
     return KVSpec(layout["num_layers"], layout["kv_heads"], layout["block_size"], layout["head_size"],
                   _DTYPES[layout["dtype"]])
+
+
+def _pairs(pairs: Sequence[tuple[int, int]], src: tuple[str, int], dst: tuple[str, int]):
+    """``pairs`` as two int64 index tensors, each value in range and no destination twice;
+    checked whole before any copy (a typed error otherwise)."""
+    want = f"a sequence of ({src[0]}, {dst[0]}) int pairs"
+    if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__len__"):
+        raise ArgumentTypeError(expected("pairs", want, type(pairs).__name__))
+    a, b = [], []
+    for p in pairs:
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or len(p) != 2:
+            raise ArgumentTypeError(expected("pairs", want, repr(p)[:80]))
+        for v in p:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ArgumentTypeError(expected("pairs", want, f"a {type(v).__name__} in {p!r}"[:120]))
+        a.append(int(p[0]))
+        b.append(int(p[1]))
+    for name, n, vals in ((src[0], src[1], a), (dst[0], dst[1], b)):
+        bad = [v for v in vals if not 0 <= v < n]
+        if bad:
+            raise InvalidArgumentError(expected(f"pairs: {name}", f"ids in [0, {n})", bad[0]))
+    if len(set(b)) != len(b):
+        raise InvalidArgumentError(expected(f"pairs: {dst[0]}", "each destination once", sorted(b)[:16]))
+    return torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64)
 
 
 _BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -117,8 +165,8 @@ class BlockMover:
                     else:
                         self._arenas[name] = (sa, codec)
                         return (sa, codec), None, True
-            except (TierFileError, KeyError, TypeError, ValueError) as e:
-                why = f"cannot map the shared arena {name}: {e}"
+            except PagedKVError as e:        # everything below raises typed errors (see the module)
+                why = f"cannot map the shared arena {str(name)[:80]}: {e}"
         log.warning("pagedkv connector: arena %s refused: %s", name, why)
         self._arenas[name] = why
         return None, why, True
@@ -128,8 +176,7 @@ class BlockMover:
         kv = self.kv
         if kv is None:
             raise InternalError("pagedkv connector: a copy before the worker registered its KV")
-        blocks = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-        slots = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        blocks, slots = _pairs(pairs, ("vLLM block", kv[0].shape[0]), ("slot", sa.layout["capacity"]))
         for layer, t in enumerate(kv):
             for a, part in enumerate(codec.encode(t.index_select(0, blocks))):
                 _raw(sa.tensors[a][layer]).index_copy_(0, slots, _raw(part))
@@ -139,8 +186,7 @@ class BlockMover:
         kv = self.kv
         if kv is None:
             raise InternalError("pagedkv connector: a copy before the worker registered its KV")
-        slots = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-        blocks = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        slots, blocks = _pairs(pairs, ("slot", sa.layout["capacity"]), ("vLLM block", kv[0].shape[0]))
         n = len(kv)
         for layer, t in enumerate(kv):
             src = (layer + 1) % n if self.debug_shuffle_loads else layer

@@ -1,8 +1,9 @@
 """Launch plan of paged attention (cuda/paged_attention.cu).
 
 :func:`plan_paged_attention` validates a call of :func:`pagedkv.ops.paged_attention`
-(the same errors and messages as the public op's checks, plus what the kernels add:
-a contiguous arena, a dense head_dim in ``q``, aligned pointers), picks the kernel
+(the public op's checks, :func:`pagedkv.format.attention_checks.check_attention_args`,
+plus what the kernels add: a contiguous arena, a dense head_dim in ``q``, aligned
+pointers), picks the kernel
 and its tiling, and returns the :class:`~pagedkv.kernels.plans.Launch` records that
 the CUDA launcher (:mod:`pagedkv.kernels.ops`) and the host emulation
 (:mod:`pagedkv.kernels.emulation`) both run.
@@ -21,17 +22,20 @@ sequence (estimated from the table sizes, so nothing is read from the device).
 
 Index values that live on a GPU are not read (that would sync): the kernel reads a
 bad entry as zeros and skips a query tile it cannot place. Index tensors on the CPU
-are checked like the public op checks them.
+are checked like the public op checks them (and copied first, so the checks and the
+kernel see the same values; a GPU's are neither read nor copied).
+
+One query per sequence goes to the decode kernel (cuda/decode_attention.cu,
+:mod:`pagedkv.kernels.decode_plans`) wherever it covers the call; this module's tiled
+kernel serves the rest (``kernel=`` picks one explicitly).
 """
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 
-from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.kernels import sources
+from pagedkv.errors import InvalidArgumentError, ShapeError, expected
+from pagedkv.format.attention_checks import check_attention_args
+from pagedkv.kernels import decode_plans, sources
 from pagedkv.kernels.plans import (
     _MODEL_NAMES,
     _QUANT_NAMES,
@@ -47,8 +51,6 @@ from pagedkv.kernels.plans import (
     _ptr,
     _rot_dims,
 )
-from pagedkv.store import op_checks as checks
-from pagedkv.store.quant import MODEL_DTYPES
 
 __all__ = ["ATTN_FLOATS", "ATTN_MAX_TILE", "ATTN_MAX_ROWS", "ATTN_THREADS", "DEFAULT_SMS", "Tiling",
            "tiling", "auto_splits", "plan_paged_attention"]
@@ -62,8 +64,7 @@ SPLIT_MIN_KEYS = 256  # auto splits: no split gets fewer keys of the average seq
 MAX_SPLITS = 64
 PREFILL_ROWS = 16    # prefill: query rows per CTA to aim for
 #: the K/V storage name of an entry point -> its format macro in paged_attention.cu
-_KV_MACROS = {"f32": "PKV_F_F32", "f16": "PKV_F_F16", "bf16": "PKV_F_BF16", "e4m3": "PKV_Q_E4M3",
-              "e5m2": "PKV_Q_E5M2", "int8": "PKV_Q_INT8", "int4": "PKV_Q_INT4", "int3": "PKV_Q_INT3"}
+_KV_MACROS = sources.KV_MACROS
 
 
 class Tiling(tuple):
@@ -121,129 +122,41 @@ def auto_splits(works: int, avg_keys: int, num_sms: int) -> int:
 
 
 # ----------------------------------------------------------------------------------
-# checks (the public op's messages; see pagedkv.ops.attention_reference.check_attention)
-
-
-def _index(name: str, x: object, device: torch.device) -> torch.Tensor:
-    if isinstance(x, np.ndarray):
-        if x.dtype.kind not in "iu":
-            raise DTypeError(expected(name, "an integer NumPy array or an int32 tensor", f"NumPy {x.dtype}"))
-        if x.ndim != 1:
-            raise ShapeError(expected(name, "a 1-D array", x.shape))
-        if x.size and (int(x.min()) < -2**31 or int(x.max()) >= 2**31):
-            raise InvalidArgumentError(expected(name, "values that fit int32", f"range [{x.min()}, {x.max()}]"))
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(device)
-    t = checks.check_tensor(name, x)
-    if t.dtype != torch.int32:
-        raise DTypeError(expected(name, "dtype int32 (or a NumPy integer array)", t.dtype))
-    if t.dim() != 1:
-        raise ShapeError(expected(name, "a 1-D tensor", tuple(t.shape)))
-    if t.device != device:
-        raise DeviceError(expected(name, f"device {device}", t.device))
-    return t
-
-
-def _number(name: str, x: object, what: str, ok) -> float | None:
-    if x is None:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(float(x)):
-        raise InvalidArgumentError(expected(name, what, repr(x)))
-    return float(x)
-
-
-def _integer(name: str, x: object, lo: int, allow_none: bool = True) -> int | None:
-    if x is None and allow_none:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < lo:
-        raise InvalidArgumentError(expected(name, f"{'None or ' if allow_none else ''}an int >= {lo}", repr(x)))
-    return int(x)
-
-
-def _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q: int) -> None:
-    """The values of CPU-resident tables (a GPU's are not read)."""
-    ptr, idx, lens, qp = indptr.tolist(), indices.tolist(), seq_lens.tolist(), q_indptr.tolist()
-    nnz, bs = len(idx), geo.block_size
-    for b, n in enumerate(lens):
-        lo, hi = ptr[b], ptr[b + 1]
-        if not 0 <= lo <= hi <= nnz:
-            raise checks.indptr_error(b, lo, hi, nnz)
-        if n < 0 or n > (hi - lo) * bs:
-            raise checks.seq_len_error(b, n, hi - lo, bs, padded=False)
-        checks.check_block_ids("indices", idx[lo:lo + -(-n // bs)], geo.num_blocks,
-                               where=lambda j, b=b: checks.csr_block_where(b, j))
-    if qp[0] != 0 or qp[-1] != num_q:
-        raise InvalidArgumentError(expected("q_indptr", f"offsets from 0 to {num_q} (num_q_tokens)",
-                                            f"[{qp[0]}, ..., {qp[-1]}]"))
-    for b, n in enumerate(lens):
-        nq = qp[b + 1] - qp[b]
-        if nq < 0 or nq > n:
-            raise InvalidArgumentError(expected(
-                "q_indptr", f"0 <= q_indptr[{b + 1}] - q_indptr[{b}] <= seq_lens[{b}] = {n} (queries are the "
-                "sequence's last tokens)", f"{nq} queries"))
-
-
-# ----------------------------------------------------------------------------------
 # the plan
 
 
 def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None,
                          kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None,
                          soft_cap=None, window=None, sink_tokens=0, num_splits=None, out=None, exact_rows=None,
-                         layer_format=None, num_sms: int = DEFAULT_SMS) -> tuple[list[Launch], torch.Tensor]:
+                         layer_format=None, num_sms: int = DEFAULT_SMS, kernel: str = "auto",
+                         workspace=None) -> tuple[list[Launch], torch.Tensor]:
     """Plan :func:`pagedkv.ops.paged_attention` (same arguments); returns ``(launches, out)``.
 
-    ``num_sms``: the device's SM count, for the automatic ``num_splits``.
+    ``num_sms``: the device's SM count, for the automatic ``num_splits``. ``kernel``:
+    ``"auto"`` takes the decode kernel (:mod:`pagedkv.kernels.decode_plans`) where it
+    covers the call, else the tiled one; ``"decode"`` insists on it (an error where it
+    does not cover the call); ``"tiled"`` takes paged_attention.cu. ``workspace``: the
+    decode kernel's float32 scratch (``decode_plans.workspace_floats``), allocated when None.
     """
-    geo = checks.check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=layer_format)
+    if kernel not in ("auto", "decode", "tiled"):
+        raise InvalidArgumentError(expected("kernel", "'auto', 'decode' or 'tiled'", repr(kernel)))
+    a = check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale,
+                             kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
+                             rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
+                             sink_tokens=sink_tokens, num_splits=num_splits, out=out, layer_format=layer_format,
+                             snapshot_on_cpu=False)   # a GPU's table values are not read (that would sync)
+    geo, q, out, batch, sm_scale, soft_cap = a.geo, a.q, a.out, a.batch, a.sm_scale, a.soft_cap
+    window, sink_tokens, num_splits = a.window, a.sink_tokens, a.num_splits
+    indptr, indices, seq_lens, q_indptr = a.indptr, a.indices, a.seq_lens, a.q_indptr
+    num_q, hq, d = q.shape
     device = kv_layer.device
-    explicit = layer_format is not None
-    signs = _check_signs(rotation_signs, geo, device, explicit=explicit)
-    if checks.check_key_channels(key_scale, key_zero, geo, device, explicit=explicit):
+    # what the kernels add: the rotating kernels' head_dim bound, aligned pointers, the grid
+    signs = _check_signs(rotation_signs, geo, device, explicit=layer_format is not None)
+    if a.key_channels:
         _check_aligned("key_scale", key_scale)
         _check_aligned("key_zero", key_zero)
-    q = checks.check_tensor("q", q)
-    if q.dtype not in MODEL_DTYPES:
-        raise DTypeError(expected("q", "dtype float32, float16 or bfloat16", q.dtype))
-    if q.dim() != 3 or q.shape[2] != geo.head_dim:
-        raise ShapeError(expected("q", f"[num_q_tokens, num_q_heads, {geo.head_dim}]", tuple(q.shape)))
-    if q.device != device:
-        raise DeviceError(expected("q", f"device {device} (the kv_layer's)", q.device))
-    if not geo.quantized and q.dtype != kv_layer.dtype:
-        raise DTypeError(expected("q", f"dtype {kv_layer.dtype} (the kv_layer dtype)", q.dtype))
-    num_q, hq, d = q.shape
-    if geo.num_heads == 0 or hq == 0 or hq % geo.num_heads:
-        raise ShapeError(expected("q", f"num_q_heads a positive multiple of {geo.num_heads} (the KV heads)",
-                                  tuple(q.shape)))
-    if d == 0:
-        raise ShapeError(expected("kv_layer", "a head_dim >= 1", tuple(kv_layer.shape)))
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(d)
-    sm_scale = _number("sm_scale", sm_scale, "None or a finite float", math.isfinite)
-    soft_cap = _number("soft_cap", soft_cap, "None or a float > 0", lambda v: math.isfinite(v) and v > 0)
-    window = _integer("window", window, 1)
-    sink_tokens = _integer("sink_tokens", sink_tokens, 0, allow_none=False)
-    num_splits = _integer("num_splits", num_splits, 1)
     if num_splits is not None and num_splits > MAX_GRID_X:
         raise InvalidArgumentError(expected("num_splits", f"None or an int in [1, {MAX_GRID_X}]", num_splits))
-    indptr = _index("indptr", indptr, device)
-    indices = _index("indices", indices, device)
-    seq_lens = _index("seq_lens", seq_lens, device)
-    q_indptr = _index("q_indptr", q_indptr, device)
-    batch = checks.check_csr(indptr, indices, seq_lens, device)
-    if q_indptr.shape[0] != batch + 1:
-        raise ShapeError(expected("q_indptr", f"[{batch + 1}] (len(indptr))", tuple(q_indptr.shape)))
-    # read once: the checks and the kernel see the same values
-    indptr, indices, seq_lens, q_indptr = (t.contiguous().clone() for t in (indptr, indices, seq_lens, q_indptr))
-    if device.type == "cpu":
-        _check_table_values(indptr, indices, seq_lens, q_indptr, geo, num_q)
-    if out is not None:
-        out = checks.check_tensor("out", out)
-        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
-            raise ShapeError(expected("out", f"{q.dtype} {tuple(q.shape)} (as q)", f"{out.dtype} {tuple(out.shape)}"))
-        if out.device != device:
-            raise DeviceError(expected("out", f"device {device}", out.device))
-        if not out.is_contiguous():
-            raise InvalidArgumentError(expected("out", "a contiguous tensor", f"strides {out.stride()}"))
     if exact_rows is not None:
         raise InvalidArgumentError(expected("exact_rows", "None for the CUDA kernels (the model-precision window "
                                             "overlay runs on the 'cpu' and 'reference' backends)", "an ExactRows"))
@@ -264,6 +177,20 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
 
     group = hq // geo.num_heads
     decode = num_q == batch  # one query per sequence (any split of them is still served right)
+    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named
+    fast = None
+    if kernel != "tiled" and decode and key_scale is None:
+        fast = decode_plans.covers(geo, kv_layer, kv_scale, kv_zero, kv_type, group)
+    if fast is not None:
+        return decode_plans.plan_decode(
+            fast, q=q, kv_layer=kv_layer, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero, signs=signs, out=out,
+            indptr=indptr, indices=indices, seq_lens=seq_lens, q_indptr=q_indptr, geo=geo, batch=batch,
+            sm_scale=sm_scale, soft_cap=soft_cap, window=window, sink_tokens=sink_tokens, num_splits=num_splits,
+            num_sms=num_sms, workspace=workspace, keep=(indptr, indices, seq_lens, q_indptr, signs)), out
+    if kernel == "decode":
+        raise InvalidArgumentError(expected(
+            "kernel", "'auto' or 'tiled' for this call (the decode kernel covers one query per sequence, "
+            "head_dim 64/128/256, no block keys, aligned rows: see pagedkv.kernels.decode_plans)", "'decode'"))
     tl = tiling(decode, group, d, signs is not None)
     chunks = -(-group // tl.heads_per_cta)
     keep = [indptr, indices, seq_lens, q_indptr]
@@ -287,7 +214,6 @@ def plan_paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, la
         keep += [part_o, part_ml]
     if signs is not None:
         keep.append(signs)
-    kv_type = _QUANT_NAMES[geo.kv_dtype] if geo.quantized else _MODEL_NAMES[kv_layer.dtype]  # type: ignore[index]  # quantized: named
     q_type = _MODEL_NAMES[q.dtype]
     name = sources.attention_name(tl.mode, layout.lower(), kv_type, q_type)
     args = [_ptr(kv_layer), _ptr(kv_scale), _ptr(kv_zero), _ptr(key_scale), _ptr(key_zero), _ptr(signs), _ptr(q),

@@ -32,6 +32,7 @@ from pagedkv.kernels import attention_plans, build, latent_plans, plans, sources
 
 __all__ = [
     "library",
+    "variant_library",
     "run",
     "conversion",
     "write_kv",
@@ -71,19 +72,31 @@ def _wrapper_text(source_name: str) -> str:
     lines = [f'#include "{source_name}"', ""]
     for kernel in sources.entry_points()[source_name]:
         lines.append(
-            f'extern "C" void pkv_emu_{kernel}(const unsigned int* dims, void** argv) '
-            f"{{ pkv_emu::launch(&{kernel}, dims, argv); }}"
+            f'extern "C" int pkv_emu_{kernel}(const unsigned int* dims, void** argv) '
+            f"{{ return pkv_emu::launch(&{kernel}, dims, argv); }}"
         )
     return "\n".join(lines) + "\n"
 
 
 def _conversions_text() -> str:
-    lines = ['#include "common.cuh"', ""]
+    lines = ['#include "common.cuh"', "", _LAST_ERROR]
     for name, (src, dst, fn) in _CONVERSIONS.items():
         lines.append(
             f'extern "C" void pkv_emu_convert_{name}(const {src}* in, {dst}* out, long long n) '
             f"{{ for (long long i = 0; i < n; ++i) out[i] = {fn}(in[i]); }}"
         )
+    return "\n".join(lines) + "\n"
+
+
+_LAST_ERROR = 'extern "C" const char* pkv_emu_last_error() { return pkv_emu::last_error(); }'
+
+
+def _variant_text(source_name: str, kernels: Sequence[str]) -> str:
+    """One variant of a warp-level source: its kernels run as fibers (emulate_fibers.h)."""
+    lines = [f'#include "{source_name}"', "", _LAST_ERROR]
+    for kernel in kernels:
+        lines.append(f'extern "C" int pkv_emu_{kernel}(const unsigned int* dims, void** argv) '
+                     f"{{ return pkv_emu::launch_fibers(&{kernel}, dims, argv); }}")
     return "\n".join(lines) + "\n"
 
 
@@ -132,14 +145,44 @@ def _library_path(sanitize: str | None) -> Path:
     return path
 
 
+@functools.cache
+def variant_library(source_name: str, defines: tuple[tuple[str, str | None], ...],
+                    sanitize: str | None = None) -> ctypes.CDLL:
+    """The emulation library of one variant of a :data:`~pagedkv.kernels.sources.VARIANT_SOURCES`
+    file (``defines`` as a launch carries them), built on first use and cached on disk."""
+    if sanitize is None:
+        sanitize = os.environ.get("PAGEDKV_EMULATION_SANITIZE") or None
+    src = sources.load(source_name)
+    kernels = [v for n, v in defines if n == "PKV_DEC_NAME" and v]
+    kernels += [sources.decode_merge_name(t) for t in sources.MODEL_TYPES]
+    text = _variant_text(source_name, kernels)
+    flags = _flags(sanitize) + tuple(f"-D{n}" if v is None else f"-D{n}={v}" for n, v in defines)
+    h = hashlib.sha256()
+    for part in [_compiler_version(), " ".join(flags), text]:
+        h.update(part.encode() + b"\0")
+    h.update(src.all_bytes())
+    key = h.hexdigest()[:32]
+    root = build.cache_dir() / "emulation"
+    path = root / f"libpagedkv_emu_variant_{key}.so"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with build._file_lock(root / f"{key}.lock"):
+            if not path.exists():
+                _compile_units([src], {"emu_variant.cpp": text}, flags, path)
+    return ctypes.CDLL(str(path))
+
+
 def _compile_library(srcs, flags: Sequence[str], path: Path) -> None:
+    _compile_units(srcs, _units(), flags, path)
+
+
+def _compile_units(srcs, units: dict, flags: Sequence[str], path: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="pagedkv-emu-") as tmp:
         tmpdir = Path(tmp)
         for src in srcs:
             (tmpdir / src.name).write_bytes(src.text)
             for hname, data in src.headers.items():
                 (tmpdir / hname).write_bytes(data)
-        units = _units()
         for name, text in units.items():
             (tmpdir / name).write_text(text)
         procs = []
@@ -176,17 +219,23 @@ def _check_cpu(name: str, t: object) -> None:
 def run(launches: Iterable[plans.Launch], *, grid: Dims = None, block: Dims = None) -> None:
     """Run each launch over its whole grid on the CPU (``grid``/``block`` override
     the planned dims)."""
-    lib = library()
     for ln in launches:
-        g, b = tuple(grid or ln.grid), tuple(block or ln.block)
+        variant = ln.source in sources.VARIANT_SOURCES
+        lib = variant_library(ln.source, ln.defines) if variant else library()
+        # a warp-level kernel's CTA shape is part of its code: only its grid is overridden
+        g, b = tuple(grid or ln.grid), tuple(ln.block if variant else (block or ln.block))
         plans.check_dims(g, b)
         fn = getattr(lib, f"pkv_emu_{ln.kernel}")
         fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.c_void_p]
-        fn.restype = None
+        fn.restype = ctypes.c_int
         dims = (ctypes.c_uint * 6)(*g, *b)
         argv, values = ln.pack_args()
-        fn(dims, argv)
+        failed = fn(dims, argv)
         del values
+        if failed:
+            lib.pkv_emu_last_error.restype = ctypes.c_char_p
+            raise RuntimeError(f"the emulated kernel {ln.kernel} broke a CUDA rule (a kernel bug): "
+                               f"{lib.pkv_emu_last_error().decode(errors='replace')}")
 
 
 def conversion(name: str, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -264,16 +313,17 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD"
 def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout="NHD", kv_scale=None, kv_zero=None,
                     key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None, soft_cap=None, window=None,
                     sink_tokens=0, num_splits=None, out=None, exact_rows=None, layer_format=None,
-                    num_sms=attention_plans.DEFAULT_SMS,
+                    num_sms=attention_plans.DEFAULT_SMS, kernel="auto", workspace=None,
                     grid: Dims = None, block: Dims = None):
     """:func:`pagedkv.ops.paged_attention` through the CUDA kernels' plan, on the CPU.
-    ``num_sms`` stands in for the GPU's SM count (it sets the automatic splits)."""
+    ``num_sms`` stands in for the GPU's SM count (it sets the automatic splits);
+    ``kernel`` and ``workspace`` as :func:`pagedkv.kernels.ops.paged_attention` takes them."""
     _check_cpu("kv_layer", kv_layer)
     launches, out = attention_plans.plan_paged_attention(
         q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
         key_scale=key_scale, key_zero=key_zero, rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap,
         window=window, sink_tokens=sink_tokens, num_splits=num_splits, out=out, exact_rows=exact_rows,
-        layer_format=layer_format, num_sms=num_sms)
+        layer_format=layer_format, num_sms=num_sms, kernel=kernel, workspace=workspace)
     run(launches, grid=grid, block=block)
     return out
 

@@ -1,6 +1,6 @@
-"""Launch plans of the MLA latent kernels (``cuda/latent.cu``).
+"""Launch plans of the MLA latent kernels (``cuda/latent_rows.cu``, ``cuda/latent_attention.cu``).
 
-Each plan runs the public op's checks (:mod:`pagedkv.ops.latent_reference`: the same
+Each plan runs the public op's checks (:mod:`pagedkv.format.latent_checks`: the same
 errors on every backend), then what the kernels add (contiguous arena, aligned
 tensors, a variant for the dtypes), and returns :class:`~pagedkv.kernels.plans.Launch`
 records that the CUDA launchers (:mod:`pagedkv.kernels.ops`) and the host emulation
@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import DTypeError, expected
+from pagedkv.format import dtypes
+from pagedkv.format import latent_checks as ref
 from pagedkv.kernels import sources
 from pagedkv.kernels.attention_plans import DEFAULT_SMS, auto_splits
 from pagedkv.kernels.plans import (
@@ -26,13 +28,11 @@ from pagedkv.kernels.plans import (
     _ptr,
     _rot_dims,
 )
-from pagedkv.ops import latent_reference as ref
-from pagedkv.store import dtypes
 
 __all__ = ["LATENT_FLOATS", "LATENT_THREADS", "plan_write_latent", "plan_gather_latent", "plan_mla_attention",
            "latent_tiling"]
 
-LATENT_FLOATS = 11264  # cuda/latent.cu PKV_LATENT_FLOATS
+LATENT_FLOATS = 11264  # cuda/latent_attention.cu PKV_LATENT_FLOATS
 LATENT_THREADS = 256
 MAX_HEADS_PER_CTA = 16
 MAX_KV_TILE = 16
@@ -66,7 +66,7 @@ def plan_write_latent(view, slot_mapping, kv_c, k_pe) -> list[Launch]:
     slots = slot_mapping.contiguous()
     args = [_ptr(view.data), _ptr(slots), _ptr(kv_c), _ptr(k_pe), _i64(n), _i64(kv_c.stride(0)),
             _i64(k_pe.stride(0))] + _layout(view) + [_i64(view.num_slots)]
-    return [_launch("latent.cu", name, n, units, args, (slots,))]
+    return [_launch("latent_rows.cu", name, n, units, args, (slots,))]
 
 
 def plan_gather_latent(view, indptr, indices, seq_lens, *, out_dtype=None):
@@ -87,7 +87,7 @@ def plan_gather_latent(view, indptr, indices, seq_lens, *, out_dtype=None):
     name = sources.latent_gather_name(_format_name(view), _MODEL[out_dtype])
     args = [_ptr(view.data), _ptr(indptr_c), _ptr(indices_c), _ptr(cu), _ptr(kv_c), _ptr(k_pe), _i64(tables.batch),
             _i64(total)] + _layout(view) + [_i64(view.block_size), _i64(indices_c.shape[0]), _i64(view.num_blocks)]
-    return [_launch("latent.cu", name, total, f.width, args, (indptr_c, indices_c, cu, lens))], kv_c, k_pe
+    return [_launch("latent_rows.cu", name, total, f.width, args, (indptr_c, indices_c, cu, lens))], kv_c, k_pe
 
 
 def latent_tiling(heads: int, width: int, rank: int) -> tuple[int, int]:
@@ -153,7 +153,7 @@ def plan_mla_attention(view, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, 
              _i64(q_nope.stride(1)), _i64(q_pe.stride(0)), _i64(q_pe.stride(1)), _i64(ht), _i64(kt), _i64(splits),
              ("f32", a.sm_scale)]
     grid = (splits, min(works, MAX_GRID_Y), 1)
-    launches = [Launch("latent.cu", name, grid, (LATENT_THREADS, 1, 1), tuple(args), tuple(keep))]
+    launches = [Launch("latent_attention.cu", name, grid, (LATENT_THREADS, 1, 1), tuple(args), tuple(keep))]
     if splits > 1:
         rows, r = a.num_q * a.heads, f.kv_lora_rank
         mgrid, mblock = _rot_dims(rows, r, r)

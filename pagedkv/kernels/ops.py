@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, expected
+from pagedkv.format import op_checks as checks
 from pagedkv.kernels import attention_plans, build, driver, latent_plans, plans
 from pagedkv.kernels.plans import as_tensor
-from pagedkv.store import op_checks as checks
 
 __all__ = ["write_kv", "seal_key_blocks", "gather_kv", "gather_kv_padded", "copy_blocks", "swap_blocks", "convert_layout",
            "paged_attention", "write_latent", "gather_latent", "mla_attention"]
@@ -111,8 +111,8 @@ def write_kv(
         key, value: ``[num_tokens, H, D]``, any token/head strides, dense head_dim.
         kv_scale, kv_zero: quantized storage only, contiguous float32 views.
         rotation_signs: quantized storage only: float32 ``[D]`` signs; each row is
-            rotated (:mod:`pagedkv.store.rotation`) in the kernel before it is quantized.
-        layer_format: the layer's :class:`~pagedkv.store.layer_format.LayerFormat`
+            rotated (:mod:`pagedkv.format.rotation`) in the kernel before it is quantized.
+        layer_format: the layer's :class:`~pagedkv.format.layer_format.LayerFormat`
             (None: the one the tensors imply); see :func:`pagedkv.ops.reference.write_kv`.
         stream: see the module docstring.
     """
@@ -243,7 +243,7 @@ def convert_layout(arena, src_layout: str, dst_layout: str, *, scale: bool = Fal
 def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str = "NHD", layer_format=None,
                     stream=None) -> None:
     """Requantize whole blocks' keys per channel (int4 block keys): block ``blocks[i]``
-    gets :func:`pagedkv.store.quant.quantize_key_block` of ``keys[i]`` in its K plane's codes
+    gets :func:`pagedkv.format.quant.quantize_key_block` of ``keys[i]`` in its K plane's codes
     and its rows of ``key_scale``/``key_zero``; nothing else changes.
 
     Args:
@@ -267,7 +267,7 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout: str 
 def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout: str = "NHD", kv_scale=None,
                     kv_zero=None, key_scale=None, key_zero=None, rotation_signs=None, sm_scale=None, soft_cap=None,
                     window=None, sink_tokens: int = 0, num_splits=None, out=None, exact_rows=None,
-                    layer_format=None, stream=None) -> torch.Tensor:
+                    layer_format=None, stream=None, kernel: str = "auto", workspace=None) -> torch.Tensor:
     """Attention of ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` over the paged K/V of
     ``kv_layer``, read in place (:func:`pagedkv.ops.paged_attention`; the float64
     definition is :mod:`pagedkv.ops.attention_reference`).
@@ -278,6 +278,13 @@ def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout:
     splits from the device's SM count and the tables' sizes. ``exact_rows`` must be
     None (the window overlay has no kernel). Returns ``out`` (allocated when None),
     ``q.dtype``, contiguous.
+
+    One query per sequence takes the decode kernel (cuda/decode_attention.cu) where it
+    covers the call (:mod:`pagedkv.kernels.decode_plans`), else the tiled kernel;
+    ``kernel="decode"`` / ``"tiled"`` insists on one. ``workspace``: a float32 tensor of at
+    least ``decode_plans.workspace_floats(num_splits, num_q_tokens, num_q_heads, head_dim)``
+    elements for the decode kernel's split results (allocated per call when None). Nothing
+    is read back or copied on the host, so the call can be captured in a CUDA graph.
     """
     device = _cuda_device("kv_layer", kv_layer)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -292,7 +299,7 @@ def paged_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout:
             q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale, kv_zero=kv_zero,
             key_scale=key_scale, key_zero=key_zero, rotation_signs=rotation_signs, sm_scale=sm_scale,
             soft_cap=soft_cap, window=window, sink_tokens=sink_tokens, num_splits=num_splits, out=out,
-            exact_rows=exact_rows, layer_format=layer_format, num_sms=num_sms)
+            exact_rows=exact_rows, layer_format=layer_format, num_sms=num_sms, kernel=kernel, workspace=workspace)
         _run(launches, ts, device)
     return out
 

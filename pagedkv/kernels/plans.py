@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.format import dtypes
+from pagedkv.format import op_checks as checks
 from pagedkv.kernels import sources
-from pagedkv.store import dtypes
-from pagedkv.store import op_checks as checks
 
 __all__ = [
     "Launch",
@@ -53,7 +53,7 @@ _MODEL_NAMES = {d.torch_dtype: d.kernel_name for d in dtypes.MODEL}
 _QUANT_NAMES = {d.name: d.kernel_name for d in dtypes.QUANTIZED if d.kernel_name in sources.QUANT_TYPES}
 _CHUNK_NAMES = {16: "v16", 4: "e4", 2: "e2", 1: "e1"}
 
-Arg = tuple[str, object]  # ("ptr" | "i64", int) or ("f32", float)
+Arg = tuple[str, object]  # ("ptr" | "i64" | "i32", int) or ("f32", float)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Launch:
         return argv, values
 
 
-_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
 
 
 def check_dims(grid: Sequence[int], block: Sequence[int]) -> None:
@@ -358,6 +358,12 @@ def plan_gather(
             return [Launch("gather_kv.cu", name, grid, block, tuple(args + [_ptr(signs)] + block_keys),
                            keep + (signs,))], out_key, out_value
         args += block_keys
+        per = 16 // out_key.element_size()  # one thread per 16 output bytes where they line up
+        if dim % per == 0 and _vector_ok([16], [out_key, out_value]):
+            name = sources.gather_name(kind, lo, quant=_QUANT_NAMES[geo.kv_dtype], out_type=_MODEL_NAMES[out_dtype],  # type: ignore[index]
+                                       vec=True)
+            return [_launch("gather_kv.cu", name, entries, geo.block_size * heads * dim // per, args, keep)], \
+                out_key, out_value
         return [_launch("gather_kv.cu", name, entries, geo.block_size * heads * dim, args, keep)], out_key, out_value
     elt = kv_layer.element_size()
     unit = 16 if _vector_ok([dim * elt], [kv_layer, out_key, out_value]) else elt

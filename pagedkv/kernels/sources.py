@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = [
     "KernelSource",
@@ -43,10 +43,17 @@ __all__ = [
     "latent_write_name",
     "latent_gather_name",
     "latent_attention_name",
+    "VARIANT_SOURCES",
+    "decode_name",
+    "decode_merge_name",
+    "KV_MACROS",
 ]
 
 SOURCE_FILES = ("write_kv.cu", "gather_kv.cu", "copy_blocks.cu", "convert_layout.cu", "seal_keys.cu",
-                "paged_attention.cu", "latent.cu")
+                "paged_attention.cu", "latent_rows.cu", "latent_attention.cu")
+#: sources compiled one variant at a time (their defines pick it and name its entry point;
+#: pagedkv.kernels.decode_plans): not in the emulation's shared library nor SOURCE_FILES' tests
+VARIANT_SOURCES = ("decode_attention.cu",)
 
 #: variant axes, in the spelling of the entry-point names
 LAYOUTS = ("nhd", "hnd")
@@ -54,6 +61,10 @@ CHUNKS = {"v16": 16, "e4": 4, "e2": 2, "e1": 1}  # copy unit -> bytes
 MODEL_TYPES = tuple(d.kernel_name for d in dtypes.MODEL)
 QUANT_TYPES = tuple(d.kernel_name for d in dtypes.QUANTIZED)
 TABLES = ("csr", "pad")
+#: the K/V storage name of an attention entry point -> its format macro (the tiled kernel's
+#: PKV_ATTN_KV, the decode kernel's PKV_DEC_F); both attention plans read it here
+KV_MACROS = {"f32": "PKV_F_F32", "f16": "PKV_F_F16", "bf16": "PKV_F_BF16", "e4m3": "PKV_Q_E4M3",
+             "e5m2": "PKV_Q_E5M2", "int8": "PKV_Q_INT8", "int4": "PKV_Q_INT4", "int3": "PKV_Q_INT3"}
 INDEX_TYPES = ("i32", "i64")
 
 _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -94,8 +105,8 @@ def _read(name: str) -> bytes:
 
 def load(name: str) -> KernelSource:
     """The packaged source ``name`` (e.g. ``"write_kv.cu"``) with its headers."""
-    if name not in SOURCE_FILES:
-        raise InvalidArgumentError(expected("name", f"one of {', '.join(SOURCE_FILES)}", repr(name)))
+    if name not in SOURCE_FILES + VARIANT_SOURCES:
+        raise InvalidArgumentError(expected("name", f"one of {', '.join(SOURCE_FILES + VARIANT_SOURCES)}", repr(name)))
     text = _read(name)
     headers: dict[str, bytes] = {}
     pending = [text]
@@ -116,10 +127,11 @@ def write_kv_name(layout: str, chunk: str = "", in_type: str = "", quant: str = 
 
 
 def gather_name(table: str, layout: str, chunk: str = "", quant: str = "", out_type: str = "",
-                rotated: bool = False) -> str:
-    """``pkv_gather_{table}_{layout}_{chunk}`` or ``..._{quant}_to_{out}[_rot]``."""
+                rotated: bool = False, vec: bool = False) -> str:
+    """``pkv_gather_{table}_{layout}_{chunk}`` or ``..._{quant}_to_{out}[_rot | _v16]``
+    (``vec``: one thread per 16 output bytes)."""
     if quant:
-        return f"pkv_gather_{table}_{layout}_{quant}_to_{out_type}" + ("_rot" if rotated else "")
+        return f"pkv_gather_{table}_{layout}_{quant}_to_{out_type}" + ("_rot" if rotated else "_v16" if vec else "")
     return f"pkv_gather_{table}_{layout}_{chunk}"
 
 
@@ -152,10 +164,21 @@ def attention_merge_name(out_type: str) -> str:
     return f"pkv_attn_merge_{out_type}"
 
 
+def decode_name(layout: str, kv_type: str, head_dim: int, heads: int, lane_groups: int) -> str:
+    """``pkv_decode_{layout}_{kv}_d{D}_g{G}_n{NGL}``: one variant of decode_attention.cu."""
+    return f"pkv_decode_{layout}_{kv_type}_d{head_dim}_g{heads}_n{lane_groups}"
+
+
+def decode_merge_name(out_type: str) -> str:
+    """``pkv_decode_merge_{out}`` (in every variant of decode_attention.cu, for its head_dim)."""
+    return f"pkv_decode_merge_{out_type}"
+
+
 _COPY_CHUNKS_MODEL = ("v16", "e4", "e2")  # model dtypes are 4 or 2 bytes wide
 
 #: MLA latent row formats with kernels: the model dtypes, fp8 (positional slice
-#: bfloat16) and int8/int4 with the positional slice in each model dtype (latent.cu)
+#: bfloat16) and int8/int4 with the positional slice in each model dtype (latent_rows.cu,
+#: latent_attention.cu)
 LATENT_FORMATS = MODEL_TYPES + ("e4m3",) + tuple(f"{q}_r{t}" for q in ("int8", "int4") for t in MODEL_TYPES)
 
 
@@ -198,6 +221,7 @@ def entry_points() -> dict[str, tuple[str, ...]]:
             gather += [gather_name(tb, lo, chunk=c) for c in _COPY_CHUNKS_MODEL]
             gather += [gather_name(tb, lo, quant=q, out_type=o, rotated=r) for q in QUANT_TYPES
                        for o in MODEL_TYPES for r in (False, True)]
+            gather += [gather_name(tb, lo, quant=q, out_type=o, vec=True) for q in QUANT_TYPES for o in MODEL_TYPES]
     copy = [copy_blocks_name(c, i) for c in CHUNKS for i in INDEX_TYPES]
     transpose = [transpose_name(c) for c in CHUNKS]
     seal = [seal_keys_name(lo, t) for lo in LAYOUTS for t in MODEL_TYPES]
@@ -212,7 +236,7 @@ def entry_points() -> dict[str, tuple[str, ...]]:
         "convert_layout.cu": tuple(transpose),
         "seal_keys.cu": tuple(seal),
         "paged_attention.cu": tuple(attn),
-        "latent.cu": tuple([latent_write_name(i, f) for f in LATENT_FORMATS for i in MODEL_TYPES]
-                           + [latent_gather_name(f, o) for f in LATENT_FORMATS for o in MODEL_TYPES]
-                           + _latent_attention_entries()),
+        "latent_rows.cu": tuple([latent_write_name(i, f) for f in LATENT_FORMATS for i in MODEL_TYPES]
+                                + [latent_gather_name(f, o) for f in LATENT_FORMATS for o in MODEL_TYPES]),
+        "latent_attention.cu": tuple(_latent_attention_entries()),
     }

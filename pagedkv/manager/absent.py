@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.manager.events import KVEvent, events_from_records
+from pagedkv.events import KVEvent, events_from_records
 
 __all__ = ["NoTiers", "NoHost", "StoreCopies", "OwedCopies"]
 

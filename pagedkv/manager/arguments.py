@@ -16,11 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.errors import ArgumentTypeError, DeviceError, InvalidArgumentError, expected
+from pagedkv.errors import ArgumentTypeError, DeviceError, DTypeError, InvalidArgumentError, expected
 
-__all__ = ["as_int", "as_count", "as_counts", "as_token_ids", "optional_int", "INT64_MAX"]
+__all__ = ["as_int", "as_count", "as_counts", "as_row_counts", "as_token_ids", "optional_int", "INT64_MAX",
+           "check_attention_call"]
 
 INT64_MAX = 2**63 - 1
+#: what ``PagedKVCache.attention`` passes on to the op (the arena's own arguments are the cache's)
+ATTENTION_OPTIONS = frozenset({"sm_scale", "soft_cap", "window", "sink_tokens", "num_splits", "out", "backend"})
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
 
 
@@ -74,6 +77,25 @@ def as_counts(value: Any, argument: str = "num_tokens") -> np.ndarray:
     return value
 
 
+def as_row_counts(value: Any, rows: int, argument: str, lo: int, hi: int) -> np.ndarray:
+    """One count for every one of ``rows`` rows (an int) or one per row (a flat sequence
+    or integer array of ``rows`` ints), each in ``[lo, hi]``, as a fresh int64 array.
+    Checked whole before the caller sizes anything from it."""
+    if type(value) is int or isinstance(value, np.integer):
+        return np.full(rows, as_int(value, argument, lo, hi), dtype=np.int64)
+    if isinstance(value, (bool, np.bool_, float, np.floating)) or value is None:
+        raise ArgumentTypeError(expected(argument, f"an int or {rows} ints (one per row)", _describe(value)))
+    counts = as_counts(value, argument)
+    if counts.shape != (rows,):
+        from pagedkv.errors import ShapeError
+        raise ShapeError(expected(argument, f"an int or {rows} counts (one per row)", f"{counts.shape[0]} counts"))
+    if rows and int(counts.min()) < lo:
+        raise InvalidArgumentError(expected(argument, f"counts >= {lo}", counts.tolist()[:16]))
+    if rows and int(counts.max()) > hi:
+        raise InvalidArgumentError(expected(argument, f"counts <= {hi}", counts.tolist()[:16]))
+    return counts
+
+
 def as_token_ids(token_ids: Any, argument: str = "token_ids") -> np.ndarray:
     """Token ids as a flat int32 array (lists, arrays, tensors); typed errors otherwise."""
     if type(token_ids) is np.ndarray and token_ids.dtype == np.int32 and token_ids.ndim == 1:
@@ -93,6 +115,21 @@ def as_token_ids(token_ids: Any, argument: str = "token_ids") -> np.ndarray:
     if int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX:
         raise InvalidArgumentError(expected(argument, "token ids fitting int32", "an out-of-range id"))
     return arr.astype(np.int32, copy=False)
+
+
+def check_attention_call(options: dict, q: Any, model_dtype: Any) -> None:
+    """``PagedKVCache.attention``'s own checks: only the op's keywords that are the
+    caller's (``layout``, the scales, the rotation are the arena's: a typed error, not
+    Python's "multiple values"), and ``q`` in the cache's model dtype whatever the
+    arena's format: a quantized arena dequantizes to that dtype, and a float16 ``q`` on
+    a float32 cache is refused as on an unquantized one (nothing is cast silently)."""
+    unknown = sorted(set(options) - ATTENTION_OPTIONS)
+    if unknown:
+        raise ArgumentTypeError(expected("attention", f"keywords among {sorted(ATTENTION_OPTIONS)} (the cache "
+                                         "passes the arena's own)", f"{unknown[0]}="))
+    dtype = getattr(q, "dtype", None)
+    if _is_tensor(q) and dtype != model_dtype:
+        raise DTypeError(expected("q", f"dtype {model_dtype} (the cache's model dtype)", dtype))
 
 
 def optional_int(value: Any | None, argument: str, lo: int = 0, hi: int = INT64_MAX) -> int | None:

@@ -53,12 +53,12 @@ from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv.config.options import CacheConfig, format_bytes
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
+from pagedkv.events import KVEvent
 from pagedkv.manager.absent import NoHost, NoTiers, OwedCopies, StoreCopies
 from pagedkv.manager.arguments import as_token_ids
 from pagedkv.manager.coordinator import coordinator
 from pagedkv.manager.data import DataPath
 from pagedkv.manager.data_calls import KVDataCalls
-from pagedkv.manager.events import KVEvent
 from pagedkv.manager.lifecycle import CallerLock, Lifecycle
 from pagedkv.manager.moves import Moves
 from pagedkv.manager.namespaces import NamespaceRegistry, namespace_key  # noqa: F401 (imported from here)
@@ -68,7 +68,7 @@ from pagedkv.manager.prefix_calls import PrefixCalls
 from pagedkv.manager.queries import Queries
 from pagedkv.manager.seq_ids import SequenceIds
 from pagedkv.manager.state_calls import StateCalls
-from pagedkv.manager.stats import CacheStats
+from pagedkv.manager.stats import CacheStats, with_window_figures
 
 if TYPE_CHECKING:
     from pagedkv.groups.tables import AttentionTables
@@ -151,9 +151,9 @@ class PagedKVCache(PrefixCalls, KVDataCalls, StateCalls):
             self._host = HostSwap(self._groups, store, config.host_num_blocks, self._namespaces.hash_of,
                                   sync=self._tiers.sync)
         copies = OwedCopies() if store is None else StoreCopies(store)
-        sinks = store if store is not None and store.window is not None and config.kv_sink_tokens else None
+        window = store if store is not None and store.window is not None else None
         self._life = Lifecycle(config, self._lock, self._caller_lock, self._ids, self._namespaces, self._groups,
-                               self._tiers, self._host, copies, sinks)
+                               self._tiers, self._host, copies, window)
         settle = self._life.settle
         self._prefix = Prefixes(config, self._lock, settle, self.index, self._pool, self._namespaces, self._groups,
                                 self._tiers)
@@ -409,7 +409,7 @@ class PagedKVCache(PrefixCalls, KVDataCalls, StateCalls):
         """A snapshot of the cache's counters (:class:`pagedkv.CacheStats`): blocks free /
         in use / cached, live and swapped sequences, prefix hits per medium, evictions.
         ``stats().describe()`` renders it as text."""
-        return self._queries.stats()
+        return with_window_figures(self._queries.stats(), self.store)
 
     def dump_block_map(self, width: int = 64) -> str:
         """One character per block: ``.`` free, ``#`` in use, ``+`` shared, ``c`` cached-free, ``p`` pinned."""

@@ -86,7 +86,7 @@ class DataPath:
             lens = want
         dev = store.device
         k, v = store.gather(slot, torch.from_numpy(indptr).to(dev), torch.from_numpy(indices).to(dev),
-                            torch.from_numpy(lens.astype(np.int32)).to(dev))
+                            torch.from_numpy(lens.astype(np.int32)).to(dev), sink=self.group_sink(g))
         cu = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
         if not with_positions:
@@ -103,12 +103,25 @@ class DataPath:
             raise InvalidArgumentError(expected("rotated", "False for a cache without kv_rotation", True))
         if rotated and self.config.block_keys:   # full blocks' keys are stored unrotated, per channel
             raise InvalidArgumentError(expected("rotated", "False for a cache with kv_key_quant='block'", True))
-        layer = self.groups.layer_slot(layer)[1]
+        g, layer = self.groups.layer_slot(layer)
         indptr, indices, seq_lens = (self.table_tensor(a, n) for a, n in
                                      ((indptr, "indptr"), (indices, "indices"), (seq_lens, "seq_lens")))
         if pending is not None:
             pending = self.pending_rows(pending, seq_lens)
-        return self.require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
+        return self.require_store().gather(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated,
+                                           sink=self.group_sink(g))
+
+    def group_sink(self, g: int) -> int | None:
+        """The sink tokens layer group ``g``'s tables start with when that is not every
+        sequence's first ``kv_sink_tokens`` (None): a sliding group releases the blocks
+        that leave its window, so only the sink blocks it keeps (its attention sinks)
+        begin its tables; its other rows are read exact only in the recent window."""
+        plan = self.config.layer_groups
+        group = plan.groups[g] if plan is not None else None
+        if group is None or not group.window:
+            return None
+        bs = self.config.block_size
+        return min(self.config.kv_sink_tokens or 0, -(-group.sinks // bs) * bs)
 
     def plan_attention(self, indptr, indices, seq_lens, q_indptr, **options) -> LayerAttention:
         """One step's attention over any layer (see :class:`LayerAttention`)."""
@@ -121,13 +134,16 @@ class DataPath:
 
     def run_attention(self, step, layer: int, q, out=None):
         store = self.require_store()
-        slot = self.groups.layer_slot(layer)[1]
-        view = store.view(slot)     # the layer's format, views and exact rows: the store's to build
-        if getattr(view, "exact", None) is None:
+        g, slot = self.groups.layer_slot(layer)
+        if getattr(store, "window", None) is None:
+            return step.run(q, store.view(slot), out=out)
+        sink = self.group_sink(g)
+        view = store.view(slot, sink=sink)     # the layer's format, views and exact rows: the store's to build
+        if view.exact is None:
             return step.run(q, view, out=out)
         with store.window.lock:     # the window's slot map is shared by every sequence (see pagedkv.store.window)
             res = step.run(q, view, out=out)
-            store.attended(slot, step.indptr, step.indices, step.seq_lens)
+            store.attended(slot, step.indptr, step.indices, step.seq_lens, sink=sink)
         return res
 
     def mla_attention(self, layer: int, q_nope, q_pe, indptr, indices, seq_lens, q_indptr, *, sm_scale,
@@ -161,7 +177,7 @@ class DataPath:
         if self.store is not None and self.store.rotation_signs is not None:   # a kv_rotation store has them
             return self.store.rotation_signs.clone()
 
-        from pagedkv.store.rotation import rotation_signs
+        from pagedkv.format.rotation import rotation_signs
 
         return rotation_signs(self.config.head_dim, self.config.kv_rotation_seed)
 

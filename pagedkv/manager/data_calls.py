@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.manager.arguments import check_attention_call
+
 __all__ = ["KVDataCalls"]
 
 SeqId = Any
@@ -18,6 +20,7 @@ class KVDataCalls:
 
     _data: Any
     store: Any
+    config: Any
 
     def _require_store(self):
         return self._data.require_store()
@@ -80,7 +83,7 @@ class KVDataCalls:
         ``rotated=True`` (a cache with ``kv_rotation``): K/V in the rotated domain, as
         stored, without the per-row unrotation, which costs more than the dequantization.
         The rotation is orthonormal, so an attention that rotates its queries
-        (``pagedkv.store.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
+        (``pagedkv.format.rotation.rotate(q, cache.rotation_signs)``) gets the same scores, and
         its output is unrotated once per query (``unrotate(out, signs)``) instead of once
         per cached token."""
         return self._data.gather_pages(layer, indptr, indices, seq_lens, pending=pending, rotated=rotated)
@@ -92,7 +95,8 @@ class KVDataCalls:
         rotation folded into ``q`` and the output. The table is as for :meth:`gather_pages`
         (with layer groups, the layer's group's). ``options``: the op's keywords
         (``sm_scale``, ``soft_cap``, ``window``, ``sink_tokens``, ``num_splits``, ``out``,
-        ``backend``)."""
+        ``backend``; :func:`~.arguments.check_attention_call`)."""
+        check_attention_call(options, q, self.config.torch_dtype)
         return self._data.attention(layer, q, indptr, indices, seq_lens, q_indptr, **options)
 
     def plan_attention(self, indptr, indices, seq_lens, q_indptr, **options):
@@ -119,7 +123,7 @@ class KVDataCalls:
     @property
     def rotation_signs(self):
         """The float32 ``[head_dim]`` signs of the cache's rotation (a copy), or None
-        without ``kv_rotation``: what :func:`pagedkv.store.rotation.rotate` takes."""
+        without ``kv_rotation``: what :func:`pagedkv.format.rotation.rotate` takes."""
         return self._data.rotation_signs()
 
     def copy_blocks(self, pairs) -> None:

@@ -23,6 +23,9 @@ from pagedkv.errors import (
 from pagedkv.manager.absent import NoTiers
 from pagedkv.manager.arguments import as_count, as_counts, as_int, as_token_ids, optional_int
 
+# the window arena's block marks (pagedkv.store.window.WARM/SOON/COLD; that module imports torch)
+WARM, SOON, COLD = 0, 1, 2
+
 __all__ = ["CallerLock", "Lifecycle"]
 
 _I64 = np.dtype(np.int64)
@@ -71,7 +74,8 @@ class Lifecycle:
         tiers: the prefix tiers, or :class:`~pagedkv.manager.absent.NoTiers`.
         host: the host tier, or :class:`~pagedkv.manager.absent.NoHost`.
         copies: where copy-on-write pairs go (:mod:`pagedkv.manager.absent`).
-        sink_store: the KV store when it keeps sink tokens in model precision, else None.
+        sink_store: the KV store when it has a window arena (recent and sink tokens in
+            model precision), else None.
     """
 
     def __init__(self, config, lock, caller_lock: CallerLock, ids, namespaces, groups, tiers, host, copies,
@@ -93,7 +97,14 @@ class Lifecycle:
         self.swapped = host.swapped        # key -> what is swapped out (a C-level membership test)
         self.copies = copies
         self.sink_store = sink_store
-        self.sink_tokens = config.kv_sink_tokens if sink_store is not None else 0
+        self.sink_tokens = (config.kv_sink_tokens or 0) if sink_store is not None else 0
+        window = sink_store.window if sink_store is not None else None
+        # the newest tokens whose blocks keep their window copies (see window_marks): the
+        # recent window; with block keys at least the newest block (its seal, a rollback)
+        self.recent_tokens = window.window if window is not None else 0
+        if window is not None and config.block_keys:
+            self.recent_tokens = max(self.recent_tokens, 1)
+        self.sink_blocks = config.precise_sink_blocks if self.sink_tokens else 0
         self.deferred: collections.deque = collections.deque()   # batches queued by free_deferred
 
     # ---- admission --------------------------------------------------------------------
@@ -129,8 +140,12 @@ class Lifecycle:
                     if fresh:
                         self.ids.forget(key)
                     raise
-            if hit and self.sink_tokens:     # a shared first block keeps its exact sink rows
-                self.sink_store.pin_sinks(self.first_blocks(np.array([key], np.int64), True), held_only=True)
+            if hit and self.sink_store is not None:
+                if self.sink_tokens:        # a shared first block keeps its exact sink rows
+                    self.sink_store.pin_sinks(self.first_blocks(np.array([key], np.int64), True), held_only=True)
+                # the hit's newest blocks are this sequence's window now (another's may have left them cold)
+                n = np.array([hit], np.int64)
+                self._mark_blocks(np.array([key], np.int64), True, self._recent_from(n), -(-n // self.block_size), WARM)
             return hit
 
     def admit_restored(self, seq_id, tokens: np.ndarray, cache_salt, adapter_id, priority) -> None:
@@ -169,8 +184,10 @@ class Lifecycle:
                 self.tiers.sync()      # evicted KV goes down before anything overwrites it
             if book.num_pending_copies:
                 self.copies.copy(book.take_copies())
-            if self.sink_tokens:
-                self.pin_sinks(keys, internal, num_tokens)
+            if self.sink_store is not None:
+                self.window_marks(keys, internal, num_tokens, slots)
+                if self.sink_tokens:
+                    self.pin_sinks(keys, internal, num_tokens)
             return slots
 
     def advance(self, seq_ids, token_ids) -> np.ndarray:
@@ -185,8 +202,10 @@ class Lifecycle:
                 self.tiers.sync()
             if book.num_pending_copies:
                 self.copies.copy(book.take_copies())
-            if self.sink_tokens:
-                self.pin_sinks(keys, internal, 1)
+            if self.sink_store is not None:
+                self.window_marks(keys, internal, 1, slots)
+                if self.sink_tokens:
+                    self.pin_sinks(keys, internal, 1)
             return slots
 
     def commit(self, seq_ids, num_tokens, token_ids=None) -> None:
@@ -199,6 +218,82 @@ class Lifecycle:
             self.book.commit(keys, num_tokens, token_ids, internal=internal)
             if self.tiered:
                 self.tiers.sync()
+            if self.sink_store is not None:
+                self.left_window(keys, internal, num_tokens)
+
+    def window_marks(self, keys, internal: bool, reserved, slots: np.ndarray) -> None:
+        """Tell the window arena what reads will want the reserved blocks' rows exact
+        (:meth:`RecentWindow.mark`). A sequence's sink blocks and the blocks holding its
+        newest ``kv_window`` tokens are warm. A fresh block of the reservation (no rows
+        before it) that is neither is cold: a long prefill's early blocks, read only in
+        flight by this pass; a reused block loses its old mark. The blocks of the
+        previous newest tokens that this pass leaves behind are read only by this pass
+        (soon cold). So a prefill cannot push other sequences' windows out; per
+        sequence the warm blocks never outnumber ``ceil(kv_window / block_size) + 1``
+        (a decode step: its newest ``kv_window + 1`` tokens), what the arena holds."""
+        bs = self.block_size
+        blocks = slots // bs
+        window = self.sink_store.window
+        if type(reserved) is int and reserved <= self.recent_tokens:   # decode: every block is warm
+            # (a reservation's slots are >= 0; one assignment: the lock adds nothing here;
+            # a decode step runs these few array operations, nothing per sequence)
+            window.cold[blocks] = WARM
+            # a one-token commit marks nothing (see left_window): the block whose last row
+            # left the newest kv_window with the previous token goes cold here, found by
+            # each sequence's first reserved slot (position = slot mod block_size), rarely
+            if np.count_nonzero(slots[..., ::reserved] % bs == self.recent_tokens % bs):
+                self._mark_previous(keys, internal, reserved)
+            return
+        keep = slots >= 0
+        lens = np.atleast_1d(self.first.seq_lens(keys, False, internal=internal)).astype(np.int64)
+        counts = np.broadcast_to(np.asarray(reserved, dtype=np.int64), lens.shape)
+        total = int(counts.sum())
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        pos = np.repeat(lens - counts, counts) + np.arange(total, dtype=np.int64) - starts
+        first = pos - slots % bs            # each slot's block's first position (every group's row)
+        fresh = first >= np.repeat(lens - counts, counts)
+        cold = fresh & (first >= self.sink_blocks * bs) & (first + bs <= np.repeat(lens, counts) - self.recent_tokens)
+        window.mark(blocks[keep], np.where(cold, COLD, WARM)[keep])
+        before = lens - counts
+        lo, hi = self._recent_from(before), np.minimum(self._recent_from(lens), -(-before // bs))
+        self._mark_blocks(keys, internal, lo, hi, SOON)
+        self._mark_blocks(keys, internal, self._recent_from(before - 1), self._recent_from(before), COLD)
+
+    def _mark_previous(self, keys, internal: bool, reserved: int) -> None:
+        """Cold: the block each sequence's token before this reservation pushed out of its
+        newest ``kv_window`` (a one-token commit leaves that to the next reservation)."""
+        before = np.atleast_1d(self.first.seq_lens(keys, False, internal=internal)).astype(np.int64) - reserved
+        self._mark_blocks(keys, internal, self._recent_from(before - 1), self._recent_from(before), COLD)
+
+    def left_window(self, keys, internal: bool, committed) -> None:
+        """After a commit: the blocks whose rows all left their sequence's newest
+        ``kv_window`` committed tokens (and hold no sink token) become cold, so their
+        window slots are the first to go and the sequences that still read theirs keep
+        them (least-recently-written alone would take a paused sequence's window first)."""
+        if type(committed) is int and committed == 1:   # a decode step: its next reservation marks it
+            return
+        lens = np.atleast_1d(self.first.seq_lens(keys, True, internal=internal)).astype(np.int64)
+        before = lens - np.asarray(committed, dtype=np.int64)
+        self._mark_blocks(keys, internal, self._recent_from(before), self._recent_from(lens), COLD)
+
+    def _recent_from(self, lens: np.ndarray) -> np.ndarray:
+        """Per sequence of ``lens`` tokens, the first block (past the sinks') that holds
+        one of its newest ``kv_window`` tokens."""
+        return np.maximum(np.maximum(lens - self.recent_tokens, 0) // self.block_size, self.sink_blocks)
+
+    def _mark_blocks(self, keys, internal: bool, lo: np.ndarray, hi: np.ndarray, state: int) -> None:
+        """Mark ``state`` the blocks ``[lo[b], hi[b])`` of each sequence's tables."""
+        moved = np.nonzero(hi > lo)[0]
+        if not len(moved):
+            return
+        arr = np.atleast_1d(np.asarray(keys, dtype=np.int64))[moved]
+        found = []
+        for t in self.groups.tables:
+            table = t.block_table(arr, -1, None, internal=internal)
+            for r, b in enumerate(moved.tolist()):
+                found.append(table[r, lo[b]:hi[b]])
+        blocks = np.concatenate(found).astype(np.int64)
+        self.sink_store.window.mark(blocks[blocks >= 0], state)
 
     def pin_sinks(self, keys, internal: bool, reserved) -> None:
         """Pin the first blocks of the sequences whose reservation just covered one of

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.events import KVEvent
 from pagedkv.manager.arguments import as_count, as_token_ids
-from pagedkv.manager.events import KVEvent
 from pagedkv.manager.namespaces import namespace_key
 
 __all__ = ["Prefixes"]

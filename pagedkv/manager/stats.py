@@ -1,13 +1,13 @@
 """Cache statistics and the block map (seeds 001 and 002)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from pagedkv.config.options import format_bytes
 
-__all__ = ["CacheStats", "GroupStats", "render_block_map"]
+__all__ = ["CacheStats", "GroupStats", "render_block_map", "with_window_figures"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ class CacheStats:
     groups: tuple = ()             # layer groups: GroupStats per group (the totals above add them up)
     window_bytes: int = 0          # the window arena (model-precision rows), allocated up front
     states: object = None          # recurrent-state layers: the state pool's StateStats (None without)
+    # sequence reads (once per pass) that found a sink or recent-window row no longer held
+    # exact and read it quantized: with more live sequences than kv_window_sequences, or a
+    # prefix hit whose blocks lost their window copies (pagedkv.store.window)
+    window_fallbacks: int = 0
 
     @property
     def is_full(self) -> bool:
@@ -161,3 +165,9 @@ def render_block_map(pool, width: int = 64) -> str:
                 chars[b] = ord("p")
     text = chars.tobytes().decode()
     return "\n".join(text[i:i + width] for i in range(0, len(text), width))
+
+
+def with_window_figures(stats: CacheStats, store) -> CacheStats:
+    """``stats`` with the window arena's own counters (the KV store's, when it has one)."""
+    window = getattr(store, "window", None)
+    return stats if window is None else replace(stats, window_fallbacks=window.fallbacks)

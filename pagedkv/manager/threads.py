@@ -1,10 +1,11 @@
 """How many threads pagedkv's CPU loops use (see docs/threads.md).
 
-The compiled loops (``pagedkv.ops._cpu_copy``, ``pagedkv.ops._cpu_quant``) follow
-OpenMP's thread count, which ``torch.set_num_threads`` and ``OMP_NUM_THREADS`` set,
-unless pagedkv has its own: ``set_num_threads(n)`` or ``PAGEDKV_NUM_THREADS=n`` (read
-at import). ``0`` means "follow torch". A call never uses more threads than it has
-work for (one thread per 64 KiB moved, or 16,384 elements quantized).
+The compiled loops (``pagedkv.ops._cpu_copy``, ``_cpu_quant`` and ``_cpu_attention``, all
+through one policy, ``pagedkv.ops._threads``) follow OpenMP's thread count, which
+``torch.set_num_threads`` and ``OMP_NUM_THREADS`` set, unless pagedkv has its own:
+``set_num_threads(n)`` or ``PAGEDKV_NUM_THREADS=n`` (read at import). ``0`` means
+"follow torch". A call never uses more threads than it has work for (one thread per
+64 KiB moved, 16,384 elements quantized, or 2**18 multiply-adds of attention).
 """
 from __future__ import annotations
 
@@ -15,14 +16,12 @@ from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 ENV = "PAGEDKV_NUM_THREADS"
 
 
-def _modules():
-    mods = []
-    for name in ("_cpu_copy", "_cpu_quant"):
-        try:
-            mods.append(__import__(f"pagedkv.ops.{name}", fromlist=[name]))
-        except ImportError:   # not built: the reference ops are single-threaded torch code
-            pass
-    return mods
+def _policy():
+    try:
+        from pagedkv.ops import _threads
+    except ImportError:   # not built: the reference ops are single-threaded torch code
+        return None
+    return _threads
 
 
 def set_num_threads(n: int) -> None:
@@ -31,14 +30,15 @@ def set_num_threads(n: int) -> None:
         raise ArgumentTypeError(expected("n", "an int >= 0", type(n).__name__))
     if n < 0:
         raise InvalidArgumentError(expected("n", "an int >= 0 (0: follow torch.get_num_threads())", n))
-    for mod in _modules():
-        mod.set_num_threads(n)
+    policy = _policy()
+    if policy is not None:
+        policy.set_num_threads(n)
 
 
 def get_num_threads() -> int:
     """pagedkv's own thread count, or ``0`` when it follows torch's (OpenMP's) count."""
-    mods = _modules()
-    return mods[0].get_num_threads() if mods else 0
+    policy = _policy()
+    return policy.get_num_threads() if policy is not None else 0
 
 
 def _from_env() -> None:

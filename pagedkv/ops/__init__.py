@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops import backends
 from pagedkv.ops.backends import BACKENDS, resolve_backend
 from pagedkv.ops.latent import LatentView, gather_latent, mla_attention, write_latent
 from pagedkv.ops.paged_attention import ExactRows, paged_attention
 from pagedkv.ops.views import KVLayerView, unpack
-from pagedkv.store.layer_format import LayerFormat
 
 __all__ = [
     "BACKENDS",

@@ -9,8 +9,11 @@ snapshots), and hands over addresses and counts. Work items are (sequence, KV he
 split): a decode sequence (at most 16 queries) takes all its KV heads in one item, so
 an NHD page is streamed once rather than once per head; a prefill chunk takes one head
 per item (its rows are parallelism enough, and its reads are shared by many queries).
-One OpenMP loop runs the items (``schedule(static)``; one thread below
-``_PARALLEL_WORK``), then a second merges each sequence's splits exactly.
+One OpenMP loop runs the items (``schedule(static)``), then a second merges each
+sequence's splits exactly. Threads: the CPU loops' one policy (``_threads.pxd``, set by
+``pagedkv.set_num_threads``), with ``_PARALLEL_WORK`` multiply-adds as the piece of work
+one thread must have; the splits follow the thread setting, never the machine's load, so
+a call's result does not depend on how many threads were idle.
 """
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.stdlib cimport free, malloc
@@ -19,6 +22,7 @@ from cython.parallel cimport prange
 cimport openmp
 
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.ops._threads cimport configured_threads, threads_for
 
 cdef extern from "attention_rows.h" nogil:
     int PKV_F32, PKV_INT4, PKV_INT3, PKV_INT8, PKV_E4M3
@@ -77,7 +81,8 @@ cdef pkv_key_row_fn key_row = pkv_pick_key_row()
 #: which build of the loops runs: "avx2" or "baseline"
 ROW_ISA = "avx2" if pkv_use_avx2() else "baseline"
 
-# below this many multiply-adds (keys x query rows x head_dim), one thread
+# below this many multiply-adds (keys x query rows x head_dim), one thread; a thread per
+# this much work at most
 cdef int64_t _PARALLEL_WORK = 1 << 18
 # a tile's K (and V) floats at most (K and V: 256 KiB, in L2): per-tile work per row (the
 # softmax's rescale, exp, the accumulators' loads) is paid per tile, and was measured to
@@ -108,7 +113,7 @@ cdef extern from "quant_rows.h" nogil:
 
 def hadamard_rows(uintptr_t y_ptr, int64_t rows, int64_t head_dim, uintptr_t signs_ptr, bint inverse):
     """In place over ``rows`` contiguous float32 rows of ``head_dim``: rotate (``inverse``
-    False) or unrotate them, bit for bit as pagedkv.store.rotation defines it (the same row
+    False) or unrotate them, bit for bit as pagedkv.format.rotation defines it (the same row
     function the quantized writes and gathers use). The caller checks the sizes."""
     cdef float* y = <float*>y_ptr
     cdef const float* signs = <const float*>signs_ptr
@@ -119,6 +124,12 @@ def hadamard_rows(uintptr_t y_ptr, int64_t rows, int64_t head_dim, uintptr_t sig
                 pkv_unrotate_row(y + r * head_dim, head_dim, signs)
             else:
                 pkv_rotate_row(y + r * head_dim, head_dim, signs)
+
+
+def planned_threads(int64_t work):
+    """Threads a call of ``work`` multiply-adds (keys x query rows x head_dim, summed over
+    the sequences) would take now: the CPU loops' policy (pagedkv.set_num_threads)."""
+    return threads_for(work // _PARALLEL_WORK)
 
 
 def tune(prefetch=None, key_cache=None, fused=None):
@@ -223,7 +234,10 @@ def attend(
         nq = a.q_indptr[b + 1] - a.q_indptr[b]
         if nq > 0 and n > 0:
             work += n * nq * G * D * num_heads
-    cdef int nth = 1 if work < _PARALLEL_WORK else openmp.omp_get_max_threads()
+    # the splits are planned for the thread setting (a result must not depend on the load);
+    # the loops run on the threads the policy gives now (never more)
+    cdef int want = 1 if work < _PARALLEL_WORK else configured_threads()
+    cdef int nth = threads_for(work // _PARALLEL_WORK)
     # per sequence: splits, heads per item, first item, first partial row
     cdef int64_t* seq_info = <int64_t*> malloc(<size_t> (4 * batch + 1) * 8)
     if seq_info == NULL:
@@ -238,8 +252,8 @@ def attend(
                 ns = num_splits if num_splits < n else n
             elif nq <= 16:
                 ns = (n + split_tokens - 1) // split_tokens
-                if batch * ns < nth:  # all heads in one item: split for the threads instead
-                    ns = (nth + batch - 1) // batch
+                if batch * ns < want:  # all heads in one item: split for the threads instead
+                    ns = (want + batch - 1) // batch
                     if ns > (n + 255) // 256:
                         ns = (n + 255) // 256
             else:

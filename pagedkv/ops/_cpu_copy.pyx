@@ -25,7 +25,6 @@ from libc.stdint cimport INT64_MAX, int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from cython.parallel cimport parallel, prange
-cimport openmp
 
 cdef extern from *:
     """
@@ -77,30 +76,15 @@ PARALLEL_BYTES = _PARALLEL_BYTES
 
 
 
-# Thread policy (docs/threads.md, omp_policy.h). A call splits its work into pieces of
-# the serial threshold and takes at most one thread per piece (waking a thread for less
-# costs more than it saves). The thread count is pagedkv's own setting
-# (pagedkv.set_num_threads / PAGEDKV_NUM_THREADS) when > 0; at 0 (the default) it is
-# OpenMP's max, which torch.set_num_threads and OMP_NUM_THREADS set, capped by the cores
-# idle right now, so a loaded machine runs the loop serially instead of waiting at the
-# closing barrier for a descheduled worker. Loops are scheduled dynamically, about 8
-# chunks per thread: a worker preempted mid-loop holds back one chunk, not its half.
-cdef extern from "omp_policy.h":
-    int pkv_threads(long long parts, int setting, int omp_max) noexcept nogil
-    long pkv_runnable_override
-
-cdef int _num_threads = 0
-
-
-def set_num_threads(int n):
-    """pagedkv's thread count for these loops (0: follow OpenMP's max, i.e. torch's)."""
-    global _num_threads
-    _num_threads = n if n > 0 else 0
-
-
-def get_num_threads():
-    """pagedkv's own setting (0: following OpenMP's max)."""
-    return _num_threads
+# Thread policy (docs/threads.md): one setting and one decision for every loop
+# (_threads.pxd). A call splits its work into pieces of the serial threshold and takes
+# at most one thread per piece (waking a thread for less costs more than it saves); the
+# automatic setting also runs serially while the machine has no idle core. Loops are
+# scheduled dynamically, about 8 chunks per thread: a worker preempted mid-loop holds
+# back one chunk, not its half.
+from pagedkv.ops._threads cimport configured_threads, threads_for as policy_threads
+# the setting's Python side, kept here for the callers and tests that ask this module
+from pagedkv.ops._threads import _pretend_runnable, get_num_threads, set_num_threads
 
 
 cdef inline Py_ssize_t chunk_for(Py_ssize_t n, int nth) noexcept nogil:
@@ -109,7 +93,7 @@ cdef inline Py_ssize_t chunk_for(Py_ssize_t n, int nth) noexcept nogil:
 
 
 cdef inline int threads_for(Py_ssize_t nbytes) noexcept nogil:
-    return pkv_threads(nbytes // _PARALLEL_BYTES, _num_threads, openmp.omp_get_max_threads())
+    return policy_threads(nbytes // _PARALLEL_BYTES)
 
 
 def planned_threads(Py_ssize_t nbytes):
@@ -117,15 +101,9 @@ def planned_threads(Py_ssize_t nbytes):
     return threads_for(nbytes)
 
 
-def _pretend_runnable(long n):
-    """Tests: pretend the kernel reports ``n`` runnable tasks (-1: read /proc/loadavg)."""
-    global pkv_runnable_override
-    pkv_runnable_override = n
-
-
 def max_threads():
     """Threads a large call uses (pagedkv's setting, else OpenMP's max, which torch.set_num_threads sets)."""
-    return _num_threads if _num_threads > 0 else openmp.omp_get_max_threads()
+    return configured_threads()
 
 
 # ------------------------------------------------------------------------------------

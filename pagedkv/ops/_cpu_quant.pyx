@@ -4,7 +4,7 @@
 """Quantizing write and dequantizing gather of the fast CPU ops, on raw tensor pointers.
 
 The row arithmetic is ``quant_rows.h`` and, for int4 block keys, ``key_rows.h`` (gather)
-and ``key_seal.h`` (``seal_key_blocks``) (pagedkv/store/quant.py's, bit for bit). As in :mod:`pagedkv.ops._cpu_copy`, the Python side
+and ``key_seal.h`` (``seal_key_blocks``) (pagedkv/format/quant.py's, bit for bit). As in :mod:`pagedkv.ops._cpu_copy`, the Python side
 (:mod:`pagedkv.ops.cpu`) has checked every shape, dtype, device and contiguity, and
 hands over addresses, byte strides and counts; slot values are checked here, from a
 private snapshot, before the first byte moves. Block tables arrive already snapshotted and validated (``validate_csr`` /
@@ -17,7 +17,7 @@ byte ``r * row_bytes`` of the data and at element ``r * groups`` of the scale/ze
 (float32; bfloat16 for int3: the row functions read them as such).
 
 An int4 gather may pass ``key_scale_ptr``/``key_zero_ptr``: the bfloat16
-``[num_blocks, H, head_dim]`` per-channel parameters of block keys (pagedkv/store/quant.py).
+``[num_blocks, H, head_dim]`` per-channel parameters of block keys (pagedkv/format/quant.py).
 A K row whose (block, head) has a nonzero first key scale is dequantized from them
 (never unrotated); every other row as above.
 
@@ -74,30 +74,15 @@ cdef int64_t _PARALLEL_ELEMENTS = 16384
 
 
 
-# Thread policy (docs/threads.md, omp_policy.h). A call splits its work into pieces of
-# the serial threshold and takes at most one thread per piece (waking a thread for less
-# costs more than it saves). The thread count is pagedkv's own setting
-# (pagedkv.set_num_threads / PAGEDKV_NUM_THREADS) when > 0; at 0 (the default) it is
-# OpenMP's max, which torch.set_num_threads and OMP_NUM_THREADS set, capped by the cores
-# idle right now, so a loaded machine runs the loop serially instead of waiting at the
-# closing barrier for a descheduled worker. Loops are scheduled dynamically, about 8
-# chunks per thread: a worker preempted mid-loop holds back one chunk, not its half.
-cdef extern from "omp_policy.h":
-    int pkv_threads(long long parts, int setting, int omp_max) noexcept nogil
-    long pkv_runnable_override
-
-cdef int _num_threads = 0
-
-
-def set_num_threads(int n):
-    """pagedkv's thread count for these loops (0: follow OpenMP's max, i.e. torch's)."""
-    global _num_threads
-    _num_threads = n if n > 0 else 0
-
-
-def get_num_threads():
-    """pagedkv's own setting (0: following OpenMP's max)."""
-    return _num_threads
+# Thread policy (docs/threads.md): one setting and one decision for every loop
+# (_threads.pxd). A call splits its work into pieces of the serial threshold and takes
+# at most one thread per piece (waking a thread for less costs more than it saves); the
+# automatic setting also runs serially while the machine has no idle core. Loops are
+# scheduled dynamically, about 8 chunks per thread: a worker preempted mid-loop holds
+# back one chunk, not its half.
+from pagedkv.ops._threads cimport threads_for as policy_threads
+# the setting's Python side, kept here for the callers and tests that ask this module
+from pagedkv.ops._threads import _pretend_runnable, get_num_threads, set_num_threads
 
 
 cdef inline int64_t chunk_for(int64_t n, int nth) noexcept nogil:
@@ -106,18 +91,12 @@ cdef inline int64_t chunk_for(int64_t n, int nth) noexcept nogil:
 
 
 cdef inline int threads_for(int64_t elements) noexcept nogil:
-    return pkv_threads(elements // _PARALLEL_ELEMENTS, _num_threads, openmp.omp_get_max_threads())
+    return policy_threads(elements // _PARALLEL_ELEMENTS)
 
 
 def planned_threads(int64_t elements):
     """Threads a call moving ``elements`` would take now (the policy above)."""
     return threads_for(elements)
-
-
-def _pretend_runnable(long n):
-    """Tests: pretend the kernel reports ``n`` runnable tasks (-1: read /proc/loadavg)."""
-    global pkv_runnable_override
-    pkv_runnable_override = n
 
 
 cdef inline int64_t row_of(int64_t blk, int kv, int64_t off, int64_t h, int64_t block_size,
@@ -375,7 +354,7 @@ def seal_key_blocks(
     int64_t num_heads,
     int64_t head_dim,
 ):
-    """Requantize whole blocks' keys per channel (pagedkv.store.quant.quantize_key_block) into
+    """Requantize whole blocks' keys per channel (pagedkv.format.quant.quantize_key_block) into
     their K planes of an int4 layer and their rows of the contiguous bfloat16
     ``[num_blocks, num_heads, head_dim]`` key scale and zero views.
 

@@ -23,7 +23,7 @@ _MODEL_CODES = {torch.float32: _q.MODEL_CODES["float32"], torch.float16: _q.MODE
 
 def _hadamard_(y: torch.Tensor, signs: torch.Tensor, *, inverse: bool) -> torch.Tensor:
     """Rotate (or unrotate) the contiguous float32 rows of ``y`` in place with the C row
-    function (bit for bit :mod:`pagedkv.store.rotation`; ``signs`` as check_rotation
+    function (bit for bit :mod:`pagedkv.format.rotation`; ``signs`` as check_rotation
     checked them: float32 ``[head_dim]`` on the CPU). The torch definition's butterfly
     stages cost ~30 small tensor ops per call, 8% of a decode step of the int4 demo."""
     d = y.shape[-1]
@@ -35,10 +35,10 @@ def _contig(*ts) -> bool:
     return all(t is None or t.is_contiguous() for t in ts)
 
 
-def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out):
-    """Run a checked call (``plan`` from :func:`~pagedkv.ops.attention_reference.check_attention`)."""
-    from pagedkv.ops.paged_attention import SPLIT_TOKENS
-
+def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero, rotation_signs, out,
+           split_tokens: int):
+    """Run a checked call (``plan`` from :func:`~pagedkv.ops.attention_reference.check_attention`),
+    cutting sequences into splits of ``split_tokens`` keys unless the plan fixes ``num_splits``."""
     geo = plan.geo
     exact = plan.exact
     if not _contig(kv_layer, kv_scale, kv_zero) or (exact is not None and not _contig(exact.data, exact.valid)):
@@ -71,7 +71,7 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
         plan.indptr.data_ptr(), plan.indices.data_ptr(), plan.seq_lens.data_ptr(), plan.q_indptr.data_ptr(),
         plan.batch, geo.block_size, geo.num_heads, geo.head_dim, groups, layout == "HND",
         plan.sm_scale, 0.0 if plan.soft_cap is None else plan.soft_cap, plan.window or 0, plan.sink_tokens,
-        plan.num_splits or 0, SPLIT_TOKENS, **ex_args,
+        plan.num_splits or 0, split_tokens, **ex_args,
     )
     if signs is not None:
         _hadamard_(res, signs, inverse=True)    # res is this call's own

@@ -35,7 +35,6 @@ same up to rounding.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, cast
 
 import numpy as np
@@ -48,9 +47,11 @@ from pagedkv.errors import (
     ShapeError,
     expected,
 )
-from pagedkv.store import op_checks
-from pagedkv.store.quant import MODEL_DTYPES
+from pagedkv.format import op_checks
+from pagedkv.format.attention_checks import check_attention_args, index_array, opt_int
+from pagedkv.format.quant import MODEL_DTYPES
 
+# index_array: re-exported (it was first published here)
 __all__ = ["ExactRows", "AttentionPlan", "check_attention", "paged_attention", "index_array"]
 
 
@@ -92,45 +93,6 @@ class AttentionPlan(NamedTuple):
     exact: ExactRows | None  # with slot_of as a contiguous int64 CPU tensor
 
 
-def index_array(name: str, x: object, device: torch.device) -> torch.Tensor:
-    """An int32 1-D index tensor on ``device`` from an int32 tensor or a NumPy integer array.
-
-    A tensor must already be int32 (as :func:`pagedkv.ops.gather_kv` takes it: nothing is
-    cast silently); a NumPy array of any integer dtype is converted when its values fit."""
-    if isinstance(x, np.ndarray):
-        if x.dtype.kind not in "iu":
-            raise DTypeError(expected(name, "an integer NumPy array or an int32 tensor", f"NumPy {x.dtype}"))
-        if x.ndim != 1:
-            raise ShapeError(expected(name, "a 1-D array", x.shape))
-        if x.size and (int(x.min()) < -2**31 or int(x.max()) >= 2**31):
-            raise InvalidArgumentError(expected(name, "values that fit int32", f"range [{x.min()}, {x.max()}]"))
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(device)
-    t = op_checks.check_tensor(name, x)
-    if t.dtype != torch.int32:
-        raise DTypeError(expected(name, "dtype int32 (or a NumPy integer array)", t.dtype))
-    if t.dim() != 1:
-        raise ShapeError(expected(name, "a 1-D tensor", tuple(t.shape)))
-    if t.device != device:
-        raise DeviceError(expected(name, f"device {device}", t.device))
-    return t
-
-
-def _opt_number(name: str, x: object, what: str, ok) -> float | None:
-    if x is None:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(float(x)):
-        raise InvalidArgumentError(expected(name, what, repr(x)))
-    return float(x)
-
-
-def _opt_int(name: str, x: object, lo: int, allow_none: bool = True) -> int | None:
-    if x is None and allow_none:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < lo:
-        raise InvalidArgumentError(expected(name, f"{'None or ' if allow_none else ''}an int >= {lo}", repr(x)))
-    return int(x)
-
-
 def _check_exact(exact: object, geo: op_checks.LayerGeometry, device: torch.device) -> ExactRows | None:
     if exact is None:
         return None
@@ -161,8 +123,8 @@ def _check_exact(exact: object, geo: op_checks.LayerGeometry, device: torch.devi
     if slot_of.numel() and int(slot_of.max()) >= data.shape[0]:
         raise InvalidArgumentError(expected("exact_rows.slot_of", f"slots < {data.shape[0]} (capacity) or -1",
                                             int(slot_of.max())))
-    recent = _opt_int("exact_rows.recent", exact.recent, 0, allow_none=False)
-    sink = _opt_int("exact_rows.sink", exact.sink, 0, allow_none=False)
+    recent = opt_int("exact_rows.recent", exact.recent, 0, allow_none=False)
+    sink = opt_int("exact_rows.sink", exact.sink, 0, allow_none=False)
     return ExactRows(data, slot_of, valid, cast(int, recent), cast(int, sink))
 
 
@@ -175,78 +137,13 @@ def check_attention(q, kv_layer, indptr, indices, seq_lens, q_indptr, *, layout=
     The index arrays are read once: the plan holds CPU int32 snapshots whose values
     were checked (the tables as :func:`pagedkv.ops.gather_kv` checks them, plus
     ``q_indptr``)."""
-    geo = op_checks.check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=layer_format)
-    device = kv_layer.device
-    explicit = layer_format is not None
-    op_checks.check_rotation(rotation_signs, geo, device, explicit=explicit)
-    op_checks.check_key_channels(key_scale, key_zero, geo, device, explicit=explicit)
-    q = op_checks.check_tensor("q", q)
-    if q.dtype not in MODEL_DTYPES:
-        raise DTypeError(expected("q", "dtype float32, float16 or bfloat16", q.dtype))
-    if q.dim() != 3 or q.shape[2] != geo.head_dim:
-        raise ShapeError(expected("q", f"[num_q_tokens, num_q_heads, {geo.head_dim}]", tuple(q.shape)))
-    if q.device != device:
-        raise DeviceError(expected("q", f"device {device} (the kv_layer's)", q.device))
-    if not geo.quantized and q.dtype != kv_layer.dtype:
-        raise DTypeError(expected("q", f"dtype {kv_layer.dtype} (the kv_layer dtype)", q.dtype))
-    hq = q.shape[1]
-    if geo.num_heads == 0 or hq == 0 or hq % geo.num_heads:
-        raise ShapeError(expected("q", f"num_q_heads a positive multiple of {geo.num_heads} (the KV heads)",
-                                  tuple(q.shape)))
-    if geo.head_dim == 0:
-        raise ShapeError(expected("kv_layer", "a head_dim >= 1", tuple(kv_layer.shape)))
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(geo.head_dim)
-    sm_scale = _opt_number("sm_scale", sm_scale, "None or a finite float", math.isfinite)
-    soft_cap = _opt_number("soft_cap", soft_cap, "None or a float > 0", lambda v: math.isfinite(v) and v > 0)
-    window = _opt_int("window", window, 1)
-    sink_tokens = _opt_int("sink_tokens", sink_tokens, 0, allow_none=False)
-    num_splits = _opt_int("num_splits", num_splits, 1)
-    indptr = index_array("indptr", indptr, device)
-    indices = index_array("indices", indices, device)
-    seq_lens = index_array("seq_lens", seq_lens, device)
-    q_indptr = index_array("q_indptr", q_indptr, device)
-    batch = op_checks.check_csr(indptr, indices, seq_lens, device)
-    if q_indptr.shape[0] != batch + 1:
-        raise ShapeError(expected("q_indptr", f"[{batch + 1}] (len(indptr))", tuple(q_indptr.shape)))
-    # read once: every backend works from these snapshots
-    indptr, indices = indptr.cpu().clone(), indices.cpu().clone()
-    seq_lens, q_indptr = seq_lens.cpu().clone(), q_indptr.cpu().clone()
-    _check_tables(indptr, indices, seq_lens, q_indptr, geo, q.shape[0])
-    if out is not None:
-        out = op_checks.check_tensor("out", out)
-        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
-            raise ShapeError(expected("out", f"{q.dtype} {tuple(q.shape)} (as q)", f"{out.dtype} {tuple(out.shape)}"))
-        if out.device != device:
-            raise DeviceError(expected("out", f"device {device}", out.device))
-        if not out.is_contiguous():
-            raise InvalidArgumentError(expected("out", "a contiguous tensor", f"strides {out.stride()}"))
-    exact = _check_exact(exact_rows, geo, device)
-    return AttentionPlan(geo, batch, hq, hq // geo.num_heads, sm_scale, soft_cap, window, sink_tokens, num_splits,
-                         indptr, indices, seq_lens, q_indptr, exact)
-
-
-def _check_tables(indptr, indices, seq_lens, q_indptr, geo, num_q: int) -> None:
-    ptr, idx, lens, qp = indptr.tolist(), indices.tolist(), seq_lens.tolist(), q_indptr.tolist()
-    nnz, bs = len(idx), geo.block_size
-    for b, n in enumerate(lens):
-        lo, hi = ptr[b], ptr[b + 1]
-        if not 0 <= lo <= hi <= nnz:
-            raise op_checks.indptr_error(b, lo, hi, nnz)
-        if n < 0 or n > (hi - lo) * bs:
-            raise op_checks.seq_len_error(b, n, hi - lo, bs, padded=False)
-        need = idx[lo:lo + -(-n // bs)]
-        op_checks.check_block_ids("indices", need, geo.num_blocks,
-                                  where=lambda j, b=b: op_checks.csr_block_where(b, j))
-    if qp[0] != 0 or qp[-1] != num_q:
-        raise InvalidArgumentError(expected("q_indptr", f"offsets from 0 to {num_q} (num_q_tokens)",
-                                            f"[{qp[0]}, ..., {qp[-1]}]"))
-    for b, n in enumerate(lens):
-        nq = qp[b + 1] - qp[b]
-        if nq < 0 or nq > n:
-            raise InvalidArgumentError(expected(
-                "q_indptr", f"0 <= q_indptr[{b + 1}] - q_indptr[{b}] <= seq_lens[{b}] = {n} (queries are the "
-                "sequence's last tokens)", f"{nq} queries"))
+    a = check_attention_args(q, kv_layer, indptr, indices, seq_lens, q_indptr, layout=layout, kv_scale=kv_scale,
+                             kv_zero=kv_zero, key_scale=key_scale, key_zero=key_zero,
+                             rotation_signs=rotation_signs, sm_scale=sm_scale, soft_cap=soft_cap, window=window,
+                             sink_tokens=sink_tokens, num_splits=num_splits, out=out, layer_format=layer_format)
+    exact = _check_exact(exact_rows, a.geo, kv_layer.device)
+    return AttentionPlan(a.geo, a.batch, a.num_q_heads, a.num_q_heads // a.geo.num_heads, a.sm_scale, a.soft_cap,
+                         a.window, a.sink_tokens, a.num_splits, a.indptr, a.indices, a.seq_lens, a.q_indptr, exact)
 
 
 # ----------------------------------------------------------------------------------

@@ -319,7 +319,7 @@ static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_a
             float x = dots[r] * a->sm_scale;
             if (a->soft_cap > 0.0f) x = a->soft_cap * tanhf(x / a->soft_cap);
             s[r * T + t] = x;
-            mx[r] = x > mx[r] ? x : mx[r];
+            mx[r] = (x > mx[r] || x != x) ? x : mx[r];  /* a NaN score (a NaN or inf in q) wins: the row is NaN */
         }
     }
     if (!any) return;  /* nothing of the tile seen */
@@ -332,7 +332,7 @@ static inline __attribute__((always_inline)) void pkv_attn_rows_tile(const pkv_a
             for (int64_t t = 0; t < nt; ++t) sr[t] = 0.0f;
             continue;
         }
-        if (mx[r] > m[rr]) {
+        if (mx[r] > m[rr] || mx[r] != mx[r]) {  /* NaN: c, l and acc become NaN, as the definition's */
             const float c = m[rr] == -INFINITY ? 0.0f : expf(m[rr] - mx[r]);
             l[rr] *= c;
             for (int64_t d = 0; d < D; ++d) ar[d] *= c;
@@ -720,7 +720,7 @@ static inline __attribute__((always_inline)) void pkv_attn_frows_tile(const pkv_
             float x = dots[r] * a->sm_scale;
             if (a->soft_cap > 0.0f) x = a->soft_cap * tanhf(x / a->soft_cap);
             s[r * T + t] = x;
-            mx[r] = x > mx[r] ? x : mx[r];
+            mx[r] = (x > mx[r] || x != x) ? x : mx[r];  /* a NaN score (a NaN or inf in q) wins: the row is NaN */
         }
     }
     if (!any) return;
@@ -733,7 +733,7 @@ static inline __attribute__((always_inline)) void pkv_attn_frows_tile(const pkv_
             for (int64_t t = 0; t < nt; ++t) sr[t] = 0.0f;
             continue;
         }
-        if (mx[r] > m[rr]) {
+        if (mx[r] > m[rr] || mx[r] != mx[r]) {  /* NaN: c, l and acc become NaN, as the definition's */
             const float c = m[rr] == -INFINITY ? 0.0f : expf(m[rr] - mx[r]);
             l[rr] *= c;
             for (int64_t d = 0; d < D; ++d) ar[d] *= c;

@@ -5,9 +5,10 @@ A backend is any object (in practice a module) with the six data ops of
 :mod:`pagedkv.ops.reference` twin; a backend may add keyword-only options of its own
 (the CUDA launchers take ``stream``, the emulation ``grid``/``block``). Every op that
 reads or writes a layer's K/V takes ``layer_format``
-(:class:`~pagedkv.store.layer_format.LayerFormat`): the store passes the format it
+(:class:`~pagedkv.format.layer_format.LayerFormat`): the store passes the format it
 built, and the backend verifies the tensors against it instead of reading the format
-off them (None: the compatibility path, :meth:`LayerFormat.infer`). The backends:
+off them (None: the compatibility path, the format the tensors imply,
+:func:`pagedkv.format.op_checks.check_layer`). The backends:
 
 - ``"reference"``: :mod:`pagedkv.ops.reference`, plain torch on any device;
 - ``"cpu"``: :mod:`pagedkv.ops.cpu`, the Cython loops for CPU tensors;
@@ -17,7 +18,7 @@ off them (None: the compatibility path, :meth:`LayerFormat.infer`). The backends
 
 Backends load on first use, so importing :mod:`pagedkv.ops` needs neither
 cuda-python nor a compiler. ``pagedkv.kernels`` does not import ``pagedkv.ops``
-(both validate through :mod:`pagedkv.store.op_checks`), so the dependency runs one way.
+(both validate through :mod:`pagedkv.format.op_checks`), so the dependency runs one way.
 """
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import DeviceError, KernelUnavailableError, expected
+from pagedkv.format import dtypes
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops import reference as _ref
-from pagedkv.store import dtypes
-from pagedkv.store.layer_format import LayerFormat
 
 try:
     from pagedkv.ops import _cpu_copy as _c

@@ -5,10 +5,10 @@ and arena) and a ``backend``:
 
 - ``"auto"`` (default): ``"cuda"`` for a CUDA arena, ``"cpu"`` otherwise;
 - ``"cpu"``: torch on the CPU: rows encoded and decoded by the format's definition
-  (:meth:`~pagedkv.store.latent.LatentFormat.encode`), attention in float32, sequence
+  (:meth:`~pagedkv.format.latent.LatentFormat.encode`), attention in float32, sequence
   by sequence;
 - ``"reference"``: the float64 definition (:mod:`pagedkv.ops.latent_reference`);
-- ``"cuda"``: the kernels of ``cuda/latent.cu`` (:mod:`pagedkv.kernels.latent_plans`).
+- ``"cuda"``: the kernels of ``cuda/latent_rows.cu`` and ``cuda/latent_attention.cu`` (:mod:`pagedkv.kernels.latent_plans`).
 
 Every backend runs the same checks first, with the same errors.
 """

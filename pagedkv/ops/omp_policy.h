@@ -6,7 +6,10 @@
  * of 8 on 2 cores (benchmarks/contention.py). Under the automatic setting a loop therefore
  * takes extra threads only for cores that are idle now: the kernel's count of runnable
  * tasks (the 4th field of /proc/loadavg, this thread included), read at most every 10 ms.
- * Where that count cannot be read, loops stay serial. */
+ * Where that count cannot be read, loops stay serial.
+ *
+ * Included by _threads.pyx alone: the other extensions cimport its decision (_threads.pxd),
+ * so the setting and the cached reading below exist once per process. */
 #ifndef PAGEDKV_OMP_POLICY_H
 #define PAGEDKV_OMP_POLICY_H
 #include <stdio.h>

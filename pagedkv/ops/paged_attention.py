@@ -10,8 +10,9 @@ defined by :mod:`pagedkv.ops.attention_reference` (float64); the backends:
   sequence's keys are cut into splits of at most :data:`SPLIT_TOKENS` tokens
   (flash-decoding) whose partial results are merged exactly (log-sum-exp), and the
   (sequence, KV head, split) items run in one OpenMP loop (serially below a size
-  threshold). The split points do not depend on the thread count, so the result is
-  the same on one thread as on many;
+  threshold; threads as :func:`pagedkv.set_num_threads` says). The split points follow
+  the thread setting, not the cores idle at the time, so a call's result does not
+  change with the machine's load;
 - ``"reference"``: the float64 definition;
 - ``"cuda"``: the ``paged_attention`` function of the CUDA backend module
   (:data:`pagedkv.ops.backends.MODULES`), with this function's signature less
@@ -32,10 +33,10 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import DeviceError, KernelUnavailableError, expected
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops import backends
 from pagedkv.ops.attention_reference import ExactRows, attend_reference, check_attention
 from pagedkv.ops.views import KVLayerView, unpack
-from pagedkv.store.layer_format import LayerFormat
 
 try:
     from pagedkv.ops import _cpu_attention as _ca
@@ -78,21 +79,28 @@ def paged_attention(
 
     Args:
         q: the queries, in the model dtype (the arena's dtype when it is not quantized).
-        kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero, rotation_signs: one
-            layer's arena and its parameters, exactly as :func:`pagedkv.ops.gather_kv` takes them.
-        indptr, indices, seq_lens: the CSR page table (int32 tensors on the arena's
-            device, or NumPy integer arrays).
+        kv_layer: one layer's arena, exactly as :func:`pagedkv.ops.gather_kv` takes it.
+        indptr: the CSR page table's offsets (an int32 tensor on the arena's device, or a
+            NumPy integer array), as :func:`pagedkv.ops.gather_kv` takes them.
+        indices: the CSR page table's block ids (likewise).
+        seq_lens: each sequence's length in tokens (likewise).
         q_indptr: ``[batch + 1]``: sequence ``b``'s queries are
             ``q[q_indptr[b]:q_indptr[b+1]]``, its last tokens (causal within the chunk).
         sm_scale: logit scale (default ``1 / sqrt(head_dim)``).
         soft_cap: optional logit soft-cap ``cap * tanh(logits / cap)``.
-        window, sink_tokens: a query at position ``p`` sees keys ``> p - window`` and the
-            first ``sink_tokens`` positions (``window=None``: all earlier keys).
+        layout: ``"NHD"`` or ``"HND"``, the arena's layout.
+        kv_scale: the quantized arena's scale view (as :func:`pagedkv.ops.gather_kv`).
+        kv_zero: its zero-point view (int8, int4, int3).
+        key_scale: the per-channel key scales of int4 block keys.
+        key_zero: their zero points.
+        rotation_signs: the signs of a rotated arena (float32 ``[head_dim]``).
+        window: a query at position ``p`` sees keys ``> p - window`` (None: all earlier keys)...
+        sink_tokens: ... and the first ``sink_tokens`` positions.
         num_splits: CPU: splits per sequence (default: one per :data:`SPLIT_TOKENS` keys).
         out: optional contiguous output shaped and typed as ``q``.
         exact_rows: model-precision rows read instead of the arena's
             (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window).
-        layer_format: the layer's :class:`~pagedkv.store.layer_format.LayerFormat` (the
+        layer_format: the layer's :class:`~pagedkv.format.layer_format.LayerFormat` (the
             store passes its own); the tensors are verified against it. None: the format
             the tensors imply (the group size read off ``kv_scale``'s trailing dim).
         backend: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"reference"``.
@@ -138,4 +146,4 @@ def paged_attention(
     from pagedkv.ops import attention_cpu
 
     return attention_cpu.attend(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero,
-                                rotation_signs, out)
+                                rotation_signs, out, SPLIT_TOKENS)

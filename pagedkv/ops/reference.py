@@ -19,7 +19,7 @@ Shapes (``NB`` blocks, ``bs`` tokens per block, ``H`` kv heads, ``D`` head dim):
 Every function validates all its inputs before touching any tensor, so a call that
 raises leaves every arena unchanged. Nothing is cast silently: a dtype mismatch is a
 :class:`~pagedkv.errors.DTypeError`. The checks (``check_*``) live in
-:mod:`pagedkv.store.op_checks`, shared by every backend (and re-exported here).
+:mod:`pagedkv.format.op_checks`, shared by every backend (and re-exported here).
 
 Duplicate non-negative slots in one :func:`write_kv` call are the caller's bug:
 which of the tokens lands is unspecified (as in every GPU implementation).
@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import InvalidArgumentError, ShapeError, expected
-from pagedkv.store import dtypes
-from pagedkv.store import op_checks as _op_checks
-from pagedkv.store.op_checks import (  # re-exported: the checks were first published here
+from pagedkv.format import dtypes
+from pagedkv.format import op_checks as _op_checks
+from pagedkv.format.op_checks import (  # re-exported: the checks were first published here
     LAYOUTS,
     Arenas,
     LayerFormat,
@@ -62,8 +62,8 @@ from pagedkv.store.op_checks import (  # re-exported: the checks were first publ
     validate_copy_blocks,
     validate_swap_blocks,
 )
-from pagedkv.store.quant import dequantize, dequantize_key_channels, is_quantized, quantize, quantize_key_block
-from pagedkv.store.rotation import rotate, unrotate
+from pagedkv.format.quant import dequantize, dequantize_key_channels, is_quantized, quantize, quantize_key_block
+from pagedkv.format.rotation import rotate, unrotate
 
 __all__ = [
     "write_kv",
@@ -161,8 +161,8 @@ def write_kv(
         kv_scale: quantized only: float32 NHD ``[NB, 2, bs, H]`` / HND ``[NB, 2, H, bs]``.
         kv_zero: int8 only: float32, shaped like ``kv_scale``.
         rotation_signs: quantized only: float32 ``[D]`` signs; the rows stored are
-            :func:`pagedkv.store.rotation.rotate` of the float32 K/V (then quantized).
-        layer_format: the layer's :class:`~pagedkv.store.layer_format.LayerFormat`; the
+            :func:`pagedkv.format.rotation.rotate` of the float32 K/V (then quantized).
+        layer_format: the layer's :class:`~pagedkv.format.layer_format.LayerFormat`; the
             tensors are verified against it (a rotated format's write needs its signs).
             None: the format the tensors imply (the compatibility path).
 
@@ -208,7 +208,7 @@ def seal_key_blocks(
         keys: ``[M, bs, H, D]`` the blocks' exact keys, float32/float16/bfloat16.
         key_scale, key_zero: bfloat16 ``[NB, H, D]`` (see :func:`gather_kv`).
 
-    Block ``blocks[i]`` gets :func:`pagedkv.store.quant.quantize_key_block` of ``keys[i]``: its K
+    Block ``blocks[i]`` gets :func:`pagedkv.format.quant.quantize_key_block` of ``keys[i]``: its K
     plane's codes, and its rows of ``key_scale``/``key_zero``. Nothing else changes.
 
     Raises:
@@ -278,12 +278,12 @@ def gather_kv(
         kv_scale, kv_zero: quantized only (see :func:`write_kv`).
         out_key, out_value: optional contiguous ``[sum(seq_lens), H, D]`` outputs.
         rotation_signs: quantized only: float32 ``[D]`` signs of a rotated arena; each
-            row is dequantized to float32, :func:`pagedkv.store.rotation.unrotate`-d, then
+            row is dequantized to float32, :func:`pagedkv.format.rotation.unrotate`-d, then
             converted to ``out_dtype``.
         key_scale, key_zero: int4 only: bfloat16 ``[NB, H, D]`` per-channel parameters
-            of block keys (:func:`pagedkv.store.quant.quantize_key_block`). A K row whose
+            of block keys (:func:`pagedkv.format.quant.quantize_key_block`). A K row whose
             ``key_scale[block, head, 0]`` is nonzero is dequantized from them
-            (:func:`pagedkv.store.quant.dequantize_key_channels`; no unrotation), every
+            (:func:`pagedkv.format.quant.dequantize_key_channels`; no unrotation), every
             other K row from ``kv_scale``/``kv_zero`` as usual. V rows are unaffected.
         layer_format: see :func:`write_kv` (a ``key_quant="block"`` format needs
             ``key_scale``/``key_zero``, any other refuses them).
@@ -427,7 +427,7 @@ def unseal_key_blocks(
     """Undo :func:`seal_key_blocks` (int4 block keys): block ``blocks[i]``'s first
     ``live[i]`` K rows go back to per-token codes, and its seal is cleared.
 
-    Each live row is the block's per-channel key (:func:`pagedkv.store.quant.dequantize_key_channels`),
+    Each live row is the block's per-channel key (:func:`pagedkv.format.quant.dequantize_key_channels`),
     or ``exact[i, row]`` where ``exact_valid[i, row]`` (the model-precision copy, when the
     caller holds one: the row then gets exactly what a per-token write stored), rotated
     by ``rotation_signs`` when given, then quantized per token in ``layer_format``'s groups

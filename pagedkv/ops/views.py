@@ -6,13 +6,13 @@ parts of a format. A store builds them (``store.view(layer)``): only it knows wh
 layer's parts live.
 
 - :class:`KVLayerView`: a layer of K and V rows: its
-  :class:`~pagedkv.store.layer_format.LayerFormat`, data view, layout, scale and zero
+  :class:`~pagedkv.format.layer_format.LayerFormat`, data view, layout, scale and zero
   views, block-key parameters, rotation signs and the model-precision rows read instead
   of the arena's (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window).
   :func:`pagedkv.ops.write_kv`, :func:`~pagedkv.ops.gather_kv` and
   :func:`~pagedkv.ops.paged_attention` take one in place of their ``kv_layer`` and
   layer keywords.
-- :class:`LatentView`: an MLA layer: a :class:`~pagedkv.store.latent.LatentFormat` and
+- :class:`LatentView`: an MLA layer: a :class:`~pagedkv.format.latent.LatentFormat` and
   its ``[num_blocks, block_size, row]`` arena view (the row carries its own scales),
   checked against each other (:meth:`LatentView.check`).
 """
@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 
-from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.format.latent_checks import LatentView
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.ops.attention_reference import ExactRows
-from pagedkv.store import dtypes
-from pagedkv.store.latent import LatentFormat
-from pagedkv.store.layer_format import LayerFormat
 
 __all__ = ["KVLayerView", "LatentView", "unpack"]
 
@@ -84,47 +83,3 @@ def unpack(op: str, kv_layer: object, given: dict, attention: bool = False, writ
         kw.pop("key_zero")
     out.update(kw)
     return kv_layer.data, out
-
-
-@dataclass(frozen=True)
-class LatentView:
-    """One MLA layer: its row ``format`` and ``data`` ``[num_blocks, block_size, row_elems]``
-    (contiguous; the model dtype's elements, or uint8 bytes of a quantized row)."""
-
-    format: LatentFormat
-    data: torch.Tensor
-
-    def check(self) -> None:
-        """``data`` holds ``format``'s rows (typed errors naming what differs)."""
-        f, t = self.format, self.data
-        if not isinstance(f, LatentFormat):
-            raise InvalidArgumentError(expected("view.format", "a LatentFormat", type(f).__name__))
-        if not isinstance(t, torch.Tensor):
-            raise DTypeError(expected("view.data", "a torch.Tensor", type(t).__name__))
-        if t.dtype != f.storage_dtype:
-            raise DTypeError(expected("view.data", f"dtype {f.storage_dtype} ({f.describe()})", t.dtype))
-        if t.dim() != 3 or t.shape[2] != f.row_elems or 0 in tuple(t.shape[:2]):
-            raise ShapeError(expected("view.data", f"[num_blocks, block_size, {f.row_elems}] ({f.describe()})",
-                                      tuple(t.shape)))
-        if not t.is_contiguous():
-            raise InvalidArgumentError(expected("view.data", "a contiguous tensor", f"strides {t.stride()}"))
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.data.shape[0])
-
-    @property
-    def block_size(self) -> int:
-        return int(self.data.shape[1])
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def rows(self) -> torch.Tensor:
-        """The arena as ``[num_slots, row_elems]`` (slot s is row s; no copy)."""
-        return self.data.view(self.num_slots, self.format.row_elems)
-
-    def format_dtype(self) -> torch.dtype:
-        """The model dtype (what a read returns by default)."""
-        return dtypes.info(self.format.model_dtype).torch_dtype

@@ -88,15 +88,18 @@ class ChunkPolicy:
     """Chooses the next chunk size in ``[min_tokens, max_tokens]`` (the last may be less).
 
     Args:
-        min_tokens, max_tokens: chunk bounds (default 512 and 2048, seed 004).
+        min_tokens: the smallest chunk (default 512, seed 004).
+        max_tokens: the largest chunk (default 2048).
         memory_limit: bytes the chunk's activations may use at peak (int or a string
             like ``"512MiB"``): the configured limit.
         memory_probe: ``() -> int`` free bytes now (the device's headroom); the budget
             is ``min(memory_limit, memory_probe() - probe_margin)``.
         probe_margin: bytes of the probed headroom left untouched (allocator slack).
-        activation_bytes_per_token, attention_bytes_per_pair, fixed_bytes: the linear
-            activation estimate (see the module docstring); ``attention_bytes_per_pair``
-            is 0 for flash/memory-efficient attention.
+        activation_bytes_per_token: the linear activation estimate's bytes per chunk
+            token (see the module docstring).
+        attention_bytes_per_pair: its bytes per (query, key) pair: 0 for
+            flash/memory-efficient attention.
+        fixed_bytes: its constant bytes.
         activation_bytes: ``(n, context) -> int`` replacing the linear estimate; must
             grow with ``n``.
         kv_reserve_blocks: free blocks a chunk leaves to other sequences (decodes

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
+from pagedkv.format import dtypes
 from pagedkv.groups.spec import RecurrentStateSpec
-from pagedkv.store import dtypes
 
 __all__ = ["StateStore"]
 

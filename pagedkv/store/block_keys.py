@@ -6,7 +6,7 @@ paged block) halves int4's loss on SmolLM2 (README, "Low-bit KV"). A channel's r
 only known once the block is full, so every key is first written per token, as int4
 always does, and its model-precision copy is kept in the window arena. A write that
 fills a block *seals* it: its key codes are rewritten by
-:func:`pagedkv.store.quant.quantize_key_block` from the exact keys (the write's own rows,
+:func:`pagedkv.format.quant.quantize_key_block` from the exact keys (the write's own rows,
 plus the window copies of the rows written before it, when the window still holds every
 one: a prefill seals every block it writes whole, a decode step the block it finishes), and its bfloat16 per-channel scale and zero land
 in the store's ``key_scale``/``key_zero`` arenas, whose nonzero scale tells the

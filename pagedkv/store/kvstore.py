@@ -8,7 +8,7 @@ The store moves bytes; which block goes where is the caller's decision.
 
 Low-bit options (see :class:`~pagedkv.config.options.CacheConfig`): layers named in
 ``kv_full_precision_layers`` live in a second, model-dtype arena; a rotated cache
-stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.store.rotation`) and unrotates on read,
+stores ``rotate(K)``, ``rotate(V)`` (:mod:`pagedkv.format.rotation`) and unrotates on read,
 both inside the data ops (``rotation_signs``, fused into the CPU loops and kernels); a
 cache with ``kv_window`` also keeps each sequence's newest tokens in model precision
 (:mod:`pagedkv.store.window`).
@@ -27,12 +27,12 @@ from pagedkv import ops
 from pagedkv.config.memory import arena_bytes, check_device, check_fits
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.format import dtypes, op_checks
+from pagedkv.format.layer_format import LayerFormat
+from pagedkv.format.rotation import rotate, rotation_signs
 from pagedkv.ops.attention_reference import ExactRows
 from pagedkv.ops.views import KVLayerView
-from pagedkv.store import dtypes, op_checks
 from pagedkv.store.block_keys import BlockKeys
-from pagedkv.store.layer_format import LayerFormat
-from pagedkv.store.rotation import rotate, rotation_signs
 from pagedkv.store.window import RecentWindow, blocks_of_csr, blocks_of_padded
 
 __all__ = ["KVStore", "fp8_supported"]
@@ -62,6 +62,10 @@ def _window_option(cfg: CacheConfig):
     return "kv_sink_tokens", sink
 
 
+#: past this many layer slots the layer count alone is checked first (no model has so many)
+_MANY_LAYERS = 1 << 16
+
+
 class KVStore:
     """Device arenas (and an optional host tier) for one :class:`CacheConfig`.
 
@@ -76,7 +80,7 @@ class KVStore:
             bfloat16), or None.
         kv_full: model-dtype arena of ``kv_full_precision_layers``, or None.
         window: the :class:`~pagedkv.store.window.RecentWindow`, or None.
-        format, full_format: the :class:`~pagedkv.store.layer_format.LayerFormat` of the
+        format, full_format: the :class:`~pagedkv.format.layer_format.LayerFormat` of the
             main arena's layers (``kv_dtype``; the model dtype when not quantized) and of
             the model-precision layers (``kv_full_precision_layers``).
         rotation_signs: float32 ``[head_dim]`` signs of the rotation, or None.
@@ -104,6 +108,7 @@ class KVStore:
         # arenas against them instead of reading the format off the tensors.
         self.format = LayerFormat.of_config(config)
         self.full_format = LayerFormat.of_config(config, quantized=False)
+        self._check_layers()      # before anything is built per layer slot
         # With layer groups the "layers" here are a block's layer slots (pagedkv.groups.layers).
         full = config.full_precision_slots
         quant = config.quantized_slots if config.quantized else tuple(range(config.arena_layers))
@@ -169,6 +174,25 @@ class KVStore:
         return [(option, value, arena_bytes(option, value, spec[0], spec[1].itemsize))
                 for spec in self._arena_specs(num_blocks) if spec is not None]
 
+    def _check_layers(self) -> None:
+        """The size a layer count implies, checked from the count alone (no per-layer
+        structure is built first: ``num_layers=10**9`` is an OutOfMemoryError, not a
+        billion-entry tuple): every layer slot of every block holds at least its K and V
+        rows in the smallest format (int3, 3 bits an element), and each slot costs the
+        host about 256 bytes of bookkeeping. :meth:`_check_sizes` then sizes exactly."""
+        cfg = self.config
+        slots = cfg.arena_layers
+        if slots <= _MANY_LAYERS:      # a real model's count: the exact check below names the option
+            return
+        rows = arena_bytes("num_layers", cfg.num_layers, (slots, cfg.resolved_num_blocks, 2 * cfg.block_size,
+                                                          cfg.kv_heads_per_rank), max(1, cfg.head_dim * 3 // 8))
+        host = [("num_layers", cfg.num_layers, arena_bytes("num_layers", cfg.num_layers, (slots,), 256))]
+        if self.device.type == "cpu":
+            check_fits(self.device, [("num_layers", cfg.num_layers, rows)] + host)
+        else:
+            check_fits(self.device, [("num_layers", cfg.num_layers, rows)])
+            check_fits("cpu", host)
+
     def _check_sizes(self) -> None:
         """Every arena this store allocates, sized and compared with its device's free
         memory before the first allocation (host arenas count on the host)."""
@@ -233,26 +257,36 @@ class KVStore:
         main, _ = self._where[self._layer_index(layer)]
         return self.format if main else self.full_format
 
-    def view(self, layer: int) -> KVLayerView:
+    def view(self, layer: int, sink: int | None = None) -> KVLayerView:
         """``layer`` as the data ops take it (:class:`~pagedkv.ops.views.KVLayerView`): its
         format, data and parameter views, rotation signs, and the window's model-precision
-        rows a read takes instead of the arena's (read them under ``window.lock``)."""
+        rows a read takes instead of the arena's (read them under ``window.lock``).
+        ``sink``: the sink tokens the tables read through this view start with, when not
+        every sequence's ``kv_sink_tokens`` (a sliding-window group's; see
+        :meth:`RecentWindow.overlay <pagedkv.store.window.RecentWindow.overlay>`)."""
         main, i = self._where[self._layer_index(layer)]
         scale, zero = self.layer_scales(layer)
         kscale, kzero = self.layer_key_params(layer)
         w, exact = self.window, None
         if main and w is not None and (w.window or w.sink):
-            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink)
+            exact = ExactRows(w.data[i], w.slot_of, w.valid[i], w.window, w.sink if sink is None else sink)
         return KVLayerView(self.layer_format(layer), self.layer(layer), self.layout, scale, zero, kscale, kzero,
                            self.rotation_signs if main else None, exact)
 
-    def attended(self, layer: int, indptr, indices, seq_lens) -> None:
+    def attended(self, layer: int, indptr, indices, seq_lens, sink: int | None = None) -> None:
         """``layer`` was read in place through its view's exact rows (paged attention,
-        under ``window.lock``): the sequences' sink pins stay the most recently used, once
-        per pass (at the first quantized layer), as a gather keeps them."""
+        under ``window.lock``; ``sink`` as for :meth:`view`). Once per pass (at the first
+        quantized layer), as a gather does: the reads that found a window or sink row gone
+        are counted, and the sequences' sink pins stay the most recently used."""
         main, i = self._where[self._layer_index(layer)]
-        if main and i == 0 and self.window is not None and self.window.sink:
-            self.window.touch_sinks(indptr, indices, seq_lens)
+        w = self.window
+        if not main or i != 0 or w is None or not (w.window or w.sink):
+            return
+        ptr, idx, lens = (np.asarray(t.cpu() if hasattr(t, "cpu") else t) for t in (indptr, indices, seq_lens))
+        lens = lens.astype(np.int64)
+        w.count_fallbacks(blocks_of_csr(ptr, idx), lens, sink)
+        if w.sink if sink is None else sink:
+            w.touch_sinks(ptr, idx, lens, sink)
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer ``(scale, zero)`` views (NHD ``[NB, 2, bs, H]``, int4/int3 ``[NB, 2, bs, H, groups]``);
@@ -266,7 +300,7 @@ class KVStore:
 
     def layer_key_params(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-layer block-key ``(scale, zero)`` views ``[NB, H, D]`` (bfloat16; see
-        :func:`pagedkv.store.quant.quantize_key_block`), or ``(None, None)``."""
+        :func:`pagedkv.format.quant.quantize_key_block`), or ``(None, None)``."""
         main, i = self._where[self._layer_index(layer)]
         if not main or self.key_scale is None:
             return None, None
@@ -337,7 +371,7 @@ class KVStore:
         if self.window is not None and self.window.sink:
             self.window.pin(blocks, held_only=held_only)
 
-    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False):
+    def _read(self, layer, read, blocks_of, seq_lens, out_key, out_value, pending=None, rotated=False, sink=None):
         """Dequantize and unrotate (``read(out_dtype, signs, out_key, out_value)``: both
         inside the data op), overlay the window, fill outputs.
 
@@ -363,7 +397,7 @@ class KVStore:
         op_checks.check_out(out_key, out_value, total, geo, model, view.device)
         k, v = read(model, signs, None, None)
         if main and window is not None:     # main: the early return above left only a window to overlay
-            window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated)
+            window.overlay(i, blocks_of(), seq_lens.cpu().numpy(), k, v, pending, to_rotated, sink)
         elif to_rotated is not None:        # a model-precision layer read in the rotated domain
             k, v = to_rotated(k).to(model), to_rotated(v).to(model)
         if out_key is not None:
@@ -383,10 +417,12 @@ class KVStore:
         out_value: torch.Tensor | None = None,
         pending: np.ndarray | None = None,
         rotated: bool = False,
+        sink: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``[sum(seq_lens), H, D]`` K/V of ``layer`` in the model dtype (CSR tables).
 
-        ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`."""
+        ``pending``, ``rotated`` (validated by the caller): see :meth:`_read`; ``sink``:
+        see :meth:`RecentWindow.overlay`."""
         view = self.layer(layer)
         scale, zero = self.layer_scales(layer)
 
@@ -401,7 +437,7 @@ class KVStore:
         def blocks():
             return blocks_of_csr(indptr.cpu().numpy(), indices.cpu().numpy())
 
-        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending, rotated)
+        return self._read(layer, read, blocks, seq_lens, out_key, out_value, pending, rotated, sink)
 
     def gather_padded(
         self,

@@ -1,7 +1,7 @@
 """LatentStore: the arenas of an MLA model's latent rows (see :class:`~pagedkv.groups.spec.MLASpec`).
 
 One allocation holds every layer's rows, ``[num_layers, num_blocks, block_size, row]``
-(:class:`~pagedkv.store.latent.LatentFormat`: the model dtype's R + P elements, or a
+(:class:`~pagedkv.format.latent.LatentFormat`: the model dtype's R + P elements, or a
 quantized row's bytes with its scales inline), plus an optional host copy of the same
 shape with ``host_num_blocks`` blocks for offload. A block is one contiguous run of
 ``block_size`` rows per layer, scales included, so a block copy, a tier, a transfer and
@@ -25,10 +25,10 @@ from pagedkv.config.memory import arena_bytes, check_device, check_fits
 from pagedkv.config.options import CacheConfig
 from pagedkv.config.support import require
 from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.format import op_checks
 from pagedkv.ops import copy_blocks as _copy_blocks
 from pagedkv.ops import swap_blocks as _swap_blocks
 from pagedkv.ops.latent import LatentView, gather_latent, write_latent
-from pagedkv.store import op_checks
 
 __all__ = ["LatentStore"]
 
@@ -40,7 +40,7 @@ class LatentStore:
         config, requested_config: the config (the same: a latent row needs no fallback,
             its fp8 codes are converted in software on every device).
         spec: the layer group's :class:`~pagedkv.groups.spec.MLASpec`.
-        format: the :class:`~pagedkv.store.latent.LatentFormat` of every layer's rows.
+        format: the :class:`~pagedkv.format.latent.LatentFormat` of every layer's rows.
         kv: the arena ``[num_layers, num_blocks, block_size, row_elems]``.
         host_kv: the host tier's arena (``host_num_blocks`` blocks), or None.
     """
@@ -117,7 +117,7 @@ class LatentStore:
         return LatentView(self.format, self.layer(layer))
 
     def layer_format(self, layer: int):
-        """The layer group's :class:`~pagedkv.store.layer_format.LayerFormat`."""
+        """The layer group's :class:`~pagedkv.format.layer_format.LayerFormat`."""
         self._layer_index(layer)
         return self.spec.format
 
@@ -165,9 +165,9 @@ class LatentStore:
         write_latent(view, slot_mapping, kv_c, k_pe)
 
     def gather(self, layer: int, indptr: torch.Tensor, indices: torch.Tensor, seq_lens: torch.Tensor, *,
-               out_key=None, out_value=None, pending=None, rotated: bool = False):
+               out_key=None, out_value=None, pending=None, rotated: bool = False, sink: int | None = None):
         """``(kv_c [T, R], k_pe [T, P])`` of ``layer`` in the model dtype (CSR tables).
-        ``pending`` changes nothing (no rows are kept apart from the blocks)."""
+        ``pending`` and ``sink`` change nothing (no rows are kept apart from the blocks)."""
         if rotated:
             require("kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3", self.config)
         kv_c, k_pe = gather_latent(self.view(layer), indptr, indices, seq_lens)

@@ -21,6 +21,18 @@ last ``window`` tokens. A pin that outlives its sequence (the block freed and re
 elsewhere) only occupies a slot until it is the oldest: rows are valid only once
 written since the slot was claimed, so no read ever gets another block's rows.
 
+Claims follow what a sequence will read exactly: the manager marks blocks warm, soon
+cold or cold (:meth:`RecentWindow.mark`; ``pagedkv.manager.lifecycle``): a reservation's
+fresh blocks that lie wholly between the sinks and the newest ``window`` tokens are cold,
+and so are blocks that left their sequence's window; a write gives a cold block only a
+spare slot (a prefill of thousands of tokens claims its last blocks, not every block,
+so it displaces no other sequence's window), and a claim takes free, then cold, then
+soon-cold slots before the least recently written warm one. So up to ``kv_window_sequences`` sequences keep their sink and
+recent rows exact (a pass that extends a sequence by several tokens reads its previous
+window while it writes its next: it counts twice until it commits), and a read that
+finds one of them gone (past that count, or a prefix hit whose block lost its slot)
+counts a fallback (:attr:`RecentWindow.fallbacks`).
+
 Threads: the slot map is shared by every sequence, so a write of one sequence's block
 can take the slot another sequence's block is read from, and two claims at once can
 give one slot to two blocks. Every method that reads or changes the slot map holds
@@ -41,7 +53,10 @@ import torch
 
 from pagedkv.config.memory import arena_bytes, check_fits
 
-__all__ = ["RecentWindow", "blocks_of_csr", "blocks_of_padded"]
+__all__ = ["RecentWindow", "blocks_of_csr", "blocks_of_padded", "WARM", "SOON", "COLD"]
+
+#: a block's mark (see RecentWindow.mark; pagedkv.manager.lifecycle repeats them, torch-free)
+WARM, SOON, COLD = 0, 1, 2
 
 
 def _locked(method):
@@ -86,6 +101,10 @@ class RecentWindow:
                                 device=device)
         self.valid = torch.zeros((num_layers, capacity, block_size), dtype=torch.bool, device=device)
         self.slot_of = np.full(num_blocks, -1, dtype=np.int64)
+        # per block: WARM, SOON (read only by the pass in progress) or COLD (no read wants
+        # its rows exact: a write claims no slot for it); see mark
+        self.cold = np.zeros(num_blocks, dtype=np.int8)
+        self.fallbacks = 0      # sequence reads (first quantized layer) that found a sink or recent row gone
         self.block_of = np.full(capacity, -1, dtype=np.int64)
         self.stamp = np.zeros(capacity, dtype=np.int64)
         self.clock = 0
@@ -133,7 +152,14 @@ class RecentWindow:
         if len(need):
             taken = np.zeros(self.capacity, dtype=bool)
             taken[have[keep]] = True
-            rank = self.stamp + np.where(self.pinned, self.clock + 1, 0)
+            # free slots first, then cold blocks' (no read wants their rows), then those only
+            # a pass in progress reads, then the least recently written; pinned ones last
+            held = self.block_of >= 0
+            state = np.full(self.capacity, 3, dtype=np.int64)
+            state[held] = self.cold[self.block_of[held]]
+            c = self.clock + 1
+            rank = self.stamp + np.where(self.pinned, c, 0) - np.select([state == 3, state == COLD, state == SOON],
+                                                                         [3 * c, 2 * c, c], 0)
             order = np.argsort(np.where(taken, np.iinfo(np.int64).max, rank), kind="stable")
             slots = order[:len(need)]
             old = self.block_of[slots]
@@ -143,6 +169,31 @@ class RecentWindow:
             self.stamp[slots] = stamps
             self.pinned[slots] = False
             self.valid[:, torch.from_numpy(slots).to(self.valid.device)] = False
+
+    def _spare(self, blocks: np.ndarray) -> None:
+        """Give cold ``blocks`` (distinct) slots that no read needs: free ones, then other
+        cold blocks' (least recently written first); never a warm or pinned block's. A
+        cold block that holds a slot keeps it, unstamped. So a prefix that a later
+        sequence hits finds its copies when the arena had room for them."""
+        need = blocks[self.slot_of[blocks] < 0]
+        if not len(need):
+            return
+        held = self.block_of >= 0
+        spare = ~held & ~self.pinned
+        spare[held] = (self.cold[self.block_of[held]] == COLD) & ~self.pinned[held]
+        spare[self.slot_of[blocks[self.slot_of[blocks] >= 0]]] = False
+        cand = np.nonzero(spare)[0]
+        if not len(cand):
+            return
+        cand = cand[np.argsort(np.where(held[cand], self.stamp[cand], -1), kind="stable")][:len(need)]
+        need = need[-len(cand):]
+        old = self.block_of[cand]
+        self.slot_of[old[old >= 0]] = -1
+        self.block_of[cand] = need
+        self.slot_of[need] = cand
+        self.clock += 1
+        self.stamp[cand] = self.clock
+        self.valid[:, torch.from_numpy(cand).to(self.valid.device)] = False
 
     @_locked
     def pin(self, blocks: np.ndarray, held_only: bool = False) -> None:
@@ -166,6 +217,17 @@ class RecentWindow:
             mine[self.slot_of[blocks]] = True
             cand = np.nonzero(self.pinned & ~mine)[0]
             self.pinned[cand[np.argsort(self.stamp[cand], kind="stable")[:over]]] = False
+
+    @_locked
+    def mark(self, blocks: np.ndarray, state: np.ndarray | int) -> None:
+        """Say what reads want ``blocks``' rows exact (the manager knows the sequences):
+        :data:`WARM` (a sequence's sinks or newest ``window`` tokens, now or after the
+        pass in progress), :data:`SOON` (only the pass in progress: its sequence's
+        previous window) or :data:`COLD` (none). A write claims no slot for a cold block;
+        when slots run short, cold blocks give theirs first, then those read only by a
+        pass in progress, then the least recently written. A block that holds a slot
+        keeps it and its rows whatever its mark until a claim takes it."""
+        self.cold[blocks] = state
 
     @_locked
     def drop(self, blocks: np.ndarray) -> None:
@@ -253,7 +315,15 @@ class RecentWindow:
         if not len(ok):
             return
         blocks = slots[ok] // self.block_size
-        self._claim(_distinct_by_last(blocks))
+        # warm blocks, and the partly written block a pass completes (its earlier rows:
+        # this pass's reads, the block keys' seal), claim and refresh slots; cold ones
+        # take spare slots only
+        cold = self.cold[blocks] == COLD
+        n_cold = np.count_nonzero(cold)
+        if n_cold < len(blocks):
+            self._claim(_distinct_by_last(blocks[~cold] if n_cold else blocks))
+        if n_cold:
+            self._spare(_distinct_by_last(blocks[cold]))
         wslot = self.slot_of[blocks]
         held = wslot >= 0
         if not held.any():
@@ -284,7 +354,8 @@ class RecentWindow:
 
     @_locked
     def overlay(self, layer: int, blocks_per_seq, seq_lens: np.ndarray, key: torch.Tensor,
-                value: torch.Tensor, pending: np.ndarray | None = None, transform=None) -> None:
+                value: torch.Tensor, pending: np.ndarray | None = None, transform=None,
+                sink: int | None = None) -> None:
         """Overwrite, in gathered ``key``/``value`` ``[sum(seq_lens), H, D]``, each
         sequence's first ``sink`` and last ``window`` tokens that the window arena holds.
 
@@ -292,28 +363,26 @@ class RecentWindow:
         ``pending[b]``: sequence ``b``'s trailing tokens that are not written yet (the
         caller holds them in flight); the window is then the ``window`` tokens before
         them, which the arena still holds because the pass has not written over them.
-        ``transform``: applied to the window rows first (a read in the rotated domain)."""
-        rows, wsl, offs = [], [], []
+        ``transform``: applied to the window rows first (a read in the rotated domain).
+        ``sink``: the sink tokens these tables start with, when not :attr:`sink` (a
+        sliding-window group's tables release their first blocks: only the sink blocks
+        it keeps, if any, are its first rows)."""
+        rows, wsl, offs, wanted = [], [], [], []
         base = 0
         ends = seq_lens if pending is None else seq_lens - pending
         sinks = []
-        head_pos = np.arange(self.sink, dtype=np.int64)
         for b, (n, end) in enumerate(zip(seq_lens.tolist(), ends.tolist())):
-            lo = max(0, end - self.window)
-            head = min(self.sink, lo)     # the sink tokens not already in the recent window
-            if end > lo or head:
-                pos = np.arange(lo, end, dtype=np.int64)
-                table = blocks_per_seq(b)
-                if head:
-                    pos = np.concatenate([head_pos[:head], pos])
-                    if layer == 0:
-                        sinks.append(table[:(head - 1) // self.block_size + 1])
-                blk = table[pos // self.block_size]
-                ws = self.slot_of[blk]
+            table = blocks_per_seq(b)
+            pos, head = self._exact_positions(end, sink)
+            if len(pos):
+                if head and layer == 0:
+                    sinks.append(table[:(head - 1) // self.block_size + 1])
+                ws = self.slot_of[table[pos // self.block_size]]
                 held = ws >= 0
                 rows.append(base + pos[held])
                 wsl.append(ws[held])
                 offs.append(pos[held] % self.block_size)
+                wanted.append(len(pos))
             base += n
         if sinks:       # pins in use stay the most recently used (once per pass: at layer 0)
             first = np.concatenate(sinks)
@@ -324,13 +393,15 @@ class RecentWindow:
             self.stamp[ws] = self.clock
         if not rows:
             return
-        rows_np = np.concatenate(rows)
-        if not len(rows_np):
-            return
         dev = self.data.device
         ws = torch.from_numpy(np.concatenate(wsl)).to(dev)
         off = torch.from_numpy(np.concatenate(offs)).to(dev)
         ok = self.valid[layer, ws, off]
+        if layer == 0:      # once per pass: a fallback of one sequence's read (see the module)
+            self._count(wanted, [len(x) for x in rows], ok)
+        rows_np = np.concatenate(rows)
+        if not len(rows_np):
+            return
         r = torch.from_numpy(rows_np).to(key.device)[ok]
         ws, off = ws[ok], off[ok]
         wk, wv = self.data[layer, ws, 0, off], self.data[layer, ws, 1, off]
@@ -339,14 +410,54 @@ class RecentWindow:
         key[r] = wk.to(key.dtype)
         value[r] = wv.to(value.dtype)
 
+    def _exact_positions(self, end: int, sink: int | None = None) -> tuple[np.ndarray, int]:
+        """A sequence's positions read from the window arena when it holds ``end``
+        written tokens: its first ``sink`` not already among its newest ``window``, then
+        those; and how many of the first are sink positions."""
+        lo = max(0, end - self.window)
+        head = min(self.sink if sink is None else sink, lo)     # the sinks not already in the recent window
+        pos = np.arange(lo, end, dtype=np.int64)
+        if head:
+            pos = np.concatenate([np.arange(head, dtype=np.int64), pos])
+        return pos, head
+
+    def _count(self, wanted: list[int], held: list[int], ok: torch.Tensor) -> None:
+        """Count the sequences that wanted ``wanted[b]`` exact rows and found fewer valid
+        ones (``ok``: the validity of their ``held[b]`` held rows, concatenated)."""
+        found = ok.cpu().numpy()
+        at = 0
+        for w, h in zip(wanted, held):
+            if int(found[at:at + h].sum()) < w:
+                self.fallbacks += 1
+            at += h
+
     @_locked
-    def touch_sinks(self, indptr, indices, seq_lens) -> None:
+    def count_fallbacks(self, blocks_per_seq, seq_lens: np.ndarray, sink: int | None = None) -> None:
+        """Count the fallbacks of a read that another path makes (paged attention reads
+        the rows itself, from :attr:`data`): as :meth:`overlay` counts them at layer 0."""
+        wanted, held, oks = [], [], []
+        for b, end in enumerate(seq_lens.tolist()):
+            pos, _ = self._exact_positions(end, sink)
+            if not len(pos):
+                continue
+            ws = self.slot_of[blocks_per_seq(b)[pos // self.block_size]]
+            keep = ws >= 0
+            wanted.append(len(pos))
+            held.append(int(keep.sum()))
+            oks.append(self.valid[0, torch.from_numpy(ws[keep]).to(self.valid.device),
+                                  torch.from_numpy(pos[keep] % self.block_size).to(self.valid.device)])
+        if wanted:
+            self._count(wanted, held, torch.cat(oks))
+
+    @_locked
+    def touch_sinks(self, indptr, indices, seq_lens, sink: int | None = None) -> None:
         """A read of these sequences' rows in place (paged attention through the exact
         rows) used their pinned sink blocks: they become the most recently used, as
-        :meth:`overlay` makes them for a gather (once per pass)."""
+        :meth:`overlay` makes them for a gather (once per pass). ``sink``: as for
+        :meth:`overlay`."""
         ptr, idx = (np.asarray(t.cpu() if hasattr(t, "cpu") else t) for t in (indptr, indices))
         lens = np.asarray(seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens).astype(np.int64)
-        heads = np.minimum(self.sink, np.maximum(lens - self.window, 0))
+        heads = np.minimum(self.sink if sink is None else sink, np.maximum(lens - self.window, 0))
         first = [idx[ptr[b]:ptr[b] + (n - 1) // self.block_size + 1] for b, n in enumerate(heads.tolist()) if n]
         if first:
             ws = self.slot_of[np.concatenate(first).astype(np.int64)]

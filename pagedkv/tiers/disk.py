@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import HostMemoryError, InvalidArgumentError, TierFileError, TierStorageError, expected
-from pagedkv.store.format import differences, shown
+from pagedkv.format.fingerprint import differences, shown
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT, ROOT_HASH, ChainIndex, chain_hash, slot_dtype
 from pagedkv.tiers.disk_rows import DiskRows, rows_format
@@ -83,7 +83,7 @@ class DiskPrefixTier(Tier):
 
     Args:
         kv_format: what the files must have been written for (see
-            :func:`pagedkv.store.format.kv_format`); any difference refuses the directory.
+            :func:`pagedkv.format.fingerprint.kv_format`); any difference refuses the directory.
         verify_blocks: check every block's CRC when opening (a full read).
     """
 

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from pagedkv.errors import TierFileError
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
+from pagedkv.format.fingerprint import kv_format
 from pagedkv.groups.tables import GROUP_NS_BITS, group_key
-from pagedkv.manager.events import AllBlocksCleared, BlockRemoved, BlockStored, events_from_records
-from pagedkv.store.format import kv_format
 from pagedkv.store.window import RecentWindow
 from pagedkv.tiers.base import Tier
 from pagedkv.tiers.chain import ROOT

@@ -20,6 +20,7 @@ import json
 import mmap
 import os
 import stat
+import weakref
 
 from pagedkv.errors import InvalidArgumentError, TierFileError, TierStorageError, expected
 
@@ -71,6 +72,8 @@ class TierDir:
         try:
             os.makedirs(path, exist_ok=True)
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            # a cache dropped without close() still gives the descriptor back when collected
+            self._release = weakref.finalize(self, os.close, self.fd)
         except OSError as e:
             self._remove_made()
             raise storage_error("prefix_disk_dir", "a directory pagedkv can create and open", e) from None
@@ -258,5 +261,5 @@ class TierDir:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            self._release()         # closes it, once
             self.fd = -1

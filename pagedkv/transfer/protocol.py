@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import InvalidArgumentError, TransferError, expected
-from pagedkv.store.format import describe, differences, kv_format
+from pagedkv.format.fingerprint import describe, differences, kv_format
 from pagedkv.transfer.schema import check, exactly
 from pagedkv.transfer.wire import DATA, MAGIC, MAX_DEPTH, MAX_JSON, VERSION, Link, json_depth
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pagedkv.store.format import shown
+from pagedkv.format.fingerprint import shown
 
 __all__ = ["Invalid", "integer", "optional", "text", "scalar", "anything", "exactly", "dict_of", "list_of_digits", "check"]
 

@@ -10,10 +10,10 @@ Formats (bytes per token per layer, ``b`` the model dtype's bytes):
 - a model dtype (float32, float16, bfloat16): the R + P elements as they are,
   ``(R + P) * b`` bytes (bfloat16, R = 512, P = 64: 1,152);
 - ``fp8_e4m3``, vLLM's ``fp8_ds_mla`` layout: R e4m3 codes, one float32 scale per 128
-  elements (symmetric, as :mod:`pagedkv.store.quant`'s fp8 over each 128), then the P
+  elements (symmetric, as :mod:`pagedkv.format.quant`'s fp8 over each 128), then the P
   positional values in bfloat16: ``R + 4 R / 128 + 2 P`` bytes (656);
 - ``int8``: R codes in groups of G (default R: one group), a float32 scale and zero
-  point per group (:mod:`pagedkv.store.quant`'s int8 over each group), then P values in
+  point per group (:mod:`pagedkv.format.quant`'s int8 over each group), then P values in
   the model dtype: ``R + 8 R / G + P b`` (648 in bfloat16 at G = R);
 - ``int4``: R / 2 bytes of codes (two per byte, low nibble first) in groups of G
   (default 64), a float32 scale and zero point per group, then P values in the model
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = ["LatentFormat", "FP8_TILE", "LATENT_KV_DTYPES", "DEFAULT_INT4_GROUP"]
 
@@ -186,7 +186,7 @@ class LatentFormat:
         (float32, float16 or bfloat16)."""
         import torch
 
-        from pagedkv.store import quant
+        from pagedkv.format import quant
 
         n = kv_c.shape[0]
         if not self.quantized:
@@ -211,7 +211,7 @@ class LatentFormat:
         float32 values, widened exactly)."""
         import torch
 
-        from pagedkv.store import quant
+        from pagedkv.format import quant
 
         out_dtype = dtypes.info(self.model_dtype).torch_dtype if out_dtype is None else out_dtype
         r = self.kv_lora_rank

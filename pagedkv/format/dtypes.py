@@ -15,6 +15,7 @@ from math import gcd as _gcd
 from typing import Any
 
 __all__ = [
+    "default_int4_group",
     "DTypeInfo",
     "MODEL",
     "QUANTIZED",
@@ -196,3 +197,16 @@ def torch_names(rows: tuple[DTypeInfo, ...]) -> str:
     """``"float32, float16 or bfloat16"``: the rows' torch names, for error messages."""
     names = list(dict.fromkeys(d.torch_name for d in rows))
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def default_int4_group(head_dim: int) -> int:
+    """The int4 group size when none is given: the largest divisor of ``head_dim`` that
+    is at most 64 and a multiple of 8 (the CPU and CUDA loops read 8 elements at a
+    time), or, for a ``head_dim`` no multiple of 8, the largest even divisor at most 64.
+    So every even ``head_dim`` has one: 128 and 256 get 64, 72 gets 24, 80 gets 40, 96
+    gets 48, 112 gets 56, and a ``head_dim`` of 64 or less is its own group."""
+    step = 8 if head_dim % 8 == 0 else 2
+    for g in range(min(64, head_dim) // step * step, 0, -step):
+        if head_dim % g == 0:
+            return g
+    return head_dim

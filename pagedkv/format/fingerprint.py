@@ -128,10 +128,10 @@ def fingerprint(config) -> dict[str, Any]:
     when a field of ``config`` is not classified (or a classified name is gone)."""
     missing, gone = unclassified(type(config))
     if missing:
-        raise InternalError(f"CacheConfig field(s) {missing} not classified in pagedkv.store.format "
+        raise InternalError(f"CacheConfig field(s) {missing} not classified in pagedkv.format.fingerprint "
                             "(STORED or NOT_STORED)")
     if gone:
-        raise InternalError(f"classified in pagedkv.store.format but not CacheConfig fields: {gone}")
+        raise InternalError(f"classified in pagedkv.format.fingerprint but not CacheConfig fields: {gone}")
     out: dict[str, Any] = {"format": FORMAT}
     for derive in STORED.values():
         out.update(derive(config))

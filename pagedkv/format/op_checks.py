@@ -24,9 +24,9 @@ from pagedkv.errors import (
     ShapeError,
     expected,
 )
-from pagedkv.store import dtypes
-from pagedkv.store.layer_format import LayerFormat
-from pagedkv.store.quant import MODEL_DTYPES
+from pagedkv.format import dtypes
+from pagedkv.format.layer_format import LayerFormat
+from pagedkv.format.quant import MODEL_DTYPES
 
 __all__ = [
     "LAYOUTS",
@@ -119,7 +119,7 @@ def check_layout(layout: object, name: str = "layout") -> str:
 def check_format(layer_format: object) -> LayerFormat | None:
     """``layer_format`` if it is None or a :class:`LayerFormat`."""
     if layer_format is not None and not isinstance(layer_format, LayerFormat):
-        raise InvalidArgumentError(expected("layer_format", "None or a pagedkv.store.layer_format.LayerFormat",
+        raise InvalidArgumentError(expected("layer_format", "None or a pagedkv.format.layer_format.LayerFormat",
                                             type(layer_format).__name__))
     return layer_format
 
@@ -135,7 +135,9 @@ def check_layer(
     """Validate a per-layer view (and its scale/zero views when quantized).
 
     ``layer_format``: the layer's format; the tensors are verified against it. None (the
-    compatibility path): the format the tensors imply (:meth:`LayerFormat.infer`)."""
+    compatibility path): the format the tensors imply, read off them here and nowhere else
+    (the data dtype; for the packed formats that share uint8 the scale's dtype, bfloat16
+    for int3; the group size from the scale view's trailing dim)."""
     layout = check_layout(layout)
     fmt = check_format(layer_format)
     kv_layer = check_tensor(name, kv_layer)
@@ -296,7 +298,7 @@ def check_rotation(rotation_signs: object, geo: LayerGeometry, device: torch.dev
 def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, device: torch.device,
                        explicit: bool = False) -> bool:
     """Structural checks of a gather's per-channel key parameters (int4 block keys,
-    :func:`pagedkv.store.quant.quantize_key_block`): both None, or both contiguous bfloat16
+    :func:`pagedkv.format.quant.quantize_key_block`): both None, or both contiguous bfloat16
     ``[num_blocks, H, head_dim]`` on the arena's device, for an int4 layer. Returns
     whether they were given. The values are not read (a zero scale is data: that
     (block, head) still holds per-token keys). ``explicit`` (the caller passed a

@@ -9,8 +9,9 @@ and only *verify* the tensors against it (typed errors naming the tensor), inste
 rediscovering the format from tensor dtypes and shapes (int4 and int3 share the uint8
 data dtype; the group size is not in the data tensor at all).
 
-A caller that passes no format gets :meth:`LayerFormat.infer`, the one place that still
-reads a format off the tensors: the compatibility path of the public ops.
+A caller that passes no format gets the format its tensors imply, read off them by
+:func:`pagedkv.format.op_checks.check_layer` (the one place that does): the
+compatibility path of the public ops.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS"]
 
@@ -34,13 +35,13 @@ class LayerFormat:
     """The stored format of a layer.
 
     Attributes:
-        kv_dtype: canonical dtype name (:mod:`pagedkv.store.dtypes`): a model dtype
+        kv_dtype: canonical dtype name (:mod:`pagedkv.format.dtypes`): a model dtype
             (``"float16"``: stored as is) or a storage format (``"int4"``).
         group_size: elements of ``head_dim`` per scale/zero group for the grouped
             formats (int4, int3); None for every other format.
         key_quant: ``"token"``, or ``"block"`` (int4 only): full blocks' keys are
             requantized per channel (:mod:`pagedkv.store.block_keys`).
-        rotation: rows are stored rotated (:mod:`pagedkv.store.rotation`; quantized only).
+        rotation: rows are stored rotated (:mod:`pagedkv.format.rotation`; quantized only).
     """
 
     kv_dtype: str
@@ -81,32 +82,6 @@ class LayerFormat:
             return cls(config.dtype)
         return cls(config.kv_dtype, config.kv_group_size if dtypes.info(config.kv_dtype).grouped else None,
                    config.kv_key_quant or "token", bool(config.kv_rotation))
-
-    @classmethod
-    def infer(cls, kv_layer: Any, kv_scale: Any = None, key_scale: Any = None) -> LayerFormat | None:
-        """The format a caller that passes none means, read off the tensors (the
-        compatibility path of the public ops): the data dtype, and for the packed formats
-        that share one (uint8) the scale's dtype (bfloat16: int3); the group size from
-        the scale view's trailing dim; block keys when ``key_scale`` is given. None when
-        the tensors name no format (the caller's checks then say what is wrong)."""
-        import torch
-
-        if not isinstance(kv_layer, torch.Tensor):
-            return None
-        row = dtypes.layer_row(kv_layer.dtype, kv_scale.dtype if isinstance(kv_scale, torch.Tensor) else None)
-        if row is None:
-            return None
-        group = None
-        if row.grouped:
-            if not (isinstance(kv_scale, torch.Tensor) and kv_scale.dim() == kv_layer.dim() and kv_layer.dim()
-                    and kv_layer.shape[-1] % row.stored_dim(row.pack) == 0):
-                return None
-            head_dim, ng = row.head_dim_of(kv_layer.shape[-1]), kv_scale.shape[-1]
-            if ng < 1 or head_dim % ng or (head_dim // ng) % row.group_multiple or head_dim == 0:
-                return None
-            group = head_dim // ng
-        key_quant = "block" if (key_scale is not None and row.name == "int4") else "token"
-        return cls(row.name, group, key_quant, False)
 
     # -- what the format implies ------------------------------------------------------------
 

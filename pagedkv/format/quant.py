@@ -88,7 +88,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -166,7 +166,7 @@ def quantize(
             matching torch dtype; ``"int4"`` (storage ``torch.uint8``, which also names
             it); ``"int3"`` (by name only: its storage dtype is uint8 too).
         group_size: int4/int3 only: elements per scale group (divides ``D``; int4
-            default :data:`DEFAULT_INT4_GROUP` capped at ``D``; int3: a multiple of 8,
+            default :func:`~pagedkv.format.dtypes.default_int4_group`; int3: a multiple of 8,
             default :data:`DEFAULT_INT3_GROUP` or the largest multiple of 8 below it
             that divides ``D``).
 
@@ -224,7 +224,7 @@ def int4_group(head_dim: int, group_size: int | None) -> int:
     """The validated int4 group size for ``head_dim`` (even; ``group_size`` divides it)."""
     if head_dim % 2:
         raise ShapeError(expected("x", "an even last dimension for int4 (two codes per byte)", head_dim))
-    g = min(DEFAULT_INT4_GROUP, head_dim) if group_size is None else group_size
+    g = dtypes.default_int4_group(head_dim) if group_size is None else group_size
     if isinstance(g, bool) or not isinstance(g, int) or g < 1 or head_dim % g:
         raise InvalidArgumentError(expected("group_size", f"an int >= 1 that divides head_dim ({head_dim})", repr(g)))
     return g

@@ -20,11 +20,12 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, ShapeError, expected
-from pagedkv.store import dtypes
+from pagedkv.format import dtypes
 
 __all__ = ["layer_sensitivity", "choose_full_precision_layers"]
 
@@ -143,11 +144,17 @@ def layer_sensitivity(model: Any, input_ids: torch.Tensor, *, chunk: int = 128, 
 def choose_full_precision_layers(sensitivity: Sequence[float], count: int) -> tuple[int, ...]:
     """The ``count`` most sensitive layers (ties: the lower index), sorted, for
     ``kv_full_precision_layers``. ``count`` must leave at least one quantized layer."""
-    try:
-        values = [float(s) for s in sensitivity]
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(expected("sensitivity", "a sequence of floats (one per layer)",
-                                            type(sensitivity).__name__)) from None
+    if isinstance(sensitivity, torch.Tensor):
+        sensitivity = sensitivity.tolist()
+    want = "a sequence of floats (one per layer)"
+    if isinstance(sensitivity, (str, bytes)) or not hasattr(sensitivity, "__iter__"):
+        raise InvalidArgumentError(expected("sensitivity", want, type(sensitivity).__name__))
+    values = list(sensitivity)
+    for v in values:       # "1" is no score: nothing is converted silently
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Real, np.integer, np.floating)):
+            got = f"a sequence holding {type(v).__name__} {v!r}"
+            raise InvalidArgumentError(expected("sensitivity", want, got[:120]))
+    values = [float(v) for v in values]
     if not values or any(v != v for v in values):
         raise InvalidArgumentError(expected("sensitivity", "a non-empty sequence of floats without NaN",
                                             values[:8]))
