@@ -80,7 +80,7 @@ def build_specs(cfg: Any) -> tuple[KVSpec, ...]:
     """One placed spec per layer group of ``cfg`` (checked to share one block geometry)."""
     geometry = dict(block_size=cfg.block_size, format=layer_format(cfg), model_dtype=cfg.dtype,
                     num_kv_heads=cfg.kv_heads_per_rank, head_dim=cfg.head_dim)
-    layers = tuple(range(cfg.num_layers))
+    layers = range(cfg.num_layers)     # not a tuple: the arenas' size is checked first (config.memory)
     if cfg.kv_lora_rank is not None and cfg.layer_groups is not None:
         require("mixing attention types with MLA layers", cfg)
     if cfg.kv_lora_rank is not None:
