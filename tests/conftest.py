@@ -59,6 +59,8 @@ def _leftovers(kv) -> str:
         held.append(f"{stats.allocated_blocks} block(s) in use")
     if stats.swapped_sequences or stats.host_blocks_in_use:
         held.append(f"{stats.swapped_sequences} swapped-out sequence(s) on {stats.host_blocks_in_use} host block(s)")
+    if stats.states is not None and stats.states.live_slots:
+        held.append(f"{stats.states.live_slots} state slot(s) held by sequences")
     return ", ".join(held)
 
 

@@ -276,6 +276,18 @@ def r_mla_attention(kv):
     assert kv.num_tokens("a") == 14
 
 
+_STATE_CALLS = {"next_checkpoint": ("a",), "read_state": (["a"], 0), "state_arena": ("conv",),
+                "state_positions": (["a"],), "state_slots": (["a"],), "take_state_copies": (),
+                "write_state": (["a"], 0, {})}
+
+
+def r_no_states(name):
+    def recipe(kv):
+        with pytest.raises(InvalidArgumentError, match="config.layer_kinds: expected recurrent-state layers"):
+            getattr(kv, name)(*_STATE_CALLS[name])
+    return recipe
+
+
 def r_plan_attention(kv):
     """A step planned once runs each layer as attention() does, each group's layers
     through that group's table."""
@@ -334,6 +346,8 @@ RECIPES = {
     "take_copies": lambda kv: len(kv.take_copies()) == 0,
     "token_ids": lambda kv: kv.token_ids("a").tolist() == list(range(100, 114)),
     "truncate": r_truncate, "unreserve": r_unreserve,
+    # recurrent-state calls: refused, typed, on a cache without state layers (tests/test_state_cache.py)
+    **{name: r_no_states(name) for name in _STATE_CALLS},
 }
 
 

@@ -18,11 +18,13 @@ from pagedkv.config import support
 from pagedkv.config.gguf import GGUF_MAGIC, hf_fields_from_gguf, open_regular, read_gguf_metadata
 from pagedkv.config.remote import RemoteTierConfig
 from pagedkv.config.specs import build_specs, mla_from_hf, validate_mla
+from pagedkv.config.state import validate_state
+from pagedkv.config.state_hf import state_from_hf
 from pagedkv.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, expected
 from pagedkv.format import dtypes
 from pagedkv.format.layer_format import key_spare_bits
 from pagedkv.groups.layers import GroupPlan, layer_windows_from_hf, plan_groups
-from pagedkv.groups.spec import KVSpec
+from pagedkv.groups.spec import KVSpec, RecurrentStateSpec
 
 __all__ = [
     "CacheConfig",
@@ -261,6 +263,15 @@ class CacheConfig:
     the model), ``attention_sinks`` the leading tokens every sliding layer keeps. Layers
     then form groups, a block holds :attr:`arena_layers` layer slots of one group, and
     all sizes count those slots.
+
+    Recurrent-state layers (Mamba2, Gated DeltaNet, ...; see :mod:`pagedkv.config.state`):
+    ``layer_kinds`` gives each model layer's kind (``"attention"``, ``"state"``,
+    ``"hybrid"``, ``"none"``); ``num_layers`` then counts the layers with attention (the KV
+    store's layers; 0 for a model without any, which then needs ``num_blocks``: its
+    blocks only track tokens). Each state layer holds ``state_tensors`` (name, shape,
+    dtype) per sequence, in ``state_slots`` slots (or as many as
+    ``state_memory_budget`` holds), apart from the blocks; a snapshot is taken every
+    ``state_checkpoint_every`` blocks (see :mod:`pagedkv.state`).
     """
 
     num_layers: int
@@ -307,13 +318,21 @@ class CacheConfig:
     attention_sinks: int = 0
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    layer_kinds: tuple[str, ...] | None = None
+    state_tensors: tuple = ()
+    state_slots: int | None = None
+    state_memory_budget: int | str | None = None
+    state_checkpoint_every: int = 16
+    _state: RecurrentStateSpec | None = field(default=None, init=False, repr=False, compare=False)
+    _state_slots: int = field(default=0, init=False, repr=False, compare=False)
     _groups: GroupPlan | None = field(default=None, init=False, repr=False, compare=False)
     _specs: tuple[KVSpec, ...] = field(default=(), init=False, repr=False, compare=False)
     _resolved_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        put("num_layers", _check_int("num_layers", self.num_layers, 1))
+        # a model without attention layers (pure Mamba) has no KV layer: its blocks track tokens
+        put("num_layers", _check_int("num_layers", self.num_layers, 0 if self.layer_kinds is not None else 1))
         put("num_kv_heads", _check_int("num_kv_heads", self.num_kv_heads, 1))
         put("head_dim", _check_int("head_dim", self.head_dim, 1))
         self._validate_tp(put)
@@ -333,6 +352,9 @@ class CacheConfig:
         self._validate_options(put)
         self._validate_lowbit(put)
         self._validate_groups(put)
+        state, slots = validate_state(self, put)
+        put("_state", state)
+        put("_state_slots", slots)
         put("_specs", build_specs(self))
         if self._groups is not None:       # the plan's groups are the placed specs: one truth
             put("_groups", GroupPlan(self._specs, self._groups.layer_group, self._groups.layer_slot))
@@ -348,6 +370,10 @@ class CacheConfig:
             put("num_blocks", _check_int("num_blocks", self.num_blocks, 1))
             put("_resolved_blocks", self.num_blocks)
         elif self.memory_budget is not None:     # always, by the exactly-one check above
+            if self.num_layers == 0:
+                raise InvalidArgumentError(expected("memory_budget", "None without attention layers (blocks hold "
+                                                    "no KV: give num_blocks; state_slots sizes the states)",
+                                                    self.memory_budget))
             budget = parse_bytes(self.memory_budget)
             put("memory_budget", budget)
             blocks = (budget - self.window_bytes) // self.bytes_per_block
@@ -386,6 +412,39 @@ class CacheConfig:
     def layer_groups(self) -> GroupPlan | None:
         """The layer groups, or None when every layer is full attention."""
         return self._groups
+
+    @property
+    def state_spec(self) -> RecurrentStateSpec | None:
+        """The recurrent-state group's spec (its layers are model layer indices), or None
+        for a model without recurrent-state layers."""
+        return self._state
+
+    @property
+    def resolved_state_slots(self) -> int:
+        """State slots (``state_slots``, or what ``state_memory_budget`` holds); 0 without
+        state layers."""
+        return self._state_slots
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the state arena (every slot, every state layer)."""
+        return 0 if self._state is None else self._state_slots * self._state.slot_bytes()
+
+    def kv_layer_of(self, model_layer: int) -> int | None:
+        """The KV layer of a model layer (its index among the layers with attention), or
+        None for a layer without K/V rows. Without ``layer_kinds`` every layer is one."""
+        if self.layer_kinds is None:
+            return model_layer if 0 <= model_layer < self.num_layers else None
+        if not 0 <= model_layer < len(self.layer_kinds) or self.layer_kinds[model_layer] not in ("attention", "hybrid"):
+            return None
+        return sum(1 for k in self.layer_kinds[:model_layer] if k in ("attention", "hybrid"))
+
+    def state_layer_of(self, model_layer: int) -> int | None:
+        """The state layer of a model layer (its index among the layers with a recurrent
+        state), or None for a layer without one."""
+        if self._state is None or model_layer not in self._state.layers:
+            return None
+        return self._state.layers.index(model_layer)
 
     @property
     def arena_layers(self) -> int:
@@ -863,36 +922,51 @@ class CacheConfig:
         (see :func:`pagedkv.groups.layers.layer_windows_from_hf`). An MLA model
         (``kv_lora_rank``: DeepSeek V2/V3, Kimi K2, GLM-4-MoE-Lite) gets its latent rows
         (``kv_lora_rank``, ``qk_rope_head_dim``; see :func:`pagedkv.config.specs.mla_from_hf`,
-        which refuses DeepSeek-V3.2's sparse-attention indexer).
+        which refuses DeepSeek-V3.2's sparse-attention indexer). A recurrent or hybrid
+        model (Mamba2, Bamba, Granite 4, Falcon-H1, Jamba, Nemotron-H, Zamba2, Qwen3-Next,
+        Qwen3.5, Kimi-Linear, LFM2, ...) gets its ``layer_kinds`` and ``state_tensors``
+        (:func:`pagedkv.config.state_hf.state_from_hf`); ``num_layers`` then counts its
+        attention layers, and ``state_slots`` or ``state_memory_budget`` is required.
         """
         src = _text_config(_as_mapping(config))
         get = lambda *names: _first(src, names)  # noqa: E731
         layers = get("num_hidden_layers", "n_layer", "num_layers")
-        heads = get("num_attention_heads", "n_head")
-        for label, val in (("num_hidden_layers", layers), ("num_attention_heads", heads)):
-            if val is None:
-                raise InvalidArgumentError(expected("config", f"a '{label}' field", _keys(src)))
-        # every field is checked as read: a model's config is input like any other
+        if layers is None:
+            raise InvalidArgumentError(expected("config", "a 'num_hidden_layers' field", _keys(src)))
         layers = _check_int("num_hidden_layers", layers, 1)
+        model_type = src.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise ArgumentTypeError(expected("model_type", "a str", show(model_type)))
+        state = state_from_hf(src, layers)      # recurrent-state layers (Mamba2, Gated DeltaNet, ...)
+        kv_count = layers if state is None else len(state["windows"])
+        heads = get("num_attention_heads", "n_head")
+        if heads is None and kv_count == 0:     # a pure state model: no K/V, no attention heads
+            heads = 1
+        if heads is None:
+            raise InvalidArgumentError(expected("config", "a 'num_attention_heads' field", _keys(src)))
+        # every field is checked as read: a model's config is input like any other
         heads = _check_int("num_attention_heads", heads, 1)
-        kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv")
+        kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv") if kv_count else 1
         kv_heads = heads if kv_heads is None else _check_int("num_key_value_heads", kv_heads, 1)
-        head_dim = get("head_dim")
+        head_dim = get("head_dim") if kv_count else 1
         if head_dim is None:
             hidden = get("hidden_size", "n_embd", "d_model")
             if hidden is None:
                 raise InvalidArgumentError(expected("config", "a 'head_dim' or 'hidden_size' field", _keys(src)))
             head_dim = _check_int("hidden_size", hidden, 1) // heads
-        model_type = src.get("model_type")
-        if model_type is not None and not isinstance(model_type, str):
-            raise ArgumentTypeError(expected("model_type", "a str", show(model_type)))
-        values = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads)
+        values: dict[str, Any] = dict(num_layers=kv_count, num_kv_heads=kv_heads, head_dim=head_dim,
+                                      num_attention_heads=heads)
         mla = mla_from_hf(src)
         if mla is not None:     # one latent row per token: a single "head" of c_kv and k_pe
             values.update(mla, num_kv_heads=1, head_dim=mla["kv_lora_rank"] + mla["qk_rope_head_dim"])
-        windows = layer_windows_from_hf(src, layers)
-        if windows is not None:
-            values["layer_windows"] = windows
+        if state is not None:
+            values.update(layer_kinds=state["layer_kinds"], state_tensors=state["state_tensors"])
+            if any(state["windows"]):
+                values["layer_windows"] = state["windows"]
+        else:
+            windows = layer_windows_from_hf(src, layers)
+            if windows is not None:
+                values["layer_windows"] = windows
         names = {f.name for f in fields(cls) if f.init}
         for key in overrides:
             if key not in names:

@@ -71,6 +71,10 @@ STORED: dict[str, Callable[[Any], dict[str, Any]]] = {
     "kv_lora_rank": _value("kv_lora_rank"),           # MLA: a latent row's compressed elements
     "qk_rope_head_dim": _value("qk_rope_head_dim"),   # MLA: its positional elements
     "prefix_disk_tag": lambda c: {"tag": c.prefix_disk_tag},   # names the weights the KV is of
+    # recurrent-state layers (absent from the fingerprint of a model without them)
+    "layer_kinds": lambda c: {} if c.layer_kinds is None else {"layer_kinds": list(c.layer_kinds)},
+    "state_tensors": lambda c: {} if c.state_spec is None else {"state": c.state_spec.fingerprint()},
+    "_state": lambda c: {},                           # the state spec: its entry is state_tensors'
 }
 
 #: CacheConfig field -> why it does not change what a stored block's bytes mean.
@@ -101,6 +105,10 @@ NOT_STORED: dict[str, str] = {
     "prefix_tier_write": "tier policy",
     "prefix_tier_eviction": "tier policy",
     "prefix_remote": "where the remote tier lives (its keys and values carry this fingerprint)",
+    "state_slots": "capacity of the state pool",
+    "state_memory_budget": "capacity of the state pool",
+    "_state_slots": "capacity of the state pool",
+    "state_checkpoint_every": "bookkeeping policy (where snapshots are taken, not what they hold)",
 }
 
 

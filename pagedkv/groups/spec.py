@@ -23,8 +23,12 @@ The types today:
   positional ones; V is the first ``kv_lora_rank`` elements of the same row). The
   row's byte layout per format is :class:`~pagedkv.format.latent.LatentFormat`'s.
 
-A new type (a recurrent state whose hit is "the snapshot at exactly this boundary")
-is a subclass that overrides the hooks, plus one entry in the tables map.
+- :class:`RecurrentStateSpec`: a recurrent state per sequence (Mamba2's conv and SSM
+  state, Gated DeltaNet's conv and delta-rule state), not rows per token: its slots
+  live in a pool of their own (:mod:`pagedkv.state`), and its prefix hit is "a
+  snapshot at exactly this block boundary".
+
+A new type is a subclass that overrides the hooks, plus one entry in the tables map.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from pagedkv.format import dtypes
 from pagedkv.format.latent import LatentFormat
 from pagedkv.format.layer_format import LayerFormat
 
-__all__ = ["KVSpec", "FullAttentionSpec", "SlidingWindowSpec", "MLASpec", "SPEC_TYPES", "check_pool"]
+__all__ = ["KVSpec", "FullAttentionSpec", "SlidingWindowSpec", "MLASpec", "StateTensor", "RecurrentStateSpec",
+           "SPEC_TYPES", "check_pool"]
 
 
 @dataclass(frozen=True)
@@ -234,8 +239,96 @@ class MLASpec(KVSpec):
                 "layers": list(self.layers)}
 
 
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a layer's recurrent state: its name (``"conv"``, ``"ssm"``), its
+    shape for one sequence and its dtype (float32 by default: a state accumulates over
+    the whole context, so rounding it to the model dtype compounds)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def nbytes(self) -> int:
+        n = dtypes.info(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec(KVSpec):
+    """Recurrent-state layers (Mamba, Mamba2, Gated DeltaNet, short convolutions): one
+    state per sequence and layer, whatever its length, made of ``tensors`` (each with its
+    own shape and dtype). The state is held in slots of a pool of its own
+    (:mod:`pagedkv.state`), with its own budget and eviction, not in blocks: the
+    attention groups keep their block size, and a state is not a page of tokens.
+
+    Its prefix-hit rule: a request may resume only where a snapshot of the state was
+    taken at exactly that block boundary (``longest_hit``); a snapshot is taken every
+    ``checkpoint_every`` blocks, at the end of each prefill chunk that ends on a block
+    boundary, and where a prefix shared with an earlier request ends."""
+
+    tensors: tuple[StateTensor, ...] = ()
+    checkpoint_every: int = 16      # blocks between two periodic snapshots
+
+    attention: ClassVar[str] = "state"
+    arena: ClassVar[str] = "state"
+    rows_per_token: ClassVar[int] = 0
+
+    @property
+    def kind(self) -> str:
+        parts = ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in self.tensors)
+        return f"state({parts})"
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's state for one sequence (every tensor)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def slot_bytes(self) -> int:
+        """Bytes of one state slot: every layer of the group, for one sequence."""
+        return self.layer_bytes() * len(self.layers)
+
+    def token_bytes(self, fmt: LayerFormat | None = None) -> int:
+        return 0
+
+    def model_token_bytes(self) -> int:
+        return 0
+
+    def longest_hit(self, tables: Any, matched: int, cap: int) -> int:
+        """The largest block boundary at most ``min(matched, cap)`` at which a snapshot
+        of this prompt's state exists: ``tables.boundaries``, ascending (what a lookup of
+        the prompt found; :meth:`pagedkv.state.tables.StateTables.lookup`)."""
+        top = matched if matched < cap else cap
+        best = 0
+        for b in tables.boundaries:
+            if b > top:
+                break
+            best = b
+        return best
+
+    def blocks_held(self, tokens: int) -> int:
+        return 0
+
+    def kept_tokens(self, tokens: int) -> int:
+        return 0
+
+    def tracks_restored(self) -> bool:
+        return False
+
+    def fingerprint(self) -> Any:
+        return {"attention": self.attention, "layers": list(self.layers),
+                "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors]}
+
+
 #: every spec type, by its attention name
-SPEC_TYPES: dict[str, type[KVSpec]] = {s.attention: s for s in (FullAttentionSpec, SlidingWindowSpec, MLASpec)}
+SPEC_TYPES: dict[str, type[KVSpec]] = {s.attention: s for s in (FullAttentionSpec, SlidingWindowSpec, MLASpec,
+                                                                 RecurrentStateSpec)}
 
 
 def check_pool(specs: tuple[KVSpec, ...]) -> None:

@@ -48,11 +48,12 @@ import torch
 from pagedkv.config.support import require
 from pagedkv.errors import ArgumentTypeError, InternalError, InvalidArgumentError, ShapeError, expected
 from pagedkv.integrations import hf_attention, hf_windows
+from pagedkv.integrations.hf_state_calls import StateCalls
 from pagedkv.manager.arguments import as_row_counts
 from pagedkv.manager.cache import PagedKVCache
 
 try:
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 except ImportError as exc:  # pragma: no cover - transformers < 4.56
     raise ImportError(
         "pagedkv.integrations.transformers needs transformers >= 4.56 (the layered Cache API); "
@@ -133,6 +134,35 @@ class PagedLayer(CacheLayerMixin):
         pass
 
 
+def _model_layers(parent: PagedCache, kinds, windows) -> list:
+    """One layer object per model layer of a cache with recurrent-state layers: a
+    :class:`PagedLayer` (K/V), a state layer, both (a hybrid layer) or a dummy."""
+    from pagedkv.integrations.hf_states import PagedStateLayer
+
+    # Falcon-H1, Zamba2: a state and K/V in one layer (the state mixin's read-only flags win)
+    class PagedHybridLayer(PagedStateLayer, PagedLayer):  # type: ignore[override]
+        def __init__(self, parent, layer_idx: int, window: int = 0):
+            PagedLayer.__init__(self, parent, layer_idx, window)
+            PagedStateLayer.__init__(self, parent, layer_idx)
+
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            self.is_initialized = True
+
+    out: list = []
+    kv_layer = 0
+    for i, k in enumerate(kinds):
+        if k == "attention":
+            out.append(PagedLayer(parent, i, windows[kv_layer]))
+        elif k == "hybrid":
+            out.append(PagedHybridLayer(parent, i, windows[kv_layer]))
+        elif k == "state":
+            out.append(PagedStateLayer(parent, i))
+        else:
+            out.append(DummyLayer())
+        kv_layer += k in ("attention", "hybrid")
+    return out
+
+
 class _StepPlan:
     """What layer 0 decided for one forward pass; every layer reuses it."""
 
@@ -155,7 +185,7 @@ class _StepPlan:
         self.pending = None             # paged attention: int32 [B] new tokens read from the pass's K/V
 
 
-class PagedCache(Cache):
+class PagedCache(StateCalls, Cache):
     """A transformers ``Cache`` backed by a :class:`PagedKVCache`.
 
     Args:
@@ -196,9 +226,19 @@ class PagedCache(Cache):
         self.paged_attention = paged_attention
         self._ticket: hf_attention.Ticket | None = None
         self.num_layers = kv.config.num_layers
-        self._windows = hf_windows.layer_windows(kv)     # None: every layer is full attention
+        self._windows = hf_windows.layer_windows(kv)     # None: every layer is full attention (per KV layer)
         windows = self._windows or [0] * self.num_layers
-        super().__init__(layers=[PagedLayer(self, i, windows[i]) for i in range(self.num_layers)])
+        self._states = None     # recurrent-state layers: the pass's working states (hf_states)
+        if kv.config.state_spec is not None:
+            from pagedkv.integrations import hf_states
+
+            hf_states.state_names(kv.config.state_spec)
+            self._states = hf_states.StatePass(kv, kv.config.layer_kinds, kv.config.torch_dtype)
+            layers = _model_layers(self, kv.config.layer_kinds, windows)
+            self.num_layers = len(layers)
+            super().__init__(layers=layers)
+        else:
+            super().__init__(layers=[PagedLayer(self, i, windows[i]) for i in range(self.num_layers)])
         self._owned: set = set()   # rows this object frees; the same set lives in the finalizer
         self._clear_rows()
         weakref.finalize(self, _free_on_collection, kv, self._owned)
@@ -216,6 +256,8 @@ class PagedCache(Cache):
         self._input_ids: torch.Tensor | None = None
         self._fresh = False  # admitted, no forward pass yet
         self._holding = False   # recording the past: sliding groups keep blocks until crop
+        if self._states is not None:
+            self._states.clear()
 
     def _new_id(self):
         return ("pagedkv.hf", next(_serial))
@@ -229,6 +271,7 @@ class PagedCache(Cache):
         them; a row's hit tokens beyond that common point are recomputed by the model
         but not written again.
         """
+        self._sync()
         if self.seq_ids:
             raise InvalidArgumentError(expected("admit", "a PagedCache without rows (call release() first)",
                                                 f"{len(self.seq_ids)} rows"))
@@ -257,7 +300,9 @@ class PagedCache(Cache):
         salt = self.cache_salt if cache_salt is None else cache_salt
         hits = np.zeros(ids.shape[0], dtype=np.int64)
         caps = [None] * ids.shape[0]
-        if self._windows is not None and any(self._windows):
+        if self._states is not None:       # every row resumes at one column, where its state is kept
+            caps = self._state_caps(ids, pads.numpy().astype(np.int64), salt, adapter_id).tolist()
+        elif self._windows is not None and any(self._windows):
             caps = self._sliding_caps(ids, pads.numpy().astype(np.int64), salt, adapter_id).tolist()
         added = []
         try:
@@ -265,6 +310,8 @@ class PagedCache(Cache):
                 tokens = ids[b, int(pads[b]):].to("cpu")
                 hits[b] = self.kv.add_sequence(sid, tokens, cache_salt=salt, adapter_id=adapter_id,
                                                max_cached_tokens=caps[b])
+                if self._states is not None and hits[b] != caps[b]:
+                    raise InternalError(f"row {b} reused {hits[b]} tokens where its state resumes at {caps[b]} (a bug)")
                 added.append(sid)
         except BaseException:
             if added:
@@ -303,6 +350,7 @@ class PagedCache(Cache):
         ``(attention_mask, position_ids)`` for that forward (a padding column gets
         position 0). The sequences stay owned by the caller.
         """
+        self._sync()
         if self._plan is not None:
             raise InvalidArgumentError(expected("select", "no forward pass in progress", "a pending step"))
         if self._owned:  # they would be orphaned: nothing would free them
@@ -343,6 +391,7 @@ class PagedCache(Cache):
     def release(self) -> None:
         """Free the sequences this object admitted (their full blocks stay cached), and
         give back what a forward pass that stopped early had reserved in the others."""
+        self._sync()
         self._abort_step()
         owned = [s for s in self.seq_ids if s in self._owned]
         self._clear_rows()
@@ -354,6 +403,8 @@ class PagedCache(Cache):
         created itself are freed."""
         reserved, self._reserved = self._reserved, None
         self._plan = self._input_ids = self._ticket = None
+        if self._states is not None:
+            self._states.clear()
         if reserved is not None and reserved.any():
             self.kv.unreserve(self.seq_ids, reserved)
         if self._implicit:
@@ -365,6 +416,7 @@ class PagedCache(Cache):
         """Keep what sliding-window layers would drop until the next :meth:`crop`, so a
         rejected speculative step can be rolled back (transformers calls this for
         assisted generation). A no-op without sliding layers."""
+        self._sync()
         if not self._windows:
             return
         self._holding = True
@@ -389,16 +441,24 @@ class PagedCache(Cache):
 
     # ---- the transformers Cache protocol ------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._sync()
         return self._columns
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
+        self._sync()
         return self._columns
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple:
         # 5.x passes the query length; 4.56/4.57 pass cache_position.
+        self._sync()
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
-        if self._windows is not None and self._windows[layer_idx]:
-            return hf_windows.sliding_mask_sizes(self._columns, q, self._windows[layer_idx])
+        if self._states is not None:        # the mask of a K/V layer (a state layer has none: full sizes)
+            kl = self._states.kv_of.get(layer_idx)
+            window = self._windows[kl] if self._windows is not None and kl is not None else 0
+        else:
+            window = self._windows[layer_idx] if self._windows is not None else 0
+        if window:
+            return hf_windows.sliding_mask_sizes(self._columns, q, window)
         return self._columns + q, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -428,8 +488,14 @@ class PagedCache(Cache):
     def _update(self, key_states, value_states, layer_idx: int):
         if not 0 <= layer_idx < self.num_layers:
             raise InvalidArgumentError(expected("layer_idx", f"an int in [0, {self.num_layers})", layer_idx))
-        if layer_idx == 0:
-            self._plan_step(key_states)
+        model_layer = layer_idx
+        if self._states is not None:    # K/V layer l of the store is the l-th layer with attention
+            layer_idx = self._states.kv_layer(model_layer)
+            self._note(model_layer, "kv", "update")
+            if self._plan is None:
+                self._plan_step(key_states.shape[0], key_states.shape[2])
+        elif layer_idx == 0:
+            self._plan_step(key_states.shape[0], key_states.shape[2])
         plan = self._plan
         if plan is None:
             raise InvalidArgumentError(expected("layer_idx", "0 first in every forward pass", layer_idx))
@@ -444,7 +510,7 @@ class PagedCache(Cache):
         # as computed, and a recent window still holds the tokens just before the pass.
         columns = plan.columns
         if self.paged_attention:
-            return self._write_only(key_states, value_states, layer_idx, plan)
+            return self._write_only(key_states, value_states, layer_idx, plan, model_layer)
         groups = self.kv.config.layer_groups
         if plan.groups is not None and groups is not None:   # layer groups: this layer's group's tables
             step = plan.groups[groups.layer_group[layer_idx]]
@@ -470,8 +536,8 @@ class PagedCache(Cache):
         # [B, H, q, D] -> [B*q, H, D]: one small copy of the new tokens only.
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, Dv))
-        self.layers[layer_idx].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
-        if layer_idx == self.num_layers - 1:
+        self.layers[model_layer].is_initialized = True   # always our PagedLayer
+        if self._states is None and layer_idx == self.num_layers - 1:
             self._finish_step()
         return keys.transpose(1, 2), values.transpose(1, 2)
 
@@ -487,15 +553,16 @@ class PagedCache(Cache):
             raise ShapeError(expected("value_states", f"the latent k_rot [batch, 1, tokens, {p}] of an MLA model",
                                       tuple(k_rot.shape)))
 
-    def _write_only(self, key_states, value_states, layer_idx: int, plan):
-        """Paged attention: write the pass's K/V, hand the attention a ticket to the pages."""
+    def _write_only(self, key_states, value_states, layer_idx: int, plan, model_layer: int):
+        """Paged attention: write the pass's K/V, hand the attention a ticket to the pages
+        (``layer_idx``: the KV layer; ``model_layer``: the model's)."""
         self._check_ticket()
         B, H, q, D = key_states.shape
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
-        self.layers[layer_idx].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
+        self.layers[model_layer].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
         ticket = self._ticket = hf_attention.Ticket(self, layer_idx, plan, key_states, value_states)
-        if layer_idx == self.num_layers - 1:
+        if self._states is None and layer_idx == self.num_layers - 1:
             self._finish_step()
         return hf_attention.tag(key_states, ticket), value_states
 
@@ -552,12 +619,11 @@ class PagedCache(Cache):
             return out.view(B, q, Hq, D)
         return out.new_zeros(B * q, Hq, D).index_copy_(0, q_rows, out).view(B, q, Hq, D)
 
-    def _plan_step(self, key_states) -> None:
+    def _plan_step(self, B: int, q: int) -> None:
         if self._plan is not None:   # undone by update()'s handler before this reaches the caller
             raise InvalidArgumentError(expected(
                 "forward", f"the previous forward pass to reach layer {self.num_layers - 1}",
                 "a pass that stopped early (its reserved slots are given back)"))
-        B, _, q, _ = key_states.shape
         if not self.seq_ids:  # first pass without admit(): rows with unknown prompts
             ids = [self._new_id() for _ in range(B)]
             for i, sid in enumerate(ids):
@@ -575,7 +641,10 @@ class PagedCache(Cache):
         if self._fresh and B != len(self.seq_ids) and B % len(self.seq_ids) == 0:
             # generate() repeats each prompt for num_return_sequences / num_beams
             # before the first forward; mirror that with forks (shared prefix blocks).
-            self.batch_repeat_interleave(B // len(self.seq_ids))
+            repeats = B // len(self.seq_ids)
+            self._replace_rows([i for i in range(len(self.seq_ids)) for _ in range(repeats)])
+            if self._states is not None:     # states the model read already follow the rows
+                self._states.expand(repeats)
         self._fresh = False
         if B != len(self.seq_ids):
             raise ShapeError(expected("key_states", f"batch {len(self.seq_ids)} (the cache's rows)", B))
@@ -621,6 +690,8 @@ class PagedCache(Cache):
         plan = self._plan
         if plan is None:
             raise InternalError("a forward pass finished that layer 0 never planned: a bug")
+        if self._states is not None:
+            self._states.write(self.seq_ids)
         token_ids = None
         if self._input_ids is not None and tuple(self._input_ids.shape) == tuple(plan.new_mask.shape):
             token_ids = self._input_ids.cpu().numpy()[plan.new_mask]
@@ -655,14 +726,17 @@ class PagedCache(Cache):
         self._owned.update(new_ids)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._sync()
         if self.seq_ids:
             self._replace_rows([i for i in range(len(self.seq_ids)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices) -> None:
+        self._sync()
         if self.seq_ids:
             self._replace_rows([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
 
     def reorder_cache(self, beam_idx) -> None:
+        self._sync()
         if self.seq_ids:
             self._replace_rows([int(i) for i in torch.as_tensor(beam_idx).reshape(-1).tolist()])
 
@@ -674,11 +748,16 @@ class PagedCache(Cache):
         (see :meth:`PagedKVCache.truncate`). While the past is recorded
         (:meth:`activate_past_recording`), every crop, ``0`` included, then releases what
         left the sliding windows, as ``DynamicSlidingWindowLayer.crop`` does."""
+        self._sync()
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
             raise InvalidArgumentError(expected("tokens_to_remove", "an int", repr(tokens_to_remove)))
         if self._plan is not None:
             raise InvalidArgumentError(expected("crop", "no forward pass in progress", "a pending step"))
         n = int(tokens_to_remove)
+        if n and self._states is not None:
+            raise InvalidArgumentError(expected(
+                "crop", "PagedCache.rewind with recurrent-state layers (a state resumes only where one is kept; "
+                "rewind says which columns to compute again)", f"crop({n})"))
         if n == 0:
             self._slide()     # like DynamicSlidingWindowLayer.crop(0): drop what left the window
             return
@@ -698,7 +777,10 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        # a recurrent state cannot stop at any token: assisted generation (which crops after
+        # its verify pass and never computes the kept tokens again) is refused up front, as
+        # with transformers' own cache; PagedCache.rewind is the rollback that replays
+        return self._states is None
 
     def __repr__(self) -> str:
         return f"PagedCache(rows={len(self.seq_ids)}, columns={self._columns}, kv={self.kv!r})"

@@ -67,6 +67,7 @@ from pagedkv.manager.prefix import Prefixes
 from pagedkv.manager.prefix_calls import PrefixCalls
 from pagedkv.manager.queries import Queries
 from pagedkv.manager.seq_ids import SequenceIds
+from pagedkv.manager.state_calls import StateCalls
 from pagedkv.manager.stats import CacheStats, with_window_figures
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ SeqId = Any
 SeqIds = SeqId | Sequence[SeqId] | np.ndarray
 
 
-class PagedKVCache(PrefixCalls, KVDataCalls):
+class PagedKVCache(PrefixCalls, KVDataCalls, StateCalls):
     """A paged KV cache for one model (see the module docstring for the call order).
 
     Args:
@@ -107,11 +108,16 @@ class PagedKVCache(PrefixCalls, KVDataCalls):
         if not isinstance(allocate_store, bool):
             raise ArgumentTypeError(expected("allocate_store", "True or False", repr(allocate_store)))
         self.store = None
+        self.state_store = None     # recurrent-state layers' states (pagedkv.state.store)
         if allocate_store:
             from pagedkv.store.stores import make_store
 
             self.store = make_store(config)     # the arenas the layer groups' spec asks for
             config = self.store.config  # may differ: fp8 -> int8 fallback
+            if config.state_spec is not None:
+                from pagedkv.state.store import StateStore
+
+                self.state_store = StateStore(config.state_spec, config.resolved_state_slots, config.device)
         self.config = config
         store = self.store
         # sink tokens matter only where a store keeps model-precision copies of them
@@ -127,7 +133,7 @@ class PagedKVCache(PrefixCalls, KVDataCalls):
         self._caller_lock = CallerLock(self._lock)
         self._ids = SequenceIds()
         # one table per layer group (one group when every layer is full attention)
-        self._groups = coordinator(self._pool, self.index, config, self._ids.name)
+        self._groups = coordinator(self._pool, self.index, config, self._ids.name, self.state_store)
         self.tables: AttentionTables = self._groups.tables[0]
         self._namespaces = NamespaceRegistry()
         names = self._groups.names(self._namespaces)

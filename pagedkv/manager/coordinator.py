@@ -142,8 +142,16 @@ class Groups(GroupTables):
         return CacheStats.collect(pool, self.tables[0], config, host, tiers, self)
 
 
-def coordinator(pool, index, config, namer) -> OneGroup | Groups:
-    """The tables of a cache with ``config``: one group, or one per layer group."""
+def coordinator(pool, index, config, namer, state_store=None):
+    """The tables of a cache with ``config``: one group, or one per layer group; with
+    recurrent-state layers, those wrapped with the state group
+    (:class:`~pagedkv.manager.states.StateGroups`, whose states ``state_store`` holds)."""
     if config.layer_groups is None:
-        return OneGroup(pool, index, config.block_size, namer, config.kv_specs[0])
-    return Groups(pool, index, config.block_size, config.layer_groups, namer)
+        inner: OneGroup | Groups = OneGroup(pool, index, config.block_size, namer, config.kv_specs[0])
+    else:
+        inner = Groups(pool, index, config.block_size, config.layer_groups, namer)
+    if config.state_spec is None:
+        return inner
+    from pagedkv.manager.states import StateGroups
+
+    return StateGroups(inner, config, index, state_store)

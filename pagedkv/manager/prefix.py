@@ -114,6 +114,10 @@ class Prefixes:
         with self.lock:
             blocks = self.prefix_blocks(token_ids, cache_salt, adapter_id)
             (self.pool.pin if pin else self.pool.unpin)(blocks)
+            pin_states = getattr(self.groups, "pin_states", None)     # recurrent states: their snapshots too
+            ns = self.namespaces.find(cache_salt, adapter_id)
+            if pin_states is not None and ns is not None:
+                pin_states(as_token_ids(token_ids), ns[0], ns[1], pin)
             tiers = self.tiers.pin(as_token_ids(token_ids), namespace_key(cache_salt, adapter_id), pin)
         device = self.match_prefix_groups(token_ids, cache_salt, adapter_id)["tokens"] if len(blocks) else 0
         return max(device, tiers)
@@ -122,6 +126,9 @@ class Prefixes:
         with self.lock:
             self.pool.reset_cache()
             self.tiers.clear()
+            clear_states = getattr(self.groups, "clear_states", None)
+            if clear_states is not None:
+                clear_states()
 
     def drain_events(self) -> list[KVEvent]:
         if self.index is None or not self.index.events_enabled:

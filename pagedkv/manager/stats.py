@@ -57,6 +57,7 @@ class CacheStats:
     group_hit_limits: tuple = ()   # layer groups: admissions whose prefix hit each group limited
     groups: tuple = ()             # layer groups: GroupStats per group (the totals above add them up)
     window_bytes: int = 0          # the window arena (model-precision rows), allocated up front
+    states: object = None          # recurrent-state layers: the state pool's StateStats (None without)
     # sequence reads (once per pass) that found a sink or recent-window row no longer held
     # exact and read it quantized: with more live sequences than kv_window_sequences, or a
     # prefix hit whose blocks lost their window copies (pagedkv.store.window)
@@ -148,7 +149,8 @@ class CacheStats:
           + [t.describe() for t in self.tiers]
           + [f"Layer group {g.group} ({'window ' + str(g.window) if g.window else 'full attention'}, "
              f"{len(g.layers)} layers): {g.blocks_held} blocks held, {g.cow_copies} copy-on-write copies, "
-             f"{g.hit_tokens}/{g.query_tokens} tokens hit" for g in self.groups])
+             f"{g.hit_tokens}/{g.query_tokens} tokens hit" for g in self.groups]
+          + ([self.states.describe()] if self.states is not None else []))  # type: ignore[attr-defined]
 
 
 _STATE_CHARS = np.frombuffer(b".#c", dtype=np.uint8)
