@@ -560,7 +560,7 @@ class PagedCache(StateCalls, Cache):
         B, H, q, D = key_states.shape
         self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
                       value_states.transpose(1, 2).reshape(B * q, H, D))
-        self.layers[model_layer].is_initialized = True   # type: ignore[union-attr]  # always our PagedLayer
+        self.layers[model_layer].is_initialized = True   # always our PagedLayer
         ticket = self._ticket = hf_attention.Ticket(self, layer_idx, plan, key_states, value_states)
         if self._states is None and layer_idx == self.num_layers - 1:
             self._finish_step()
