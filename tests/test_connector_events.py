@@ -27,7 +27,7 @@ def make(**cfg):
     store.kv = [torch.randn(N, H, BS, 2 * D, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
                 for _ in range(L)]
     store.mover = BlockMover()
-    assert store.mover.register(store.spec, store.kv) is None
+    assert store.mover.register(store.spec, store.kv, "CPU_ATTN") is None     # vLLM for CPU's layout
     store.worker_ready = True
     store.enable_events()
     return store

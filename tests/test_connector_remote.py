@@ -29,7 +29,7 @@ def make(url, seed, **cfg):
     g = torch.Generator().manual_seed(seed)
     store.kv = [torch.randn(N, H, BS, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)]
     store.mover = BlockMover()
-    assert store.mover.register(store.spec, store.kv) is None
+    assert store.mover.register(store.spec, store.kv, "CPU_ATTN") is None     # vLLM for CPU's layout
     store.worker_ready = True
     return store
 

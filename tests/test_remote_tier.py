@@ -336,7 +336,8 @@ def test_the_servers_size_limit_holds_and_survivors_are_exact(fresh_redis):
             hits[i] = fill(cache, i, prompts[i])
             assert_kv(cache, i, prompts[i])
             cache.free(i)
-        assert hits[39] + hits[38] + hits[37] > 0 and hits[0] == 0   # the newest survived, the oldest went
+        # the newest survived, the oldest went (Redis's LRU samples keys: a stray old block may stay)
+        assert hits[39] + hits[38] + hits[37] > 0 and hits[0] < max(hits[39], hits[38], hits[37])
     c.config_set("maxmemory-policy", "noeviction")
     c.flushall(asynchronous=False)
     c.config_set("maxmemory", c.info("memory")["used_memory"] + (16 << 10))     # room for a few blocks

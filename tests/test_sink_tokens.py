@@ -10,7 +10,7 @@ from test_lowbit_store import BS, D, H, L, config, kv_data
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
-from pagedkv.format.quant import dequantize_key_channels, quantize_key_block
+from pagedkv.format.quant import quantize_key_channels
 from pagedkv.store.kvstore import KVStore
 
 LOWBIT = [dict(kv_dtype="int4"), dict(kv_dtype="int3"), dict(kv_dtype="int4", kv_key_quant="block")]
@@ -52,8 +52,10 @@ def check_read(kv, twin, seq, exact_k, exact_v, sink):
         lo = max(s, pinned)
         assert torch.equal(k[lo:], tk[lo:]), f"layer {layer}: keys after the sink"
         if pinned > s:
-            c, sc, z = quantize_key_block(exact_k[:pinned].reshape(-1, BS, H, D))
-            want = dequantize_key_channels(c, sc.unsqueeze(1), z.unsqueeze(1), exact_k.dtype).reshape(pinned, H, D)
+            # the per-channel definition at the cache's key width (kv_key_bits: 5 by default)
+            c, sc, z = quantize_key_channels(exact_k[:pinned].reshape(-1, BS, H, D), kv.config.kv_key_bits)
+            want = ((c.float() * sc.unsqueeze(1).float()) + z.unsqueeze(1).float()).to(exact_k.dtype)
+            want = want.reshape(pinned, H, D)
             assert torch.equal(k[s:pinned], want[s:]), f"layer {layer}: sealed keys of the pinned blocks"
 
 

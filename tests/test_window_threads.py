@@ -19,7 +19,7 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import OutOfBlocksError
-from pagedkv.format.quant import dequantize, dequantize_key_channels, quantize, quantize_key_block
+from pagedkv.format.quant import dequantize, quantize, quantize_key_channels
 from pagedkv.format.rotation import rotate, rotation_signs, unrotate
 
 THREADS, L, H, D, BS = 4, 2, 2, 32, 4
@@ -50,12 +50,14 @@ def tables(cfg):
     return exact, [stored(x) for x in exact]
 
 
-def sealed(keys):
-    """``keys`` with every full block's keys quantized per channel (``kv_key_quant="block"``)."""
+def sealed(keys, bits):
+    """``keys`` with every full block's keys quantized per channel (``kv_key_quant="block"``),
+    ``bits`` wide (the cache's ``kv_key_bits``)."""
     full = keys.shape[0] // BS * BS
-    c, sc, z = quantize_key_block(keys[:full].reshape(-1, BS, H, D))
+    c, sc, z = quantize_key_channels(keys[:full].reshape(-1, BS, H, D), bits)
     out = keys.clone()
-    out[:full] = dequantize_key_channels(c, sc.unsqueeze(1), z.unsqueeze(1), keys.dtype).reshape(full, H, D)
+    want = (c.float() * sc.unsqueeze(1).float()) + z.unsqueeze(1).float()
+    out[:full] = want.to(keys.dtype).reshape(full, H, D)
     return out
 
 
@@ -74,7 +76,7 @@ def worker(cache, tid, exact, stored, deadline, counts):
             want_e = e[t, p]
             wants = [want_e, s[t, p]]
             if kv == 0 and cache.config.block_keys and len(toks) >= BS:
-                wants.append(sealed(want_e))
+                wants.append(sealed(want_e, cache.config.kv_key_bits))
             row_ok = torch.zeros(len(toks), dtype=torch.bool)
             for w in wants:
                 row_ok |= (g - w).abs().amax(dim=(1, 2)) <= 1e-5

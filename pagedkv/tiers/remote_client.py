@@ -168,6 +168,21 @@ def _run(pipe) -> list:
         return [e] * n
 
 
+def _in_order(res: list, keys: list[bytes], one) -> list:
+    """A batch that failed as a whole (a cluster pipeline raises when one node is down)
+    asked again key by key, in chain order, up to the first key that fails: the blocks
+    before a dead node's first block are still served."""
+    if len(keys) < 2 or not all(isinstance(r, Exception) for r in res):
+        return res
+    out: list = []
+    for k in keys:
+        try:
+            out.append(one(k))
+        except Exception as e:
+            return out + [e] * (len(keys) - len(out))
+    return out
+
+
 def get_many(client, keys: list[bytes], ttl_ms: int | None) -> list:
     """Values (bytes, None when absent, or an exception per key), refreshing each TTL."""
     pipe = client.pipeline(transaction=False)
@@ -176,14 +191,14 @@ def get_many(client, keys: list[bytes], ttl_ms: int | None) -> list:
             pipe.get(k)
         else:
             pipe.getex(k, px=ttl_ms)
-    return _run(pipe)
+    return _in_order(_run(pipe), keys, client.get if ttl_ms is None else (lambda k: client.getex(k, px=ttl_ms)))
 
 
 def exists_many(client, keys: list[bytes]) -> list:
     pipe = client.pipeline(transaction=False)
     for k in keys:
         pipe.exists(k)
-    return _run(pipe)
+    return _in_order(_run(pipe), keys, client.exists)
 
 
 def set_many(client, items: list[tuple[bytes, bytes]], ttl_ms: int | None) -> list:
