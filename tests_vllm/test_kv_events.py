@@ -75,7 +75,7 @@ def test_vllms_decoder_reads_the_connectors_tier_events(tmp_path):
     try:
         kv = [torch.zeros(8, 2, bs, 64, dtype=torch.bfloat16) for _ in range(2)]
         store.mover = BlockMover()
-        assert store.mover.register(store.spec, kv) is None
+        assert store.mover.register(store.spec, kv, "CPU_ATTN") is None     # vLLM for CPU's layout
         store.worker_ready = True
         store.enable_events()
         t = np.arange(2 * bs + 1, dtype=np.int32)
