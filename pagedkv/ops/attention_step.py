@@ -26,13 +26,18 @@ class AttentionStep:
     """One step's paged attention over any layer of one set of tables.
 
     Args:
-        indptr, indices, seq_lens, q_indptr: the CSR page table and the query offsets
-            (as :func:`pagedkv.ops.paged_attention` takes them: int32 tensors on
-            ``device`` or NumPy integer arrays, converted here once).
+        indptr: the CSR page table's row offsets (as :func:`pagedkv.ops.paged_attention`
+            takes them: int32 tensors on ``device`` or NumPy integer arrays, converted
+            here once); ``indices``, ``seq_lens`` and ``q_indptr`` likewise.
+        indices: the table's block ids.
+        seq_lens: each sequence's token count.
+        q_indptr: the query offsets.
         device: where the layers' arenas live.
-        sm_scale, soft_cap, window, sink_tokens, num_splits: the logit options of every
-            layer (MLA: ``sm_scale`` is required, the others must be left unset but
-            ``num_splits``).
+        sm_scale: the logit scale of every layer (MLA: required).
+        soft_cap: the logit soft cap (MLA: leave unset).
+        window: the sliding window (MLA: leave unset).
+        sink_tokens: the sink positions (MLA: leave unset).
+        num_splits: key splits per sequence (as the ops take it).
         backend: as the ops take it.
         pending: ints ``[B]``, each row's last positions a layer's ``k_new``/``v_new``
             cover (:func:`pagedkv.ops.paged_attention`), the same for every layer.

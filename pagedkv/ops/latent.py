@@ -79,7 +79,9 @@ def mla_attention(view: LatentView, q_nope: torch.Tensor, q_pe: torch.Tensor, in
         q_nope: ``[Nq, Hq, R]``: each head's query already multiplied by its ``W_UK``
             (the "absorbed" query, in the latent space).
         q_pe: ``[Nq, Hq, P]``: the RoPE part of each head's query, same dtype.
-        indptr, indices, seq_lens: the CSR tables (as :func:`gather_latent`).
+        indptr: the CSR page table's row offsets (as :func:`gather_latent`).
+        indices: its block ids.
+        seq_lens: each sequence's token count.
         q_indptr: ``[B + 1]``: sequence ``b``'s queries are ``q[q_indptr[b]:q_indptr[b+1]]``,
             its last tokens (causal among themselves).
         sm_scale: the logit scale (MLA: ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``).

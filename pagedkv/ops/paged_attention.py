@@ -104,11 +104,12 @@ def paged_attention(
         exact_rows: model-precision rows read instead of the arena's
             (:class:`~pagedkv.ops.attention_reference.ExactRows`, a store's window); its
             recent rows are those before the pending ones.
-        k_new, v_new: ``[num_q_tokens, num_kv_heads, head_dim]`` in ``q``'s dtype: the K/V
+        k_new: ``[num_q_tokens, num_kv_heads, head_dim]`` in ``q``'s dtype: the K/V
             the forward pass computed for each query token (row ``t``: query token ``t``'s
             own). The pass's rows are read from here, at model precision, instead of
             from the arena it has just written them to (one definition of what a read
             returns; see :mod:`pagedkv.format.new_rows`).
+        v_new: the values to match ``k_new``, same shape and dtype.
         pending: ints ``[batch]`` (an int32 tensor or a NumPy array): sequence ``b``'s last
             ``pending[b]`` positions (``<= `` its query count) are the pass's rows read
             from ``k_new``/``v_new``. Default with ``k_new``: every query's own position;
