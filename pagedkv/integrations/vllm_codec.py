@@ -13,7 +13,9 @@ that layout, quantize with :mod:`pagedkv.format.quant`, and write the same layou
   :func:`pagedkv.format.quant.quantize_key_block`), values int4 per group of 64 channels.
 
 A codec's ``arenas`` are the per-block shapes and dtypes it stores; the tiers keep one
-``[num_layers, capacity, *shape]`` arena per entry.
+``[num_layers, capacity, *shape]`` arena per entry. Every format quantizes each KV head on
+its own, so a tensor-parallel rank encodes its head shard with a codec of its heads and
+writes it into its slice of the full block (``head_axes``: the heads' axis per arena).
 """
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ class Codec:
     @property
     def arenas(self) -> list[tuple[tuple, torch.dtype]]:
         return [((self.h, self.bs, 2 * self.d), self.dtype)]
+
+    @property
+    def head_axes(self) -> list[int]:
+        """Per arena, the axis of its per-block shape that holds the KV heads."""
+        return [0]
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x``: ``[n, H, bs, 2D]`` blocks as vLLM holds them -> one tensor per arena."""
@@ -67,6 +74,10 @@ class Int8Codec(Codec):
         return [((2, self.h, self.bs, self.d), torch.int8), ((2, self.h, self.bs), torch.float32),
                 ((2, self.h, self.bs), torch.float32)]
 
+    @property
+    def head_axes(self):
+        return [1, 1, 1]
+
     def encode(self, x):
         q, s, z = quant.quantize(torch.stack(self.split(x), dim=1), "int8")
         return [q, s, z]
@@ -87,6 +98,10 @@ class Fp8Codec(Codec):
     def arenas(self):
         return [((2, self.h, self.bs, self.d), torch.float8_e4m3fn), ((2, self.h, self.bs), torch.float32)]
 
+    @property
+    def head_axes(self):
+        return [1, 1]
+
     def encode(self, x):
         kv = torch.stack(self.split(x), dim=1).to(torch.float32)
         q, s, _ = quant.quantize(rotate(kv, self.signs), "fp8_e4m3")
@@ -106,6 +121,10 @@ class Int4Codec(Codec):
         return [((self.bs, self.h, self.d // 2), torch.uint8), ((self.h, self.d), torch.bfloat16),
                 ((self.h, self.d), torch.bfloat16), ((self.h, self.bs, self.d // 2), torch.uint8),
                 ((self.h, self.bs, self.d // g), torch.float32), ((self.h, self.bs, self.d // g), torch.float32)]
+
+    @property
+    def head_axes(self):
+        return [1, 0, 0, 0, 0, 0]
 
     def encode(self, x):
         k, v = self.split(x)

@@ -21,6 +21,15 @@ fails the request under vLLM's default ``kv_load_failure_policy``): the worker, 
 vLLM sets up first, leaves its verdict on its KV tensors in a small status file keyed by
 the engine id; without one, the scheduler serves loads only after the worker's first
 report.
+
+Tensor parallelism: each worker (rank) copies its shard of the KV heads into its slice
+of the arena's blocks (:mod:`.vllm_worker`); vLLM gathers the ranks' reports into one,
+and the scheduler side counts a save committed, or a load done, only when every rank
+reported it (a rank that failed or did not report makes the block a miss, and its loads
+failed on every rank). Each rank leaves its own status file; loads are served from the
+start only when every rank's says its KV is usable. The stored format names the TP size
+and each rank's heads, so a block is served only to an engine whose ranks hold the same
+shards.
 """
 from __future__ import annotations
 
@@ -70,6 +79,7 @@ class PagedKVMetadata(KVConnectorMetadata):
 class ArenaReport:
     arena: str = ""                                        # the arena's name
     step: int = 0                                          # the step whose metadata this reports on
+    rank: int = 0                                          # the reporting worker's tensor-parallel rank
     opened: bool = False
     refused: str | None = None
     loaded: list[int] = field(default_factory=list)        # slots copied into vLLM blocks
@@ -86,13 +96,28 @@ class ArenaReport:
 
 @dataclass
 class PagedKVWorkerMetadata(KVConnectorWorkerMetadata):
-    reports: dict[str, ArenaReport] = field(default_factory=dict)   # "<arena>@<step>" -> that step's report
+    # "<arena>@<step>#<rank>" -> that step's report by that rank (vLLM aggregates the ranks')
+    reports: dict[str, ArenaReport] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, PagedKVWorkerMetadata):
             for name, r in other.reports.items():
-                self.reports.setdefault(name, ArenaReport(arena=r.arena, step=r.step)).merge(r)
+                self.reports.setdefault(name, ArenaReport(arena=r.arena, step=r.step, rank=r.rank)).merge(r)
         return self
+
+
+def _all_ranks(reports: list[ArenaReport], tp_size: int, ok: str, failed: str) -> tuple[list[int], list[int]]:
+    """``(slots every rank reported in ok, the other slots any rank reported)``: under
+    tensor parallelism a block is whole only when every rank copied its shard."""
+    per_rank: dict[int, set[int]] = {}
+    bad: set[int] = set()
+    for r in reports:
+        per_rank.setdefault(r.rank, set()).update(getattr(r, ok))
+        bad.update(getattr(r, failed))
+    seen = set().union(*per_rank.values()) if per_rank else set()
+    whole = set.intersection(*per_rank.values()) if set(per_rank) == set(range(tp_size)) else set()
+    good = whole - bad
+    return sorted(good), sorted((seen | bad) - good)
 
 
 def set_debug_shuffle_loads(worker: Any, on: bool) -> int:
@@ -116,8 +141,21 @@ def worker_stats(worker: Any) -> list[dict]:
     return out
 
 
-def _status_path(engine_id: str):
-    return shm_dir() / f"pagedkv-vllm-worker-{hashlib.sha1(engine_id.encode()).hexdigest()[:16]}.json"
+def _status_path(engine_id: str, rank: int = 0, tp_size: int = 1):
+    """Where the worker of ``rank`` leaves its verdict (one file per rank under TP)."""
+    tail = "" if tp_size == 1 else f"-r{rank}"
+    return shm_dir() / f"pagedkv-vllm-worker-{hashlib.sha1(engine_id.encode()).hexdigest()[:16]}{tail}.json"
+
+
+def _parallel(vllm_config) -> tuple[int, str | None]:
+    """The tensor-parallel size, and why the connector cannot serve the parallel setup."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        return tp, (f"pipeline_parallel_size={pp}: each stage holds other layers; the pagedkv connector "
+                    "serves tensor parallelism only")
+    return tp, None
 
 
 def _spec_of(kv_cache_config) -> tuple[KVSpec | None, str | None, list[str]]:
@@ -146,6 +184,9 @@ class PagedKVConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(getattr(ktc, "kv_connector_extra_config", None))
         self._spec, why, self._layer_names = _spec_of(kv_cache_config)
+        self._tp, why_parallel = _parallel(vllm_config)
+        if why is None and why_parallel is not None:
+            self._spec, why = None, why_parallel
         self._tag = self.cfg.model_tag or str(vllm_config.model_config.model)
         self._key = str(ktc.engine_id)
         self._why = why
@@ -153,7 +194,9 @@ class PagedKVConnector(KVConnectorBase_V1):
         if self._spec is None:
             log.warning("pagedkv connector: serving nothing: %s", why)
         elif self._scheduler:
-            store = get_store(self._key, self.cfg, self._spec, self._tag)
+            sp = self._spec           # vLLM's spec is one rank's heads; a stored block holds every rank's
+            full = KVSpec(sp.num_layers, sp.kv_heads * self._tp, sp.block_size, sp.head_size, sp.dtype)
+            store = get_store(self._key, self.cfg, full, self._tag, self._tp)
             self._read_worker_status(store)
             events = getattr(vllm_config, "kv_events_config", None)
             if events is not None and getattr(events, "enable_kv_cache_events", False):
@@ -180,21 +223,25 @@ class PagedKVConnector(KVConnectorBase_V1):
         return None if self._why is not None else lookup_store(self._key)
 
     def _read_worker_status(self, store: PrefixStore) -> None:
-        path = _status_path(self._key)
-        status = read_status(path)      # never blocks, follows no symlink, reads only this user's small file
-        if status is None:
-            log.info("pagedkv connector: no usable worker status at %s; loads start after the worker's first "
-                     "report", path)
-            return
-        try:
-            path.unlink()
-        except OSError:
-            pass
-        if not _alive(status["pid"]):
-            log.info("pagedkv connector: stale worker status at %s ignored", path)
-        elif status.get("refused"):
-            store.refuse(f"the worker refused vLLM's KV: {status['refused']}")
-        else:
+        ready = 0
+        for rank in range(self._tp):
+            path = _status_path(self._key, rank, self._tp)
+            status = read_status(path)      # never blocks, follows no symlink, reads only this user's small file
+            if status is None:
+                log.info("pagedkv connector: no usable worker status at %s; loads start after the workers' first "
+                         "report", path)
+                continue
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            if not _alive(status["pid"]):
+                log.info("pagedkv connector: stale worker status at %s ignored", path)
+            elif status.get("refused"):
+                store.refuse(f"the worker of rank {rank} refused vLLM's KV: {status['refused']}")
+            else:
+                ready += 1
+        if ready == self._tp and store.refused is None:
             store.worker_ready = True
 
     # ---- scheduler side ------------------------------------------------------------------
@@ -331,26 +378,34 @@ class PagedKVConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, PagedKVWorkerMetadata):
             return
+        steps: dict[tuple[str, int], list[ArenaReport]] = {}    # every rank's report of one step
         for r in meta.reports.values():
-            name = r.arena
+            steps.setdefault((r.arena, r.step), []).append(r)
+        for (name, step), reports in steps.items():
             s = store_of_arena(name)
             if s is None:
                 continue
-            if r.refused:
-                s.refuse(f"the worker refused arena {name}: {r.refused}")
-            elif r.opened:
-                s.worker_ready = True
-                s.arena.unlink()                   # both sides hold it mapped: a crash leaves nothing
-            # each settles only what step r.step sent (a report that comes after its step
+            refused = next((r for r in reports if r.refused), None)
+            if refused is not None:
+                s.refuse(f"the worker of rank {refused.rank} refused arena {name}: {refused.refused}")
+            else:
+                opened = {r.rank for r in reports if r.opened}
+                s.opened_ranks |= opened
+                if opened and s.opened_ranks >= set(range(s.tp_size)):
+                    s.worker_ready = True
+                    s.arena.unlink()               # every side holds it mapped: a crash leaves nothing
+            # each settles only what step `step` sent (a report that comes after its step
             # expired, or names slots that step did not send, changes nothing)
-            if r.loaded:
-                s.loaded(r.loaded, ok=True, step=r.step)
-            if r.load_failed:
-                s.loaded(r.load_failed, ok=False, step=r.step)
-            if r.saved:
-                s.committed(r.saved, step=r.step)
-            if r.save_failed:
-                s.abandon(r.save_failed, step=r.step)
+            loaded, load_failed = _all_ranks(reports, s.tp_size, "loaded", "load_failed")
+            saved, save_failed = _all_ranks(reports, s.tp_size, "saved", "save_failed")
+            if loaded:
+                s.loaded(loaded, ok=True, step=step)
+            if load_failed:
+                s.loaded(load_failed, ok=False, step=step)
+            if saved:
+                s.committed(saved, step=step)
+            if save_failed:
+                s.abandon(save_failed, step=step)
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
@@ -400,14 +455,14 @@ class PagedKVConnector(KVConnectorBase_V1):
             log.warning("pagedkv connector: serving nothing: %s", why)
         else:
             why = self.mover.register(self._spec, [kv_caches[n] for n in self._layer_names],
-                                      self._backend_name())
+                                      self._backend_name(), self._rank(), self._tp)
             if why is None and self.cfg.transfer == "layerwise":
                 self.layers = LayerCopies(self.mover, self._layer_names, self.cfg.transfer_depth)
                 self.mover.copies = self.layers
         _movers[self._key] = self.mover
         # The scheduler side is built after this (vLLM sets the worker up first): leave it
         # the verdict, atomically, keyed by the engine id.
-        path = _status_path(self._key)
+        path = _status_path(self._key, self.mover.rank, self._tp)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
         created = False
         try:       # a fresh name, created here: nothing planted under it is followed or truncated
@@ -425,6 +480,13 @@ class PagedKVConnector(KVConnectorBase_V1):
             log.info("pagedkv connector: could not leave the worker status (%s); loads start after the "
                      "first report", e)
 
+    def _rank(self) -> int:
+        """This worker's tensor-parallel rank (vLLM's model-parallel groups exist by now)."""
+        if self._tp == 1:
+            return 0
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return int(get_tensor_model_parallel_rank())
+
     def _backend_name(self) -> str | None:
         """The attention backend's name (settles a layout the shape alone leaves open),
         from vLLM's per-layer forward context; None when vLLM does not expose it."""
@@ -440,7 +502,9 @@ class PagedKVConnector(KVConnectorBase_V1):
         if self.mover is None or meta.arena is None:
             return None, None
         got, why, new = self.mover.arena(meta.arena)
-        r = self._report.setdefault(f"{meta.arena}@{meta.step}", ArenaReport(arena=meta.arena, step=meta.step))
+        rank = self.mover.rank
+        r = self._report.setdefault(f"{meta.arena}@{meta.step}#{rank}",
+                                    ArenaReport(arena=meta.arena, step=meta.step, rank=rank))
         if new:
             r.opened = got is not None
             r.refused = why

@@ -80,12 +80,13 @@ _stores_lock = threading.RLock()      # get_store holds it while PrefixStore reg
 LAYOUT = "vllm-cpu-kT-v"
 
 
-def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str) -> PrefixStore:
-    """The store of engine ``key`` (created by its scheduler-side connector)."""
+def get_store(key: str, cfg: ConnectorConfig, spec: KVSpec, tag: str, tp_size: int = 1) -> PrefixStore:
+    """The store of engine ``key`` (created by its scheduler-side connector; ``spec``
+    holds every tensor-parallel rank's heads, ``tp_size`` of them)."""
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
-            store = _stores[key] = PrefixStore(cfg, spec, tag)
+            store = _stores[key] = PrefixStore(cfg, spec, tag, tp_size)
             _engine_specs[key] = spec
         return store
 
@@ -147,8 +148,21 @@ class SharedHostTier(HostPrefixTier):
 
 
 class PrefixStore:
-    def __init__(self, cfg: ConnectorConfig, spec: KVSpec, tag: str):
-        self.cfg, self.spec, self.tag = cfg, spec, tag
+    """Args:
+        cfg: the connector's settings.
+        spec: the KV shape of one stored block: under tensor parallelism every rank's
+            heads, rank 0's first (each worker copies its slice; :mod:`.vllm_worker`).
+        tag: names the weights (part of the format).
+        tp_size: the engine's tensor-parallel size: part of the format (a block is
+            served only to an engine of the same TP size, whose ranks hold the same
+            head shards), and how many ranks must report a copy before it counts.
+    """
+
+    def __init__(self, cfg: ConnectorConfig, spec: KVSpec, tag: str, tp_size: int = 1):
+        if type(tp_size) is not int or not 1 <= tp_size <= 2**16 or spec.kv_heads % tp_size:
+            raise InvalidArgumentError(expected("tp_size", f"an int in [1, 65536] dividing kv_heads={spec.kv_heads}",
+                                                repr(tp_size)[:80]))
+        self.cfg, self.spec, self.tag, self.tp_size = cfg, spec, tag, tp_size
         self.bs = spec.block_size
         self.codec: Codec = make_codec(cfg.storage, spec.kv_heads, spec.block_size, spec.head_size,
                                        spec.dtype, cfg.rotation_seed)
@@ -161,6 +175,10 @@ class PrefixStore:
             "rotation_seed": cfg.rotation_seed if cfg.storage == "fp8" else None,
             "arenas": [[str(dt).replace("torch.", ""), list(shape)] for shape, dt in self.codec.arenas],
         }
+        if tp_size > 1:      # absent: one rank (the format of a single worker, unchanged)
+            h = spec.kv_heads // tp_size
+            self.format["tp_size"] = tp_size
+            self.format["tp_shards"] = [[r, r * h, h] for r in range(tp_size)]    # rank, first head, heads
         self.arena = SharedArena.create(self.codec.arenas, spec.num_layers, cfg.staging_blocks,
                                         dict(self.format, **spec.as_dict()))
         self.host = SharedHostTier(self.arena, self.bs, eviction=cfg.eviction, weak_hash=cfg.weak_hash,
@@ -179,6 +197,7 @@ class PrefixStore:
         # True once the worker side mapped the arena (or registered its KV, see the
         # connector): until then lookups miss (a failed load would fail the request).
         self.worker_ready = False
+        self.opened_ranks: set[int] = set()             # ranks that reported the arena mapped
         self.refused: str | None = None                 # why nothing is served, if so
         self.disk_refused: str | None = None
         self.pending: set = set()                          # host slots admitted, data not yet landed

@@ -6,6 +6,12 @@ loads and the ``(block, slot)`` saves the scheduler side chose. It maps each are
 checks the header's KV shape against the tensors vLLM registered before the first copy;
 a mismatch refuses that arena (its loads are reported failed, its saves abandoned).
 
+Under tensor parallelism each worker holds its rank's shard of the KV heads (vLLM
+splits them contiguously by rank). An arena block holds every rank's heads, rank 0's
+first; a worker reads and writes only its slice, encoded with a codec of its own heads
+(each head is quantized on its own, so a shard's bytes are the full block's slice). The
+header names the TP size, which must be this engine's.
+
 ``/dev/shm`` is world-writable and the arena's name comes through the step's metadata,
 so everything read from a header is checked before it sizes or selects anything: every
 failure below :meth:`BlockMover.arena` is a typed pagedkv error, which it turns into a
@@ -112,6 +118,7 @@ class BlockMover:
     def __init__(self):
         self.kv: list[LayerBlocks] | None = None
         self.layout: str | None = None
+        self.rank, self.tp_size = 0, 1                   # this worker's tensor-parallel shard
         self.copies = None                               # the connector's LayerCopies, when layer-wise
         self.spec: KVSpec | None = None
         self.refused: str | None = None                  # the worker's own KV is unusable
@@ -121,10 +128,23 @@ class BlockMover:
         # positions RoPE already baked in, so a block order is invisible to the suffix.)
         self.debug_shuffle_loads = False
 
-    def register(self, spec: KVSpec, kv: torch.Tensor | list[torch.Tensor], backend: str | None = None) -> str | None:
+    def register(self, spec: KVSpec, kv: torch.Tensor | list[torch.Tensor], backend: str | None = None,
+                 rank: int = 0, tp_size: int = 1) -> str | None:
         """Take vLLM's KV (per layer, or one stacked tensor) in the layout detected from
-        it (``backend``: the attention backend's name, which settles an ambiguous shape).
-        Returns why it is refused (None: usable)."""
+        it. Returns why it is refused (None: usable).
+
+        Args:
+            spec: this worker's KV shape (its own heads: a shard under tensor parallelism).
+            kv: vLLM's KV tensors, one per layer or one stacked over the layers.
+            backend: the attention backend's name, which settles an ambiguous shape.
+            rank: this worker's tensor-parallel rank, in ``[0, tp_size)``.
+            tp_size: the engine's tensor-parallel size (how many shards an arena block holds).
+        """
+        for name, v, hi in (("tp_size", tp_size, 2**16), ("rank", rank, tp_size - 1 if type(tp_size) is int else 0)):
+            if type(v) is not int or not (1 if name == "tp_size" else 0) <= v <= hi:
+                raise InvalidArgumentError(expected(name, f"an int in [{1 if name == 'tp_size' else 0}, {hi}]",
+                                                    repr(v)[:80]))
+        self.rank, self.tp_size = rank, tp_size
         try:
             layers = detect_layout(kv, spec.num_layers, spec.kv_heads, spec.block_size, spec.head_size,
                                    spec.dtype, backend)
@@ -150,15 +170,23 @@ class BlockMover:
                 sa = SharedArena.open(name)
                 lay = sa.layout
                 theirs = _spec_of_layout(lay)
-                if theirs != self.spec:
-                    why = f"arena KV shape {theirs} differs from vLLM's {self.spec}"
+                tp = lay.get("tp_size", 1)
+                mine = self.full_spec()
+                if type(tp) is not int or tp != self.tp_size:
+                    why = f"arena tensor-parallel size {str(tp)[:20]} differs from this engine's {self.tp_size}"
+                elif theirs != mine:
+                    why = f"arena KV shape {theirs} differs from vLLM's {mine}"
                 else:
+                    seed = lay.get("rotation_seed") or 0
                     codec = make_codec(lay["storage"], theirs.kv_heads, theirs.block_size, theirs.head_size,
-                                       theirs.dtype, lay.get("rotation_seed") or 0)
+                                       theirs.dtype, seed)
                     want = [[str(dt).replace("torch.", ""), list(shape)] for shape, dt in codec.arenas]
                     if want != lay["arenas"]:
                         why = f"arena blocks {lay['arenas']} differ from storage {lay['storage']!r}'s {want}"
                     else:
+                        if self.tp_size > 1:        # this rank's heads: a codec of its shard
+                            codec = make_codec(lay["storage"], self.spec.kv_heads, theirs.block_size,
+                                               theirs.head_size, theirs.dtype, seed)
                         self._arenas[name] = (sa, codec)
                         return (sa, codec), None, True
             except PagedKVError as e:        # everything below raises typed errors (see the module)
@@ -166,6 +194,20 @@ class BlockMover:
         log.warning("pagedkv connector: arena %s refused: %s", name, why)
         self._arenas[name] = why
         return None, why, True
+
+    def full_spec(self) -> KVSpec | None:
+        """The KV shape of an arena block: every rank's heads (this worker's spec when TP is 1)."""
+        sp = self.spec
+        if sp is None or self.tp_size == 1:
+            return sp
+        return KVSpec(sp.num_layers, sp.kv_heads * self.tp_size, sp.block_size, sp.head_size, sp.dtype)
+
+    def _shard(self, arena_layer: torch.Tensor, codec: Codec, a: int) -> torch.Tensor:
+        """This rank's heads of one arena's ``[capacity, *shape]`` layer (a view)."""
+        if self.tp_size == 1:
+            return arena_layer
+        h = codec.h
+        return arena_layer.narrow(1 + codec.head_axes[a], self.rank * h, h)
 
     def _kv(self) -> list[LayerBlocks]:
         if self.kv is None:
@@ -183,13 +225,14 @@ class BlockMover:
     def save_layer(self, sa: SharedArena, codec: Codec, layer: int, blocks: torch.Tensor, slots: torch.Tensor) -> None:
         """One layer's vLLM blocks -> arena slots (indices from :meth:`save_pairs`)."""
         for a, part in enumerate(codec.encode(self._kv()[layer].gather(blocks))):
-            raw_bytes(sa.tensors[a][layer]).index_copy_(0, slots, raw_bytes(part))
+            raw_bytes(self._shard(sa.tensors[a][layer], codec, a)).index_copy_(0, slots, raw_bytes(part))
 
     def load_layer(self, sa: SharedArena, codec: Codec, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
         """Arena slots -> one layer's vLLM blocks (indices from :meth:`load_pairs`)."""
         kv = self._kv()
         src = (layer + 1) % len(kv) if self.debug_shuffle_loads else layer
-        parts = [raw_bytes(arena[src]).index_select(0, slots).view(arena.dtype) for arena in sa.tensors]
+        parts = [raw_bytes(self._shard(arena[src], codec, a)).index_select(0, slots).view(arena.dtype)
+                 for a, arena in enumerate(sa.tensors)]
         kv[layer].scatter(blocks, codec.decode(parts))
 
     def save(self, sa: SharedArena, codec: Codec, pairs: Sequence[tuple[int, int]]) -> None:
