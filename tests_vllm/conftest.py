@@ -43,9 +43,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 class Proc:
-    def __init__(self, args: dict, out: Path):
+    def __init__(self, args: dict, out: Path, script: str = "run_engine.py"):
         self.out = out
-        self.p = subprocess.Popen([sys.executable, str(HERE / "run_engine.py"), json.dumps(args), str(out)],
+        self.p = subprocess.Popen([sys.executable, str(HERE / script), json.dumps(args), str(out)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ENV)
 
     def result(self, timeout: float = 900) -> dict:

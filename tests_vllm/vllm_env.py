@@ -39,13 +39,13 @@ def prompt_set(name: str, n_prompts: int = 3, prefix_blocks: int = 4, suffix: in
     return [ids[:plen] + ids[plen + i * suffix: plen + (i + 1) * suffix] for i in range(n_prompts)]
 
 
-def make_llm(extra: dict | None = None, connector: bool = True, block_size: int = BLOCK, **kw):
+def make_llm(extra: dict | None = None, connector: bool = True, block_size: int = BLOCK, model=None, **kw):
     from vllm import LLM
 
     ktc = None
     if connector:
         ktc = dict(CONNECTOR, kv_connector_extra_config=extra or {})
-    return LLM(model=str(MODEL_DIR), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
+    return LLM(model=str(model or MODEL_DIR), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
                enable_prefix_caching=True, block_size=block_size, kv_transfer_config=ktc, seed=0, **kw)
 
 

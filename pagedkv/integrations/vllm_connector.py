@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,8 @@ from pagedkv.integrations.vllm_store import PrefixStore, get_store, lookup_store
 from pagedkv.integrations.vllm_worker import BlockMover, KVSpec
 from pagedkv.tiers.chain import ROOT
 
-__all__ = ["PagedKVConnector", "PagedKVMetadata", "PagedKVWorkerMetadata", "set_debug_shuffle_loads", "worker_stats"]
+__all__ = ["PagedKVConnector", "PagedKVMetadata", "PagedKVWorkerMetadata", "set_debug_shuffle_loads", "settle_reports",
+           "worker_stats"]
 
 log = logging.getLogger("pagedkv.vllm")
 
@@ -108,16 +110,53 @@ class PagedKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 def _all_ranks(reports: list[ArenaReport], tp_size: int, ok: str, failed: str) -> tuple[list[int], list[int]]:
     """``(slots every rank reported in ok, the other slots any rank reported)``: under
-    tensor parallelism a block is whole only when every rank copied its shard."""
-    per_rank: dict[int, set[int]] = {}
-    bad: set[int] = set()
+    tensor parallelism a block is whole only when every rank copied its shard. Counted
+    with multiplicity: two loads of one slot in a step hold two leases."""
+    per_rank: dict[int, Counter] = {}
+    seen: Counter = Counter()
     for r in reports:
-        per_rank.setdefault(r.rank, set()).update(getattr(r, ok))
-        bad.update(getattr(r, failed))
-    seen = set().union(*per_rank.values()) if per_rank else set()
-    whole = set.intersection(*per_rank.values()) if set(per_rank) == set(range(tp_size)) else set()
-    good = whole - bad
-    return sorted(good), sorted((seen | bad) - good)
+        good = Counter(getattr(r, ok))
+        per_rank[r.rank] = good
+        seen |= good + Counter(getattr(r, failed))     # a rank reports each copy once, ok or failed
+    whole: Counter = Counter()
+    if set(per_rank) == set(range(tp_size)):
+        whole = per_rank[0]
+        for c in per_rank.values():
+            whole &= c
+    return sorted(whole.elements()), sorted((seen - whole).elements())
+
+
+def settle_reports(meta: PagedKVWorkerMetadata) -> None:
+    """The scheduler side's part of a step's output: every rank's reports (vLLM aggregated
+    them) settle what each step sent, per store (see the module on tensor parallelism)."""
+    steps: dict[tuple[str, int], list[ArenaReport]] = {}    # every rank's report of one step
+    for r in meta.reports.values():
+        steps.setdefault((r.arena, r.step), []).append(r)
+    for (name, step), reports in steps.items():
+        s = store_of_arena(name)
+        if s is None:
+            continue
+        refused = next((r for r in reports if r.refused), None)
+        if refused is not None:
+            s.refuse(f"the worker of rank {refused.rank} refused arena {name}: {refused.refused}")
+        else:
+            opened = {r.rank for r in reports if r.opened}
+            s.opened_ranks |= opened
+            if opened and s.opened_ranks >= set(range(s.tp_size)):
+                s.worker_ready = True
+                s.arena.unlink()               # every side holds it mapped: a crash leaves nothing
+        # each settles only what step `step` sent (a report that comes after its step
+        # expired, or names slots that step did not send, changes nothing)
+        loaded, load_failed = _all_ranks(reports, s.tp_size, "loaded", "load_failed")
+        saved, save_failed = _all_ranks(reports, s.tp_size, "saved", "save_failed")
+        if loaded:
+            s.loaded(loaded, ok=True, step=step)
+        if load_failed:
+            s.loaded(load_failed, ok=False, step=step)
+        if saved:
+            s.committed(saved, step=step)
+        if save_failed:
+            s.abandon(save_failed, step=step)
 
 
 def set_debug_shuffle_loads(worker: Any, on: bool) -> int:
@@ -378,34 +417,7 @@ class PagedKVConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, PagedKVWorkerMetadata):
             return
-        steps: dict[tuple[str, int], list[ArenaReport]] = {}    # every rank's report of one step
-        for r in meta.reports.values():
-            steps.setdefault((r.arena, r.step), []).append(r)
-        for (name, step), reports in steps.items():
-            s = store_of_arena(name)
-            if s is None:
-                continue
-            refused = next((r for r in reports if r.refused), None)
-            if refused is not None:
-                s.refuse(f"the worker of rank {refused.rank} refused arena {name}: {refused.refused}")
-            else:
-                opened = {r.rank for r in reports if r.opened}
-                s.opened_ranks |= opened
-                if opened and s.opened_ranks >= set(range(s.tp_size)):
-                    s.worker_ready = True
-                    s.arena.unlink()               # every side holds it mapped: a crash leaves nothing
-            # each settles only what step `step` sent (a report that comes after its step
-            # expired, or names slots that step did not send, changes nothing)
-            loaded, load_failed = _all_ranks(reports, s.tp_size, "loaded", "load_failed")
-            saved, save_failed = _all_ranks(reports, s.tp_size, "saved", "save_failed")
-            if loaded:
-                s.loaded(loaded, ok=True, step=step)
-            if load_failed:
-                s.loaded(load_failed, ok=False, step=step)
-            if saved:
-                s.committed(saved, step=step)
-            if save_failed:
-                s.abandon(save_failed, step=step)
+        settle_reports(meta)
 
     def request_finished(self, request, block_ids):
         rid = request.request_id

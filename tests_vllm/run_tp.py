@@ -1,0 +1,82 @@
+"""A tensor-parallel (TP=2) vLLM engine on a tiny random Llama, in its own process (its
+two workers are processes of their own, vLLM's "mp" executor; the engine core stays here
+so the connector's store can be inspected). Modes: ``reference`` (no connector) and
+``connector``: a cold pass, hits after vLLM's cache is reset, the negative control, and
+one rank's shard of a block corrupted on disk. Usage: ``python run_tp.py ARGS_JSON OUT_JSON``."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# vLLM for CPU binds each rank's OpenMP threads to a NUMA node by default and refuses two
+# ranks on one node: one core each instead.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_env as ve  # noqa: E402
+
+TP = 2
+
+
+def corrupt_shard(disk: Path, slot: int, rank: int, heads_per_rank: int, head_bytes: int) -> None:
+    """Flip 4 bytes inside ``rank``'s heads of layer 0 in disk slot ``slot`` (bf16 storage:
+    the record starts with the ``[L, H, bs, 2D]`` arena section)."""
+    record = json.loads((disk / "meta.json").read_text())["record_bytes"]
+    at = slot * record + rank * heads_per_rank * head_bytes + 100
+    with open(disk / "blocks.bin", "r+b") as f:
+        f.seek(at)
+        b = f.read(4)
+        f.seek(at)
+        f.write(bytes(x ^ 0xFF for x in b))
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    out_path = Path(sys.argv[2])
+    res: dict = {}
+    model = args["model"]
+    t0 = time.monotonic()
+
+    def fresh(name):
+        assert llm.reset_prefix_cache()
+        return ve.generate(llm, ve.prompt_set(name), logprobs=True)
+
+    if args["mode"] == "reference":
+        llm = ve.make_llm(connector=False, model=model, tensor_parallel_size=TP, distributed_executor_backend="mp")
+        res["start_s"] = time.monotonic() - t0
+        res["A"] = ve.generate(llm, ve.prompt_set("A"), logprobs=True)
+    else:
+        disk = Path(args["disk_dir"])
+        llm = ve.make_llm({"disk_dir": str(disk), "host_blocks": 64, "disk_blocks": 256}, model=model,
+                          tensor_parallel_size=TP, distributed_executor_backend="mp")
+        res["start_s"] = time.monotonic() - t0
+        _, store = ve.engine_store(llm)
+        res["cold"] = fresh("A")
+        res["warm"] = fresh("A")
+        res["host_hit_tokens"] = int(store.host.num_hit_tokens)
+        ve.set_shuffle(llm, True)
+        res["shuffled"] = fresh("A")
+        ve.set_shuffle(llm, False)
+        # one rank's shard of A's root block corrupted on disk (the host tier emptied first)
+        store.clear(disk=False)
+        from conftest import root_slot
+        sp = store.spec
+        h = sp.kv_heads // store.tp_size
+        head_bytes = sp.block_size * 2 * sp.head_size * sp.dtype.itemsize
+        corrupt_shard(disk, root_slot(disk, ve.prompt_set("A")[0]), 1, h, head_bytes)
+        corrupt_before = store.num_disk_corrupt
+        res["corrupt"] = fresh("A")
+        res["num_disk_corrupt"] = store.num_disk_corrupt - corrupt_before
+        res["store"] = {"tp_size": store.tp_size, "kv_heads": sp.kv_heads, "format_tp": store.format.get("tp_size"),
+                        "tp_shards": store.format.get("tp_shards"), "serving": store.serving}
+        from pagedkv.integrations.vllm_connector import worker_stats
+        res["worker_stats"] = [s for per in llm.collective_rpc(worker_stats) for s in per]
+    res["total_s"] = time.monotonic() - t0
+    out_path.write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
