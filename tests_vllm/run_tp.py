@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 # vLLM for CPU binds each rank's OpenMP threads to a NUMA node by default and refuses two
-# ranks on one node: one core each instead.
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+# ranks on one node: one core each instead (replacing vllm_env's one-rank binding, which
+# the test process may pass on).
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("PAGEDKV_VLLM_TP_BIND", "0|1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_env as ve  # noqa: E402

@@ -15,13 +15,16 @@ COMMON = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, 
 
 
 def save_tiny(out: Path, family: str = "llama", **overrides) -> Path:
-    """A random ``family`` model (``llama``; ``mistral`` with ``sliding_window``) in ``out``."""
+    """A random ``family`` model in ``out``: ``llama``, ``mistral`` (every layer within
+    ``sliding_window``), ``gemma2``/``gemma3`` (sliding-window and full layers alternate)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    import transformers as tf
 
-    tok = AutoTokenizer.from_pretrained(str(ve.MODEL_DIR))
-    cls_cfg, cls_model = {"llama": (LlamaConfig, LlamaForCausalLM),
-                          "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    tok = tf.AutoTokenizer.from_pretrained(str(ve.MODEL_DIR))
+    cls_cfg, cls_model = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+                          "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+                          "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+                          "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[family]
     cfg = cls_cfg(**dict(COMMON, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          **overrides))
     torch.manual_seed(0)

@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from pagedkv.errors import InternalError
@@ -197,32 +198,70 @@ def _parallel(vllm_config) -> tuple[int, str | None]:
     return tp, None
 
 
-def _spec_of(kv_cache_config) -> tuple[KVSpec | None, str | None, list[str]]:
-    """The KV spec of a single full-attention group, or why there is none."""
+#: vLLM KV cache specs whose blocks the connector stores (the others: MLA, Mamba, ... refused)
+_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
+
+
+def _layer_key(name: str) -> tuple[int, ...]:
+    """The numbers in a layer's name (``model.layers.3.self_attn.attn`` -> ``(3,)``)."""
+    return tuple(int(p) for p in name.split(".") if p.isdigit())
+
+
+def _spec_of(kv_cache_config) -> tuple[KVSpec | None, str | None, list[str], list[int] | None]:
+    """The KV spec of every layer's blocks, the layers in model order and each layer's
+    group (None: one group), or why the connector serves nothing.
+
+    Under vLLM's hybrid allocator full-attention and sliding-window layers are groups of
+    their own (one block table each); a stored block holds every layer, in model order,
+    so blocks stored with the hybrid allocator on or off are the same."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        return None, (f"the model has {len(groups)} KV cache groups ({kinds}); the pagedkv connector serves "
-                      "single-group full-attention models only (it does not implement SupportsHMA; vLLM "
-                      "merges sliding-window layers into one group without HMA, SSM hybrids cannot be "
-                      "served)"), []
+    if not groups:
+        return None, "vLLM gave no KV cache groups", [], None
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    odd = [k for k in kinds if k not in _SPECS]
+    if odd:
+        return None, (f"KV cache spec {odd[0]} (groups: {', '.join(kinds)}): the pagedkv connector serves "
+                      f"{' and '.join(_SPECS)} layers only"), [], None
     spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind != "FullAttentionSpec":
-        return None, f"KV cache spec {kind}: the pagedkv connector serves full attention only", []
-    head_v = getattr(spec, "head_size_v", None)
-    if head_v not in (None, spec.head_size):
-        return None, f"head_size_v={head_v} differs from head_size={spec.head_size}", []
-    names = list(groups[0].layer_names)
-    return KVSpec(len(names), spec.num_kv_heads, spec.block_size, spec.head_size, spec.dtype), None, names
+    shape = (spec.num_kv_heads, spec.block_size, spec.head_size, spec.dtype)
+    for g in groups:
+        sp = g.kv_cache_spec
+        if (sp.num_kv_heads, sp.block_size, sp.head_size, sp.dtype) != shape:
+            return None, (f"KV cache groups of different shapes ({type(sp).__name__}: heads {sp.num_kv_heads}, "
+                          f"block {sp.block_size}, head size {sp.head_size}, {sp.dtype}; first group: {shape})"), [], None
+        head_v = getattr(sp, "head_size_v", None)
+        if head_v not in (None, sp.head_size):
+            return None, f"head_size_v={head_v} differs from head_size={sp.head_size}", [], None
+    named = [(n, gi) for gi, g in enumerate(groups) for n in g.layer_names]
+    if len({n for n, _ in named}) != len(named):
+        return None, "a layer in two KV cache groups", [], None
+    named.sort(key=lambda x: _layer_key(x[0]))        # stable: layers of one number keep the group order
+    names = [n for n, _ in named]
+    # one block id per group (a tuple) once a group may hold no block: a sliding window
+    grouped = len(groups) > 1 or kinds[0] != "FullAttentionSpec"
+    layer_groups = [gi for _, gi in named] if grouped else None
+    return KVSpec(len(names), *shape), None, names, layer_groups
 
 
-class PagedKVConnector(KVConnectorBase_V1):
+def _group_ids(blocks) -> list[list[int]]:
+    """Per KV cache group, the request's block ids (vLLM's ``KVCacheBlocks``), -1 where
+    the group holds vLLM's null block (a sliding window's skipped blocks)."""
+    return [[-1 if getattr(b, "is_null", False) else int(b.block_id) for b in group] for group in blocks.blocks]
+
+
+def _per_block(ids: list[list[int]], start: int, stop: int, grouped: bool) -> list:
+    """Blocks ``start..stop`` as the metadata names them: one id, or a tuple per group."""
+    if not grouped:
+        return ids[0][start:stop]
+    return [tuple(g[i] for g in ids) for i in range(start, stop)]
+
+
+class PagedKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(getattr(ktc, "kv_connector_extra_config", None))
-        self._spec, why, self._layer_names = _spec_of(kv_cache_config)
+        self._spec, why, self._layer_names, self._layer_groups = _spec_of(kv_cache_config)
         self._tp, why_parallel = _parallel(vllm_config)
         if why is None and why_parallel is not None:
             self._spec, why = None, why_parallel
@@ -344,10 +383,10 @@ class PagedKVConnector(KVConnectorBase_V1):
         first, leased = found
         s = self._live()
         n = num_external_tokens // s.bs if num_external_tokens > 0 else 0
-        ids = blocks.get_block_ids()[0]
+        ids = _group_ids(blocks)
         use = leased[:n]
         s.release(leased[n:])
-        self._loads.extend(zip(use, ids[first:first + n]))
+        self._loads.extend(zip(use, _per_block(ids, first, first + n, self._layer_groups is not None)))
 
     def build_connector_meta(self, scheduler_output) -> PagedKVMetadata:
         self._step += 1
@@ -402,15 +441,18 @@ class PagedKVConnector(KVConnectorBase_V1):
                 break
         if len(chain) >= full:
             return
-        ids = self._kv_cache_manager.get_block_ids(rid)[0]
+        ids = _group_ids(self._kv_cache_manager.get_blocks(rid))
         tokens = req.all_token_ids
-        for i in range(len(chain), min(full, len(ids))):
+        for i in range(len(chain), min([full] + [len(g) for g in ids])):
+            block = _per_block(ids, i, i + 1, self._layer_groups is not None)[0]
+            if min(ids[g][i] for g in range(len(ids))) < 0:
+                return                             # a sliding window let this block go: not whole, stop here
             parent = chain[-1][0] if chain else ROOT
             slot, created = s.admit(parent, np.asarray(tokens[i * bs:(i + 1) * bs], dtype=np.int32), ns_key)
             if slot < 0:
                 return                             # a collision or a full tier: stop this chain here
             if created:
-                saves.append((ids[i], slot))
+                saves.append((block, slot))
             chain.append((slot, int(rec["gen"][slot])))
 
     def update_connector_output(self, connector_output) -> None:
@@ -418,6 +460,11 @@ class PagedKVConnector(KVConnectorBase_V1):
         if not isinstance(meta, PagedKVWorkerMetadata):
             return
         settle_reports(meta)
+
+    def request_finished_all_groups(self, request, block_ids):
+        """vLLM's hybrid allocator (:class:`SupportsHMA`): the request is done in every
+        group; like :meth:`request_finished`, nothing holds its blocks."""
+        return self.request_finished(request, block_ids)
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
@@ -467,7 +514,7 @@ class PagedKVConnector(KVConnectorBase_V1):
             log.warning("pagedkv connector: serving nothing: %s", why)
         else:
             why = self.mover.register(self._spec, [kv_caches[n] for n in self._layer_names],
-                                      self._backend_name(), self._rank(), self._tp)
+                                      self._backend_name(), self._rank(), self._tp, self._layer_groups)
             if why is None and self.cfg.transfer == "layerwise":
                 self.layers = LayerCopies(self.mover, self._layer_names, self.cfg.transfer_depth)
                 self.mover.copies = self.layers

@@ -12,6 +12,12 @@ first; a worker reads and writes only its slice, encoded with a codec of its own
 (each head is quantized on its own, so a shard's bytes are the full block's slice). The
 header names the TP size, which must be this engine's.
 
+With vLLM's hybrid allocator (several KV cache groups, e.g. full-attention and
+sliding-window layers) each group has its own block table: a stored block then names
+one vLLM block per group (a tuple), each layer copies from or to its group's block, and
+a load skips a group that holds no block there (``-1``: a sliding window's null block,
+outside the window, which attention never reads).
+
 ``/dev/shm`` is world-writable and the arena's name comes through the step's metadata,
 so everything read from a header is checked before it sizes or selects anything: every
 failure below :meth:`BlockMover.arena` is a typed pagedkv error, which it turns into a
@@ -90,28 +96,49 @@ def _spec_of_layout(layout: dict) -> KVSpec:
                   _DTYPES[layout["dtype"]])
 
 
-def _pairs(pairs: Sequence[tuple[int, int]], src: tuple[str, int], dst: tuple[str, int]):
+def _is_int(v) -> bool:
+    return not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, np.integer))
+
+
+def _pairs(pairs: Sequence[tuple], src: tuple[str, int], dst: tuple[str, int], groups: int | None = None,
+           vllm_side: int = 0, absent_ok: bool = False):
     """``pairs`` as two int64 index tensors, each value in range and no destination twice;
-    checked whole before any copy (a typed error otherwise)."""
-    want = f"a sequence of ({src[0]}, {dst[0]}) int pairs"
+    checked whole before any copy (a typed error otherwise). With ``groups`` the vLLM
+    side (``vllm_side``: 0 or 1) of each pair is a tuple of one block per group, ``-1``
+    for none where ``absent_ok``; its tensor is then ``[n, groups]``."""
+    names = (src[0], dst[0])
+    want = f"a sequence of ({src[0]}, {dst[0]}) pairs" + (f" ({names[vllm_side]}: {groups} ints)" if groups else "")
     if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__len__"):
         raise ArgumentTypeError(expected("pairs", want, type(pairs).__name__))
-    a, b = [], []
+    cols: tuple[list, list] = ([], [])
     for p in pairs:
         if isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or len(p) != 2:
             raise ArgumentTypeError(expected("pairs", want, repr(p)[:80]))
-        for v in p:
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        for side, v in enumerate(p):
+            if groups and side == vllm_side:
+                ok = not isinstance(v, (str, bytes)) and hasattr(v, "__len__") and len(v) == groups and \
+                    all(_is_int(x) for x in v)
+                if not ok:
+                    raise ArgumentTypeError(expected("pairs", want, f"{v!r} in {p!r}"[:120]))
+                cols[side].append([int(x) for x in v])
+            elif not _is_int(v):
                 raise ArgumentTypeError(expected("pairs", want, f"a {type(v).__name__} in {p!r}"[:120]))
-        a.append(int(p[0]))
-        b.append(int(p[1]))
-    for name, n, vals in ((src[0], src[1], a), (dst[0], dst[1], b)):
-        bad = [v for v in vals if not 0 <= v < n]
+            else:
+                cols[side].append(int(v))
+    for side, (name, n) in enumerate((src, dst)):
+        vals = cols[side]
+        flat = [x for v in vals for x in v] if groups and side == vllm_side else vals
+        lo = -1 if groups and side == vllm_side and absent_ok else 0
+        bad = [v for v in flat if not lo <= v < n]
         if bad:
-            raise InvalidArgumentError(expected(f"pairs: {name}", f"ids in [0, {n})", bad[0]))
-    if len(set(b)) != len(b):
-        raise InvalidArgumentError(expected(f"pairs: {dst[0]}", "each destination once", sorted(b)[:16]))
-    return torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64)
+            raise InvalidArgumentError(expected(f"pairs: {name}", f"ids in [{lo}, {n})", bad[0]))
+    b = cols[1]
+    per = [[v[g] for v in b if v[g] >= 0] for g in range(groups or 1)] if groups and vllm_side == 1 else [b]
+    for ids in per:
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError(expected(f"pairs: {dst[0]}", "each destination once", sorted(ids)[:16]))
+    return tuple(torch.tensor(c, dtype=torch.int64).reshape(len(c), groups) if groups and side == vllm_side
+                 else torch.tensor(c, dtype=torch.int64) for side, c in enumerate(cols))
 
 
 class BlockMover:
@@ -119,6 +146,8 @@ class BlockMover:
         self.kv: list[LayerBlocks] | None = None
         self.layout: str | None = None
         self.rank, self.tp_size = 0, 1                   # this worker's tensor-parallel shard
+        self.layer_groups: list[int] | None = None       # each layer's KV cache group (hybrid allocator)
+        self.num_groups: int | None = None               # then: copies name one vLLM block per group
         self.copies = None                               # the connector's LayerCopies, when layer-wise
         self.spec: KVSpec | None = None
         self.refused: str | None = None                  # the worker's own KV is unusable
@@ -129,7 +158,7 @@ class BlockMover:
         self.debug_shuffle_loads = False
 
     def register(self, spec: KVSpec, kv: torch.Tensor | list[torch.Tensor], backend: str | None = None,
-                 rank: int = 0, tp_size: int = 1) -> str | None:
+                 rank: int = 0, tp_size: int = 1, layer_groups: Sequence[int] | None = None) -> str | None:
         """Take vLLM's KV (per layer, or one stacked tensor) in the layout detected from
         it. Returns why it is refused (None: usable).
 
@@ -139,11 +168,21 @@ class BlockMover:
             backend: the attention backend's name, which settles an ambiguous shape.
             rank: this worker's tensor-parallel rank, in ``[0, tp_size)``.
             tp_size: the engine's tensor-parallel size (how many shards an arena block holds).
+            layer_groups: each layer's KV cache group (vLLM's hybrid allocator, or a
+                sliding-window group, whose blocks may be absent); the copies then name one
+                vLLM block per group, ``-1`` for none. None: plain block ids.
         """
         for name, v, hi in (("tp_size", tp_size, 2**16), ("rank", rank, tp_size - 1 if type(tp_size) is int else 0)):
             if type(v) is not int or not (1 if name == "tp_size" else 0) <= v <= hi:
                 raise InvalidArgumentError(expected(name, f"an int in [{1 if name == 'tp_size' else 0}, {hi}]",
                                                     repr(v)[:80]))
+        if layer_groups is not None:
+            lg = list(layer_groups)
+            if len(lg) != spec.num_layers or not all(_is_int(g) and 0 <= g < len(lg) for g in lg) or \
+                    sorted(set(lg)) != list(range(len(set(lg)))):
+                raise InvalidArgumentError(expected("layer_groups", f"{spec.num_layers} group numbers 0..G-1, "
+                                                    "each group used", repr(lg)[:80]))
+            self.layer_groups, self.num_groups = [int(g) for g in lg], len(set(lg))
         self.rank, self.tp_size = rank, tp_size
         try:
             layers = detect_layout(kv, spec.num_layers, spec.kv_heads, spec.block_size, spec.head_size,
@@ -216,20 +255,34 @@ class BlockMover:
 
     def save_pairs(self, sa: SharedArena, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[(block, slot)]`` checked whole: ``(blocks, slots)`` index tensors."""
-        return _pairs(pairs, ("vLLM block", self._kv()[0].num_blocks), ("slot", sa.layout["capacity"]))
+        return _pairs(pairs, ("vLLM block", self._kv()[0].num_blocks), ("slot", sa.layout["capacity"]),
+                      self.num_groups, vllm_side=0)
 
     def load_pairs(self, sa: SharedArena, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[(slot, block)]`` checked whole: ``(slots, blocks)`` index tensors."""
-        return _pairs(pairs, ("slot", sa.layout["capacity"]), ("vLLM block", self._kv()[0].num_blocks))
+        return _pairs(pairs, ("slot", sa.layout["capacity"]), ("vLLM block", self._kv()[0].num_blocks),
+                      self.num_groups, vllm_side=1, absent_ok=True)
+
+    def _group_ids(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """This layer's column of per-group block ids (the ids themselves with one group)."""
+        if blocks.dim() == 1:
+            return blocks
+        return blocks[:, self.layer_groups[layer] if self.layer_groups is not None else 0]
 
     def save_layer(self, sa: SharedArena, codec: Codec, layer: int, blocks: torch.Tensor, slots: torch.Tensor) -> None:
         """One layer's vLLM blocks -> arena slots (indices from :meth:`save_pairs`)."""
-        for a, part in enumerate(codec.encode(self._kv()[layer].gather(blocks))):
+        for a, part in enumerate(codec.encode(self._kv()[layer].gather(self._group_ids(layer, blocks)))):
             raw_bytes(self._shard(sa.tensors[a][layer], codec, a)).index_copy_(0, slots, raw_bytes(part))
 
     def load_layer(self, sa: SharedArena, codec: Codec, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
         """Arena slots -> one layer's vLLM blocks (indices from :meth:`load_pairs`)."""
         kv = self._kv()
+        blocks = self._group_ids(layer, blocks)
+        held = blocks >= 0                   # -1: this layer's group holds no block there
+        if not bool(held.all()):
+            slots, blocks = slots[held], blocks[held]
+            if blocks.numel() == 0:
+                return
         src = (layer + 1) % len(kv) if self.debug_shuffle_loads else layer
         parts = [raw_bytes(self._shard(arena[src], codec, a)).index_select(0, slots).view(arena.dtype)
                  for a, arena in enumerate(sa.tensors)]
