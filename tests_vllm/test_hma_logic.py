@@ -69,7 +69,8 @@ def test_groups_the_connector_cannot_store_are_named():
 
 def blocks_of(*groups):
     """vLLM's KVCacheBlocks for a request: per group, its blocks (None: the null block)."""
-    mk = (lambda i: SimpleNamespace(block_id=0, is_null=True) if i is None else SimpleNamespace(block_id=i, is_null=False))
+    def mk(i):
+        return SimpleNamespace(block_id=0, is_null=True) if i is None else SimpleNamespace(block_id=i, is_null=False)
     return SimpleNamespace(blocks=tuple([mk(i) for i in g] for g in groups))
 
 

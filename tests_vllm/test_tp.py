@@ -1,6 +1,6 @@
 """PagedKVConnector under tensor parallelism: vLLM for CPU with ``tensor_parallel_size=2``
 (the "mp" executor, one worker process per rank, each bound to one core) on a tiny random
-Llama whose 2 KV heads split one per rank. Two engine starts in all (run_tp.py): the
+Llama whose 2 KV heads split one per rank. Two engine starts in all (run_tiny.py): the
 reference without the connector, then one engine with it that runs every case."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ PREFIX = 4 * ve.BLOCK
 @pytest.fixture(scope="module")
 def tp_runs(workdir):
     model = save_tiny(workdir / "tiny-llama-tp")
-    ref = Proc({"mode": "reference", "model": str(model)}, workdir / "tp-ref.json", script="run_tp.py").result()
-    got = Proc({"mode": "connector", "model": str(model), "disk_dir": str(workdir / "tp-tier")},
-               workdir / "tp-conn.json", script="run_tp.py").result()
+    ref = Proc({"mode": "reference", "model": str(model), "tp": 2}, workdir / "tp-ref.json", script="run_tiny.py").result()
+    got = Proc({"mode": "connector", "model": str(model), "tp": 2, "disk_dir": str(workdir / "tp-tier")},
+               workdir / "tp-conn.json", script="run_tiny.py").result()
     return ref, got
 
 
