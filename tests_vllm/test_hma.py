@@ -35,6 +35,8 @@ def test_the_hybrid_allocator_stays_on_with_two_groups(hma_runs):
     assert got["groups"] == [["SlidingWindowSpec", 1], ["FullAttentionSpec", 1]]
     assert got["store"]["serving"] and got["store"]["num_layers"] == 2
     assert [w["refused"] for w in got["worker_stats"]] == [None]
+    # hits of 4 blocks with a 2-block window: the window's group held null blocks the loads skipped
+    assert got["worker_stats"][0]["num_absent_skipped"] > 0
 
 
 def test_greedy_equals_the_engine_without_the_connector_and_the_prefix_hits(hma_runs):

@@ -126,6 +126,7 @@ def test_a_block_is_saved_from_each_layers_group_and_loaded_back_skipping_absent
     s.lease(chain)
     t.mover.load(t.sa, t.codec, list(zip(chain, [(-1, 8), (9, 7)])))
     s.loaded(chain, ok=True)
+    assert t.mover.num_absent_skipped == 2                  # block 0 of the 2 sliding-window layers
     for layer in range(4):
         g = t.groups[layer]
         targets = [8, 7] if g == 1 else [None, 9]

@@ -171,13 +171,14 @@ def set_debug_shuffle_loads(worker: Any, on: bool) -> int:
 
 def worker_stats(worker: Any) -> list[dict]:
     """Tests and benchmarks (``llm.collective_rpc(worker_stats)``): per worker side in this
-    process, its layout and layer-wise counters."""
+    process, its layout, layer-wise counters, and the loads a group's null block skipped."""
     out = []
     for m in _movers.values():
         lc = getattr(m, "copies", None)
         out.append({"layout": m.layout, "refused": m.refused, "transfer": "sync" if lc is None else "layerwise",
                     "num_unwaited": 0 if lc is None else lc.num_unwaited,
-                    "num_backpressure": 0 if lc is None else lc.num_backpressure})
+                    "num_backpressure": 0 if lc is None else lc.num_backpressure,
+                    "num_absent_skipped": m.num_absent_skipped})
     return out
 
 

@@ -148,6 +148,7 @@ class BlockMover:
         self.rank, self.tp_size = 0, 1                   # this worker's tensor-parallel shard
         self.layer_groups: list[int] | None = None       # each layer's KV cache group (hybrid allocator)
         self.num_groups: int | None = None               # then: copies name one vLLM block per group
+        self.num_absent_skipped = 0                      # (layer, block) loads whose group held no block
         self.copies = None                               # the connector's LayerCopies, when layer-wise
         self.spec: KVSpec | None = None
         self.refused: str | None = None                  # the worker's own KV is unusable
@@ -280,6 +281,7 @@ class BlockMover:
         blocks = self._group_ids(layer, blocks)
         held = blocks >= 0                   # -1: this layer's group holds no block there
         if not bool(held.all()):
+            self.num_absent_skipped += int(held.numel() - held.sum())
             slots, blocks = slots[held], blocks[held]
             if blocks.numel() == 0:
                 return
