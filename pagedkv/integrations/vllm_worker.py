@@ -173,10 +173,10 @@ class BlockMover:
                 sliding-window group, whose blocks may be absent); the copies then name one
                 vLLM block per group, ``-1`` for none. None: plain block ids.
         """
-        for name, v, hi in (("tp_size", tp_size, 2**16), ("rank", rank, tp_size - 1 if type(tp_size) is int else 0)):
-            if type(v) is not int or not (1 if name == "tp_size" else 0) <= v <= hi:
-                raise InvalidArgumentError(expected(name, f"an int in [{1 if name == 'tp_size' else 0}, {hi}]",
-                                                    repr(v)[:80]))
+        if type(tp_size) is not int or not 1 <= tp_size <= 2**16:
+            raise InvalidArgumentError(expected("tp_size", "an int in [1, 65536]", repr(tp_size)[:80]))
+        if type(rank) is not int or not 0 <= rank < tp_size:
+            raise InvalidArgumentError(expected("rank", f"an int in [0, {tp_size})", repr(rank)[:80]))
         if layer_groups is not None:
             lg = list(layer_groups)
             if len(lg) != spec.num_layers or not all(_is_int(g) and 0 <= g < len(lg) for g in lg) or \
