@@ -150,3 +150,21 @@ def test_group_pairs_are_checked_whole():
     t.mover.load(t.sa, t.codec, [(0, (-1, 4)), (1, (-1, 5))])    # absent twice in one group: fine
     with pytest.raises(InvalidArgumentError, match="layer_groups"):
         BlockMover().register(t.store.spec, t.kv, "CPU_ATTN", layer_groups=[0, 2, 0, 2])
+
+
+def test_one_sliding_window_group_names_its_blocks_in_one_tuples():
+    # every layer within a window (Mistral): one group, whose blocks left the window are null
+    store = PrefixStore(ConnectorConfig.from_extra({"host_blocks": 4}), KVSpec(2, H, BS, D, torch.bfloat16), "model")
+    g = torch.Generator().manual_seed(1)
+    kv = [torch.randn(N, H, BS, 2 * D, generator=g).to(torch.bfloat16) for _ in range(2)]
+    m = BlockMover()
+    assert m.register(store.spec, kv, "CPU_ATTN", layer_groups=[0, 0]) is None
+    (sa, codec), why, _ = m.arena(store.arena.name)
+    assert why is None
+    m.save(sa, codec, [((3,), 0), ((4,), 1)])
+    before = [t.clone() for t in kv]
+    m.load(sa, codec, [(0, (-1,)), (1, (6,))])
+    assert m.num_absent_skipped == 2                          # slot 0 skipped in both layers
+    for layer in range(2):
+        assert torch.equal(kv[layer][6], before[layer][4])
+        assert torch.equal(kv[layer][:6], before[layer][:6]) and torch.equal(kv[layer][7:], before[layer][7:])
