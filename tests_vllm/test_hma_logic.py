@@ -21,7 +21,8 @@ from vllm.v1.kv_cache_interface import (
 
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
 from pagedkv.integrations.vllm_config import ConnectorConfig
-from pagedkv.integrations.vllm_connector import PagedKVConnector, _group_ids, _per_block, _spec_of
+from pagedkv.integrations.vllm_connector import PagedKVConnector
+from pagedkv.integrations.vllm_groups import group_ids, per_block, spec_of
 from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
 from pagedkv.integrations.vllm_worker import BlockMover
 
@@ -49,21 +50,21 @@ def test_the_connector_declares_hma_so_vllm_keeps_the_hybrid_allocator():
 
 def test_groups_give_every_layer_in_model_order():
     # Gemma-style: even layers sliding window (group 0), odd layers full attention (group 1)
-    spec, why, names, groups = _spec_of(config((SW, [name(0), name(2)]), (FULL, [name(1), name(3)])))
+    spec, why, names, groups = spec_of(config((SW, [name(0), name(2)]), (FULL, [name(1), name(3)])))
     assert why is None and spec == KVSpec(4, H, BS, D, torch.bfloat16)
     assert names == [name(i) for i in range(4)] and groups == [0, 1, 0, 1]
     # one full-attention group (the hybrid allocator off, or no sliding window): plain block ids
-    assert _spec_of(config((FULL, [name(1), name(0)])))[2:] == ([name(0), name(1)], None)
+    assert spec_of(config((FULL, [name(1), name(0)])))[2:] == ([name(0), name(1)], None)
     # every layer within a window (Mistral): one group, whose blocks may be absent
-    assert _spec_of(config((SW, [name(0), name(1)])))[3] == [0, 0]
+    assert spec_of(config((SW, [name(0), name(1)])))[3] == [0, 0]
 
 
 def test_groups_the_connector_cannot_store_are_named():
     mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,))
-    spec, why, _, _ = _spec_of(config((FULL, [name(0)]), (mamba, [name(1)])))
+    spec, why, _, _ = spec_of(config((FULL, [name(0)]), (mamba, [name(1)])))
     assert spec is None and "MambaSpec" in why
     other = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=2 * D, dtype=torch.bfloat16)
-    spec, why, _, _ = _spec_of(config((SW, [name(0)]), (other, [name(1)])))
+    spec, why, _, _ = spec_of(config((SW, [name(0)]), (other, [name(1)])))
     assert spec is None and "different shapes" in why
 
 
@@ -75,10 +76,10 @@ def blocks_of(*groups):
 
 
 def test_block_ids_per_group_with_the_windows_null_blocks():
-    ids = _group_ids(blocks_of([None, None, 7, 8], [1, 2, 3, 4]))
+    ids = group_ids(blocks_of([None, None, 7, 8], [1, 2, 3, 4]))
     assert ids == [[-1, -1, 7, 8], [1, 2, 3, 4]]
-    assert _per_block(ids, 1, 3, True) == [(-1, 2), (7, 3)]
-    assert _per_block([[5, 6]], 0, 2, False) == [5, 6]
+    assert per_block(ids, 1, 3, True) == [(-1, 2), (7, 3)]
+    assert per_block([[5, 6]], 0, 2, False) == [5, 6]
 
 
 class Hybrid:

@@ -17,7 +17,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations.vllm_codec import make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
-from pagedkv.integrations.vllm_connector import ArenaReport, PagedKVWorkerMetadata, settle_reports
+from pagedkv.integrations.vllm_reports import ArenaReport, PagedKVWorkerMetadata, settle_reports
 from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
 from pagedkv.integrations.vllm_worker import BlockMover
 

@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import secrets
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,16 +48,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from pagedkv.errors import InternalError
 from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.integrations.vllm_events import to_vllm
+from pagedkv.integrations.vllm_groups import group_ids, parallel_size, per_block, spec_of
 from pagedkv.integrations.vllm_layerwise import LayerCopies
+from pagedkv.integrations.vllm_reports import ArenaReport, PagedKVWorkerMetadata, settle_reports
 from pagedkv.integrations.vllm_shm import _alive, read_status, shm_dir
-from pagedkv.integrations.vllm_store import PrefixStore, get_store, lookup_store, store_of_arena
+from pagedkv.integrations.vllm_store import PrefixStore, get_store, lookup_store
 from pagedkv.integrations.vllm_worker import BlockMover, KVSpec
 from pagedkv.tiers.chain import ROOT
 
@@ -76,88 +76,6 @@ class PagedKVMetadata(KVConnectorMetadata):
     step: int = 0                                                 # the scheduler side's step number
     loads: list[tuple[int, int]] = field(default_factory=list)    # (host slot, vLLM block)
     saves: list[tuple[int, int]] = field(default_factory=list)    # (vLLM block, host slot)
-
-
-@dataclass
-class ArenaReport:
-    arena: str = ""                                        # the arena's name
-    step: int = 0                                          # the step whose metadata this reports on
-    rank: int = 0                                          # the reporting worker's tensor-parallel rank
-    opened: bool = False
-    refused: str | None = None
-    loaded: list[int] = field(default_factory=list)        # slots copied into vLLM blocks
-    load_failed: list[int] = field(default_factory=list)
-    saved: list[int] = field(default_factory=list)         # slots written from vLLM blocks
-    save_failed: list[int] = field(default_factory=list)
-
-    def merge(self, o: ArenaReport) -> None:
-        self.opened = self.opened or o.opened
-        self.refused = self.refused or o.refused
-        for k in ("loaded", "load_failed", "saved", "save_failed"):
-            getattr(self, k).extend(getattr(o, k))
-
-
-@dataclass
-class PagedKVWorkerMetadata(KVConnectorWorkerMetadata):
-    # "<arena>@<step>#<rank>" -> that step's report by that rank (vLLM aggregates the ranks')
-    reports: dict[str, ArenaReport] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, PagedKVWorkerMetadata):
-            for name, r in other.reports.items():
-                self.reports.setdefault(name, ArenaReport(arena=r.arena, step=r.step, rank=r.rank)).merge(r)
-        return self
-
-
-def _all_ranks(reports: list[ArenaReport], tp_size: int, ok: str, failed: str) -> tuple[list[int], list[int]]:
-    """``(slots every rank reported in ok, the other slots any rank reported)``: under
-    tensor parallelism a block is whole only when every rank copied its shard. Counted
-    with multiplicity: two loads of one slot in a step hold two leases."""
-    per_rank: dict[int, Counter] = {}
-    seen: Counter = Counter()
-    for r in reports:
-        good = Counter(getattr(r, ok))
-        per_rank[r.rank] = good
-        seen |= good + Counter(getattr(r, failed))     # a rank reports each copy once, ok or failed
-    whole: Counter = Counter()
-    if set(per_rank) == set(range(tp_size)):
-        whole = per_rank[0]
-        for c in per_rank.values():
-            whole &= c
-    return sorted(whole.elements()), sorted((seen - whole).elements())
-
-
-def settle_reports(meta: PagedKVWorkerMetadata) -> None:
-    """The scheduler side's part of a step's output: every rank's reports (vLLM aggregated
-    them) settle what each step sent, per store (see the module on tensor parallelism)."""
-    steps: dict[tuple[str, int], list[ArenaReport]] = {}    # every rank's report of one step
-    for r in meta.reports.values():
-        steps.setdefault((r.arena, r.step), []).append(r)
-    for (name, step), reports in steps.items():
-        s = store_of_arena(name)
-        if s is None:
-            continue
-        refused = next((r for r in reports if r.refused), None)
-        if refused is not None:
-            s.refuse(f"the worker of rank {refused.rank} refused arena {name}: {refused.refused}")
-        else:
-            opened = {r.rank for r in reports if r.opened}
-            s.opened_ranks |= opened
-            if opened and s.opened_ranks >= set(range(s.tp_size)):
-                s.worker_ready = True
-                s.arena.unlink()               # every side holds it mapped: a crash leaves nothing
-        # each settles only what step `step` sent (a report that comes after its step
-        # expired, or names slots that step did not send, changes nothing)
-        loaded, load_failed = _all_ranks(reports, s.tp_size, "loaded", "load_failed")
-        saved, save_failed = _all_ranks(reports, s.tp_size, "saved", "save_failed")
-        if loaded:
-            s.loaded(loaded, ok=True, step=step)
-        if load_failed:
-            s.loaded(load_failed, ok=False, step=step)
-        if saved:
-            s.committed(saved, step=step)
-        if save_failed:
-            s.abandon(save_failed, step=step)
 
 
 def set_debug_shuffle_loads(worker: Any, on: bool) -> int:
@@ -188,82 +106,13 @@ def _status_path(engine_id: str, rank: int = 0, tp_size: int = 1):
     return shm_dir() / f"pagedkv-vllm-worker-{hashlib.sha1(engine_id.encode()).hexdigest()[:16]}{tail}.json"
 
 
-def _parallel(vllm_config) -> tuple[int, str | None]:
-    """The tensor-parallel size, and why the connector cannot serve the parallel setup."""
-    pc = getattr(vllm_config, "parallel_config", None)
-    tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
-    if pp > 1:
-        return tp, (f"pipeline_parallel_size={pp}: each stage holds other layers; the pagedkv connector "
-                    "serves tensor parallelism only")
-    return tp, None
-
-
-#: vLLM KV cache specs whose blocks the connector stores (the others: MLA, Mamba, ... refused)
-_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
-
-
-def _layer_key(name: str) -> tuple[int, ...]:
-    """The numbers in a layer's name (``model.layers.3.self_attn.attn`` -> ``(3,)``)."""
-    return tuple(int(p) for p in name.split(".") if p.isdigit())
-
-
-def _spec_of(kv_cache_config) -> tuple[KVSpec | None, str | None, list[str], list[int] | None]:
-    """The KV spec of every layer's blocks, the layers in model order and each layer's
-    group (None: one group), or why the connector serves nothing.
-
-    Under vLLM's hybrid allocator full-attention and sliding-window layers are groups of
-    their own (one block table each); a stored block holds every layer, in model order,
-    so blocks stored with the hybrid allocator on or off are the same."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if not groups:
-        return None, "vLLM gave no KV cache groups", [], None
-    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-    odd = [k for k in kinds if k not in _SPECS]
-    if odd:
-        return None, (f"KV cache spec {odd[0]} (groups: {', '.join(kinds)}): the pagedkv connector serves "
-                      f"{' and '.join(_SPECS)} layers only"), [], None
-    spec = groups[0].kv_cache_spec
-    shape = (spec.num_kv_heads, spec.block_size, spec.head_size, spec.dtype)
-    for g in groups:
-        sp = g.kv_cache_spec
-        if (sp.num_kv_heads, sp.block_size, sp.head_size, sp.dtype) != shape:
-            return None, (f"KV cache groups of different shapes ({type(sp).__name__}: heads {sp.num_kv_heads}, "
-                          f"block {sp.block_size}, head size {sp.head_size}, {sp.dtype}; first group: {shape})"), [], None
-        head_v = getattr(sp, "head_size_v", None)
-        if head_v not in (None, sp.head_size):
-            return None, f"head_size_v={head_v} differs from head_size={sp.head_size}", [], None
-    named = [(n, gi) for gi, g in enumerate(groups) for n in g.layer_names]
-    if len({n for n, _ in named}) != len(named):
-        return None, "a layer in two KV cache groups", [], None
-    named.sort(key=lambda x: _layer_key(x[0]))        # stable: layers of one number keep the group order
-    names = [n for n, _ in named]
-    # one block id per group (a tuple) once a group may hold no block: a sliding window
-    grouped = len(groups) > 1 or kinds[0] != "FullAttentionSpec"
-    layer_groups = [gi for _, gi in named] if grouped else None
-    return KVSpec(len(names), *shape), None, names, layer_groups
-
-
-def _group_ids(blocks) -> list[list[int]]:
-    """Per KV cache group, the request's block ids (vLLM's ``KVCacheBlocks``), -1 where
-    the group holds vLLM's null block (a sliding window's skipped blocks)."""
-    return [[-1 if getattr(b, "is_null", False) else int(b.block_id) for b in group] for group in blocks.blocks]
-
-
-def _per_block(ids: list[list[int]], start: int, stop: int, grouped: bool) -> list:
-    """Blocks ``start..stop`` as the metadata names them: one id, or a tuple per group."""
-    if not grouped:
-        return ids[0][start:stop]
-    return [tuple(g[i] for g in ids) for i in range(start, stop)]
-
-
 class PagedKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(getattr(ktc, "kv_connector_extra_config", None))
-        self._spec, why, self._layer_names, self._layer_groups = _spec_of(kv_cache_config)
-        self._tp, why_parallel = _parallel(vllm_config)
+        self._spec, why, self._layer_names, self._layer_groups = spec_of(kv_cache_config)
+        self._tp, why_parallel = parallel_size(vllm_config)
         if why is None and why_parallel is not None:
             self._spec, why = None, why_parallel
         self._tag = self.cfg.model_tag or str(vllm_config.model_config.model)
@@ -384,10 +233,10 @@ class PagedKVConnector(KVConnectorBase_V1, SupportsHMA):
         first, leased = found
         s = self._live()
         n = num_external_tokens // s.bs if num_external_tokens > 0 else 0
-        ids = _group_ids(blocks)
+        ids = group_ids(blocks)
         use = leased[:n]
         s.release(leased[n:])
-        self._loads.extend(zip(use, _per_block(ids, first, first + n, self._layer_groups is not None)))
+        self._loads.extend(zip(use, per_block(ids, first, first + n, self._layer_groups is not None)))
 
     def build_connector_meta(self, scheduler_output) -> PagedKVMetadata:
         self._step += 1
@@ -442,10 +291,10 @@ class PagedKVConnector(KVConnectorBase_V1, SupportsHMA):
                 break
         if len(chain) >= full:
             return
-        ids = _group_ids(self._kv_cache_manager.get_blocks(rid))
+        ids = group_ids(self._kv_cache_manager.get_blocks(rid))
         tokens = req.all_token_ids
         for i in range(len(chain), min([full] + [len(g) for g in ids])):
-            block = _per_block(ids, i, i + 1, self._layer_groups is not None)[0]
+            block = per_block(ids, i, i + 1, self._layer_groups is not None)[0]
             if min(ids[g][i] for g in range(len(ids))) < 0:
                 return                             # a sliding window let this block go: not whole, stop here
             parent = chain[-1][0] if chain else ROOT
