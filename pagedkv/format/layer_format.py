@@ -22,10 +22,12 @@ from typing import Any
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.format import dtypes
 
-__all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS"]
+__all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS", "BLOCK_KEY_DTYPES"]
 
 #: ``key_quant`` values: keys per token (as values), or per channel over each full block.
 KEY_QUANT_MODES = ("token", "block")
+#: storage formats whose keys may go per channel over each block (``key_quant="block"``)
+BLOCK_KEY_DTYPES = ("int4", "int2")
 #: :attr:`LayerFormat.param_layout` values.
 PARAM_LAYOUTS = ("none", "row", "group")
 
@@ -38,8 +40,8 @@ class LayerFormat:
         kv_dtype: canonical dtype name (:mod:`pagedkv.format.dtypes`): a model dtype
             (``"float16"``: stored as is) or a storage format (``"int4"``).
         group_size: elements of ``head_dim`` per scale/zero group for the grouped
-            formats (int4, int3); None for every other format.
-        key_quant: ``"token"``, or ``"block"`` (int4 only): full blocks' keys are
+            formats (int4, int3, int2); None for every other format.
+        key_quant: ``"token"``, or ``"block"`` (int4, int2): full blocks' keys are
             requantized per channel (:mod:`pagedkv.store.block_keys`).
         rotation: rows are stored rotated (:mod:`pagedkv.format.rotation`; quantized only).
     """
@@ -64,9 +66,9 @@ class LayerFormat:
                                                 repr(self.group_size)))
         if self.key_quant not in KEY_QUANT_MODES:
             raise InvalidArgumentError(expected("key_quant", "'token' or 'block'", repr(self.key_quant)))
-        if self.key_quant == "block" and row.name != "int4":
-            raise InvalidArgumentError(expected("key_quant", f"'token' for {row.name} ('block' is int4 only)",
-                                                repr(self.key_quant)))
+        if self.key_quant == "block" and row.name not in BLOCK_KEY_DTYPES:
+            raise InvalidArgumentError(expected("key_quant", f"'token' for {row.name} ('block' is int4 and int2 "
+                                                "only)", repr(self.key_quant)))
         if not isinstance(self.rotation, bool):
             raise InvalidArgumentError(expected("rotation", "a bool", repr(self.rotation)))
         if self.rotation and not row.quantized:
@@ -98,6 +100,11 @@ class LayerFormat:
     def zero_point(self) -> bool:
         """Whether a zero-point arena goes with the scale arena."""
         return self.row.zero_point
+
+    @property
+    def key_bits(self) -> int:
+        """Bits of one per-channel key code of a sealed block (4 for int4, 2 for int2)."""
+        return self.row.code_bits
 
     @property
     def param_layout(self) -> str:

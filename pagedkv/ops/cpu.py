@@ -482,7 +482,8 @@ _SEAL_IN = {} if _q is None else {
 
 
 def _block_keys_format(layer_format) -> bool:
-    return type(layer_format) is LayerFormat and layer_format.key_quant == "block"
+    """An int4 block-keys format: the one the seal loop serves (int2 takes the torch definition)."""
+    return type(layer_format) is LayerFormat and layer_format.key_quant == "block" and layer_format.kv_dtype == "int4"
 
 
 def _fast_seal(kv_layer, blocks, keys, key_scale, key_zero, layout) -> bool:
@@ -536,8 +537,8 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD"
         return
     geo = _ref.check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout, layer_format)
     _require_cpu("kv_layer", kv_layer)
-    # strided code bytes: the torch definition (the check refused empty dims)
-    if _q is None or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1):
+    # strided code bytes, or int2 codes: the torch definition (the check refused empty dims)
+    if _q is None or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1) or geo.kv_dtype != "int4":
         _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format)
         return
     blocks = _c_contig(blocks)

@@ -200,10 +200,10 @@ def seal_key_blocks(
     layout: str = "NHD",
     layer_format: LayerFormat | None = None,
 ) -> None:
-    """Requantize whole blocks' keys per channel (int4 block keys).
+    """Requantize whole blocks' keys per channel (int4 or int2 block keys).
 
     Args:
-        kv_layer: an int4 (uint8) per-layer view (see :func:`write_kv`).
+        kv_layer: an int4 (or, with ``layer_format``, int2) uint8 per-layer view (see :func:`write_kv`).
         blocks: ``[M]`` int64 distinct block ids (duplicates: which lands is unspecified).
         keys: ``[M, bs, H, D]`` the blocks' exact keys, float32/float16/bfloat16.
         key_scale, key_zero: bfloat16 ``[NB, H, D]`` (see :func:`gather_kv`).
@@ -218,7 +218,7 @@ def seal_key_blocks(
     check_block_ids("blocks", blocks.tolist(), geo.num_blocks)
     if not blocks.numel():
         return
-    codes, s, z = quantize_key_block(keys)
+    codes, s, z = quantize_key_block(keys, bits=geo.format.key_bits)  # type: ignore[union-attr]  # checked
     if layout == "HND":
         codes = codes.transpose(1, 2)
     kv_layer[blocks, 0] = codes
@@ -449,10 +449,12 @@ def unseal_key_blocks(
     """
     fmt = check_format(layer_format)
     if fmt is not None and fmt.key_quant != "block":
-        raise InvalidArgumentError(expected("layer_format", "an int4 format with key_quant='block'", fmt.describe()))
+        raise InvalidArgumentError(expected("layer_format", "an int4 or int2 format with key_quant='block'",
+                                            fmt.describe()))
     geo = check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=fmt)
-    if geo.kv_dtype != "int4":
-        raise InvalidArgumentError(expected("kv_layer", "an int4 layer (block keys)", geo.kv_dtype or kv_layer.dtype))
+    if geo.kv_dtype not in ("int4", "int2"):
+        raise InvalidArgumentError(expected("kv_layer", "an int4 or int2 layer (block keys)",
+                                            geo.kv_dtype or kv_layer.dtype))
     device = kv_layer.device
     check_rotation(rotation_signs, geo, device)
     if not check_key_channels(key_scale, key_zero, geo, device):
@@ -493,7 +495,7 @@ def unseal_key_blocks(
                 keys[ok] = exact[i, :n].to(device=device, dtype=torch.float32)[ok]
             if rotation_signs is not None:
                 keys = rotate(keys, rotation_signs)
-            q, s, z = quantize(keys, "int4", group_size=group)
+            q, s, z = quantize(keys, geo.kv_dtype, group_size=group)
             _assign(kv_layer, layout, 0, blk, off, q)
             _assign(kv_scale, layout, 0, blk, off, s)
             _assign(kv_zero, layout, 0, blk, off, z)  # type: ignore[arg-type]  # int4 has a zero point
