@@ -13,8 +13,9 @@ from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
 from pagedkv.format.quant import dequantize_key_channels, quantize_key_block
 from pagedkv.store.kvstore import KVStore
 
-LOWBIT = [dict(kv_dtype="int4"), dict(kv_dtype="int3"), dict(kv_dtype="int4", kv_key_quant="block")]
-LOWBIT_IDS = ["int4", "int3", "int4-block-keys"]
+LOWBIT = [dict(kv_dtype="int4"), dict(kv_dtype="int3"), dict(kv_dtype="int4", kv_key_quant="block"),
+          dict(kv_dtype="int2")]
+LOWBIT_IDS = ["int4", "int3", "int4-block-keys", "int2"]
 
 
 def pair(sink, **kw):
@@ -52,7 +53,8 @@ def check_read(kv, twin, seq, exact_k, exact_v, sink):
         lo = max(s, pinned)
         assert torch.equal(k[lo:], tk[lo:]), f"layer {layer}: keys after the sink"
         if pinned > s:
-            c, sc, z = quantize_key_block(exact_k[:pinned].reshape(-1, BS, H, D))
+            bits = 2 if kv.config.kv_dtype == "int2" else 4
+            c, sc, z = quantize_key_block(exact_k[:pinned].reshape(-1, BS, H, D), bits=bits)
             want = dequantize_key_channels(c, sc.unsqueeze(1), z.unsqueeze(1), exact_k.dtype).reshape(pinned, H, D)
             assert torch.equal(k[s:pinned], want[s:]), f"layer {layer}: sealed keys of the pinned blocks"
 
