@@ -244,3 +244,18 @@ def test_int2_bad_combinations_are_typed_errors():
         LayerFormat("int2", 6)
     with pytest.raises(InvalidArgumentError, match="key_quant"):
         LayerFormat("int3", 8, "block")
+
+
+def test_the_kernels_refuse_int2_by_type_and_write_nothing():
+    """No CUDA kernel decodes int2 yet: the kernel path (host emulation here) refuses the
+    arena with a DTypeError before any launch, never falling back silently."""
+    from pagedkv.ops import backends
+
+    em = backends.load("emulated")
+    kv = torch.zeros(4, 2, 4, 2, 4, dtype=torch.uint8)
+    s = torch.zeros(4, 2, 4, 2, 1, dtype=torch.float16)
+    z = s.clone()
+    k = torch.randn(3, 2, 16)
+    with pytest.raises(DTypeError, match=r"kv_layer: expected a kv dtype with a CUDA kernel .*got int2 \(uint8\)"):
+        em.write_kv(kv, torch.tensor([0, 1, 2]), k, k, kv_scale=s, kv_zero=z, layer_format=LayerFormat("int2", 16))
+    assert not kv.any() and not s.any()
