@@ -246,6 +246,47 @@ def test_int2_bad_combinations_are_typed_errors():
         LayerFormat("int3", 8, "block")
 
 
+def test_kv_key_bits_is_int4s_widening_int2_keeps_2_bit_keys():
+    """``kv_key_bits`` widens int4's sealed keys into the K rows' parameter bytes; int2's
+    sealed keys are 2-bit codes whatever the option, so it is normalized to 4 (no
+    widening), and any other value is refused naming int4, by the config and the format."""
+    c = _config(kv_dtype="int2")
+    assert c.kv_key_bits == 4 and _config(kv_dtype="int2", kv_key_bits=4).kv_key_bits == 4
+    fmt = LayerFormat.of_config(c)
+    assert (fmt.key_bits, fmt.key_extra_bits, fmt.key_code_bits) == (4, 0, 2)
+    assert "key_bits" not in fmt.describe()
+    # int4's block keys: the widening is the code width
+    wide = LayerFormat.of_config(_config(kv_dtype="int4", kv_key_quant="block"))
+    assert (wide.key_bits, wide.key_code_bits) == (5, 5)
+    for bits in (5, 6, 8):
+        with pytest.raises(InvalidArgumentError,
+                           match=rf"^kv_key_bits: expected 4 for kv_dtype 'int2' \(wider block keys are int4 "
+                                 rf"only\), got {bits}$"):
+            _config(kv_dtype="int2", kv_key_bits=bits)
+        with pytest.raises(InvalidArgumentError,
+                           match=rf"^key_bits: expected 4 for int2 \(wider block keys are int4 only\), got {bits}$"):
+            LayerFormat("int2", 64, "block", key_bits=bits)
+    with pytest.raises(InvalidArgumentError, match=r"^kv_key_bits: expected 4 \(token keys\), got 5$"):
+        _config(kv_dtype="int2", kv_key_quant="token", kv_key_bits=5)
+
+
+def test_an_int2_seal_takes_no_per_token_parameter_views():
+    """Only wider int4 keys keep bits in the K rows' parameters: an int2 seal given the
+    layer's scale/zero views is refused before any write, on every CPU backend."""
+    from pagedkv import ops
+
+    kv = torch.zeros(NB, 2, BS, H, D // 4, dtype=torch.uint8)
+    ks = torch.zeros(NB, H, D, dtype=torch.bfloat16)
+    kz = ks.clone()
+    scale = torch.ones(NB, 2, BS, H, D // 8, dtype=torch.float16)
+    for backend in ("reference", "cpu"):
+        with pytest.raises(InvalidArgumentError, match=r"^kv_scale: expected None for layer_format int2, "
+                                                       r"group_size=8, key_quant=block \(2-bit block keys"):
+            ops.seal_key_blocks(kv, torch.tensor([0]), _keys(1), ks, kz, layer_format=LayerFormat("int2", 8, "block"),
+                                kv_scale=scale, kv_zero=scale.clone(), backend=backend)
+    assert not kv.any() and not ks.any()
+
+
 def test_the_kernels_refuse_int2_by_type_and_write_nothing():
     """No CUDA kernel decodes int2 yet: the kernel path (host emulation here) refuses the
     arena with a DTypeError before any launch, never falling back silently."""
