@@ -186,8 +186,8 @@ def test_names_aliases_and_torch_dtypes():
 
 
 def test_typed_errors():
-    with pytest.raises(DTypeError, match=r"kv_dtype: expected one of fp8_e4m3, fp8_e5m2, int8, int4, int3"):
-        quantize(torch.ones(2, 4), "int2")
+    with pytest.raises(DTypeError, match=r"kv_dtype: expected one of fp8_e4m3, fp8_e5m2, int8, int4, int3, int2 "):
+        quantize(torch.ones(2, 4), "int1")
     with pytest.raises(DTypeError, match=r"x: expected dtype float32, float16 or bfloat16, got torch.int32"):
         quantize(torch.ones(2, 4, dtype=torch.int32), "int8")
     with pytest.raises(ShapeError, match=r"x: expected a non-empty last dimension"):
