@@ -201,7 +201,7 @@ def test_typed_errors():
         dequantize(q, s.half(), z, torch.float16)
     with pytest.raises(DTypeError, match=r"out_dtype: expected float32, float16 or bfloat16, got torch.int8"):
         dequantize(q, s, z, torch.int8)
-    with pytest.raises(DTypeError, match=r"q: expected dtype float8_e4m3fn, float8_e5m2, int8 or uint8 \(int4, int3\)"):
+    with pytest.raises(DTypeError, match=r"q: expected dtype float8_e4m3fn, float8_e5m2, int8 or uint8 \(int4, int3, int2\)"):
         dequantize(torch.ones(3, 4), s, z, torch.float16)
     with pytest.raises(DTypeError, match=r"fp8_max|dtype: expected torch.float8_e4m3fn"):
         fp8_max(torch.int8)
