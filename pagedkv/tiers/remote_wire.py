@@ -1,8 +1,10 @@
 """A remote tier's keys and values.
 
-Key: ``<key_prefix>:`` + the tier's format fingerprint (16 bytes) + the block's chain
-digest (16 bytes, :func:`pagedkv.tiers.verify.chain_digest`): the verified chain, the
-namespace (inside the digest) and the format.
+Key: ``<key_prefix>:`` + the tier's format fingerprint (16 bytes) + ``:`` + the block's
+chain digest (16 bytes, :func:`pagedkv.tiers.verify.chain_digest`), both in hex: the
+verified chain, the namespace (inside the digest) and the format. Hex, because a Redis
+Cluster hashes only what lies between a key's first ``{`` and the next ``}``: raw bytes
+that happen to hold a brace would put a whole format's keys on one node.
 
 Value: a header, then the block's record in pagedkv's at-rest format
 (:mod:`pagedkv.tiers.payload`: codes, scales, block keys, sink and window rows)::
@@ -68,7 +70,7 @@ class Wire:
 
     def __init__(self, key_prefix: str, fingerprint: bytes, block_size: int, record_bytes: int,
                  secret: bytes | None = None, rows: tuple[int, int, int] | None = None):
-        self.prefix = key_prefix.encode("ascii") + b":" + fingerprint
+        self.prefix = key_prefix.encode("ascii") + b":" + fingerprint.hex().encode("ascii") + b":"
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.record_bytes = record_bytes
@@ -91,7 +93,7 @@ class Wire:
         return crc.to_bytes(4, "little")
 
     def key(self, digest: bytes) -> bytes:
-        return self.prefix + digest
+        return self.prefix + digest.hex().encode("ascii")
 
     def pattern(self) -> bytes:
         """A SCAN pattern of every key of this tier's format (glob characters escaped)."""
