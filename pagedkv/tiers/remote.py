@@ -121,6 +121,11 @@ class RemotePrefixTier(PrefixTier):
         return [self.wire.key(query.digest(i)) for i in range(start, stop)]
 
     def contains(self, query, start, max_blocks) -> int:
+        n = self._contains(query, start, max_blocks)
+        self.reap()
+        return n
+
+    def _contains(self, query, start, max_blocks) -> int:
         stop = min(max_blocks, query.num_blocks)
         if start >= stop:
             return 0
@@ -136,15 +141,20 @@ class RemotePrefixTier(PrefixTier):
                     self._found_gone(query.digest(start + n))
                 break
             n += 1
-        self.reap()
         return n
 
     def lookup(self, query, start, max_blocks, *, fetch=True):
+        out = self._lookup(query, start, max_blocks, fetch)
+        self.reap()
+        return out
+
+    def _lookup(self, query, start, max_blocks, fetch):
+        """:meth:`lookup` without reporting what it found gone (any thread may run it)."""
         stop = min(max_blocks, query.num_blocks)
         if start >= stop:
             return []
         if not fetch:
-            return [query.digest(i) for i in range(start, start + self.contains(query, start, stop))]
+            return [query.digest(i) for i in range(start, start + self._contains(query, start, stop))]
         # at most what the landing buffer holds, so this lookup's blocks are still there to load
         stop = min(stop, start + self.cfg.max_landed_bytes // self.layout.record_bytes)
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -172,7 +182,6 @@ class RemotePrefixTier(PrefixTier):
                 break                      # the batch ended at a block the server lacks (or refused)
         for j, d in enumerate(out):        # on the server: a store of them (the device's copy) is not sent back
             self._know(d, None if start + j == 0 else query.digest(start + j - 1), query.block(start + j), query.ns_key)
-        self.reap()
         return out
 
     def _fetch(self, query: ChainQuery, start: int, stop: int, deadline: float | None = None,
@@ -249,7 +258,7 @@ class RemotePrefixTier(PrefixTier):
 
         def run():
             try:
-                fut.set_result(self.lookup(query, start, max_blocks))
+                fut.set_result(self._lookup(query, start, max_blocks, True))    # reported by the next call
             except BaseException as e:           # pragma: no cover - lookup turns failures into misses
                 fut.set_exception(e)
 
