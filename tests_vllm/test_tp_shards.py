@@ -16,7 +16,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations.vllm_codec import make_codec
-from pagedkv.integrations.vllm_config import ConnectorConfig
+from pagedkv.integrations.vllm_config import STORAGE_FORMATS, ConnectorConfig
 from pagedkv.integrations.vllm_reports import ArenaReport, PagedKVWorkerMetadata, settle_reports
 from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
 from pagedkv.integrations.vllm_worker import BlockMover
@@ -114,7 +114,7 @@ class Ranks:
         self.report(reports)
 
 
-@pytest.mark.parametrize("storage", ["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("storage", STORAGE_FORMATS)
 def test_each_rank_copies_its_heads_into_its_slice_and_back(storage):
     t = Ranks(storage=storage)
     s = t.store

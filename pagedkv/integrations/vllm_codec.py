@@ -10,7 +10,9 @@ that layout, quantize with :mod:`pagedkv.format.quant`, and write the same layou
 - ``fp8``: a randomized Hadamard rotation over the head dim (:mod:`pagedkv.format.rotation`),
   then e4m3 with a per (token, head) scale;
 - ``int4``: keys as "block keys" (per-channel scale/zero over the block's tokens,
-  :func:`pagedkv.format.quant.quantize_key_block`), values int4 per group of 64 channels.
+  :func:`pagedkv.format.quant.quantize_key_block`), values int4 per group of 64 channels;
+- ``int2``: KIVI-2: keys as 2-bit block keys, values int2 (float16 scale and zero per
+  group of 64 channels).
 
 A codec's ``arenas`` are the per-block shapes and dtypes it stores; the tiers keep one
 ``[num_layers, capacity, *shape]`` arena per entry. Every format quantizes each KV head on
@@ -19,9 +21,12 @@ writes it into its slice of the full block (``head_axes``: the heads' axis per a
 """
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
 
-from pagedkv.errors import InvalidArgumentError, expected
+from pagedkv.errors import InternalError, InvalidArgumentError, expected
 from pagedkv.format import quant
 from pagedkv.format.rotation import rotate, rotation_signs, unrotate
 
@@ -38,10 +43,19 @@ class Codec:
     def arenas(self) -> list[tuple[tuple, torch.dtype]]:
         return [((self.h, self.bs, 2 * self.d), self.dtype)]
 
-    @property
+    @functools.cached_property
     def head_axes(self) -> list[int]:
-        """Per arena, the axis of its per-block shape that holds the KV heads."""
-        return [0]
+        """Per arena, the axis of its per-block shape that holds the KV heads (found by
+        comparing with the same codec for one more head, so every format has them)."""
+        twin = copy.copy(self)
+        twin.h = self.h + 1
+        out = []
+        for (mine, _), (more, _) in zip(self.arenas, twin.arenas):
+            axes = [i for i, (x, y) in enumerate(zip(mine, more)) if x != y]
+            if len(axes) != 1:
+                raise InternalError(f"{self.name} codec: an arena {mine} without one KV-head axis")
+            out.append(axes[0])
+        return out
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x``: ``[n, H, bs, 2D]`` blocks as vLLM holds them -> one tensor per arena."""
@@ -74,9 +88,6 @@ class Int8Codec(Codec):
         return [((2, self.h, self.bs, self.d), torch.int8), ((2, self.h, self.bs), torch.float32),
                 ((2, self.h, self.bs), torch.float32)]
 
-    @property
-    def head_axes(self):
-        return [1, 1, 1]
 
     def encode(self, x):
         q, s, z = quant.quantize(torch.stack(self.split(x), dim=1), "int8")
@@ -98,9 +109,6 @@ class Fp8Codec(Codec):
     def arenas(self):
         return [((2, self.h, self.bs, self.d), torch.float8_e4m3fn), ((2, self.h, self.bs), torch.float32)]
 
-    @property
-    def head_axes(self):
-        return [1, 1]
 
     def encode(self, x):
         kv = torch.stack(self.split(x), dim=1).to(torch.float32)
@@ -122,14 +130,34 @@ class Int4Codec(Codec):
                 ((self.h, self.d), torch.bfloat16), ((self.h, self.bs, self.d // 2), torch.uint8),
                 ((self.h, self.bs, self.d // g), torch.float32), ((self.h, self.bs, self.d // g), torch.float32)]
 
-    @property
-    def head_axes(self):
-        return [1, 0, 0, 0, 0, 0]
 
     def encode(self, x):
         k, v = self.split(x)
         kc, ks, kz = quant.quantize_key_block(k.transpose(1, 2))      # [n, bs, H, D]
         vq, vs, vz = quant.quantize(v, "int4")
+        return [kc, ks, kz, vq, vs, vz]
+
+    def decode(self, parts):
+        kc, ks, kz, vq, vs, vz = parts
+        k = quant.dequantize_key_channels(kc, ks.unsqueeze(1), kz.unsqueeze(1), torch.float32)
+        v = quant.dequantize(vq, vs, vz, torch.float32)
+        return self.join(k.transpose(1, 2), v)
+
+
+class Int2Codec(Codec):
+    name = "int2"
+
+    @property
+    def arenas(self):
+        g = quant.int2_group(self.d, None)
+        return [((self.bs, self.h, self.d // 4), torch.uint8), ((self.h, self.d), torch.bfloat16),
+                ((self.h, self.d), torch.bfloat16), ((self.h, self.bs, self.d // 4), torch.uint8),
+                ((self.h, self.bs, self.d // g), torch.float16), ((self.h, self.bs, self.d // g), torch.float16)]
+
+    def encode(self, x):
+        k, v = self.split(x)
+        kc, ks, kz = quant.quantize_key_block(k.transpose(1, 2), bits=2)      # [n, bs, H, D]
+        vq, vs, vz = quant.quantize(v, "int2")
         return [kc, ks, kz, vq, vs, vz]
 
     def decode(self, parts):
@@ -153,6 +181,8 @@ def make_codec(storage: str, kv_heads: int, block_size: int, head_size: int, dty
         return Int8Codec(*args)
     if storage == "fp8":
         return Fp8Codec(*args, seed=rotation_seed)
+    if storage == "int2":
+        return Int2Codec(*args)
     return Int4Codec(*args)
 
 
