@@ -5,7 +5,7 @@ committed host chains. See :mod:`pagedkv.integrations.vllm_store` and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -15,10 +15,22 @@ from pagedkv.tiers.payload import Blocks
 from pagedkv.tiers.verify import ChainQuery
 
 if TYPE_CHECKING:
-    from pagedkv.integrations.vllm_store import PrefixStore
     from pagedkv.tiers.remote import RemotePrefixTier
 
 __all__ = ["remote_lookup", "to_remote", "watch_remote"]
+
+
+class PrefixStore(Protocol):
+    """What these functions use of :class:`pagedkv.integrations.vllm_store.PrefixStore`
+    (named here, not imported: the store imports this module)."""
+
+    bs: int
+    host: Any
+    events: Any
+    pending: set
+    cfg: Any
+
+    def _ns(self, tier: Any, ns_key: bytes, create: bool) -> tuple: ...
 
 
 def remote_lookup(store: PrefixStore, remote: RemotePrefixTier, tokens: np.ndarray, ns_key: bytes,
