@@ -44,148 +44,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.cache_utils import Cache
 
 from pagedkv.config.support import require
 from pagedkv.errors import ArgumentTypeError, InternalError, InvalidArgumentError, ShapeError, expected
 from pagedkv.integrations import hf_attention, hf_windows
+from pagedkv.integrations.hf_layers import PagedLayer, model_layers
 from pagedkv.integrations.hf_state_calls import StateCalls
+from pagedkv.integrations.hf_step import StepCalls, StepPlan
 from pagedkv.manager.arguments import as_row_counts
 from pagedkv.manager.cache import PagedKVCache
-
-try:
-    from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
-except ImportError as exc:  # pragma: no cover - transformers < 4.56
-    raise ImportError(
-        "pagedkv.integrations.transformers needs transformers >= 4.56 (the layered Cache API); "
-        f"importing transformers.cache_utils.CacheLayerMixin failed: {exc}"
-    ) from exc
 
 __all__ = ["PagedCache", "PagedLayer"]
 
 _serial = itertools.count()
 
 
-class PagedLayer(CacheLayerMixin):
-    """One model layer's view of a :class:`PagedCache`; all state lives in the parent."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
-    # generate/export may pre-allocate layers with fake tensors; a paged layer has
-    # nothing to pre-allocate, so early_initialization must skip it.
-    supports_early_init = False
-
-    def __init__(self, parent: PagedCache, layer_idx: int, window: int = 0):
-        super().__init__()
-        self.parent = parent
-        self.layer_idx = layer_idx
-        self.is_sliding = window > 0     # a sliding-window layer (see hf_windows)
-        self.sliding_window = window if window else None
-
-    def lazy_initialization(self, key_states, value_states=None) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.parent.update(key_states, value_states, self.layer_idx)
-
-    def get_mask_sizes(self, query_length, *args) -> tuple:
-        return self.parent.get_mask_sizes(query_length, self.layer_idx)
-
-    def get_seq_length(self) -> int:
-        return self.parent.get_seq_length()
-
-    @property
-    def record_past(self) -> bool:
-        return self.parent._holding
-
-    @record_past.setter
-    def record_past(self, value: bool) -> None:
-        # generate() turns recording off layer by layer when it hands the cache back
-        if not value:
-            self.parent._stop_holding()
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_max_cache_shape(self) -> int:  # transformers 4.56/4.57 name
-        return -1
-
-    def reset(self) -> None:
-        self.parent.reset()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        # Rows are shared by every layer: cropping one layer would crop them all.
-        raise InvalidArgumentError(expected("crop", "PagedCache.crop (all layers at once)",
-                                            f"PagedLayer.crop on layer {self.layer_idx}"))
-
-    def reorder_cache(self, beam_idx) -> None:
-        self.parent.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.parent.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices) -> None:
-        self.parent.batch_select_indices(indices)
-
-    def offload(self):  # the arena is the cache's; nothing per layer to move
-        pass
-
-    def prefetch(self):
-        pass
-
-
-def _model_layers(parent: PagedCache, kinds, windows) -> list:
-    """One layer object per model layer of a cache with recurrent-state layers: a
-    :class:`PagedLayer` (K/V), a state layer, both (a hybrid layer) or a dummy."""
-    from pagedkv.integrations.hf_states import PagedStateLayer
-
-    # Falcon-H1, Zamba2: a state and K/V in one layer (the state mixin's read-only flags win)
-    class PagedHybridLayer(PagedStateLayer, PagedLayer):  # type: ignore[override]
-        def __init__(self, parent, layer_idx: int, window: int = 0):
-            PagedLayer.__init__(self, parent, layer_idx, window)
-            PagedStateLayer.__init__(self, parent, layer_idx)
-
-        def lazy_initialization(self, *args, **kwargs) -> None:
-            self.is_initialized = True
-
-    out: list = []
-    kv_layer = 0
-    for i, k in enumerate(kinds):
-        if k == "attention":
-            out.append(PagedLayer(parent, i, windows[kv_layer]))
-        elif k == "hybrid":
-            out.append(PagedHybridLayer(parent, i, windows[kv_layer]))
-        elif k == "state":
-            out.append(PagedStateLayer(parent, i))
-        else:
-            out.append(DummyLayer())
-        kv_layer += k in ("attention", "hybrid")
-    return out
-
-
-class _StepPlan:
-    """What layer 0 decided for one forward pass; every layer reuses it."""
-
-    __slots__ = ("q", "write_slots", "n_new", "new_mask", "indptr", "indices", "lens", "dest", "columns", "groups",
-                 "q_indptr", "q_rows", "pending")
-
-    def __init__(self, q, write_slots, n_new, new_mask, indptr, indices, lens, dest, columns, groups=None):
-        self.q = q                      # new columns in this pass
-        self.write_slots = write_slots  # int64 [B*q], -1 = do not write
-        self.n_new = n_new              # int64 [B], tokens reserved (committed after the last layer)
-        self.new_mask = new_mask        # bool [B, q], which new columns are new tokens
-        self.indptr = indptr            # CSR page table of the rows, for the gathers
-        self.indices = indices
-        self.lens = lens                # int32 [B], tokens per row after this pass
-        self.dest = dest                # None, or int64 rows of the padded output per gathered token
-        self.columns = columns          # columns after this pass
-        self.groups = groups            # None, or a hf_windows.GroupStep per layer group
-        self.q_indptr = None            # paged attention: int32 [B+1] real queries per row
-        self.q_rows = None              # paged attention: None (every column) or int64 rows of [B*q]
-        self.pending = None             # paged attention: int32 [B] new tokens read from the pass's K/V
-
-
-class PagedCache(StateCalls, Cache):
+class PagedCache(StepCalls, StateCalls, Cache):
     """A transformers ``Cache`` backed by a :class:`PagedKVCache`.
 
     Args:
@@ -234,7 +109,7 @@ class PagedCache(StateCalls, Cache):
 
             hf_states.state_names(kv.config.state_spec)
             self._states = hf_states.StatePass(kv, kv.config.layer_kinds, kv.config.torch_dtype)
-            layers = _model_layers(self, kv.config.layer_kinds, windows)
+            layers = model_layers(self, kv.config.layer_kinds, windows)
             self.num_layers = len(layers)
             super().__init__(layers=layers)
         else:
@@ -251,7 +126,7 @@ class PagedCache(StateCalls, Cache):
         self._implicit = False  # rows created by the pass in progress (freed if it fails)
         self._pads = np.zeros(0, dtype=np.int64)
         self._columns = 0
-        self._plan: _StepPlan | None = None
+        self._plan: StepPlan | None = None
         self._reserved: np.ndarray | None = None   # tokens this pass reserved, not yet committed
         self._input_ids: torch.Tensor | None = None
         self._fresh = False  # admitted, no forward pass yet
@@ -552,154 +427,6 @@ class PagedCache(StateCalls, Cache):
         if tuple(k_rot.shape) != (B, 1, q, p):
             raise ShapeError(expected("value_states", f"the latent k_rot [batch, 1, tokens, {p}] of an MLA model",
                                       tuple(k_rot.shape)))
-
-    def _write_only(self, key_states, value_states, layer_idx: int, plan, model_layer: int):
-        """Paged attention: write the pass's K/V, hand the attention a ticket to the pages
-        (``layer_idx``: the KV layer; ``model_layer``: the model's)."""
-        self._check_ticket()
-        B, H, q, D = key_states.shape
-        self.kv.write(layer_idx, plan.write_slots, key_states.transpose(1, 2).reshape(B * q, H, D),
-                      value_states.transpose(1, 2).reshape(B * q, H, D))
-        self.layers[model_layer].is_initialized = True   # always our PagedLayer
-        ticket = self._ticket = hf_attention.Ticket(self, layer_idx, plan, key_states, value_states)
-        if self._states is None and layer_idx == self.num_layers - 1:
-            self._finish_step()
-        return hf_attention.tag(key_states, ticket), value_states
-
-    def _check_ticket(self) -> None:
-        ticket, self._ticket = self._ticket, None
-        if ticket is not None and not ticket.taken:
-            raise InvalidArgumentError(expected(
-                "attn_implementation", f"'{hf_attention.NAME}' (hf_attention.register()) for a PagedCache with "
-                "paged_attention=True", f"an attention that did not read layer {ticket.layer_idx}'s pages"))
-
-    def paged_attend(self, ticket, query, scaling, soft_cap):
-        """The attention of a ticket's layer over its pages: ``query`` ``[B, Hq, q, D]`` ->
-        ``[B, q, Hq, D]`` (padding query columns get zeros). The pass's new tokens are
-        read from the ticket's K/V as computed, the rest from the pages: what the gather
-        path reads (one definition of what a read returns)."""
-        plan = ticket.plan
-        key, value, ticket.key, ticket.value = ticket.key, ticket.value, None, None
-        B, Hq, q, D = query.shape
-        # With layer groups, the layer's group's table: a sliding group lists the tokens
-        # it still holds, from the first one its window needs, so positions are relative
-        # to that token and the window mask (keys after p - W) reads the same.
-        window = None
-        table = plan
-        groups = self.kv.config.layer_groups
-        if plan.groups is not None and groups is not None:
-            g = groups.layer_group[ticket.layer_idx]
-            table = plan.groups[g]
-            window = groups.groups[g].window or None
-        tkey = id(table)
-        if plan.q_indptr is None:
-            plan.q_indptr, plan.q_rows, plan.pending = {}, {}, {}
-        if tkey not in plan.q_indptr:
-            nq = np.minimum(table.lens.cpu().numpy().astype(np.int64), q)
-            qp = np.zeros(B + 1, dtype=np.int32)
-            np.cumsum(nq, out=qp[1:])
-            plan.q_indptr[tkey] = torch.from_numpy(qp).to(query.device)
-            # the pass's new tokens are each row's last columns (a recomputed prefix hit is not one)
-            plan.pending[tkey] = torch.from_numpy(np.minimum(plan.n_new, nq).astype(np.int32)).to(query.device)
-            plan.q_rows[tkey] = None
-            if (nq != q).any():
-                rows = np.concatenate([b * q + np.arange(q - n, q) for b, n in enumerate(nq.tolist())])
-                plan.q_rows[tkey] = torch.from_numpy(rows.astype(np.int64)).to(query.device)
-        q_rows = plan.q_rows[tkey]
-        flat = query.transpose(1, 2).reshape(B * q, Hq, D)
-        H = key.shape[1]
-        k_new = key.transpose(1, 2).reshape(B * q, H, D)
-        v_new = value.transpose(1, 2).reshape(B * q, H, D)
-        if q_rows is not None:
-            flat, k_new, v_new = flat[q_rows], k_new[q_rows], v_new[q_rows]
-        out = self.kv.attention(ticket.layer_idx, flat, table.indptr, table.indices, table.lens, plan.q_indptr[tkey],
-                                k_new=k_new, v_new=v_new, pending=plan.pending[tkey], sm_scale=scaling,
-                                soft_cap=soft_cap, window=window)
-        if q_rows is None:
-            return out.view(B, q, Hq, D)
-        return out.new_zeros(B * q, Hq, D).index_copy_(0, q_rows, out).view(B, q, Hq, D)
-
-    def _plan_step(self, B: int, q: int) -> None:
-        if self._plan is not None:   # undone by update()'s handler before this reaches the caller
-            raise InvalidArgumentError(expected(
-                "forward", f"the previous forward pass to reach layer {self.num_layers - 1}",
-                "a pass that stopped early (its reserved slots are given back)"))
-        if not self.seq_ids:  # first pass without admit(): rows with unknown prompts
-            ids = [self._new_id() for _ in range(B)]
-            for i, sid in enumerate(ids):
-                try:
-                    self.kv.add_sequence(sid, cache_salt=self.cache_salt)
-                except BaseException:
-                    if i:
-                        self.kv.free(ids[:i])
-                    raise
-            self.seq_ids = ids
-            self._owned.update(ids)
-            self._implicit = True
-            self._pads = np.zeros(B, dtype=np.int64)
-            self._columns = 0
-        if self._fresh and B != len(self.seq_ids) and B % len(self.seq_ids) == 0:
-            # generate() repeats each prompt for num_return_sequences / num_beams
-            # before the first forward; mirror that with forks (shared prefix blocks).
-            repeats = B // len(self.seq_ids)
-            self._replace_rows([i for i in range(len(self.seq_ids)) for _ in range(repeats)])
-            if self._states is not None:     # states the model read already follow the rows
-                self._states.expand(repeats)
-        self._fresh = False
-        if B != len(self.seq_ids):
-            raise ShapeError(expected("key_states", f"batch {len(self.seq_ids)} (the cache's rows)", B))
-        kv, rows = self.kv, self.seq_ids
-        if self._holding:     # rows created or replaced since the hold began
-            kv.hold_window(rows, True)
-        have = kv.seq_lens(rows, computed=True).astype(np.int64)
-        positions = self._columns + np.arange(q)[None, :] - self._pads[:, None]   # [B, q]
-        new_mask = positions >= have[:, None]
-        n_new = new_mask.sum(axis=1).astype(np.int64)
-        slots = kv.reserve(rows, n_new)
-        self._reserved = n_new     # given back by _abort_step until the last layer commits
-        if slots.ndim == 2:        # layer groups: one row of slots per group
-            write_slots = np.full((slots.shape[0], B, q), -1, dtype=np.int64)
-            write_slots[:, new_mask] = slots
-        else:
-            write_slots = np.full((B, q), -1, dtype=np.int64)
-            write_slots[new_mask] = slots  # row-major: each row's new tokens are its last columns
-        columns = self._columns + q
-        lens = kv.seq_lens(rows).astype(np.int64)
-        if (lens != columns - self._pads).any():
-            raise InternalError(f"row lengths {lens.tolist()} disagree with columns {columns} - pads "
-                                f"{self._pads.tolist()}")
-        device = kv.device
-        if self._windows is not None:
-            self._plan = _StepPlan(
-                q, torch.from_numpy(write_slots.reshape(write_slots.shape[0], -1)).to(device), n_new, new_mask,
-                None, None, None, None, columns,
-                hf_windows.plan_groups_step(kv, rows, self._pads, self._columns, q, device))
-            return
-        indptr, indices, _ = kv.page_table_csr(rows)
-        dest = None
-        if self._pads.any():
-            dest = torch.from_numpy(np.concatenate([b * columns + np.arange(self._pads[b], columns)
-                                                    for b in range(B)]))
-        self._plan = _StepPlan(
-            q, torch.from_numpy(write_slots.reshape(-1)).to(device), n_new, new_mask,
-            torch.from_numpy(indptr).to(device), torch.from_numpy(indices).to(device),
-            torch.from_numpy(lens.astype(np.int32)).to(device),
-            None if dest is None else dest.to(device), columns)
-
-    def _finish_step(self) -> None:
-        plan = self._plan
-        if plan is None:
-            raise InternalError("a forward pass finished that layer 0 never planned: a bug")
-        if self._states is not None:
-            self._states.write(self.seq_ids)
-        token_ids = None
-        if self._input_ids is not None and tuple(self._input_ids.shape) == tuple(plan.new_mask.shape):
-            token_ids = self._input_ids.cpu().numpy()[plan.new_mask]
-        self.kv.commit(self.seq_ids, plan.n_new, token_ids)
-        self._plan = self._reserved = self._input_ids = None
-        self._implicit = False   # the rows' first pass is complete: they live until release
-        self._columns = plan.columns
-        self.forward_tokens += int(plan.n_new.sum())
 
     # ---- batch reshaping (beam search, num_return_sequences) ------------------------
     def _replace_rows(self, order: Sequence[int]) -> None:
