@@ -52,4 +52,7 @@ smoke() {  # $1: venv, $2: what to install
 }
 echo "+ fresh venv from the repaired wheel"
 smoke "$work/venv-wheel" "$repaired"
+if [ -n "${PAGEDKV_WHEEL_OUT:-}" ]; then   # kept for a later step (CI's vLLM venv installs it)
+  mkdir -p "$PAGEDKV_WHEEL_OUT" && cp "$repaired" "$PAGEDKV_WHEEL_OUT/"
+fi
 echo "package check: OK"

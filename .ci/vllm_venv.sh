@@ -47,9 +47,15 @@ fi
 # pagedkv from this clone, rebuilt when its sources changed (a stamp of their hashes).
 stamp=$(find pagedkv cuda setup.py pyproject.toml -type f \( -name '*.py' -o -name '*.pyx' -o -name '*.pxd' \
           -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.toml' \) 2>/dev/null | sort | xargs sha1sum | sha1sum)
+# PAGEDKV_WHEEL: a wheel already built from this clone (CI passes the package check's),
+# installed instead of compiling the extensions once more.
 if [ "$(cat "$venv/.pagedkv-stamp" 2>/dev/null)" != "$stamp" ]; then
-  pip_ "setuptools>=68" wheel "Cython>=3.0.8" numpy
-  pip_ --no-deps --no-build-isolation .
+  if [ -n "${PAGEDKV_WHEEL:-}" ]; then
+    pip_ --no-deps --force-reinstall "$PAGEDKV_WHEEL"
+  else
+    pip_ "setuptools>=68" wheel "Cython>=3.0.8" numpy
+    pip_ --no-deps --no-build-isolation .
+  fi
   echo "$stamp" > "$venv/.pagedkv-stamp"
 fi
 
