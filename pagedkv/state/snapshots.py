@@ -79,6 +79,7 @@ class SnapshotIndex:
         self.num_evicted = 0           # dropped to free a slot
         self.num_verify_failures = 0   # a digest matched, the tokens or namespace did not
         self.num_hits = 0              # lookups that resumed from a snapshot
+        self.on_store = None           # called with each new snapshot (the tiers write it down)
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -140,6 +141,8 @@ class SnapshotIndex:
         self.slots.incref(slot)
         self._by_key[key] = snap
         self.num_stored += 1
+        if self.on_store is not None:
+            self.on_store(snap)
         return snap
 
     def remove(self, snap: Snapshot) -> None:
