@@ -207,3 +207,51 @@ def test_reset_prefix_cache_forgets_the_tiers_snapshots(tmp_path):
         kv.reset_prefix_cache()
         assert [s["snapshots"] for s in kv.stats().states.tiers] == [0, 0]
         assert os.listdir(tmp_path / "tier" / "states") == []
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba", "mamba2"])
+def test_greedy_after_a_warm_restart_from_disk_equals_the_models_own_cache(family, tmp_path):
+    """A transformers hybrid (and a pure Mamba2): a prompt's chain and its snapshots go
+    down to disk; a new cache on the directory hits them and generates what the model's
+    own cache generates."""
+    from pagedkv.integrations.transformers import PagedCache
+    from pagedkv.testing.state_models import STATE_MODELS
+
+    model = STATE_MODELS[family]()[0].eval()
+
+    def make():
+        cfg = CacheConfig.from_hf_config(model.config, num_blocks=16, block_size=BS, dtype=torch.float32,
+                                         state_slots=8, prefix_disk_dir=str(tmp_path / "tier"),
+                                         prefix_disk_blocks=64)
+        return PagedKVCache(cfg)
+
+    def serve(kv, ids, prefill=False):
+        with PagedCache(kv) as cache, torch.no_grad():
+            hits = cache.admit(ids)
+            if prefill:
+                cache.prefill(model, ids)
+            return model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False), hits
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(3, 256, (1, 12), generator=g)
+    b = torch.cat([a, torch.randint(3, 256, (1, 3), generator=g)], 1)
+    with torch.no_grad():
+        want = model.generate(b, max_new_tokens=4, do_sample=False)
+    with make() as kv:
+        assert serve(kv, a, prefill=True)[1].tolist() == [0]
+        flush_device_blocks(kv)                      # the chain goes down to disk (a pure Mamba2's: tokens only)
+    with make() as again:
+        out, hits = serve(again, b)
+        assert hits.tolist() == [12]
+        assert again.stats().states.tiers[0]["hits"] == 1
+        assert torch.equal(out, want)
+
+
+def flush_device_blocks(kv):
+    kv.add_sequence("flush")
+    try:
+        while True:
+            kv.reserve("flush", BS)
+    except OutOfBlocksError:
+        pass
+    kv.free("flush")
