@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
-from pagedkv.errors import InternalError
+from pagedkv.errors import InternalError, InvalidArgumentError, expected
 from pagedkv.state.slots import StateSlots
 from pagedkv.state.snapshots import Lookup, SnapshotIndex
 from pagedkv.state.tables import StateTables
@@ -104,6 +104,30 @@ class StateGroups:
 
         if shelves and self.snapshots is not None and self.store is not None:
             self.tier_states = StateTiers(shelves, self.states, self.store, key_of)
+
+    # ---- a state that moves whole (swap, transfer) -----------------------------------------
+    def export_state_of(self, key: int) -> bytes | None:
+        """``key``'s state as bytes (zeros for the initial state; None without a store),
+        covering exactly its committed tokens: one written past them is refused."""
+        s = self.states.seqs[key]
+        if s.written:
+            raise InvalidArgumentError(expected(
+                "seq_id", "a sequence whose state covers its committed tokens (commit or unreserve the step)",
+                f"{self.inner.tables[0].namer(key)!r} with a state written past them"))
+        if self.store is None:
+            return None
+        return bytes(self.store.slot_nbytes()) if s.slot < 0 else self.store.export_slot(s.slot)
+
+    def import_state_of(self, key: int, data: bytes | None) -> None:
+        """Write ``data`` (:meth:`export_state_of`'s) into ``key``'s own slot (after a
+        reserve); the next commit files it where a snapshot is due."""
+        if data is None or self.store is None:
+            return
+        s = self.states.seqs[key]
+        if s.slot < 0 or self.slots.ref[s.slot] != 1:
+            raise InternalError(f"a state imported into sequence {key} without a slot of its own (a bug)")
+        self.store.import_slot(s.slot, data)
+        s.written = True
 
     # ---- a promotion from the prefix tiers (PrefixTiers.promote) ------------------------------
     @property
