@@ -94,3 +94,21 @@ def test_export_and_import_state():
         assert kv.export_state("c") == bytes(kv.state_nbytes())      # the initial state
         kv.free(["a", "c"])
         other.free("b")
+
+
+def test_prefill_there_decode_here_carries_the_state(tmp_path):
+    """send_sequence and send_prefix between two processes (gloo on 127.0.0.1): the
+    receiver's state is the sender's, bit for bit, and decoding continues from it."""
+    from test_distributed import assert_ok, run_ranks
+
+    (send, recv), _ = run_ranks("states", tmp_path)
+    assert_ok(send)
+    assert_ok(recv)
+    assert recv["received"] == ["req", 10, 0]
+    assert send["sent"] == 3
+    assert recv["state_exact"] and recv["kv_exact"]          # before: the initial state after 10 tokens
+    assert recv["decoded_state_exact"]
+    # the receiver had A's chain (8 tokens: the same first 2 blocks as B) but no snapshot at 8
+    assert send["prefix_sent"] == recv["prefix_received"] == 2
+    assert recv["prefix_hit"] == 8
+    assert recv["prefix_state_exact"] and recv["prefix_kv_exact"]
