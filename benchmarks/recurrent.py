@@ -44,11 +44,10 @@ import argparse
 import time
 
 import numpy as np
+from core import emit  # benchmarks/core.py: one JSON line
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.testing.state_models import state_config
-
-from core import emit  # benchmarks/core.py: one JSON line
 
 QWEN35_4B = dict(num_hidden_layers=32, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
                  hidden_size=2560, num_attention_heads=16, num_key_value_heads=4, head_dim=256,

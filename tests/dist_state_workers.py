@@ -3,11 +3,11 @@ prefill on rank 0, decode on rank 1, the state crossing with the KV."""
 from __future__ import annotations
 
 import torch
+from tier_helpers import expected_kv
 
 import pagedkv.transfer.distributed as pd
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.testing.state_model import state_of
-from tier_helpers import expected_kv
 
 TIMEOUT = 30.0
 BS = 4

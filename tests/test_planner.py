@@ -9,8 +9,8 @@ import pytest
 
 from pagedkv.cli import SUBCOMMANDS, main
 from pagedkv.config.options import CacheConfig
-from pagedkv.errors import InvalidArgumentError
 from pagedkv.config.planner import PlanResult, plan, plan_config
+from pagedkv.errors import InvalidArgumentError
 
 # Qwen/Qwen3-0.6B: 28 layers, 16 query heads, 8 KV heads, head_dim 128 (not hidden/heads).
 QWEN3_06B = {

@@ -1,6 +1,5 @@
 """A recurrent state moves with its sequence: swap to the host and back, export/import,
 and send_sequence / send_prefix to another process (prefill there, decode here)."""
-import numpy as np
 import pytest
 import torch
 

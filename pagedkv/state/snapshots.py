@@ -19,6 +19,7 @@ shares, never a pinned one, in the cache's policy order:
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,7 +80,7 @@ class SnapshotIndex:
         self.num_evicted = 0           # dropped to free a slot
         self.num_verify_failures = 0   # a digest matched, the tokens or namespace did not
         self.num_hits = 0              # lookups that resumed from a snapshot
-        self.on_store = None           # called with each new snapshot (the tiers write it down)
+        self.on_store: Callable[[Snapshot], None] | None = None   # each new snapshot (the tiers write it down)
 
     def __len__(self) -> int:
         return len(self._by_key)
