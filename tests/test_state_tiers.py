@@ -255,3 +255,27 @@ def flush_device_blocks(kv):
     except OutOfBlocksError:
         pass
     kv.free("flush")
+
+
+def test_the_states_directory_follows_the_tier_directory_rules(tmp_path):
+    (tmp_path / "tier").mkdir(mode=0o700)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "tier" / "states")
+    from pagedkv.errors import TierFileError
+
+    with pytest.raises(TierFileError, match="states: expected a directory owned by this user"):
+        PagedKVCache(config(**disk_opts(tmp_path)))
+    assert os.listdir(tmp_path / "elsewhere") == []
+    os.unlink(tmp_path / "tier" / "states")
+    with PagedKVCache(config(**disk_opts(tmp_path))) as kv:
+        prefill(kv, "a", A, (4, 4, 2))
+        kv.free("a")
+        shelf = kv._groups.tier_states.shelves[0]
+        key = max(shelf._lru, key=lambda k: shelf._lru[k])
+        path = os.path.join(shelf.path, key + ".snap")
+        os.replace(path, tmp_path / "elsewhere" / "x")
+        os.symlink(tmp_path / "elsewhere" / "x", path)        # a planted link is never read
+        flush_device(kv)
+        assert kv.add_sequence("b", A) == 4
+        assert_state(kv, "b", A[:4])
+        kv.free("b")

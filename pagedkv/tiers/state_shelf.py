@@ -25,14 +25,18 @@ import collections
 import hashlib
 import json
 import os
+import stat
 import struct
 import zlib
 
 import numpy as np
 
+from pagedkv.errors import TierFileError, expected
+
 __all__ = ["StateShelf", "HostStateShelf", "DiskStateShelf", "shelf_keys"]
 
 MAGIC = b"PKVSNAP1"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _SUFFIX = ".snap"
 
 
@@ -190,6 +194,12 @@ class DiskStateShelf(StateShelf):
     shelf on the directory finds the records a previous one left (a warm restart),
     oldest first by modification time.
 
+    The tier directory's rules hold here (docs/tier-directory.md): ``states`` must be a
+    directory of this user's (a link or another user's is refused with
+    :class:`~pagedkv.errors.TierFileError`), files are opened without following links
+    and temporaries created exclusively; anything there but a regular file of ours is
+    not read (a miss).
+
     Args:
         path: the directory (created when missing).
         capacity: records kept at most.
@@ -201,11 +211,22 @@ class DiskStateShelf(StateShelf):
     def __init__(self, path: str, capacity: int, fmt: str):
         super().__init__(capacity, fmt)
         self.path = path
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise TierFileError(expected(path, f"a directory owned by this user (uid {os.getuid()})",
+                                         "a link or another kind of file" if not stat.S_ISDIR(st.st_mode)
+                                         else f"one of uid {st.st_uid}"))
         found = []
         for entry in os.scandir(path):
-            if entry.name.endswith(_SUFFIX) and entry.is_file(follow_symlinks=False):
-                found.append((entry.stat().st_mtime_ns, entry.name[:-len(_SUFFIX)], entry.stat().st_size))
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if entry.name.endswith(_SUFFIX):
+                est = entry.stat(follow_symlinks=False)
+                found.append((est.st_mtime_ns, entry.name[:-len(_SUFFIX)], est.st_size))
             elif entry.name.endswith(".tmp"):
                 os.unlink(entry.path)          # a write a crash interrupted
         for _, key, size in sorted(found):
@@ -219,16 +240,29 @@ class DiskStateShelf(StateShelf):
 
     def _write(self, key: str, record: bytes) -> None:
         tmp = self._file(key) + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(record)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(record)
+        except BaseException:
+            os.unlink(tmp)
+            raise
         os.replace(tmp, self._file(key))
 
     def _read(self, key: str) -> bytes | None:
         try:
-            with open(self._file(key), "rb") as f:
-                return f.read()
+            fd = os.open(self._file(key), os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
         except OSError:
-            return None
+            return None                 # gone, or a link: a miss
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                return None
+            return f.read()
 
     def _delete(self, key: str) -> None:
         try:
