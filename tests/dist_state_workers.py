@@ -7,6 +7,7 @@ from tier_helpers import expected_kv
 
 import pagedkv.transfer.distributed as pd
 from pagedkv import CacheConfig, PagedKVCache
+from pagedkv.errors import InvalidArgumentError, TransferError
 from pagedkv.testing.state_model import state_of
 
 TIMEOUT = 30.0
@@ -50,6 +51,18 @@ def _is_state(kv, sid, tokens) -> bool:
 def states(rank, out):
     kv = _cache()
     if rank == 0:
+        w = list(range(90, 100))
+        kv.add_sequence("w", w)           # a state written past its commit is not sent: the receiver is told
+        _step(kv, "w", w, 4)
+        kv.reserve("w", 2)
+        kv.write_state("w", 0, state_of(kv.config.state_spec, [w[:6]], 0))
+        try:
+            pd.send_sequence(kv, "w", 1, timeout=TIMEOUT)
+        except InvalidArgumentError as e:
+            out["refused"] = str(e)
+        kv.unreserve("w")
+        kv.free("w")
+        out["left"] = len(kv)
         kv.add_sequence("req", A)
         for n in (3, 7):                 # chunks off the grid: the only snapshots are periodic (8)
             _step(kv, "req", A, n)
@@ -62,6 +75,11 @@ def states(rank, out):
         kv.free("req")
         kv.check_invariants()
         return
+    try:
+        pd.recv_sequence(kv, 0, timeout=TIMEOUT)
+    except TransferError as e:
+        out["aborted"] = str(e)
+    out["left"] = len(kv)
     got = pd.recv_sequence(kv, 0, timeout=TIMEOUT)
     out["received"] = [got.seq_id, got.num_tokens, got.cached_tokens]
     out["state_exact"] = _is_state(kv, "req", A)

@@ -103,6 +103,9 @@ def test_prefill_there_decode_here_carries_the_state(tmp_path):
     (send, recv), _ = run_ranks("states", tmp_path)
     assert_ok(send)
     assert_ok(recv)
+    assert "commit or unreserve the step" in send["refused"]       # a state written past its commit
+    assert recv["aborted"].startswith("rank 0 aborted the transfer: seq_id: expected a sequence whose state")
+    assert send["left"] == recv["left"] == 0                       # nothing leaked on either side
     assert recv["received"] == ["req", 10, 0]
     assert send["sent"] == 3
     assert recv["state_exact"] and recv["kv_exact"]          # before: the initial state after 10 tokens
