@@ -6,24 +6,13 @@ fails ``test_every_public_member_has_a_recipe``."""
 import numpy as np
 import pytest
 import torch
+from test_sliding_cache import BS, hybrid, kv_of  # the same 4-layer cache: groups full (1, 3), window 6 (0, 2)
 
 from pagedkv import CacheConfig, PagedKVCache
-from pagedkv.errors import InvalidArgumentError
 from pagedkv.config.support import CAPABILITIES, UnsupportedCombinationError, markdown_table, require
+from pagedkv.errors import InvalidArgumentError
 
-BS = 4
 WINDOWS = (6, 0, 6, 0)          # group 0: full attention (layers 1, 3); group 1: window 6 (layers 0, 2)
-
-
-def hybrid(windows=WINDOWS, **kw) -> PagedKVCache:
-    cfg = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8, block_size=BS, num_blocks=kw.pop("num_blocks", 64),
-                      dtype="float32", layer_windows=windows, **kw)
-    return PagedKVCache(cfg)
-
-
-def kv_of(layer, positions):
-    p = torch.as_tensor(positions, dtype=torch.float32)
-    return (1000.0 * layer + p)[:, None, None].expand(len(p), 2, 8).contiguous()
 
 
 def fill(kv, seq, tokens, start=0):

@@ -285,6 +285,36 @@ def test_an_evicted_prefix_comes_back_from_host_and_disk_and_after_a_restart(tmp
         mla(case[0], **{k: v for k, v in other.items()})
 
 
+
+def test_tensor_parallel_ranks_store_the_replicated_latent_once_in_a_shared_tier(tmp_path):
+    # Every rank holds the same latent rows, so rank 1 is served from rank 0's copy and
+    # writing its own adds no block: a shared tier keeps one copy, not one per rank.
+    opts = dict(num_blocks=6, prefix_disk_dir=str(tmp_path / "tier"), prefix_disk_blocks=32, tp_size=2,
+                hash_seed=1)
+    a = np.arange(50, 63)                               # 3 full blocks + 1 token
+
+    def disk(cache):
+        return next(t for t in cache.stats().tiers if t.medium == "disk")
+
+    with mla("bfloat16", "int8", tp_rank=0, **opts) as r0:
+        fill(r0, "a", a)
+        want = [r0.gather("a", layer) for layer in range(2)]
+        r0.free("a")
+        fill(r0, "x", np.arange(200, 221))              # evicts a from rank 0's device to the disk
+        r0.free("x")
+        stored = disk(r0).used_blocks
+        assert stored >= 3
+    with mla("bfloat16", "int8", tp_rank=1, **opts) as r1:
+        assert fill(r1, "a", a) == 12                   # rank 0's blocks serve rank 1
+        assert r1.stats().disk_hit_tokens == 12
+        for layer in range(2):
+            got = r1.gather("a", layer)
+            assert torch.equal(got[0], want[layer][0]) and torch.equal(got[1], want[layer][1])
+        r1.free("a")
+        fill(r1, "x", np.arange(200, 221))              # rank 1 evicts the same chain
+        r1.free("x")
+        assert disk(r1).used_blocks == stored           # nothing stored twice
+
 @pytest.mark.parametrize("case", FORMATS, ids=fid)
 def test_mla_attention_through_the_cache_reads_the_pages_in_place(case):
     with mla(*case) as cache:

@@ -146,9 +146,11 @@ class Case:
         return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.kw.items()}
 
 
-def local_reference(case: Case, **opts):
+def local_reference(case: Case, *, dot_slack: int = 2, sum_slack: int = 16, affine: bool = False, **opts):
     """The float64 definition: the exact float32 gather, then a masked softmax.
-    Returns (output in float64, per-row tolerance)."""
+    Returns (output in float64, per-row tolerance). A kernel's tolerance terms:
+    ``dot_slack`` roundings per q.k beyond ``d``, ``sum_slack`` per softmax sum beyond its
+    keys, and ``affine``: its codes are dequantized in the loop (scale and zero round too)."""
     kw = dict(case.kw)
     out_dtype = torch.float32 if case.fmt not in MODEL else None
     k_all, v_all = ref.gather_kv(case.kv, case.indptr, case.indices, case.seq_lens, out_dtype=out_dtype, **kw)
@@ -181,11 +183,14 @@ def local_reference(case: Case, **opts):
             seen &= (j > p - window) | (j < sink)
         s = s.masked_fill(~seen, float("-inf"))
         res[qp[b]:qp[b + 1]] = (s.softmax(-1) @ v).transpose(0, 1)
-        qk = qh.norm(dim=-1)[:, :, None] * k.norm(dim=-1)[:, None, :] * abs(sm)  # [hq, m, n]
-        delta = ((d + 2 + rot) * U * qk.masked_fill(~seen, 0)).amax(-1) + (8 * U * cap if cap else 0.0)
-        vmax = v.abs().amax(dim=(1, 2))[:, None]  # [hq, 1]
+        mag = k.norm(dim=-1)[:, None, :]
+        if affine:
+            mag = mag + 3 * math.sqrt(d) * k.abs().amax(-1)[:, None, :]
+        qk = qh.norm(dim=-1)[:, :, None] * mag * abs(sm)  # [hq, m, n]
+        delta = ((d + dot_slack + rot) * U * qk.masked_fill(~seen, 0)).amax(-1) + (8 * U * cap if cap else 0.0)
+        vmax = v.abs().amax(dim=(1, 2))[:, None] * (3 if affine else 1)  # [hq, 1]
         keys = seen.sum(-1)[None, :].double()
-        row = (torch.expm1(2 * delta) + (keys + 16) * U) * vmax
+        row = (torch.expm1(2 * delta) + (keys + sum_slack) * U) * vmax
         tol[qp[b]:qp[b + 1]] = row.transpose(0, 1)[:, :, None]
     return res, tol
 

@@ -19,6 +19,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.config.values import parse_bytes
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 from pagedkv.format import dtypes
 from pagedkv.groups.spec import RecurrentStateSpec, StateTensor
@@ -114,7 +115,6 @@ def validate_state(cfg: Any, put) -> tuple[RecurrentStateSpec | None, int]:
             raise InvalidArgumentError(expected("state_slots", "an int >= 1", repr(slots)))
         put("state_slots", int(slots))
         return spec, int(slots)
-    from pagedkv.config.options import parse_bytes
 
     b = parse_bytes(budget, "state_memory_budget")
     n = b // spec.slot_bytes()

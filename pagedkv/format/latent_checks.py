@@ -19,32 +19,11 @@ import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.format import dtypes, op_checks
+from pagedkv.format.attention_checks import index_array  # the paged attention's tables' rule
 from pagedkv.format.latent import LatentFormat
 
 __all__ = ["LatentView", "Tables", "AttentionArgs", "check_write", "check_gather", "check_attention",
            "token_slots", "index_array"]
-
-
-def index_array(name: str, x: object, device: torch.device) -> torch.Tensor:
-    """An int32 1-D index tensor on ``device`` from an int32 tensor or a NumPy integer
-    array (as :func:`pagedkv.ops.paged_attention` takes its tables: nothing is cast
-    silently; a NumPy array is converted when its values fit)."""
-    if isinstance(x, np.ndarray):
-        if x.dtype.kind not in "iu":
-            raise DTypeError(expected(name, "an integer NumPy array or an int32 tensor", f"NumPy {x.dtype}"))
-        if x.ndim != 1:
-            raise ShapeError(expected(name, "a 1-D array", x.shape))
-        if x.size and (int(x.min()) < -2**31 or int(x.max()) >= 2**31):
-            raise InvalidArgumentError(expected(name, "values that fit int32", f"range [{x.min()}, {x.max()}]"))
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32)).to(device)
-    t = op_checks.check_tensor(name, x)
-    if t.dtype != torch.int32:
-        raise DTypeError(expected(name, "dtype int32 (or a NumPy integer array)", t.dtype))
-    if t.dim() != 1:
-        raise ShapeError(expected(name, "a 1-D tensor", tuple(t.shape)))
-    if t.device != device:
-        raise DeviceError(expected(name, f"device {device}", t.device))
-    return t
 
 
 @dataclass(frozen=True)
