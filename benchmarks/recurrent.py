@@ -18,6 +18,10 @@ most ``--chunk`` tokens, and its answer decoded a token at a time.
 - ``pagedkv_every_block``: the same with ``state_checkpoint_every=1`` (a snapshot at
   every block boundary, decode included: the next turn also skips the previous
   answer, for more snapshot memory).
+- ``pagedkv_align_memory``: the default rule in a state pool of the size vLLM's
+  ``align`` ends up holding (its snapshots plus one request's two pages): snapshots
+  are evicted to make room (superseded ones first: see :mod:`pagedkv.state.snapshots`);
+  ``pagedkv_every_block_align_memory``: the same with a snapshot at every block.
 - ``vllm_align`` (a simulation of vLLM's ``mamba_cache_mode="align"``): the attention
   block is raised until an attention page holds one state page (the state page as
   pagedkv stores it), a state is cached only where a prefill chunk ends, clipped down
@@ -143,7 +147,7 @@ def figures(geometry: str, conversations: int, turns: int, block_size: int, chun
     total_tokens = sum(len(p) + len(a) for _, p, a in turns_)
     blocks = total_tokens // block_size + 8 * len(turns_) + 64      # no eviction: the rules alone differ
     common = dict(num_blocks=blocks, block_size=block_size, dtype="bfloat16", state_checkpoint_every=every)
-    cfg = CacheConfig.from_hf_config(hf, state_slots=8 * len(turns_) + 64, **common)
+    cfg = CacheConfig.from_hf_config(hf, state_slots=blocks, **common)
     spec = cfg.state_spec
     state_bytes = spec.slot_bytes()
     # vLLM: one attention page (block_size tokens of one layer) at least one state page (one layer's state)
@@ -151,16 +155,26 @@ def figures(geometry: str, conversations: int, turns: int, block_size: int, chun
     need = -(-spec.layer_bytes() // per_token_layer)
     align_block = -(-need // block_size) * block_size
     ours = run_pagedkv(cfg, turns_, chunk)
-    dense = run_pagedkv(CacheConfig.from_hf_config(hf, state_slots=8 * len(turns_) + 64,
+    dense = run_pagedkv(CacheConfig.from_hf_config(hf, state_slots=blocks,
                                                    **(common | dict(state_checkpoint_every=1))), turns_, chunk)
     base = run_pagedkv(CacheConfig.from_hf_config(hf, state_slots=64, enable_prefix_caching=False, **common),
                        turns_, chunk)
     align = run_align(turns_, align_block, chunk, state_bytes)
+    # the state memory align ends up holding (its snapshots and one request's two live pages)
+    equal = run_pagedkv(CacheConfig.from_hf_config(hf, state_slots=align["snapshots_held"] + 2, **common),
+                        turns_, chunk)
+    equal_dense = run_pagedkv(CacheConfig.from_hf_config(hf, state_slots=align["snapshots_held"] + 2,
+                                                         **(common | dict(state_checkpoint_every=1))), turns_, chunk)
     none = dict(hit_tokens=0, prompt_tokens=ours["prompt_tokens"], snapshots_held=0, snapshot_bytes_held=0,
                 live_state_bytes_per_request=state_bytes)
-    for name, r in (("pagedkv", ours), ("pagedkv_every_block", dense), ("vllm_align", align),
-                    ("no_state_caching", none)):
+    for name, r in (("pagedkv", ours), ("pagedkv_every_block", dense), ("pagedkv_align_memory", equal),
+                    ("pagedkv_every_block_align_memory", equal_dense),
+                    ("vllm_align", align), ("no_state_caching", none)):
         extra = {}
+        if name.endswith("_align_memory"):
+            extra = dict(state_slots=align["snapshots_held"] + 2)
+        if name == "pagedkv_every_block_align_memory":
+            extra["state_checkpoint_every"] = 1
         if name == "pagedkv_every_block":
             extra = dict(state_checkpoint_every=1)
         if name == "pagedkv":
