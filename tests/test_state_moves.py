@@ -114,3 +114,18 @@ def test_prefill_there_decode_here_carries_the_state(tmp_path):
     assert send["prefix_sent"] == recv["prefix_received"] == 2
     assert recv["prefix_hit"] == 8
     assert recv["prefix_state_exact"] and recv["prefix_kv_exact"]
+
+
+def test_a_sequence_with_nothing_computed_swaps_out_and_in_again():
+    # found by the tiered state machine: the swap-in of a sequence with no computed token
+    # left its (initial) state marked written, so the next swap_out refused it
+    with PagedKVCache(config(host_num_blocks=8)) as kv:
+        kv.add_sequence("a", [1])
+        for _ in range(2):
+            kv.swap_out("a")
+            kv.swap_in("a")
+        assert kv.state_positions("a").tolist() == [0]
+        step(kv, "a", [1], 1)
+        assert_state(kv, "a", [1])
+        kv.free("a")
+        kv.check_invariants()

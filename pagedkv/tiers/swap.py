@@ -142,7 +142,8 @@ class HostSwap:
         keys = np.array([key], dtype=np.int64)
         self.tables.add_restored(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority)
         try:
-            self.tables.reserve(keys, rec.num_computed, internal=True)
+            if rec.num_computed:        # nothing computed: nothing to reserve (not even a state slot)
+                self.tables.reserve(keys, rec.num_computed, internal=True)
         except BaseException:
             self.tables.remove(keys, internal=True)
             raise
@@ -153,9 +154,10 @@ class HostSwap:
             device = np.concatenate([t.blocks(key)[pos] for t, pos in zip(self.groups, rec.parts)])
             pairs = np.stack([rec.host_blocks, device], axis=1).astype(np.int64)
             self.store.load(torch.from_numpy(pairs))
-        if rec.state is not None:       # into the slot the reserve gave it; the commit snapshots it where due
+        if rec.state is not None and rec.num_computed:   # into the slot the reserve gave it (the commit snapshots it)
             self.tables.import_state_of(key, rec.state)
-        self.tables.commit(keys, rec.num_computed, internal=True)
+        if rec.num_computed:
+            self.tables.commit(keys, rec.num_computed, internal=True)
         self.sync()
         self.pool.free(rec.host_blocks)
         del self.swapped[key]
