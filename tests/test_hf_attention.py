@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import PROMPTS, chat_ids, smollm2, tiny  # noqa: F401
 from transformers import DynamicCache
 
-from pagedkv.manager.cache import PagedKVCache
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations import hf_attention
 from pagedkv.integrations.transformers import PagedCache
-
-from model_fixtures import PROMPTS, chat_ids, smollm2, tiny  # noqa: F401
+from pagedkv.manager.cache import PagedKVCache
+from pagedkv.testing.batches import left_pad
 
 hf_attention.register()
 
@@ -36,12 +36,6 @@ class paged_impl:
     def __exit__(self, *exc):
         self.model.set_attn_implementation(self.old)
 
-
-def left_pad(rows, pad_id):
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
 
 
 def test_tiny_padded_batch_greedy_matches_and_update_only_writes(tiny):

@@ -10,6 +10,7 @@ import torch
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.config.support import UnsupportedCombinationError
 from pagedkv.integrations.transformers import PagedCache
+from pagedkv.testing.batches import left_pad
 from pagedkv.testing.state_models import STATE_MODELS, state_config
 
 BS = 4
@@ -30,12 +31,6 @@ def make_kv(model, **kw):
                                      state_slots=24, **kw)
     return PagedKVCache(cfg)
 
-
-def left_pad(rows, pad_id=0):
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
 
 
 def own(model, ids, mask=None, n=4):

@@ -22,6 +22,7 @@ from pagedkv.config import support
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 from pagedkv.integrations import hf_attention
 from pagedkv.integrations.transformers import PagedCache
+from pagedkv.testing.batches import left_pad
 from pagedkv.testing.sliding_models import tiny_gemma2_capped, tiny_gemma3, tiny_mistral, tiny_qwen2
 
 hf_attention.register()
@@ -146,9 +147,7 @@ def test_generate_and_padded_batch(fam, mode):
     paged = mode == "paged"
     g = torch.Generator().manual_seed(2)
     rows = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (PROMPT, 13, 5)]
-    width = max(map(len, rows))
-    batch = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    bmask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    batch, bmask = left_pad(rows, tok.pad_token_id)
     ids = prompt()
     for x, m in ((ids, torch.ones_like(ids)), (batch, bmask)):
         ref = reference(model, x, m, tok)

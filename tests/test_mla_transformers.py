@@ -12,6 +12,7 @@ from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.config.support import UnsupportedCombinationError
 from pagedkv.errors import ShapeError
 from pagedkv.integrations.transformers import PagedCache
+from pagedkv.testing.batches import left_pad
 from pagedkv.testing.mla_models import MLA_MODELS
 
 
@@ -53,9 +54,7 @@ def test_greedy_matches_dynamic_cache_with_left_padding(mla_model):
     kv = paged(model)
     g = torch.Generator().manual_seed(2)
     rows = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (11, 19, 4)]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids, mask = left_pad(rows, tok.pad_token_id)
     gen = dict(max_new_tokens=12, do_sample=False, attention_mask=mask)
     ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)
     with PagedCache(kv) as cache:

@@ -4,18 +4,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from model_fixtures import chat_ids, smollm2, tiny  # noqa: F401
 from transformers import DynamicCache
 
 from pagedkv._core.pool import BlockPool
 from pagedkv._core.prefix import PrefixIndex
 from pagedkv._core.tables import BlockTables
-from pagedkv.manager.cache import PagedKVCache
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, SequenceNotFoundError
 from pagedkv.integrations.transformers import PagedCache
+from pagedkv.manager.cache import PagedKVCache
+from pagedkv.testing.batches import left_pad
 from pagedkv.testing.models import tiny_llama
-
-from model_fixtures import chat_ids, smollm2, tiny  # noqa: F401
 
 BS = 4
 
@@ -172,9 +172,8 @@ def test_crop_with_left_padding_rows(tiny):  # noqa: F811
     model, tok = tiny
     kv = make_kv(model)
     rows = [tok.encode("short"), tok.encode("a longer prompt")]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids, mask = left_pad(rows, tok.pad_token_id)
+    width = ids.shape[1]
     with PagedCache(kv) as cache:
         cache.admit(ids, mask)
         with torch.no_grad():

@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pagedkv.manager.cache import PagedKVCache
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 from pagedkv.integrations.transformers import PagedCache
+from pagedkv.manager.cache import PagedKVCache
+from pagedkv.testing.batches import left_pad
 from pagedkv.testing.sliding_models import tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_qwen2
 
 BS = 4
@@ -243,9 +244,7 @@ def test_greedy_matches_dynamic_cache_with_left_padding(sliding_model):
     kv = paged(model)
     g = torch.Generator().manual_seed(2)
     rows = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (13, 22, 5)]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids, mask = left_pad(rows, tok.pad_token_id)
     gen = dict(max_new_tokens=20, do_sample=False, attention_mask=mask)
     ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)
     with PagedCache(kv) as cache:
@@ -297,9 +296,7 @@ def test_prefix_hits_of_unequal_rows_keep_the_window(sliding_model):
         model.generate(first, past_key_values=cache, max_new_tokens=2, do_sample=False,
                        attention_mask=torch.ones_like(first))
     rows = [shared + torch.randint(3, 250, (3,), generator=g).tolist(), torch.randint(3, 250, (6,), generator=g).tolist()]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids, mask = left_pad(rows, tok.pad_token_id)
     gen = dict(max_new_tokens=12, do_sample=False, attention_mask=mask)
     ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)
     assert kv.match_prefix(rows[0]) >= 28

@@ -15,6 +15,7 @@ from pagedkv.manager.cache import PagedKVCache
 from pagedkv.config.options import CacheConfig
 from pagedkv.errors import InvalidArgumentError, ShapeError
 from pagedkv.integrations.transformers import PagedCache
+from pagedkv.testing.batches import left_pad
 
 from model_fixtures import (PROMPTS, chat_ids, perplexity_ids, prefill_decode_logits,  # noqa: F401
                             sliding_window_perplexity, smollm2, tiny)
@@ -27,12 +28,6 @@ def make_kv(model, num_blocks=256, block_size=BLOCK, shuffle=7, **kw) -> PagedKV
                                      dtype=torch.float32, shuffle_free_blocks=shuffle, **kw)
     return PagedKVCache(cfg)
 
-
-def left_pad(rows, pad_id):
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
 
 
 class ForwardCounter:

@@ -6,6 +6,8 @@
   oracle of the stateful tests, the fuzzer and the core benchmark's baseline);
 - :mod:`pagedkv.testing.quality`: perplexity, KL and top-1 of caches and read paths
   against a baseline on held-out text (the quality measurements' shared loop);
+- :func:`~pagedkv.testing.batches.left_pad` (:mod:`pagedkv.testing.batches`): a
+  left-padded ``(input_ids, attention_mask)`` batch, as generate() callers build one;
 - :func:`weak_hash_cache` (:mod:`pagedkv.testing.caches`): a ``PagedKVCache`` whose
   block hash collides on purpose, to prove that collisions cost misses, never wrong KV.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["models", "caches", "core_model", "quality", "weak_hash_cache"]
+__all__ = ["models", "batches", "caches", "core_model", "quality", "weak_hash_cache"]
 
 _LAZY = {"weak_hash_cache": "caches"}
 
