@@ -188,7 +188,8 @@ def figures(geometry: str, conversations: int, turns: int, block_size: int, chun
              recomputed_tokens=r["prompt_tokens"] - r["hit_tokens"],
              live_state_bytes_per_request=r["live_state_bytes_per_request"],
              snapshots_held=r["snapshots_held"], snapshot_bytes_held=r["snapshot_bytes_held"],
-             **(dict(state_checkpoint_every=every, chunk=chunk) | extra))
+             **(dict(chunk=chunk) | (dict(state_checkpoint_every=every) if name.startswith("pagedkv") else {})
+                | extra))
 
 
 def main() -> None:
