@@ -64,6 +64,11 @@ PRECISIONS = {
     "int4_block5_sink4_w0_int8x3": (dict(BLOCK, kv_window=0, kv_full_precision_dtype="int8",
                                          kv_full_precision_layers=Calibrated(3, shortlist=6)), 0.1),
     "int3_g32_sink4_w0": (dict(kv_dtype="int3", kv_window=0), 3.0),
+    # KIVI-2 (issue 33 item 4): 2-bit values per token (float16 parameters per group) and
+    # 2-bit keys per channel over each block, the recent window and the sinks exact, unrotated
+    # (int2's defaults); the seed accepts <= 5% for a sliding window, so that is the goal
+    "int2_g64_sink4_w128": (dict(kv_dtype="int2"), 5.0),
+    "int2_g32_sink4_w128": (dict(kv_dtype="int2", kv_group_size=32), 5.0),
 }
 #: more variants, by name with --only (or all with --probe)
 PROBES = {
@@ -76,6 +81,8 @@ PROBES = {
     "int4_block5_sink16_w0": (dict(BLOCK, kv_window=0, kv_sink_tokens=16), None),
     "int4_block5_sink4_w0_cal2": (dict(BLOCK, kv_window=0, kv_full_precision_layers=Calibrated(2)), 0.1),
     "int3_g32_sink4_w128": (dict(kv_dtype="int3", kv_window=128), 3.0),
+    "int2_g64_nosink_w128": (dict(kv_dtype="int2", kv_sink_tokens=0), None),
+    "int2_g64_sink4_w0": (dict(kv_dtype="int2", kv_window=0), None),
 }
 SMOKE = ("fp32", "int8", "int4_block5_sink4_w0", "int4_block5_sink4_w0_cal1")
 

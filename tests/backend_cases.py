@@ -27,7 +27,9 @@ QUANT = tuple(d.name for d in dtypes.QUANTIZED)
 INT4_GROUPS = {4: 2, 16: 4, 18: 9, 32: 8, 64: 32, 80: 16, 128: 64}
 # int3 cases: head_dim (made a multiple of 8) -> group size (a multiple of 8)
 INT3_GROUPS = {8: 8, 16: 8, 24: 24, 32: 16, 64: 32, 80: 40, 128: 32}
-GROUPS = {"int4": INT4_GROUPS, "int3": INT3_GROUPS}
+# int2 cases: head_dim (made a multiple of 4) -> group size (a multiple of 4)
+INT2_GROUPS = {4: 4, 8: 4, 16: 8, 20: 4, 32: 16, 64: 32, 80: 20, 128: 64}
+GROUPS = {"int4": INT4_GROUPS, "int3": INT3_GROUPS, "int2": INT2_GROUPS}
 LAYOUTS = ("NHD", "HND")
 SMALL_GRID = dict(grid=(2, 3, 1), block=(4, 2, 1))  # 48 threads for hundreds of items
 ONE_THREAD = dict(grid=(1, 1, 1), block=(1, 1, 1))

@@ -35,7 +35,9 @@ TIMEOUT = 30.0
 QUANTIZED_HANDOFFS = [("int8", {}), ("fp8_e4m3", {}), ("int4", dict(head_dim=8, kv_window=6)),
                       ("int4", dict(head_dim=8, kv_window=0, kv_key_quant="block")),
                       # one sequence's window: the first block keeps its sink rows only by its pin
-                      ("int4", dict(head_dim=8, kv_window=4, kv_window_sequences=1))]
+                      ("int4", dict(head_dim=8, kv_window=4, kv_window_sequences=1)),
+                      # int2 (KIVI-2): float16 value params, 2-bit block keys, window and sinks
+                      ("int2", dict(head_dim=8, kv_window=6))]
 
 
 def tokens(start, n):

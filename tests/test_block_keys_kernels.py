@@ -22,7 +22,6 @@ from backend_cases import (
     csr,
     layer_shape,
     make_backend,
-    name,
     padded,
     quantized_layer,
     raw,
@@ -32,6 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError
+from pagedkv.format import dtypes
 from pagedkv.format.quant import quantize_key_block
 from pagedkv.format.rotation import rotation_signs
 from pagedkv.kernels import plans
@@ -241,7 +241,8 @@ def test_gather_ptx_compiles_without_fma_and_takes_the_planned_arguments(gather_
     gen = torch.Generator().manual_seed(0)
     indptr, indices, block_table, lens = tables(gen)
     checked = set()
-    for qdtype in QUANT:
+    compiled = [q for q in QUANT if dtypes.info(q).compiled]     # int2 has no kernels (refused by type)
+    for qdtype in compiled:
         d = 16
         kv, scale, zero = quantized_layer("NHD", qdtype, d, gen=gen)
         more = {}
@@ -261,4 +262,4 @@ def test_gather_ptx_compiles_without_fma_and_takes_the_planned_arguments(gather_
                     else:
                         assert launch.args[-3:] == (("ptr", 0), ("ptr", 0), ("i64", 0))
                     checked.add(launch.kernel)
-    assert len(checked) == len(QUANT) * 2 * 2
+    assert len(checked) == len(compiled) * 2 * 2

@@ -309,7 +309,7 @@ def test_block_keys_need_an_int4_layer(backend_name, kv_dtype):
     ks = torch.ones(NB, H, 16, dtype=torch.bfloat16)
     before = layer.state()
     got = "model-dtype" if kv_dtype == torch.float16 else kv_dtype
-    with pytest.raises(InvalidArgumentError, match=rf"^key_scale: expected None unless the kv_layer is int4 "
+    with pytest.raises(InvalidArgumentError, match=rf"^key_scale: expected None unless the kv_layer is int4 or int2 "
                                                    rf"\(block keys\), got a tensor for a {got} kv_layer$"):
         b.gather_kv(layer.kv, indptr, indices, lens, key_scale=ks, key_zero=ks, **layer.gather_kw())
     assert same_state(layer.state(), before)

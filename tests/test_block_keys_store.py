@@ -70,7 +70,7 @@ def test_budget_and_plan_count_block_keys():
 @pytest.mark.parametrize("kw,match", [
     (dict(kv_dtype="int4", kv_key_quant="channel"), r"^kv_key_quant: expected 'token' or 'block', got 'channel'$"),
     (dict(kv_dtype="int8", kv_key_quant="block"),
-     r"^kv_key_quant: expected 'token' for kv_dtype='int8' \('block' is int4 only\), got 'block'$"),
+     r"^kv_key_quant: expected 'token' for kv_dtype='int8' \('block' is int4 and int2 only\), got 'block'$"),
     (dict(kv_dtype="int3", kv_key_quant="block"), r"^kv_key_quant: expected 'token' for kv_dtype='int3'"),
     (dict(kv_key_quant="block"), r"^kv_key_quant: expected its default for an unquantized cache"),
 ])

@@ -14,6 +14,8 @@ from pagedkv.integrations.vllm_config import ConnectorConfig
 from pagedkv.integrations.vllm_events import StoreEvents
 from pagedkv.integrations.vllm_store import KVSpec, PrefixStore
 from pagedkv.integrations.vllm_worker import BlockMover
+from pagedkv.kv_events.wire import int64
+from pagedkv.tiers.verify import ChainQuery
 
 from redis_fixtures import fresh_redis, redis_server  # noqa: F401
 
@@ -107,3 +109,50 @@ def test_too_many_undrained_events_become_one_loss():
         assert a.events.drain() == []
     finally:
         a.close()
+
+
+def removed(events, medium):
+    return [h for e in events if isinstance(e, BlockRemoved) and e.medium == medium for h in e.block_hashes]
+
+
+def test_a_remote_block_the_server_lost_is_removed_with_the_blocks_below_it(fresh_redis):
+    a = make(remote={"url": fresh_redis.url, "timeout_s": 2.0, "retry_after_s": 0.0})
+    try:
+        t = toks(3 * BS + 1, 0)
+        store_blocks(a, t, [1, 2, 3])
+        hashes = stored(a.events.drain(), "host")[0].block_hashes
+        assert a.remote.flush(10)
+        fresh_redis.client().delete(a.remote.wire.key(ChainQuery(t, NS, BS).digest(1)))   # its TTL, its size limit
+        store_blocks(a, toks(3 * BS + 1, 1), [4, 5, 6])          # 4 host slots: the first chain's tail leaves
+        a.events.drain()
+        chain = a.lookup(t, NS, 3)                               # the host's head, then the server lacks block 1
+        assert len(chain) == 1
+        assert removed(a.events.drain(), "remote") == [hashes[2], hashes[1]]    # deepest first
+        assert removed(a.events.drain(), "remote") == []
+    finally:
+        a.close()
+
+
+def test_disk_removals_by_this_engine_and_by_another_are_reported(tmp_path):
+    a = make(disk_dir=str(tmp_path), disk_blocks=4)
+    b = make(disk_dir=str(tmp_path), disk_blocks=4)
+    try:
+        t0, t1 = toks(2 * BS + 1, 0), toks(2 * BS + 1, 1)
+        store_blocks(a, t0, [1, 2])
+        written = [h for e in stored(a.events.drain(), "disk") for h in e.block_hashes]
+        assert len(written) == 2
+        store_blocks(b, t1, [3, 4])                              # another engine: the disk is full
+        before = written + [h for e in stored(b.events.drain(), "disk") for h in e.block_hashes]
+        store_blocks(b, toks(2 * BS + 1, 2), [5, 6])             # evicts two of those
+        with b.disk() as d:
+            held = {int64(int(d.index.rec["hash"][s])) for s in np.flatnonzero(d.index.rec["valid"] == 1)}
+        gone = set(before) - held
+        assert len(gone) == 2 and sorted(removed(b.events.drain(), "disk")) == sorted(gone)    # b evicted them
+        a.lookup(toks(BS + 1, 9), NS, 1)                         # a's next disk turn sees what left
+        assert set(removed(a.events.drain(), "disk")) == gone & set(written) != set()
+        b.clear(disk=True)
+        a.lookup(toks(BS + 1, 9), NS, 1)
+        assert [e.medium for e in a.events.drain() if isinstance(e, AllBlocksCleared)] == ["disk"]
+    finally:
+        a.close()
+        b.close()

@@ -5,6 +5,7 @@ hosts; what one committed, the other serves bit-exact into its own KV tensors; a
 the server altered is a miss from that block on, never wrong KV."""
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -141,6 +142,35 @@ def test_a_server_that_is_down_costs_a_miss_within_the_timeout(fresh_redis):
     finally:
         a.close()
         fresh_redis.start()
+
+
+def test_a_server_that_accepts_but_never_answers_costs_the_scheduler_at_most_the_timeout():
+    """The scheduler side's lookup (vLLM's get_num_new_matched_tokens) and commit
+    (a worker's report: the write is queued) against a socket that never answers."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        url = f"redis://127.0.0.1:{srv.getsockname()[1]}/0"
+        a = make(url, 0, remote={"url": url, "timeout_s": 0.3, "retry_after_s": 5.0})
+        try:
+            t = toks(3 * BS + 1, 3)
+            t0 = time.monotonic()
+            assert a.lookup(t, NS, 3) == []                     # a miss, within the timeout
+            first = time.monotonic() - t0
+            assert first < 0.3 + 0.5, first
+            t0 = time.monotonic()
+            store_blocks(a, t, [1, 2, 3])                       # committed: queued for the writer, no wait
+            assert time.monotonic() - t0 < 0.3
+            a.clear()
+            t0 = time.monotonic()
+            assert a.lookup(t, NS, 3) == []                     # the server is skipped after a failure
+            assert time.monotonic() - t0 < 0.1
+            st = remote_stats(a)
+            assert st.errors >= 1 and dict(st.refused).get("unavailable", 0) >= 2
+        finally:
+            t0 = time.monotonic()
+            a.close()
+            assert time.monotonic() - t0 < 10                   # close gives up on the writes in bounded time
 
 
 @pytest.mark.parametrize("value, error", [(5, InvalidArgumentError), ("http://x", InvalidArgumentError),

@@ -31,16 +31,18 @@ def test_every_spelling_names_one_row():
     for d in dtypes.ALL:
         for s in d.spellings:
             assert s == s.lower()
-            if s == d.torch_name and d.name == "int3":
+            if s == d.torch_name and d.name in ("int3", "int2"):
                 continue  # its storage dtype's name, uint8, spells int4 (above)
             assert seen.setdefault(s, d.name) == d.name, f"{s} names {seen[s]} and {d.name}"
             assert dtypes.lookup(s) is d and dtypes.lookup(s.upper()) is d
-        # a torch dtype names its first row: uint8 stays int4; int3 is told by its bfloat16 params
-        assert dtypes.lookup(d.torch_dtype) is (dtypes.info("int4") if d.name == "int3" else d)
+        # a torch dtype names its first row: uint8 stays int4; int3 is told by its bfloat16
+        # params, int2 by its float16 ones
+        assert dtypes.lookup(d.torch_dtype) is (dtypes.info("int4") if d.name in ("int3", "int2") else d)
         assert dtypes.layer_row(d.torch_dtype, d.param_dtype) is d
     assert dtypes.lookup("uint8") is dtypes.info("int4")
     assert dtypes.layer_row(torch.uint8, torch.float32) is dtypes.info("int4")
     assert dtypes.layer_row(torch.uint8, None) is dtypes.info("int4")
+    assert dtypes.layer_row(torch.uint8, torch.float16) is dtypes.info("int2")
     assert dtypes.layer_row(torch.int8, torch.bfloat16) is dtypes.info("int8")  # only packed formats share a dtype
     assert dtypes.lookup("float64") is None and dtypes.lookup(torch.float64) is None and dtypes.lookup(3) is None
 
@@ -85,7 +87,8 @@ def test_quant_reads_the_table():
 
 def test_kernels_read_the_table():
     assert sources.MODEL_TYPES == tuple(d.kernel_name for d in dtypes.MODEL)
-    kernel_rows = list(dtypes.QUANTIZED)  # every storage format has its kernels
+    kernel_rows = [d for d in dtypes.QUANTIZED if d.compiled]  # every compiled format has its kernels
+    assert [d.name for d in dtypes.QUANTIZED if not d.compiled] == ["int2"]   # the torch definition only
     assert sources.QUANT_TYPES == tuple(d.kernel_name for d in kernel_rows)
     names = set(sources.entry_points()["write_kv.cu"])
     for q in kernel_rows:

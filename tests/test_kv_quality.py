@@ -102,7 +102,9 @@ def test_issue_goals_hold_on_the_test_slice(smollm2):
 def test_the_calibration_is_deterministic_and_its_choice_holds_on_text_it_did_not_see(smollm2):
     model, tok = smollm2
     texts = corpus.calibration_texts(tok, pieces=2)     # 2 x 512 tokens, apart from the test slice
-    cal = calibrate(model, texts, 1, **BLOCK5)
+    # every other layer: half the passes (this is CI's longest test), and the ones a full
+    # calibration ranks first (20, 18, 10, 24: docs/low-bit.md) are among them
+    cal = calibrate(model, texts, 1, candidates=range(0, model.config.num_hidden_layers, 2), **BLOCK5)
     tried = sorted((v, layer) for layer, v in enumerate(cal.steps[0]) if v is not None)
     best, runner_up = tried[0][1], tried[1][1]
     assert cal.layers == (best,) and cal.kl == tried[0][0] < cal.kl_quantized

@@ -63,7 +63,7 @@ def test_an_fp8_store_without_fp8_support_formats_its_layers_int8():
     (dict(kv_dtype="int4"), r"group_size: expected a positive int for int4, got None"),
     (dict(kv_dtype="int3", group_size=12), r"group_size: expected a positive multiple of 8 for int3, got 12"),
     (dict(kv_dtype="int8", group_size=8), r"group_size: expected None for int8 \(not grouped\), got 8"),
-    (dict(kv_dtype="int8", key_quant="block"), r"key_quant: expected 'token' for int8 \('block' is int4 only\)"),
+    (dict(kv_dtype="int8", key_quant="block"), r"key_quant: expected 'token' for int8 \('block' is int4 and int2 only\)"),
     (dict(kv_dtype="int4", group_size=8, key_quant="row"), r"key_quant: expected 'token' or 'block', got 'row'"),
     (dict(kv_dtype="float16", rotation=True), r"rotation: expected False for unquantized float16, got True"),
 ])
@@ -163,7 +163,7 @@ def test_block_key_parameters_must_agree_with_the_format(backend):
                                                    r"\(keys per token\), got a tensor"):
         ops.gather_kv(kv, *table, out_dtype=torch.float32, kv_scale=scale, kv_zero=zero, key_scale=ks,
                       key_zero=ks.clone(), layer_format=token, backend=backend)
-    with pytest.raises(InvalidArgumentError, match=r"layer_format: expected an int4 format with key_quant='block', "
+    with pytest.raises(InvalidArgumentError, match=r"layer_format: expected an int4 or int2 format with key_quant='block', "
                                                    r"got int4, group_size=8"):
         ops.seal_key_blocks(kv, torch.tensor([0]), torch.zeros((1, BS, H, D)), ks, ks.clone(), layer_format=token,
                             backend=backend)
@@ -230,7 +230,7 @@ def test_unseal_refuses_bad_input_before_any_change():
     with pytest.raises(InvalidBlockError, match=r"blocks: expected block ids in \[0, 4\), got 4 at row 1"):
         ops.unseal_key_blocks(kv, torch.tensor([1, 4]), torch.tensor([1, 1]), scale, zero, ks, kz,
                               layer_format=fmt)
-    with pytest.raises(InvalidArgumentError, match=r"layer_format: expected an int4 format with "
+    with pytest.raises(InvalidArgumentError, match=r"layer_format: expected an int4 or int2 format with "
                                                    r"key_quant='block', got int4, group_size=8"):
         ops.unseal_key_blocks(kv, torch.tensor([1]), torch.tensor([1]), scale, zero, ks, kz,
                               layer_format=LayerFormat("int4", 8))

@@ -133,7 +133,7 @@ def test_plan_and_from_hf_config_report_int4_bytes():
 @pytest.mark.parametrize("kw,match", [
     (dict(kv_dtype="int4", head_dim=30, kv_group_size=4), r"^kv_group_size: expected a divisor of head_dim \(30\), got 4$"),
     (dict(kv_dtype="int4", head_dim=33), r"^head_dim: expected an even head_dim for int4"),
-    (dict(kv_dtype="int8", kv_group_size=8), r"^kv_group_size: expected None unless kv_dtype is 'int4' or 'int3', got 8$"),
+    (dict(kv_dtype="int8", kv_group_size=8), r"^kv_group_size: expected None unless kv_dtype is 'int4', 'int3' or 'int2', got 8$"),
     (dict(kv_dtype="int3", head_dim=36), r"^head_dim: expected a multiple of 8 for int3 \(8 codes per 3 bytes\), got 36$"),
     (dict(kv_dtype="int3", head_dim=32, kv_group_size=12),
      r"^kv_group_size: expected a multiple of 8 that divides head_dim \(32\) for int3, got 12$"),

@@ -141,8 +141,9 @@ def test_plan_command_line_reads_a_deepseek_config(tmp_path):
 
 @pytest.mark.parametrize("over, match", [
     (dict(kv_window=8, kv_dtype="int4"), r"kv_window / kv_sink_tokens .*got MLA latent KV"),
-    (dict(kv_rotation=True, kv_dtype="int8"), r"kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3: .*MLA latent"),
-    (dict(kv_dtype="fp8_e5m2"), r"kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3: .*MLA latent"),
+    (dict(kv_rotation=True, kv_dtype="int8"), r"kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3 / int2: .*MLA latent"),
+    (dict(kv_dtype="fp8_e5m2"), r"kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3 / int2: .*MLA latent"),
+    (dict(kv_dtype="int2"), r"kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3 / int2: .*MLA latent"),
     (dict(kv_full_precision_layers=(0,), kv_dtype="int8"), r"kv_full_precision_layers .*got MLA latent KV"),
     (dict(layer_windows=(4, 0)), r"mixing attention types with MLA layers: .*got MLA latent KV"),
 ])

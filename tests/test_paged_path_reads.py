@@ -30,6 +30,7 @@ FORMATS = {
     "int4_blockkeys_sink_window": dict(kv_dtype="int4", kv_key_quant="block", kv_window=8, kv_sink_tokens=4),
     "int4_window0": dict(kv_dtype="int4", kv_window=0, kv_sink_tokens=0),
     "int3_window": dict(kv_dtype="int3", kv_window=8),
+    "int2_kivi_window_sinks": dict(kv_dtype="int2", kv_window=8, kv_sink_tokens=4),
     "fp8_e4m3_rotated": dict(kv_dtype="fp8_e4m3", kv_rotation=True),
     "float32": dict(),
 }

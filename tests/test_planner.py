@@ -216,3 +216,29 @@ def test_cli_plans_a_hybrid_model(tmp_path, capsys):
     assert out["state_bytes_per_sequence"] > 0 and out["state_layers"] == 2
     assert main(["plan", "--model-config", str(p), "--budget", "64MiB"]) == 2
     assert "expected state_budget or state_slots" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_cli_fits_qwen3_06b_at_200k_tokens_in_4gb_with_int2(tmp_path, capsys, group):
+    """The seed: a full 200k-token context of Qwen3-0.6B (28 layers, 8 KV heads, head_dim
+    128) within 4 GB, with int2 (KIVI-2) at block size 64, its window and sinks exact."""
+    from pagedkv.format import dtypes
+
+    p = _write(tmp_path)
+    rc = main(["plan", "--model-config", str(p), "--budget", "4GB", "--max-seq-len", str(TOKENS),
+               "--kv-dtype", "int2", "--block-size", "64", "--kv-group-size", str(group),
+               "--kv-window-sequences", "1", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    row, bs = dtypes.info("int2"), 64
+    # the format's bytes: codes, a scale and zero per group per (token, head, K or V), and the
+    # block keys' bfloat16 scale and zero per (head, channel) per block, as a per-token share
+    codes = 2 * L * KVH * D * row.code_bits // 8
+    params = 2 * L * KVH * (D // group) * 2 * row.param_bytes
+    key_channels = -(-(L * KVH * D * 2 * 2) // bs)
+    assert out["bytes_per_token"] == codes + params + key_channels
+    assert out["bytes_per_sequence"] == (TOKENS // bs) * bs * out["bytes_per_token"]
+    assert out["num_sequences"] >= 1
+    assert out["bytes_per_sequence"] + out["window_bytes"] <= out["arena_bytes"] <= 4_000_000_000
+    # fp16 needs 22.9 GB for the same context
+    assert kv_bytes(TOKENS, 2) > 5 * out["bytes_per_sequence"]

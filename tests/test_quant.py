@@ -186,8 +186,8 @@ def test_names_aliases_and_torch_dtypes():
 
 
 def test_typed_errors():
-    with pytest.raises(DTypeError, match=r"kv_dtype: expected one of fp8_e4m3, fp8_e5m2, int8, int4, int3"):
-        quantize(torch.ones(2, 4), "int2")
+    with pytest.raises(DTypeError, match=r"kv_dtype: expected one of fp8_e4m3, fp8_e5m2, int8, int4, int3, int2 "):
+        quantize(torch.ones(2, 4), "int1")
     with pytest.raises(DTypeError, match=r"x: expected dtype float32, float16 or bfloat16, got torch.int32"):
         quantize(torch.ones(2, 4, dtype=torch.int32), "int8")
     with pytest.raises(ShapeError, match=r"x: expected a non-empty last dimension"):
@@ -201,7 +201,7 @@ def test_typed_errors():
         dequantize(q, s.half(), z, torch.float16)
     with pytest.raises(DTypeError, match=r"out_dtype: expected float32, float16 or bfloat16, got torch.int8"):
         dequantize(q, s, z, torch.int8)
-    with pytest.raises(DTypeError, match=r"q: expected dtype float8_e4m3fn, float8_e5m2, int8 or uint8 \(int4, int3\)"):
+    with pytest.raises(DTypeError, match=r"q: expected dtype float8_e4m3fn, float8_e5m2, int8 or uint8 \(int4, int3, int2\)"):
         dequantize(torch.ones(3, 4), s, z, torch.float16)
     with pytest.raises(DTypeError, match=r"fp8_max|dtype: expected torch.float8_e4m3fn"):
         fp8_max(torch.int8)

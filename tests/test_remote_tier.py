@@ -141,6 +141,15 @@ def test_a_cluster_spreads_the_blocks_and_serves_them(redis_cluster):
         assert_clean(cache)
 
 
+def test_keys_hold_no_cluster_hash_tag_whatever_the_fingerprint_and_digest_bytes():
+    from pagedkv.tiers.remote_wire import Wire
+
+    w = Wire("pagedkv", b"{" + bytes(14) + b"}", 4, 64)          # a fingerprint with braces in it
+    keys = [w.key(bytes([i]) + b"{" + bytes(13) + b"}" + bytes([i])) for i in range(4)]
+    assert len(set(keys)) == 4 and not any(b"{" in k or b"}" in k for k in keys)
+    assert all(k.startswith(w.prefix) for k in keys) and w.pattern().endswith(b"*")
+
+
 def test_a_cluster_node_down_mid_run_costs_the_blocks_behind_it_never_wrong_kv_nor_a_hang(redis_cluster):
     a = prompt(100, 33)
     want = written(redis_cluster.url, a)

@@ -10,11 +10,13 @@ from test_lowbit_store import BS, D, H, L, config, kv_data
 
 from pagedkv import CacheConfig, PagedKVCache
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
+from pagedkv.format.layer_format import LayerFormat
 from pagedkv.format.quant import quantize_key_channels
 from pagedkv.store.kvstore import KVStore
 
-LOWBIT = [dict(kv_dtype="int4"), dict(kv_dtype="int3"), dict(kv_dtype="int4", kv_key_quant="block")]
-LOWBIT_IDS = ["int4", "int3", "int4-block-keys"]
+LOWBIT = [dict(kv_dtype="int4"), dict(kv_dtype="int3"), dict(kv_dtype="int4", kv_key_quant="block"),
+          dict(kv_dtype="int2")]
+LOWBIT_IDS = ["int4", "int3", "int4-block-keys", "int2"]
 
 
 def pair(sink, **kw):
@@ -52,8 +54,10 @@ def check_read(kv, twin, seq, exact_k, exact_v, sink):
         lo = max(s, pinned)
         assert torch.equal(k[lo:], tk[lo:]), f"layer {layer}: keys after the sink"
         if pinned > s:
-            # the per-channel definition at the cache's key width (kv_key_bits: 5 by default)
-            c, sc, z = quantize_key_channels(exact_k[:pinned].reshape(-1, BS, H, D), kv.config.kv_key_bits)
+            # the per-channel definition at the format's key width (int4: kv_key_bits, 5 by
+            # default; int2: 2)
+            bits = LayerFormat.of_config(kv.config).key_code_bits
+            c, sc, z = quantize_key_channels(exact_k[:pinned].reshape(-1, BS, H, D), bits)
             want = ((c.float() * sc.unsqueeze(1).float()) + z.unsqueeze(1).float()).to(exact_k.dtype)
             want = want.reshape(pinned, H, D)
             assert torch.equal(k[s:pinned], want[s:]), f"layer {layer}: sealed keys of the pinned blocks"

@@ -41,8 +41,9 @@ LOW_BIT = dict(head_dim=8, kv_window=0, kv_sink_tokens=0)   # the tiers carry no
 
 
 @pytest.mark.parametrize("kv_dtype, extra", [(None, {}), ("int8", {}), ("fp8_e4m3", {}), ("int4", LOW_BIT),
-                                             ("int3", LOW_BIT), ("int4", dict(LOW_BIT, kv_key_quant="block"))],
-                         ids=["float32", "int8", "fp8_e4m3", "int4", "int3", "int4-block-keys"])
+                                             ("int3", LOW_BIT), ("int4", dict(LOW_BIT, kv_key_quant="block")),
+                                             ("int2", LOW_BIT)],
+                         ids=["float32", "int8", "fp8_e4m3", "int4", "int3", "int4-block-keys", "int2"])
 def test_evicted_prefix_is_served_from_host_then_disk_then_after_restart_bit_exact(tmp_path, kv_dtype, extra):
     opts = dict(num_blocks=6, kv_dtype=kv_dtype, prefix_host_blocks=4,
                 prefix_disk_dir=str(tmp_path / "tier"), prefix_disk_blocks=32, **extra)

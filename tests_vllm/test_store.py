@@ -74,14 +74,14 @@ def toks(n, seed):
 def test_config_errors_are_typed_and_named():
     with pytest.raises(InvalidArgumentError, match="unknown key 'hostblocks'"):
         ConnectorConfig.from_extra({"hostblocks": 4})
-    with pytest.raises(InvalidArgumentError, match=r"\['storage'\].*one of .*got 'int2'"):
-        ConnectorConfig.from_extra({"storage": "int2"})
+    with pytest.raises(InvalidArgumentError, match=r"\['storage'\].*one of .*got 'int1'"):
+        ConnectorConfig.from_extra({"storage": "int1"})
     with pytest.raises(InvalidArgumentError, match=r"\['host_blocks'\].*an int in \[0, 1099511627776\], got -1"):
         ConnectorConfig.from_extra({"host_blocks": -1})
 
 
 @pytest.mark.parametrize("storage,tol,ratio", [("bf16", 0.0, 1.0), ("int8", 0.02, 1.7), ("fp8", 0.08, 1.8),
-                                                ("int4", 0.35, 3.0)])
+                                                ("int4", 0.35, 3.0), ("int2", 0.4, 4.5)])
 def test_codec_round_trip_keeps_vllm_layout(storage, tol, ratio):
     c = make_codec(storage, H, BS, D, torch.bfloat16, 3)
     x = torch.randn(5, H, BS, 2 * D).to(torch.bfloat16)
@@ -95,7 +95,8 @@ def test_codec_round_trip_keeps_vllm_layout(storage, tol, ratio):
     assert bytes_per_token(make_codec("bf16", H, BS, D, torch.bfloat16), L) / bytes_per_token(c, L) >= ratio
 
 
-@pytest.mark.parametrize("storage,tol", [("bf16", 0.0), ("int8", 0.02), ("fp8", 0.08), ("int4", 0.35)])
+@pytest.mark.parametrize("storage,tol", [("bf16", 0.0), ("int8", 0.02), ("fp8", 0.08), ("int4", 0.35),
+                                         ("int2", 0.4)])
 def test_verified_hit_copies_the_right_blocks(storage, tol):
     s = make(storage=storage)
     t = toks(3 * BS + 5, 1)

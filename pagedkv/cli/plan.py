@@ -28,11 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, metavar="TOKENS")
     parser.add_argument("--dtype", default="fp16", help="model dtype: fp32, fp16 (default), bf16")
     parser.add_argument("--kv-dtype", default=None,
-                        help="cache dtype: same as --dtype (default), fp8, fp8_e5m2, int8, int4, int3")
+                        help="cache dtype: same as --dtype (default), fp8, fp8_e5m2, int8, int4, int3, int2")
     parser.add_argument("--kv-key-quant", default=None, choices=("token", "block"),
-                        help="int4 keys: per token (default) or per channel over each full block")
+                        help="int4/int2 keys: per token (int4 default) or per channel over each full block "
+                             "(int2 default)")
+    parser.add_argument("--kv-group-size", type=int, default=None, metavar="N",
+                        help="int4/int3/int2 elements per scale group along head_dim")
+    parser.add_argument("--kv-window", type=int, default=None, metavar="TOKENS",
+                        help="newest tokens per sequence kept in model precision (int4/int3/int2 default 128)")
+    parser.add_argument("--kv-window-sequences", type=int, default=None, metavar="N",
+                        help="sequences whose window and sink rows the window arena holds at once")
     parser.add_argument("--kv-sink-tokens", type=int, default=None, metavar="TOKENS",
-                        help="leading tokens per sequence kept in model precision (int4/int3 default 4)")
+                        help="leading tokens per sequence kept in model precision (int4/int3/int2 default 4)")
     parser.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
     parser.add_argument("--attention-sinks", type=int, default=0, metavar="TOKENS",
                         help="leading tokens every sliding-window layer keeps (StreamingLLM sinks)")
@@ -52,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
     explicit = (args.num_layers, args.num_kv_heads, args.head_dim)
     opts = dict(memory_budget=args.budget, block_size=args.block_size, dtype=args.dtype,
                 kv_dtype=args.kv_dtype, layout=args.layout, attention_sinks=args.attention_sinks,
-                kv_key_quant=args.kv_key_quant, kv_sink_tokens=args.kv_sink_tokens)
+                kv_key_quant=args.kv_key_quant, kv_sink_tokens=args.kv_sink_tokens,
+                kv_group_size=args.kv_group_size, kv_window=args.kv_window)
+    if args.kv_window_sequences is not None:    # the config's default otherwise
+        opts["kv_window_sequences"] = args.kv_window_sequences
     try:
         if args.model_config is not None:
             if any(v is not None for v in explicit):

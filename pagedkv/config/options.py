@@ -45,9 +45,12 @@ MODEL_DTYPE_NAMES: dict[str, int] = {d.name: d.itemsize for d in dtypes.MODEL}
 #: canonical quantized kv dtype name -> bytes per element
 KV_DTYPE_NAMES: dict[str, float] = {d.name: d.element_bytes for d in dtypes.QUANTIZED}
 #: default recent window (tokens kept in model precision) per quantized kv dtype
-DEFAULT_KV_WINDOW: dict[str, int] = {"int4": 128, "int3": 128}
+DEFAULT_KV_WINDOW: dict[str, int] = {"int4": 128, "int3": 128, "int2": 128}
 #: Leading tokens of each sequence kept in model precision, by kv_dtype (see ``kv_sink_tokens``).
-DEFAULT_KV_SINK: dict[str, int] = {"int4": 4, "int3": 4}
+DEFAULT_KV_SINK: dict[str, int] = {"int4": 4, "int3": 4, "int2": 4}
+#: ``kv_key_quant`` when none is given, by kv_dtype ("token" otherwise): int2 keys go per
+#: channel over each block (KIVI-2; per-token 2-bit keys lose most of the signal)
+DEFAULT_KEY_QUANT: dict[str, str] = {"int2": "block"}
 #: ``kv_key_quant`` values: keys quantized per token (as values), or per channel over each full block.
 KEY_QUANT_MODES = ("token", "block")
 #: int4 group size along head_dim when none is given (chosen by measurement; README)
@@ -150,36 +153,38 @@ class CacheConfig:
       8, or even where ``head_dim`` is no multiple of 8: 64 for 128, 24 for 72, 40 for
       80, 48 for 96, 56 for 112, ``head_dim`` itself up to 64; int3: a multiple of 8, default 32 or
       the largest multiple of 8 below it that divides ``head_dim``, which int3 needs to
-      be a multiple of 8).
+      be a multiple of 8; int2: a multiple of 4, default as int4's).
     - ``kv_rotation``: store K/V rotated by a randomized Hadamard transform of
       ``head_dim`` (fixed per cache by ``kv_rotation_seed``; undone on read). Default:
-      on for int4/int3, off for fp8/int8.
+      on for int4/int3, off for fp8/int8/int2.
     - ``kv_window``: the newest ``kv_window`` tokens of each sequence are read back in
-      model precision (default 128 for int4/int3, 0 otherwise), from a window arena that
+      model precision (default 128 for int4/int3/int2, 0 otherwise), from a window arena that
       holds ``kv_window_sequences`` sequences' windows (least recently written blocks
       give way first). Its bytes count in ``total_bytes`` and the budget. A reader
       that holds its pass's tokens in flight (``gather_pages(pending=)``, as
       ``PagedCache`` does) gets the ``kv_window`` tokens before the pass exact.
     - ``kv_sink_tokens``: the first ``kv_sink_tokens`` tokens of each sequence are read
-      back in model precision too (default 4 for int4/int3, 0 otherwise). Attention
+      back in model precision too (default 4 for int4/int3/int2, 0 otherwise). Attention
       sinks, the first tokens most heads attend to heavily, carry an outsized share of
       the error a low-bit cache makes (StreamingLLM, IntactKV, KVQuant). Their blocks are
       pinned in the window arena, which gets ``ceil(kv_sink_tokens / block_size)`` more
       blocks per ``kv_window_sequences``; past that many sequences, the least recently
       pinned lose their exact copies and read back quantized.
-    - ``kv_key_quant``: int4 only: ``"token"`` (default: keys quantized per token, as
-      values) or ``"block"``: once a block's ``block_size`` keys are all written, they
+    - ``kv_key_quant``: int4 and int2: ``"token"`` (int4's default: keys quantized per
+      token, as values) or ``"block"`` (int2's default, KIVI-2's keys): once a block's ``block_size`` keys are all written, they
       are requantized per channel over the block (KIVI's per-channel keys, aligned to
       blocks; :func:`pagedkv.format.quant.quantize_key_block`), from the model-precision
       copies the window arena holds. A block that never fills, or whose copies left the
       window arena first (more than ``kv_window_sequences`` sequences writing at once),
       keeps its per-token keys. The window arena exists even with ``kv_window=0``.
       Costs ``32 / block_size`` bits per key element for the bfloat16 parameters.
-    - ``kv_key_bits``: with ``kv_key_quant="block"``, the code width of a sealed block's
-      keys: 4, or 5, 6 or 8 where the K rows' per-token parameters (a float32 scale and
+    - ``kv_key_bits``: with int4 and ``kv_key_quant="block"``, the code width of a sealed
+      block's keys: 4, or 5, 6 or 8 where the K rows' per-token parameters (a float32 scale and
       zero per group, which a sealed row no longer needs) hold the high bits: at most
       ``4 + 64 // kv_group_size`` (rounded down to 5, 6 or 8). Default: the most they hold
-      (5 for groups of 64): twice the precision for no byte more. 4 only for token keys.
+      (5 for groups of 64): twice the precision for no byte more. 4 (no widening) for token
+      keys and for every other kv_dtype: int2's sealed keys stay 2-bit codes, and any other
+      value is an ``InvalidArgumentError`` naming int4.
     - ``kv_full_precision_layers``: layer indices (negative counts from the end) kept
       in model precision (no scales, no window), or in ``kv_full_precision_dtype``.
     - ``kv_full_precision_dtype``: None (the model dtype) or ``"int8"``: the
@@ -486,7 +491,7 @@ class CacheConfig:
             put("kv_key_bits", 4)
             put("kv_full_precision_layers", ())
             return
-        kq = "token" if self.kv_key_quant is None else self.kv_key_quant
+        kq = DEFAULT_KEY_QUANT.get(q, "token") if self.kv_key_quant is None else self.kv_key_quant
         if kq not in KEY_QUANT_MODES:
             raise InvalidArgumentError(expected("kv_key_quant", "'token' or 'block'", repr(kq)))
         support.require(support.BLOCK_KEYS, self)
@@ -502,10 +507,14 @@ class CacheConfig:
             put("kv_group_size", g)
         elif q == "int3":
             put("kv_group_size", self._int3_group())
+        elif q == "int2":
+            put("kv_group_size", self._int2_group())
         else:
             support.require(support.GROUP_SIZE, self)
-        self._validate_key_bits(put, kq)
-        rot = dtypes.info(q).grouped if self.kv_rotation is None else _check_bool("kv_rotation", self.kv_rotation)
+        self._validate_key_bits(put, q, kq)
+        # rotation by default for int4/int3; int2 keeps KIVI's unrotated per-channel keys and values
+        rot = (dtypes.info(q).grouped and q != "int2") if self.kv_rotation is None else \
+            _check_bool("kv_rotation", self.kv_rotation)
         put("kv_rotation", rot)
         seed = _check_int("kv_rotation_seed", self.kv_rotation_seed, 0)
         if seed >= 2**63:
@@ -539,17 +548,26 @@ class CacheConfig:
                 raise InvalidArgumentError(expected("kv_full_precision_dtype", "None (the model dtype) or 'int8'",
                                                     repr(fd)))
 
-    def _validate_key_bits(self, put, key_quant: str) -> None:
+    def _validate_key_bits(self, put, kv_dtype: str, key_quant: str) -> None:
+        # wider block keys are int4's: its sealed rows' per-token parameter bytes hold the
+        # high bits. Every other format keeps 4, the no-widening value (int2's sealed keys
+        # are 2-bit codes, LayerFormat.key_code_bits).
         kb = self.kv_key_bits
-        room = 4 + key_spare_bits(self.kv_group_size or 0) if key_quant == "block" else 4
+        wide = key_quant == "block" and kv_dtype == "int4"
+        room = 4 + key_spare_bits(self.kv_group_size or 0) if wide else 4
         if kb is None:
             put("kv_key_bits", room)
             return
         if isinstance(kb, bool) or not isinstance(kb, numbers.Integral):
             raise ArgumentTypeError(expected("kv_key_bits", "an int (4, 5, 6 or 8)", show(kb)))
         if kb not in (4, 5, 6, 8) or kb > room:
-            what = ("4 (token keys)" if key_quant != "block" else
-                    f"4, or up to {room} for kv_group_size {self.kv_group_size} (its parameters hold the high bits)")
+            if wide:
+                what = (f"4, or up to {room} for kv_group_size {self.kv_group_size} "
+                        "(its parameters hold the high bits)")
+            elif key_quant == "block":
+                what = f"4 for kv_dtype {kv_dtype!r} (wider block keys are int4 only)"
+            else:
+                what = "4 (token keys)"
             raise InvalidArgumentError(expected("kv_key_bits", what, repr(kb)))
         put("kv_key_bits", int(kb))
 
@@ -564,6 +582,20 @@ class CacheConfig:
         if g % 8 or self.head_dim % g:
             raise InvalidArgumentError(expected("kv_group_size", f"a multiple of 8 that divides head_dim "
                                                 f"({self.head_dim}) for int3", g))
+        return g
+
+    def _int2_group(self) -> int:
+        if self.head_dim % 4:
+            raise InvalidArgumentError(expected("head_dim", "a multiple of 4 for int2 (4 codes per byte)",
+                                                self.head_dim))
+        g = self.kv_group_size
+        if g is None:
+            g = dtypes.default_int4_group(self.head_dim)
+            g = g if g % 4 == 0 else self.head_dim
+        g = _check_int("kv_group_size", g, 1)
+        if g % 4 or self.head_dim % g:
+            raise InvalidArgumentError(expected("kv_group_size", f"a multiple of 4 that divides head_dim "
+                                                f"({self.head_dim}) for int2", g))
         return g
 
     # -- derived sizes ------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagedkv.config.support import require
+from pagedkv.config.support import ROW_ONLY_FORMATS, require
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 from pagedkv.format.latent import LatentFormat
 from pagedkv.format.layer_format import LayerFormat
@@ -56,8 +56,8 @@ def validate_mla(cfg: Any, put) -> None:
     if cfg.layout != "NHD":
         raise InvalidArgumentError(expected("layout", "'NHD' for MLA (one latent row per token)", repr(cfg.layout)))
     q = cfg.kv_dtype
-    if q in ("fp8_e5m2", "int3") or cfg.kv_rotation or cfg.kv_key_quant not in (None, "token"):
-        require("kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3", cfg)
+    if q in ("fp8_e5m2", "int3", "int2") or cfg.kv_rotation or cfg.kv_key_quant not in (None, "token"):
+        require(ROW_ONLY_FORMATS, cfg)
     if cfg.kv_window or cfg.kv_sink_tokens:
         require("kv_window / kv_sink_tokens (model-precision rows beside quantized blocks)", cfg)
     if cfg.kv_full_precision_layers:

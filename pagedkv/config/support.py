@@ -82,8 +82,10 @@ ATTENTION_SINKS = "attention_sinks (first positions every sliding-window layer k
 LOW_BIT = ("low-bit options (kv_group_size, kv_rotation, kv_key_quant, kv_key_bits, kv_window, kv_sink_tokens, "
            "kv_full_precision_layers, kv_full_precision_dtype)")
 GROUP_SIZE = "kv_group_size (scale groups)"
-BLOCK_KEYS = "kv_key_quant='block' (int4 keys requantized per channel over each full block)"
+BLOCK_KEYS = "kv_key_quant='block' (int4/int2 keys requantized per channel over each full block)"
 TP_PREFIX = "tensor parallelism with prefix caching (tp_size > 1)"
+#: what latent (MLA) rows are not stored as (they have one format for every layer)
+ROW_ONLY_FORMATS = "kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3 / int2"
 
 
 CAPABILITIES: tuple[Capability, ...] = (
@@ -95,7 +97,7 @@ CAPABILITIES: tuple[Capability, ...] = (
                mla_why="the latent's absorbed-weight attention is mla_attention"),
     Capability("kv_window / kv_sink_tokens (model-precision rows beside quantized blocks)", True, mla=False,
                mla_why="the latent's positional slice is kept at model precision in the row itself"),
-    Capability("kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3", True, mla=False,
+    Capability(ROW_ONLY_FORMATS, True, mla=False,
                mla_why="latent rows are stored in the model dtype, fp8_e4m3, int8 or int4"),
     Capability("mixing attention types with MLA layers", True, mla=False,
                mla_why="every layer of an MLA model stores a latent row"),
@@ -123,14 +125,15 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability(LOW_BIT, True,
                needs="a quantized kv_dtype", expected="its default for an unquantized cache (kv_dtype=None)",
                refused=_low_bit_without_kv_dtype),
-    Capability(GROUP_SIZE, True, needs="kv_dtype 'int4' or 'int3'",
-               expected="None unless kv_dtype is 'int4' or 'int3'",
+    Capability(GROUP_SIZE, True, needs="kv_dtype 'int4', 'int3' or 'int2'",
+               expected="None unless kv_dtype is 'int4', 'int3' or 'int2'",
                refused=lambda c: ("kv_group_size", repr(c.kv_group_size))
-               if c.kv_dtype not in (None, "int4", "int3") and c.kv_group_size is not None else None),
+               if c.kv_dtype not in (None, "int4", "int3", "int2") and c.kv_group_size is not None else None),
     Capability(BLOCK_KEYS, True,
-               needs="kv_dtype 'int4'", expected="'token' for kv_dtype={c.kv_dtype!r} ('block' is int4 only)",
+               needs="kv_dtype 'int4' or 'int2'",
+               expected="'token' for kv_dtype={c.kv_dtype!r} ('block' is int4 and int2 only)",
                refused=lambda c: ("kv_key_quant", repr("block"))
-               if c.kv_dtype not in (None, "int4") and c.kv_key_quant == "block" else None),
+               if c.kv_dtype not in (None, "int4", "int2") and c.kv_key_quant == "block" else None),
     Capability(TP_PREFIX, True, needs="hash_seed (one for all ranks)",
                expected="an int shared by all ranks when tp_size > 1 (tp_size={c.tp_size})",
                refused=lambda c: ("hash_seed", None)

@@ -53,7 +53,10 @@ class DTypeInfo:
             whole 3-byte packs per group).
         param_torch_name: torch dtype of the scale and zero-point arenas. It tells the
             packed formats that share a storage dtype apart: a uint8 arena with
-            bfloat16 params is int3, with float32 params int4 (:func:`layer_row`).
+            bfloat16 params is int3, float16 int2, float32 int4 (:func:`layer_row`).
+        compiled: whether the CUDA kernels and the CPU C loops decode this format; a
+            format without them (int2) runs the torch definition on the CPU and is
+            refused by the CUDA path with a typed error.
     """
 
     name: str
@@ -68,6 +71,7 @@ class DTypeInfo:
     grouped: bool = False
     group_multiple: int = 1
     param_torch_name: str = "float32"
+    compiled: bool = True
 
     @property
     def torch_dtype(self) -> Any:
@@ -78,7 +82,7 @@ class DTypeInfo:
 
     @property
     def element_bytes(self) -> float:
-        """Bytes per logical K/V element, scales excluded (0.5 for int4, 0.375 for int3)."""
+        """Bytes per logical K/V element, scales excluded (0.5 for int4, 0.375 for int3, 0.25 for int2)."""
         return self.code_bits / 8 if self.code_bits else float(self.itemsize)
 
     @property
@@ -91,7 +95,7 @@ class DTypeInfo:
     @property
     def param_bytes(self) -> int:
         """Bytes of one stored scale (or zero point)."""
-        return 2 if self.param_torch_name == "bfloat16" else 4
+        return 2 if self.param_torch_name in ("bfloat16", "float16") else 4
 
     @property
     def pack(self) -> int:
@@ -140,6 +144,12 @@ QUANTIZED: tuple[DTypeInfo, ...] = (
     # bfloat16 scale and zero point per group along head_dim: 4 bits per element at G=32.
     DTypeInfo("int3", ("uint3",), "uint8", "int3", 1, 7.0, True, zero_point=True, code_bits=3, grouped=True,
               group_multiple=8, param_torch_name="bfloat16"),
+    # Unsigned 2-bit codes 0..3, four per byte (element 4i + j in bits 2j..2j+1), with a
+    # float16 scale and zero point per group along head_dim (KIVI-2's values; its keys
+    # go per channel over each full block: key_quant="block"). float16 params tell it
+    # from int4 and int3, which share the uint8 storage.
+    DTypeInfo("int2", ("uint2",), "uint8", "int2", 1, 3.0, True, zero_point=True, code_bits=2, grouped=True,
+              group_multiple=4, param_torch_name="float16", compiled=False),
 )
 
 ALL: tuple[DTypeInfo, ...] = MODEL + QUANTIZED
@@ -170,8 +180,8 @@ def lookup(value: Any) -> DTypeInfo | None:
 
 def layer_row(data_dtype: Any, param_dtype: Any = None) -> DTypeInfo | None:
     """The row of a stored arena from its data dtype and, for the packed formats that
-    share one (uint8), its scale arena's dtype: bfloat16 params mean int3, anything else
-    int4 (the caller then checks the params against the row's ``param_torch_name``)."""
+    share one (uint8), its scale arena's dtype: bfloat16 params mean int3, float16 int2,
+    anything else int4 (the caller then checks the params against the row's ``param_torch_name``)."""
     row = lookup(data_dtype)
     if row is not None and row.code_bits and param_dtype is not None:
         for other in QUANTIZED:

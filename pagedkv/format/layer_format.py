@@ -22,10 +22,12 @@ from typing import Any
 from pagedkv.errors import DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.format import dtypes
 
-__all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS", "key_spare_bits"]
+__all__ = ["LayerFormat", "KEY_QUANT_MODES", "PARAM_LAYOUTS", "BLOCK_KEY_DTYPES", "key_spare_bits"]
 
 #: ``key_quant`` values: keys per token (as values), or per channel over each full block.
 KEY_QUANT_MODES = ("token", "block")
+#: storage formats whose keys may go per channel over each block (``key_quant="block"``)
+BLOCK_KEY_DTYPES = ("int4", "int2")
 #: :attr:`LayerFormat.param_layout` values.
 PARAM_LAYOUTS = ("none", "row", "group")
 
@@ -49,14 +51,15 @@ class LayerFormat:
         kv_dtype: canonical dtype name (:mod:`pagedkv.format.dtypes`): a model dtype
             (``"float16"``: stored as is) or a storage format (``"int4"``).
         group_size: elements of ``head_dim`` per scale/zero group for the grouped
-            formats (int4, int3); None for every other format.
-        key_quant: ``"token"``, or ``"block"`` (int4 only): full blocks' keys are
+            formats (int4, int3, int2); None for every other format.
+        key_quant: ``"token"``, or ``"block"`` (int4, int2): full blocks' keys are
             requantized per channel (:mod:`pagedkv.store.block_keys`).
         rotation: rows are stored rotated (:mod:`pagedkv.format.rotation`; quantized only).
-        key_bits: bits of a sealed block key's code (4; 5, 6 or 8 with block keys, the
-            high bits kept in the K row's per-token parameter bytes, which a sealed row no
-            longer needs: at most ``4 + key_spare_bits(group_size)``; see
-            :mod:`pagedkv.format.quant`, "wider block keys").
+        key_bits: bits of an int4 sealed block key's code (4; 5, 6 or 8 with int4 block
+            keys, the high bits kept in the K row's per-token parameter bytes, which a sealed
+            row no longer needs: at most ``4 + key_spare_bits(group_size)``; see
+            :mod:`pagedkv.format.quant`, "wider block keys"). 4, meaning no widening, for
+            every other format (int2's sealed keys are 2-bit: :attr:`key_code_bits`).
     """
 
     kv_dtype: str
@@ -80,9 +83,9 @@ class LayerFormat:
                                                 repr(self.group_size)))
         if self.key_quant not in KEY_QUANT_MODES:
             raise InvalidArgumentError(expected("key_quant", "'token' or 'block'", repr(self.key_quant)))
-        if self.key_quant == "block" and row.name != "int4":
-            raise InvalidArgumentError(expected("key_quant", f"'token' for {row.name} ('block' is int4 only)",
-                                                repr(self.key_quant)))
+        if self.key_quant == "block" and row.name not in BLOCK_KEY_DTYPES:
+            raise InvalidArgumentError(expected("key_quant", f"'token' for {row.name} ('block' is int4 and int2 "
+                                                "only)", repr(self.key_quant)))
         if not isinstance(self.rotation, bool):
             raise InvalidArgumentError(expected("rotation", "a bool", repr(self.rotation)))
         kb = self.key_bits
@@ -91,6 +94,9 @@ class LayerFormat:
         if kb != 4:
             if self.key_quant != "block":
                 raise InvalidArgumentError(expected("key_bits", "4 unless key_quant is 'block'", kb))
+            if row.name != "int4":    # int2's sealed codes fill their bytes: no room for high bits
+                raise InvalidArgumentError(expected("key_bits", f"4 for {row.name} (wider block keys are int4 only)",
+                                                    kb))
             room = 4 + key_spare_bits(self.group_size)    # type: ignore[arg-type]  # int4: grouped
             if kb > room:
                 raise InvalidArgumentError(expected("key_bits", f"at most {room} for group_size {self.group_size} "
@@ -129,6 +135,12 @@ class LayerFormat:
     def zero_point(self) -> bool:
         """Whether a zero-point arena goes with the scale arena."""
         return self.row.zero_point
+
+    @property
+    def key_code_bits(self) -> int:
+        """Bits of one per-channel key code of a sealed block: :attr:`key_bits` for int4,
+        the format's code width otherwise (2 for int2)."""
+        return self.key_bits if self.kv_dtype == "int4" else self.row.code_bits
 
     @property
     def param_layout(self) -> str:

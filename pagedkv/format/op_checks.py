@@ -25,7 +25,7 @@ from pagedkv.errors import (
     expected,
 )
 from pagedkv.format import dtypes
-from pagedkv.format.layer_format import LayerFormat
+from pagedkv.format.layer_format import BLOCK_KEY_DTYPES, LayerFormat
 from pagedkv.format.quant import MODEL_DTYPES
 
 __all__ = [
@@ -319,8 +319,8 @@ def check_key_channels(key_scale: object, key_zero: object, geo: LayerGeometry, 
     if key_scale is None or key_zero is None:
         missing = "key_scale" if key_scale is None else "key_zero"
         raise InvalidArgumentError(expected(missing, "a tensor when the other block-key parameter is given", None))
-    if geo.kv_dtype != "int4":
-        raise InvalidArgumentError(expected("key_scale", "None unless the kv_layer is int4 (block keys)",
+    if geo.kv_dtype not in BLOCK_KEY_DTYPES:
+        raise InvalidArgumentError(expected("key_scale", "None unless the kv_layer is int4 or int2 (block keys)",
                                             f"a tensor for a {geo.kv_dtype or 'model-dtype'} kv_layer"))
     shape = (geo.num_blocks, geo.num_heads, geo.head_dim)
     for name, t in (("key_scale", key_scale), ("key_zero", key_zero)):
@@ -339,27 +339,33 @@ def check_seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout,
                           layer_format: LayerFormat | None = None, kv_scale=None, kv_zero=None) -> LayerGeometry:
     """Structural checks of :func:`pagedkv.ops.reference.seal_key_blocks` (the block ids'
     values are checked by the caller, from one read of them). ``layer_format``, when
-    given, must be an int4 format with block keys; ``kv_scale``/``kv_zero`` (the layer's
-    per-token parameter views) are given exactly when its ``key_bits`` exceed 4."""
+    given, must be an int4 or int2 format with block keys (None: int4, the compatibility
+    path, whose codes are the only ones a uint8 view implies); ``kv_scale``/``kv_zero``
+    (the layer's per-token parameter views) are given exactly when its ``key_bits`` exceed
+    4, which only int4 formats' do."""
     layout = check_layout(layout)
     fmt = check_format(layer_format)
     if fmt is not None and fmt.key_quant != "block":
-        raise InvalidArgumentError(expected("layer_format", "an int4 format with key_quant='block'",
+        raise InvalidArgumentError(expected("layer_format", "an int4 or int2 format with key_quant='block'",
                                             fmt.describe()))
+    kind = fmt.kv_dtype if fmt is not None else "int4"
     kv_layer = check_tensor("kv_layer", kv_layer)
     if kv_layer.dtype != torch.uint8 or kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
-        want = "[num_blocks, 2, block_size, H, D / 2]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D / 2]"
-        raise ShapeError(expected("kv_layer", f"an int4 (uint8) {layout} layer view {want}",
+        per = 8 // dtypes.info(kind).code_bits
+        want = (f"[num_blocks, 2, block_size, H, D / {per}]" if layout == "NHD"
+                else f"[num_blocks, 2, H, block_size, D / {per}]")
+        raise ShapeError(expected("kv_layer", f"an {kind} (uint8) {layout} layer view {want}",
                                   f"{kv_layer.dtype} {tuple(kv_layer.shape)}"))
     nb = kv_layer.shape[0]
     bs, h = (kv_layer.shape[2], kv_layer.shape[3]) if layout == "NHD" else (kv_layer.shape[3], kv_layer.shape[2])
     if 0 in (bs, h, kv_layer.shape[4]):
         raise ShapeError(expected("kv_layer", "a non-empty block_size, H and head_dim",
                                   f"{layout} {tuple(kv_layer.shape)}"))
-    head_dim = 2 * kv_layer.shape[4]
+    head_dim = dtypes.info(kind).head_dim_of(kv_layer.shape[4])
     if fmt is None:     # the compatibility path: int4 in groups of the whole row
         fmt = LayerFormat("int4", head_dim, "block")
-    geo = LayerGeometry(nb, bs, h, head_dim, True, "int4", fmt.groups(head_dim), fmt)
+    fmt.check_head_dim("kv_layer", head_dim, tuple(kv_layer.shape))
+    geo = LayerGeometry(nb, bs, h, head_dim, True, kind, fmt.groups(head_dim), fmt)
     device = kv_layer.device
     _index_vector("blocks", blocks, (torch.int64,), device)
     keys = check_tensor("keys", keys)
@@ -388,8 +394,9 @@ def check_key_high_bits(kv_layer, layout, kv_scale, kv_zero, fmt: LayerFormat) -
     wide = fmt.key_extra_bits > 0
     if not wide:
         if kv_scale is not None or kv_zero is not None:
-            raise InvalidArgumentError(expected("kv_scale", f"None for layer_format {fmt.describe()} (4-bit block "
-                                                "keys keep no bits in the per-token parameters)", "a tensor"))
+            raise InvalidArgumentError(expected("kv_scale", f"None for layer_format {fmt.describe()} ("
+                                                f"{fmt.key_code_bits}-bit block keys keep no bits in the "
+                                                "per-token parameters)", "a tensor"))
         return
     if kv_scale is None or kv_zero is None:
         raise InvalidArgumentError(expected("kv_scale" if kv_scale is None else "kv_zero",

@@ -63,6 +63,23 @@ becomes the quiet NaN ``0x7fc0``. So a group holding a NaN has ``z = NaN``, ``s 
 reads back ``z + 7`` for ``+inf`` and ``z + rint(g - z)`` (capped at 7) elsewhere, as
 int4 reads back ``mn + 15``.
 
+int2, asymmetric, in groups of ``G`` consecutive elements along ``head_dim`` (``G`` a
+multiple of 4 that divides ``D``; default as int4's), four codes per byte, with a
+**float16** zero point and scale rounded outward (KIVI-2's per-token values; 2 + 32 / G
+bits per element)::
+
+    mn, mx = min(g), max(g)         # per group g, float32; NaN propagates
+    z    = f16_down(mn)             # float16 rounded toward -inf
+    s    = f16_up((mx - z) / 3)     # float16 rounded toward +inf; float32 steps
+    s    = 1 if s == 0 or not finite(s)
+    c    = clamp(rint(v), 0, 3), v = (g - z) / s, 0 where NaN
+    byte = c[4i] | c[4i + 1] << 2 | c[4i + 2] << 4 | c[4i + 3] << 6
+    y    = out_dtype((float(c) * s) + z)           # two separate roundings
+
+``f16_down``/``f16_up`` round the float32 value to float16 to nearest even, then step
+one float16 ulp toward the wanted infinity where that moved it the wrong way (so
+``f16_down(1e5) = 65504`` and ``f16_up(1e5) = inf``); NaN stays NaN.
+
 int4 **block keys** (``kv_key_quant="block"``): a full block's keys are quantized per
 channel, over the block's ``bs`` tokens, with a bfloat16 zero point and scale per
 (head, channel) rounded outward as int3's (KIVI's per-channel keys, aligned to blocks;
@@ -77,7 +94,8 @@ the keys are not rotated). For ``x`` ``[bs, H, D]``, per ``(h, d)``::
     y    = out_dtype((float(c) * s) + z)              # two separate roundings
 
 so a sealed block's scale is never 0, and a zero scale marks a (block, head) whose
-keys are still stored per token.
+keys are still stored per token. int2 block keys are the same with 2-bit codes (``/ 3``,
+``clamp(.., 0, 3)``, packed four per byte as int2): KIVI-2's per-channel keys.
 
 **Wider block keys** (``key_bits`` 5 to 8): a sealed block's K rows no longer need their
 per-token parameters (a float32 scale and zero point per group), so those bytes carry
@@ -101,6 +119,10 @@ import torch
 
 from pagedkv.errors import DeviceError, DTypeError, InvalidArgumentError, ShapeError, expected
 from pagedkv.format import dtypes
+from pagedkv.format.int2 import dequantize_int2 as _dequantize_int2
+from pagedkv.format.int2 import f16_down, f16_up, int2_group, unpack_int2
+from pagedkv.format.int2 import pack_int2 as _pack_int2
+from pagedkv.format.int2 import quantize_int2 as _quantize_int2
 from pagedkv.format.layer_format import key_spare_bits
 
 __all__ = [
@@ -126,6 +148,10 @@ __all__ = [
     "key_spare_bits",
     "split_key_codes",
     "join_key_codes",
+    "int2_group",
+    "unpack_int2",
+    "f16_down",
+    "f16_up",
 ]
 
 FP8_E4M3_MAX = dtypes.info("fp8_e4m3").max_finite
@@ -181,7 +207,7 @@ def quantize(
         x: ``[..., D]`` float32, float16 or bfloat16.
         kv_dtype: ``"fp8_e4m3"`` (alias ``"fp8"``), ``"fp8_e5m2"``, ``"int8"`` or the
             matching torch dtype; ``"int4"`` (storage ``torch.uint8``, which also names
-            it); ``"int3"`` (by name only: its storage dtype is uint8 too).
+            it); ``"int3"``, ``"int2"`` (by name only: their storage dtype is uint8 too).
         group_size: int4/int3 only: elements per scale group (divides ``D``; int4
             default :func:`~pagedkv.format.dtypes.default_int4_group`; int3: a multiple of 8,
             default :data:`DEFAULT_INT3_GROUP` or the largest multiple of 8 below it
@@ -203,8 +229,11 @@ def quantize(
         raise ShapeError(expected("x", "a non-empty last dimension", tuple(x.shape)))
     qdtype = storage_dtype(kv_dtype)
     xf = x.to(torch.float32)  # exact widening: every model dtype fits in float32
-    if isinstance(kv_dtype, str) and dtypes.lookup(kv_dtype).name == "int3":  # type: ignore[union-attr]  # known: storage_dtype
+    name = dtypes.lookup(kv_dtype).name if isinstance(kv_dtype, str) else None  # type: ignore[union-attr]  # known
+    if name == "int3":
         return _quantize_int3(xf, int3_group(x.shape[-1], group_size))
+    if name == "int2":
+        return _quantize_int2(xf, int2_group(x.shape[-1], group_size))
     if qdtype == torch.uint8:
         return _quantize_int4(xf, int4_group(x.shape[-1], group_size))
     if group_size is not None:
@@ -329,18 +358,20 @@ def _quantize_int3(xf: torch.Tensor, g: int):
     return packed.reshape(lead + (3 * d // 8,)), s.to(torch.bfloat16), z.to(torch.bfloat16)
 
 
-def _key_checked(k: object) -> torch.Tensor:
+def _key_checked(k: object, bits: int) -> torch.Tensor:
+    per = 4 if bits == 2 else 2     # codes per byte of the packed rows (int2: 4; int4 and wider: 2)
     if not isinstance(k, torch.Tensor) or k.dtype not in MODEL_DTYPES:
         got = k.dtype if isinstance(k, torch.Tensor) else type(k).__name__
         raise DTypeError(expected("k", "a float32, float16 or bfloat16 tensor", got))
-    if k.dim() < 3 or k.shape[-1] % 2 or 0 in k.shape[-3:]:
-        raise ShapeError(expected("k", "[..., block_size, H, D] with D even and no empty dim", tuple(k.shape)))
+    if k.dim() < 3 or k.shape[-1] % per or 0 in k.shape[-3:]:
+        raise ShapeError(expected("k", f"[..., block_size, H, D] with D a multiple of {per} and no empty dim",
+                                  tuple(k.shape)))
     return k
 
 
 def _check_key_bits(bits: object) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 5, 6, 8):
-        raise InvalidArgumentError(expected("bits", "4, 5, 6 or 8", repr(bits)))
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 4, 5, 6, 8):
+        raise InvalidArgumentError(expected("bits", "2 (int2), or 4, 5, 6 or 8 (int4)", repr(bits)))
     return bits
 
 
@@ -349,16 +380,17 @@ def quantize_key_channels(k: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor,
     "wider block keys" above).
 
     Args:
-        k: ``[..., bs, H, D]`` float32, float16 or bfloat16 (``D`` even): each leading
-            index is one block's keys.
-        bits: 4, 5, 6 or 8.
+        k: ``[..., bs, H, D]`` float32, float16 or bfloat16 (``D`` even; a multiple of 4
+            for 2 bits): each leading index is one block's keys.
+        bits: 2 (int2), or 4, 5, 6 or 8 (int4 and its wider block keys).
 
     Returns:
         ``(codes, scale, zero)``: ``codes`` ``[..., bs, H, D]`` uint8 in ``[0, 2**bits - 1]``
         (unpacked); ``scale``, ``zero`` ``[..., H, D]`` bfloat16.
     """
-    xf = _key_checked(k).to(torch.float32)
-    top = float(2 ** _check_key_bits(bits) - 1)
+    bits = _check_key_bits(bits)
+    xf = _key_checked(k, bits).to(torch.float32)
+    top = float(2**bits - 1)
     z = bf16_down(xf.amin(dim=-3))
     mx = xf.amax(dim=-3)
     s = _fix_scale(bf16_up((mx - z) / torch.tensor(top, dtype=torch.float32)))
@@ -367,20 +399,28 @@ def quantize_key_channels(k: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor,
     return torch.clamp(torch.round(v), 0.0, top).to(torch.uint8), s.to(torch.bfloat16), z.to(torch.bfloat16)
 
 
-def quantize_key_block(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-channel int4 codes of whole blocks of keys (see "block keys" above).
+def quantize_key_block(k: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel codes of whole blocks of keys (see "block keys" above), packed.
 
     Args:
-        k: ``[..., bs, H, D]`` float32, float16 or bfloat16 (``D`` even): each leading
-            index is one block's keys.
+        k: ``[..., bs, H, D]`` float32, float16 or bfloat16 (``D`` a multiple of
+            ``8 / bits``): each leading index is one block's keys.
+        bits: 4 (int4 block keys, packed as int4) or 2 (int2, packed as int2); wider
+            int4 keys are :func:`quantize_key_channels` then :func:`split_key_codes`.
 
     Returns:
-        ``(codes, scale, zero)``: ``codes`` ``[..., bs, H, D / 2]`` uint8 (int4 packing);
+        ``(codes, scale, zero)``: ``codes`` ``[..., bs, H, D * bits / 8]`` uint8;
         ``scale``, ``zero`` ``[..., H, D]`` bfloat16.
     """
-    c, s, z = quantize_key_channels(k, 4)
+    if isinstance(bits, bool) or bits not in (2, 4):
+        raise InvalidArgumentError(expected("bits", "4 (int4) or 2 (int2)", repr(bits)))
+    c, s, z = quantize_key_channels(k, bits)
+    return (_pack_int4(c) if bits == 4 else _pack_int2(c)), s, z
+
+
+def _pack_int4(c: torch.Tensor) -> torch.Tensor:
     c = c.reshape(c.shape[:-1] + (c.shape[-1] // 2, 2))
-    return c[..., 0] | (c[..., 1] << 4), s, z
+    return c[..., 0] | (c[..., 1] << 4)
 
 
 def split_key_codes(codes: torch.Tensor, extra_bits: int, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,8 +431,7 @@ def split_key_codes(codes: torch.Tensor, extra_bits: int, row_bytes: int) -> tup
     need = -(-d * extra_bits // 8)
     if need > row_bytes:
         raise ShapeError(expected("row_bytes", f"at least {need} ({d} channels x {extra_bits} bits)", row_bytes))
-    lo = (codes & 15).reshape(codes.shape[:-1] + (d // 2, 2))
-    packed = lo[..., 0] | (lo[..., 1] << 4)
+    packed = _pack_int4(codes & 15)
     high = torch.zeros(codes.shape[:-1] + (row_bytes,), dtype=torch.uint8, device=codes.device)
     if extra_bits:
         per = 8 // extra_bits   # channels per byte (the last byte may hold fewer)
@@ -420,10 +459,15 @@ def join_key_codes(packed: torch.Tensor, high: torch.Tensor | None, extra_bits: 
 def dequantize_key_channels(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                             out_dtype: torch.dtype, high: torch.Tensor | None = None,
                             extra_bits: int = 0) -> torch.Tensor:
-    """Rows ``q`` ``[..., D / 2]`` of block keys with their block's per-channel
-    ``scale``/``zero`` ``[..., D]`` (bfloat16, broadcast to the rows) -> ``[..., D]``;
-    wider keys also take the rows' parameter bytes ``high`` (:func:`join_key_codes`)."""
-    c = join_key_codes(q, high, extra_bits).to(torch.float32)
+    """Rows ``q`` ``[..., D * bits / 8]`` of block keys with their block's per-channel
+    ``scale``/``zero`` ``[..., D]`` (bfloat16, broadcast to the rows) -> ``[..., D]``.
+    The code width follows from the two last dims (int4: ``D / 2`` bytes, int2: ``D / 4``);
+    wider int4 keys also take the rows' parameter bytes ``high`` (:func:`join_key_codes`).
+    int2 keys have no high bits (``high`` is ignored)."""
+    if 4 * q.shape[-1] == scale.shape[-1]:
+        c = unpack_int2(q).to(torch.float32)
+    else:
+        c = join_key_codes(q, high, extra_bits).to(torch.float32)
     y = c * scale.to(torch.float32)
     y = y + zero.to(torch.float32)
     return y.to(out_dtype)
@@ -454,7 +498,8 @@ def dequantize(
     """Invert :func:`quantize` (up to the quantization error).
 
     Args:
-        q: ``[..., D]`` float8_e4m3fn, float8_e5m2 or int8.
+        q: ``[..., D]`` float8_e4m3fn, float8_e5m2 or int8; uint8 packed int4
+            (float32 params), int3 (bfloat16) or int2 (float16).
         scale: ``[...]`` float32.
         zero: ``[...]`` float32 for int8; ``None`` for fp8.
         out_dtype: float32, float16 or bfloat16.
@@ -464,9 +509,16 @@ def dequantize(
     """
     if not isinstance(q, torch.Tensor) or not is_quantized(q.dtype):
         got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
-        raise DTypeError(expected("q", "dtype float8_e4m3fn, float8_e5m2, int8 or uint8 (int4, int3)", got))
+        raise DTypeError(expected("q", "dtype float8_e4m3fn, float8_e5m2, int8 or uint8 (int4, int3, int2)", got))
     if out_dtype not in MODEL_DTYPES:
         raise DTypeError(expected("out_dtype", "float32, float16 or bfloat16", out_dtype))
+    if q.dtype == torch.uint8 and isinstance(scale, torch.Tensor) and scale.dtype == torch.float16:
+        _check_groups(scale, q, pack=4)
+        if zero is None:
+            raise InvalidArgumentError(expected("zero", "a float16 tensor for int2", None))
+        _check_param("zero", zero, q, tuple(scale.shape), torch.float16)
+        _check_param("scale", scale, q, tuple(scale.shape), torch.float16)
+        return _dequantize_int2(q, scale, zero, out_dtype)
     if q.dtype == torch.uint8 and isinstance(scale, torch.Tensor) and scale.dtype == torch.bfloat16:
         _check_groups(scale, q, int3=True)
         if zero is None:
@@ -495,9 +547,16 @@ def dequantize(
     return y.to(out_dtype)
 
 
-def _check_groups(scale: object, q: torch.Tensor, int3: bool = False) -> None:
+def _check_groups(scale: object, q: torch.Tensor, int3: bool = False, pack: int = 2) -> None:
     if not isinstance(scale, torch.Tensor):
         raise DTypeError(expected("scale", "a torch.Tensor", type(scale).__name__))
+    if pack == 4:   # int2: four codes per byte, groups of a multiple of 4
+        d = 4 * q.shape[-1] if q.dim() else 0
+        ok = scale.dim() == q.dim() and tuple(scale.shape[:-1]) == tuple(q.shape[:-1])
+        if not ok or scale.shape[-1] < 1 or d % scale.shape[-1] or (d // scale.shape[-1]) % 4:
+            raise ShapeError(expected("scale", f"shape {tuple(q.shape[:-1])} + (groups,), groups of a multiple "
+                                      f"of 4 elements dividing {d}", tuple(scale.shape)))
+        return
     if int3 and (q.dim() == 0 or q.shape[-1] % 3):
         raise ShapeError(expected("q", "a last dimension that is a multiple of 3 for int3 (8 codes per 3 bytes)",
                                   tuple(q.shape)))

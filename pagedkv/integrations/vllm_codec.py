@@ -10,7 +10,9 @@ that layout, quantize with :mod:`pagedkv.format.quant`, and write the same layou
 - ``fp8``: a randomized Hadamard rotation over the head dim (:mod:`pagedkv.format.rotation`),
   then e4m3 with a per (token, head) scale;
 - ``int4``: keys as "block keys" (per-channel scale/zero over the block's tokens,
-  :func:`pagedkv.format.quant.quantize_key_block`), values int4 per group of 64 channels.
+  :func:`pagedkv.format.quant.quantize_key_block`), values int4 per group of 64 channels;
+- ``int2``: KIVI-2: keys as 2-bit block keys, values int2 (float16 scale and zero per
+  group of 64 channels).
 
 A codec's ``arenas`` are the per-block shapes and dtypes it stores; the tiers keep one
 ``[num_layers, capacity, *shape]`` arena per entry.
@@ -120,6 +122,29 @@ class Int4Codec(Codec):
         return self.join(k.transpose(1, 2), v)
 
 
+class Int2Codec(Codec):
+    name = "int2"
+
+    @property
+    def arenas(self):
+        g = quant.int2_group(self.d, None)
+        return [((self.bs, self.h, self.d // 4), torch.uint8), ((self.h, self.d), torch.bfloat16),
+                ((self.h, self.d), torch.bfloat16), ((self.h, self.bs, self.d // 4), torch.uint8),
+                ((self.h, self.bs, self.d // g), torch.float16), ((self.h, self.bs, self.d // g), torch.float16)]
+
+    def encode(self, x):
+        k, v = self.split(x)
+        kc, ks, kz = quant.quantize_key_block(k.transpose(1, 2), bits=2)      # [n, bs, H, D]
+        vq, vs, vz = quant.quantize(v, "int2")
+        return [kc, ks, kz, vq, vs, vz]
+
+    def decode(self, parts):
+        kc, ks, kz, vq, vs, vz = parts
+        k = quant.dequantize_key_channels(kc, ks.unsqueeze(1), kz.unsqueeze(1), torch.float32)
+        v = quant.dequantize(vq, vs, vz, torch.float32)
+        return self.join(k.transpose(1, 2), v)
+
+
 def make_codec(storage: str, kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype,
                rotation_seed: int = 0) -> Codec:
     args = (kv_heads, block_size, head_size, dtype)
@@ -134,6 +159,8 @@ def make_codec(storage: str, kv_heads: int, block_size: int, head_size: int, dty
         return Int8Codec(*args)
     if storage == "fp8":
         return Fp8Codec(*args, seed=rotation_seed)
+    if storage == "int2":
+        return Int2Codec(*args)
     return Int4Codec(*args)
 
 

@@ -17,7 +17,7 @@ from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, expected
 __all__ = ["ConnectorConfig", "STORAGE_FORMATS"]
 
 #: how blocks are kept at rest (host and disk): vLLM's bf16 bytes, or quantized.
-STORAGE_FORMATS = ("bf16", "int8", "fp8", "int4")
+STORAGE_FORMATS = ("bf16", "int8", "fp8", "int4", "int2")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -368,6 +368,8 @@ class PagedKVConnector(KVConnectorBase_V1):
         if s is None or s.events is None:
             return ()
         with s.lock:
+            if s.remote is not None:
+                s.remote.reap()             # what the remote writer could not store
             drained = s.events.drain()
         return to_vllm(drained, s.bs)
 

@@ -12,19 +12,22 @@ vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` with ``medium``
 Hashes are the tiers' chain hashes (tokens, parent and namespace: the same on every
 engine that runs the same model tag), as signed 64-bit integers, not vLLM's device
 hashes; every event carries its blocks' ``token_ids``, so a router keyed by tokens
-(Dynamo) or by these hashes (llm-d, across engines) follows them. Removals from the
-disk and the remote tier are not reported (other engines and the server evict there).
+(Dynamo) or by these hashes (llm-d, across engines) follows them. Every tier reports
+its removals: a host eviction; a disk slot this engine emptied, or that another engine
+emptied (seen at this engine's next disk turn; a full re-check is a disk clear); a
+remote block a lookup found gone (the server's TTL or size limit) or a store the writer
+could not make, with the blocks this engine knows below it.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventsLost, KVEvent
 from pagedkv.kv_events.wire import MEDIA, int64
 from pagedkv.tiers.chain import ROOT
 
-__all__ = ["StoreEvents", "to_vllm"]
+__all__ = ["StoreEvents", "to_vllm", "watch_disk"]
 
 
 class StoreEvents:
@@ -63,11 +66,16 @@ class StoreEvents:
             run.append(int(s))
         flush()
 
-    def removed(self, medium: str, slots: Sequence[int]) -> None:
-        rec = self.index.rec
-        if len(slots):
-            self._add(BlockRemoved(block_hashes=[int64(int(rec["hash"][s])) for s in slots],
-                                   block_ids=[int(s) for s in slots], medium=medium))
+    def removed(self, medium: str, slots: Sequence[int], index=None) -> None:
+        """These slots of ``index`` (default: the host's) left ``medium`` (their records
+        still name their blocks)."""
+        rec = (self.index if index is None else index).rec
+        self.removed_hashes(medium, [int(rec["hash"][s]) for s in slots], slots)
+
+    def removed_hashes(self, medium: str, hashes: Sequence[int], ids: Sequence[int]) -> None:
+        if len(hashes):
+            self._add(BlockRemoved(block_hashes=[int64(h) for h in hashes], block_ids=[int(i) for i in ids],
+                                   medium=medium))
 
     def cleared(self, medium: str) -> None:
         self._add(AllBlocksCleared(medium=medium))
@@ -78,6 +86,27 @@ class StoreEvents:
             out.append(EventsLost(self.lost))
             self.lost = 0
         return out
+
+
+def watch_disk(tier, events_of: Callable[[], StoreEvents | None]) -> None:
+    """Report the removals of a connector's disk tier to ``events_of()`` (the store's
+    events, None while they are off): a slot it emptied (an eviction, a drop), slots
+    another engine emptied (seen at a turn), or a full re-check (a clear)."""
+    def removed(slot: int) -> None:
+        ev = events_of()
+        if ev is not None:
+            ev.removed("disk", [slot], tier.index)
+
+    def lost(slots) -> None:
+        ev = events_of()
+        if ev is None:
+            return
+        if slots is None:
+            ev.cleared("disk")
+        else:
+            ev.removed("disk", slots, tier.index)
+
+    tier.set_callbacks(None, removed, on_lost=lost)
 
 
 def to_vllm(events: Sequence[KVEvent], block_size: int) -> list[Any]:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedkv.tiers.chain import ROOT
+from pagedkv._core.prefix import hash_bytes
+from pagedkv.tiers.chain import ROOT, ROOT_HASH, chain_hash
 from pagedkv.tiers.payload import Blocks
 from pagedkv.tiers.verify import ChainQuery
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from pagedkv.integrations.vllm_store import PrefixStore
     from pagedkv.tiers.remote import RemotePrefixTier
 
-__all__ = ["remote_lookup", "to_remote"]
+__all__ = ["remote_lookup", "to_remote", "watch_remote"]
 
 
 def remote_lookup(store: PrefixStore, remote: RemotePrefixTier, tokens: np.ndarray, ns_key: bytes,
@@ -89,3 +90,33 @@ def to_remote(store: PrefixStore, remote: RemotePrefixTier, slots: Sequence[int]
             sent = remote.num_written - before         # the chain's new blocks: its last ones
             if store.events is not None and sent > 0:
                 store.events.stored("remote", chain[n - sent:n])
+
+
+def watch_remote(store: PrefixStore, remote: RemotePrefixTier) -> None:
+    """Report remote blocks this engine stored or served that turned out gone (a lookup
+    found them missing, the writer could not store them) as removals, in the host
+    tier's hash space (the chain hash of their tokens, as every engine computes it)."""
+    weak = store.cfg.weak_hash
+
+    def lost(digests) -> None:
+        ev = store.events
+        if ev is None or not digests:
+            return
+        memo: dict[bytes, int] = {}
+        hashes, ids = [], []
+        for d in digests:
+            h = ROOT_HASH
+            for a in remote.chain(d):
+                if a not in memo:
+                    rec = remote.record(a)
+                    if rec is None:
+                        break
+                    memo[a] = chain_hash(h, hash_bytes(rec.ns_key), rec.tokens, weak)
+                h = memo[a]
+            else:
+                if d in memo:
+                    hashes.append(h)
+                    ids.append(int.from_bytes(d[:8], "big", signed=True))
+        ev.removed_hashes("remote", hashes, ids)
+
+    remote.set_callbacks(None, lambda d: None, on_lost=lost)

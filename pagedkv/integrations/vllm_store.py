@@ -57,8 +57,8 @@ from pagedkv.config.memory import arena_bytes, check_fits
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError, TierFileError, expected
 from pagedkv.integrations.vllm_codec import Codec, make_codec
 from pagedkv.integrations.vllm_config import ConnectorConfig
-from pagedkv.integrations.vllm_events import StoreEvents
-from pagedkv.integrations.vllm_remote import remote_lookup, to_remote
+from pagedkv.integrations.vllm_events import StoreEvents, watch_disk
+from pagedkv.integrations.vllm_remote import remote_lookup, to_remote, watch_remote
 from pagedkv.integrations.vllm_shm import SharedArena
 from pagedkv.integrations.vllm_worker import KVSpec
 from pagedkv.manager.arguments import as_int, as_token_ids
@@ -170,6 +170,7 @@ class PrefixStore:
         if remote is not None:
             try:
                 self.remote = RemotePrefixTier(remote, self.template, self.bs, self.format)
+                watch_remote(self, self.remote)
             except BaseException:
                 self.arena.close()
                 raise
@@ -250,6 +251,7 @@ class PrefixStore:
                     self._tier = DiskPrefixTier(path, self.template, self.cfg.disk_blocks, self.bs,
                                                 self.format, eviction=self.cfg.eviction, weak_hash=self.cfg.weak_hash,
                                                 verify_blocks=False)
+                    watch_disk(self._tier, lambda: self.events)
                     return self._tier
                 except TierFileError as e:
                     if "locked by another cache" not in str(e):

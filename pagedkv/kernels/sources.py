@@ -59,7 +59,7 @@ VARIANT_SOURCES = ("decode_attention.cu",)
 LAYOUTS = ("nhd", "hnd")
 CHUNKS = {"v16": 16, "e4": 4, "e2": 2, "e1": 1}  # copy unit -> bytes
 MODEL_TYPES = tuple(d.kernel_name for d in dtypes.MODEL)
-QUANT_TYPES = tuple(d.kernel_name for d in dtypes.QUANTIZED)
+QUANT_TYPES = tuple(d.kernel_name for d in dtypes.QUANTIZED if d.compiled)
 TABLES = ("csr", "pad")
 #: the K/V storage name of an attention entry point -> its format macro (the tiled kernel's
 #: PKV_ATTN_KV, the decode kernel's PKV_DEC_F); both attention plans read it here

@@ -1,7 +1,8 @@
 """The CPU backend of :func:`pagedkv.ops.paged_attention`: a checked call to the C loops.
 
 The loops (:mod:`pagedkv.ops._cpu_attention`) take contiguous arenas; a strided arena
-(or parameter view) goes to the float64 reference after the same checks. ``q`` is
+(or parameter view), or an int2 arena (no C decoder yet), goes to the float64 reference
+after the same checks. ``q`` is
 widened to float32 once (and rotated once for a rotated arena); the float32 output is
 unrotated once and narrowed to ``q.dtype`` once. The pass's own K/V (``k_new``/``v_new``)
 are widened to float32 once and, for a rotated arena, rotated once, so that the loops
@@ -53,7 +54,10 @@ def attend(plan: AttentionPlan, q, kv_layer, layout, kv_scale, kv_zero, key_scal
     geo = plan.geo
     exact = plan.exact
     extra = op_checks.key_extra_bits(geo, key_scale)
+    # a strided arena, a format the loops do not decode (int2), or more high bits than
+    # the loops' buffer: the float64 reference
     if (not _contig(kv_layer, kv_scale, kv_zero) or (exact is not None and not _contig(exact.data, exact.valid))
+            or (geo.quantized and geo.kv_dtype not in _q.QUANT_CODES)
             or geo.head_dim * extra > 8 * _ca.KEY_HIGH_MAX):
         return attend_reference(plan, q, kv_layer, layout, kv_scale, kv_zero, key_scale, key_zero,
                                 rotation_signs, out)

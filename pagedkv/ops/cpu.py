@@ -483,7 +483,8 @@ _SEAL_IN = {} if _q is None else {
 
 
 def _block_keys_format(layer_format) -> bool:
-    return type(layer_format) is LayerFormat and layer_format.key_quant == "block"
+    """An int4 block-keys format: the one the seal loop serves (int2 takes the torch definition)."""
+    return type(layer_format) is LayerFormat and layer_format.key_quant == "block" and layer_format.kv_dtype == "int4"
 
 
 def _fast_seal(kv_layer, blocks, keys, key_scale, key_zero, layout) -> bool:
@@ -547,9 +548,10 @@ def seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, *, layout="NHD"
                                      kv_zero)
     _require_cpu("kv_layer", kv_layer)
     extra = geo.format.key_extra_bits   # type: ignore[union-attr]  # the check returns the format
-    # strided code bytes or parameter groups: the torch definition (the check refused empty dims)
-    if _q is None or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1) or (extra and not (
-            kv_scale.stride(4) == 1 and kv_zero.stride() == kv_scale.stride())):
+    # strided code bytes or parameter groups, or int2 codes: the torch definition (the
+    # check refused empty dims)
+    if _q is None or (kv_layer.stride(4) != 1 and kv_layer.shape[4] > 1) or geo.kv_dtype != "int4" or (
+            extra and not (kv_scale.stride(4) == 1 and kv_zero.stride() == kv_scale.stride())):
         _ref.seal_key_blocks(kv_layer, blocks, keys, key_scale, key_zero, layout=layout, layer_format=layer_format,
                              kv_scale=kv_scale, kv_zero=kv_zero)
         return

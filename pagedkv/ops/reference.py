@@ -69,6 +69,7 @@ from pagedkv.format.quant import (
     dequantize_key_channels,
     is_quantized,
     quantize,
+    quantize_key_block,
     quantize_key_channels,
     split_key_codes,
 )
@@ -211,14 +212,15 @@ def seal_key_blocks(
     kv_scale: torch.Tensor | None = None,
     kv_zero: torch.Tensor | None = None,
 ) -> None:
-    """Requantize whole blocks' keys per channel (int4 block keys).
+    """Requantize whole blocks' keys per channel (int4 or int2 block keys).
 
     Args:
-        kv_layer: an int4 (uint8) per-layer view (see :func:`write_kv`).
+        kv_layer: an int4 (or, with ``layer_format``, int2) uint8 per-layer view (see :func:`write_kv`).
         blocks: ``[M]`` int64 distinct block ids (duplicates: which lands is unspecified).
         keys: ``[M, bs, H, D]`` the blocks' exact keys, float32/float16/bfloat16.
         key_scale, key_zero: bfloat16 ``[NB, H, D]`` (see :func:`gather_kv`).
-        layer_format: its ``key_bits`` give the codes' width (None: 4).
+        layer_format: its ``kv_dtype`` (int4 or int2) and, for int4, ``key_bits`` give the
+            codes' width (None: int4, 4 bits).
         kv_scale, kv_zero: the layer's per-token parameter views, given exactly when
             ``key_bits`` exceeds 4: the K rows' parameters of the sealed blocks then hold
             the codes' high bits (:func:`pagedkv.format.quant.split_key_codes`).
@@ -235,13 +237,17 @@ def seal_key_blocks(
     check_block_ids("blocks", blocks.tolist(), geo.num_blocks)
     if not blocks.numel():
         return
-    extra = geo.format.key_extra_bits    # type: ignore[union-attr]  # the check returns the format
-    codes, s, z = quantize_key_channels(keys, 4 + extra)
-    packed, high = split_key_codes(codes, extra, 8 * geo.groups)
-    if layout == "HND":
-        packed, high = packed.transpose(1, 2), high.transpose(1, 2)
-    kv_layer[blocks, 0] = packed
-    if extra:
+    fmt = geo.format     # the check returns the format
+    extra = fmt.key_extra_bits    # type: ignore[union-attr]  # 0 unless int4 with wider keys
+    high = None
+    if geo.kv_dtype == "int4":
+        codes, s, z = quantize_key_channels(keys, 4 + extra)
+        packed, high = split_key_codes(codes, extra, 8 * geo.groups)
+    else:       # int2: 2-bit codes fill their bytes; nothing goes to the row's parameters
+        packed, s, z = quantize_key_block(keys, bits=fmt.key_code_bits)  # type: ignore[union-attr]
+    kv_layer[blocks, 0] = packed.transpose(1, 2) if layout == "HND" else packed
+    if extra and high is not None:
+        high = high.transpose(1, 2) if layout == "HND" else high
         half = 4 * geo.groups       # the scale groups' bytes, then the zero points'
         kv_scale.view(torch.uint8)[blocks, 0] = high[..., :half]    # type: ignore[union-attr]  # checked
         kv_zero.view(torch.uint8)[blocks, 0] = high[..., half:]     # type: ignore[union-attr]
@@ -481,10 +487,12 @@ def unseal_key_blocks(
     """
     fmt = check_format(layer_format)
     if fmt is not None and fmt.key_quant != "block":
-        raise InvalidArgumentError(expected("layer_format", "an int4 format with key_quant='block'", fmt.describe()))
+        raise InvalidArgumentError(expected("layer_format", "an int4 or int2 format with key_quant='block'",
+                                            fmt.describe()))
     geo = check_layer(kv_layer, layout, kv_scale, kv_zero, layer_format=fmt)
-    if geo.kv_dtype != "int4":
-        raise InvalidArgumentError(expected("kv_layer", "an int4 layer (block keys)", geo.kv_dtype or kv_layer.dtype))
+    if geo.kv_dtype not in ("int4", "int2"):
+        raise InvalidArgumentError(expected("kv_layer", "an int4 or int2 layer (block keys)",
+                                            geo.kv_dtype or kv_layer.dtype))
     device = kv_layer.device
     check_rotation(rotation_signs, geo, device)
     if not check_key_channels(key_scale, key_zero, geo, device):
@@ -527,7 +535,7 @@ def unseal_key_blocks(
                 keys[ok] = exact[i, :n].to(device=device, dtype=torch.float32)[ok]
             if rotation_signs is not None:
                 keys = rotate(keys, rotation_signs)
-            q, s, z = quantize(keys, "int4", group_size=group)
+            q, s, z = quantize(keys, geo.kv_dtype, group_size=group)
             _assign(kv_layer, layout, 0, blk, off, q)
             _assign(kv_scale, layout, 0, blk, off, s)
             _assign(kv_zero, layout, 0, blk, off, z)  # type: ignore[arg-type]  # int4 has a zero point

@@ -23,7 +23,7 @@ import torch
 
 from pagedkv.config.memory import arena_bytes, check_device, check_fits
 from pagedkv.config.options import CacheConfig
-from pagedkv.config.support import require
+from pagedkv.config.support import ROW_ONLY_FORMATS, require
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.format import op_checks
 from pagedkv.ops import copy_blocks as _copy_blocks
@@ -169,7 +169,7 @@ class LatentStore:
         """``(kv_c [T, R], k_pe [T, P])`` of ``layer`` in the model dtype (CSR tables).
         ``pending`` and ``sink`` change nothing (no rows are kept apart from the blocks)."""
         if rotated:
-            require("kv_rotation / kv_key_quant='block' / fp8_e5m2 / int3", self.config)
+            require(ROW_ONLY_FORMATS, self.config)
         kv_c, k_pe = gather_latent(self.view(layer), indptr, indices, seq_lens)
         if out_key is not None:
             out_key.copy_(kv_c)

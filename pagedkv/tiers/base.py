@@ -25,7 +25,7 @@ background, in the manner of LMCache's storage backends):
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, NamedTuple, overload
 
@@ -203,9 +203,15 @@ class PrefixTier:
     def touch(self, handle: Handle, hit: bool = False) -> None:
         pass
 
-    def set_callbacks(self, on_evict, on_removed) -> None:
+    def set_callbacks(self, on_evict, on_removed, on_lost=None) -> None:
         """``on_evict(handle)`` before the tier drops a block to make room (the chain
-        copies it down), ``on_removed(handle)`` after a block is gone (links forget it)."""
+        copies it down), ``on_removed(handle)`` after a block is gone (links forget it),
+        ``on_lost(handles)`` when blocks this process stored turn out gone without it
+        dropping them (another process or the server evicted them; None: the tier
+        cannot say which, assume any), called while their records are still readable."""
+
+    def reap(self) -> None:
+        """Report (``on_lost``) what background work found gone since the last call."""
 
     # ---- removal, stats, close -------------------------------------------------------------------
     def subtree(self, handle: Handle) -> list[Handle]:
@@ -263,6 +269,7 @@ class SlotTier(PrefixTier):
         self.ns_ids: dict[bytes, int] = {}
         self.ns_keys: list[bytes] = []
         self.ns_hashes: list[int] = []
+        self.on_lost: Callable[[list | None], None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -287,9 +294,11 @@ class SlotTier(PrefixTier):
     def _namespace_added(self, key: bytes) -> None:
         pass
 
-    def set_callbacks(self, on_evict, on_removed) -> None:
+    def set_callbacks(self, on_evict, on_removed, on_lost=None) -> None:
         """``on_evict(slot)`` before a slot is emptied to make room, ``on_removed(slot)``
-        after any slot is emptied (the tier's own record keeping runs first)."""
+        after any slot is emptied (the tier's own record keeping runs first),
+        ``on_lost(slots)`` when another process emptied or replaced slots (the disk tier)."""
+        self.on_lost = on_lost
         self.index.on_evict = on_evict
         own = self.index.on_removed
 

@@ -384,6 +384,8 @@ class DiskPrefixTier(SlotTier):
 
     def _reload(self) -> None:
         """Check everything again, as a first open does (the journal cannot say what changed)."""
+        if self.on_lost is not None and self.index.num_used:
+            self.on_lost(None)                # which of our blocks survive is not known here
         self._open_maps()
         self.ns_ids, self.ns_keys, self.ns_hashes = {}, [], []
         self._loaded = False

@@ -92,7 +92,10 @@ def check_changed(tier, slots: np.ndarray) -> bool:
     slots = np.unique(slots[(slots >= 0) & (slots < len(r))])
     if not len(slots):
         return True
-    if (index.busy[slots] != 0).any() or not index.forget(slots.tolist()):
+    if (index.busy[slots] != 0).any():
+        return False
+    _report_lost(tier, slots)
+    if not index.forget(slots.tolist()):
         return False
     r[slots] = tier._disk[slots]
     todo = []
@@ -123,6 +126,18 @@ def check_changed(tier, slots: np.ndarray) -> bool:
         for s in slots[live].tolist():
             index.touch(s)
     return True
+
+
+def _report_lost(tier, slots: np.ndarray) -> None:
+    """Tell ``tier.on_lost`` which of ``slots`` another process emptied or gave to
+    another block (a slot it only touched keeps its block), before they are forgotten."""
+    if tier.on_lost is None:
+        return
+    r, d = tier.records, tier._disk
+    lost = slots[(r["valid"][slots] == 1) & ((d["valid"][slots] != 1) | (d["gen"][slots] != r["gen"][slots])
+                                             | (d["hash"][slots] != r["hash"][slots]))]
+    if len(lost):
+        tier.on_lost(lost.tolist())
 
 
 def _drop(tier, s: int) -> None:

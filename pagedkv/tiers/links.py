@@ -56,6 +56,11 @@ class Links:
             if k[1] == DEVICE and self._links.get(k) == (handle, stamp):
                 yield k[2], k[3]
 
+    def forget_tier(self, tier: PrefixTier) -> None:
+        """Every link into ``tier`` goes (it lost track of its blocks)."""
+        for th in [th for th in self._keys if th[0] is tier]:
+            self.removed(*th)
+
     def clear(self) -> None:
         self._links.clear()
         self._keys.clear()

@@ -95,7 +95,8 @@ class PrefixTiers:
             self._by_medium.setdefault(t.medium, t)     # the first tier of each medium (host, disk, remote)
         for i, t in enumerate(self.tiers):
             t.set_callbacks(on_evict=lambda s, t=t: self._evicting(t, s),
-                            on_removed=lambda s, t=t: self._removed_slot(t, s))
+                            on_removed=lambda s, t=t: self._removed_slot(t, s),
+                            on_lost=lambda hs, t=t: self._lost(t, hs))
         self._below = {t: (self.tiers[i + 1] if i + 1 < len(self.tiers) else None) for i, t in enumerate(self.tiers)}
         self.links = Links()
         self.log = TierEvents(index, namespaces, self.bs)
@@ -226,6 +227,21 @@ class PrefixTiers:
     def _removed_slot(self, tier: PrefixTier, slot: Handle) -> None:
         self.links.removed(tier, slot)
         self.log.forget(tier, slot)
+
+    def _lost(self, tier: PrefixTier, handles: list | None) -> None:
+        # Gone without this process dropping them (another process, the server's
+        # eviction or TTL): a router must stop counting them here.
+        if handles is None:
+            if self.events:
+                self.log.cleared(tier.medium)
+            self.log.forget_tier(tier)
+            self.links.forget_tier(tier)
+            return
+        if self.events:
+            for h in handles:
+                self.log.tier_block(tier, h, stored=False)
+        for h in handles:
+            self._removed_slot(tier, h)
 
     def _flush(self) -> None:
         # Deepest destination first: a block a tier evicted in this batch is copied out
@@ -464,6 +480,8 @@ class PrefixTiers:
 
     # ---- events ---------------------------------------------------------------------------------
     def drain_events(self) -> list:
+        for t in self.tiers:
+            t.reap()
         return self.log.drain()
 
     # ---- stats, checks, close ------------------------------------------------------------------

@@ -26,15 +26,18 @@ The network stays off the engine's critical path where it can:
   evicts (an LRU policy is expected; a server that refuses a write for lack of memory
   costs that write, counted as dropped).
 
-The tier cannot pin (the server is shared) and emits no removal events (the server
-evicts on its own).
+The tier cannot pin (the server is shared). The server evicts on its own (its
+``maxmemory`` policy, TTLs, another host's ``clear_server``): a block this process
+stored that a lookup finds gone (or refused), a store the writer dropped or that
+failed, is reported lost (``on_lost``: a ``BlockRemoved`` event), with the blocks it
+knows below it, which no lookup can reach any more.
 """
 from __future__ import annotations
 
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict, deque
 from concurrent.futures import Future
 from typing import Any
 
@@ -108,6 +111,8 @@ class RemotePrefixTier(PrefixTier):
         self._inflight: dict[bytes, Future] = {}
         self._inflight_lock = threading.Lock()
         self._on_removed = None
+        self._on_lost = None
+        self._gone: deque[bytes] = deque()    # found gone, maybe on a reader thread: reported by reap()
         self.refused = dict.fromkeys(_REASONS, 0)            # values refused at read, by reason
         self._finalizer = weakref.finalize(self, _shutdown, self.writer, self.client, cfg.timeout_s)
 
@@ -116,6 +121,11 @@ class RemotePrefixTier(PrefixTier):
         return [self.wire.key(query.digest(i)) for i in range(start, stop)]
 
     def contains(self, query, start, max_blocks) -> int:
+        n = self._contains(query, start, max_blocks)
+        self.reap()
+        return n
+
+    def _contains(self, query, start, max_blocks) -> int:
         stop = min(max_blocks, query.num_blocks)
         if start >= stop:
             return 0
@@ -127,16 +137,24 @@ class RemotePrefixTier(PrefixTier):
         n = 0
         for e in there:
             if e != 1:
+                if e == 0:
+                    self._found_gone(query.digest(start + n))
                 break
             n += 1
         return n
 
     def lookup(self, query, start, max_blocks, *, fetch=True):
+        out = self._lookup(query, start, max_blocks, fetch)
+        self.reap()
+        return out
+
+    def _lookup(self, query, start, max_blocks, fetch):
+        """:meth:`lookup` without reporting what it found gone (any thread may run it)."""
         stop = min(max_blocks, query.num_blocks)
         if start >= stop:
             return []
         if not fetch:
-            return [query.digest(i) for i in range(start, start + self.contains(query, start, stop))]
+            return [query.digest(i) for i in range(start, start + self._contains(query, start, stop))]
         # at most what the landing buffer holds, so this lookup's blocks are still there to load
         stop = min(stop, start + self.cfg.max_landed_bytes // self.layout.record_bytes)
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -191,6 +209,7 @@ class RemotePrefixTier(PrefixTier):
                 self.refused[why] += 1
                 if why != "missing":
                     self.num_corrupt += 1
+                self._found_gone(d)
                 break
             self.landing.add(d, record)
             out.append(d)
@@ -239,7 +258,7 @@ class RemotePrefixTier(PrefixTier):
 
         def run():
             try:
-                fut.set_result(self.lookup(query, start, max_blocks))
+                fut.set_result(self._lookup(query, start, max_blocks, True))    # reported by the next call
             except BaseException as e:           # pragma: no cover - lookup turns failures into misses
                 fut.set_exception(e)
 
@@ -267,7 +286,7 @@ class RemotePrefixTier(PrefixTier):
         move_rows(Blocks(staging.arenas, staging.window, dst.lock), dst, list(zip(ids, dst_ids)))
 
     def admit(self, parent, ns_key, tokens):
-        self._forget_failed()
+        self.reap()                        # a block the server lost is stored again
         d = chain_digest(ROOT_DIGEST if parent is None else parent, ns_key, tokens)
         if d in self._known:
             self._known.move_to_end(d)
@@ -304,13 +323,12 @@ class RemotePrefixTier(PrefixTier):
             if row is None or known is None:
                 if row is not None:
                     self.pool.give(row)
-                self._forget(d)
+                self._lose([d])
                 self.writer.num_dropped += row is None
                 continue
             parent, tokens, _ = known
             puts.append(Put(d, ROOT_DIGEST if parent is None else parent, tokens, row))
-        for p in self.writer.put(puts):
-            self._forget(p.digest)       # dropped: a later store may try again
+        self._lose([p.digest for p in self.writer.put(puts)])     # dropped: a later store may try again
         self.num_written += len(puts)
 
     def abandon(self, handles) -> None:
@@ -318,20 +336,51 @@ class RemotePrefixTier(PrefixTier):
             row = self._staged.pop(d, None)
             if row is not None:
                 self.pool.give(row)
-            self._forget(d)
+        self._lose(list(handles))
 
     def _forget(self, d: bytes) -> None:
         if self._known.pop(d, None) is not None and self._on_removed is not None:
             self._on_removed(d)
 
-    def _forget_failed(self) -> None:
-        failed = self.writer.failed
-        while failed:
-            self._forget(failed.popleft())
+    def _found_gone(self, d: bytes) -> None:
+        if d in self._known:               # stored (or seen) by this process: it was announced
+            self._gone.append(d)
+
+    def reap(self) -> None:
+        """Report what lookups found gone and what the writer failed to store."""
+        lost = []
+        for q in (self._gone, self.writer.failed):
+            while q:
+                lost.append(q.popleft())
+        if lost:
+            self._lose(lost)
+
+    def _lose(self, digests: list[bytes]) -> None:
+        """These blocks are not on the server: they and the known blocks below them
+        (unreachable: a lookup stops at the first block it lacks) are reported, then forgotten."""
+        gone = [d for d in dict.fromkeys(digests) if d in self._known and d not in self._staged]
+        if not gone:
+            return
+        children: dict[bytes, list[bytes]] = defaultdict(list)
+        for d, (parent, _, _) in self._known.items():
+            if parent is not None:
+                children[parent].append(d)
+        order: list[bytes] = []
+        frontier = gone
+        while frontier:
+            order.extend(frontier)
+            frontier = [c for d in frontier for c in children.get(d, ())]
+        order = list(dict.fromkeys(order))
+        order.reverse()                    # deepest first, every record still readable
+        if self._on_lost is not None:
+            self._on_lost(order)
+        for d in order:
+            self._forget(d)
 
     # ---- what this process knows of its blocks ---------------------------------------------------------
-    def set_callbacks(self, on_evict, on_removed) -> None:
+    def set_callbacks(self, on_evict, on_removed, on_lost=None) -> None:
         self._on_removed = on_removed
+        self._on_lost = on_lost
 
     def current(self, handle, stamp) -> bool:
         return handle in self._known

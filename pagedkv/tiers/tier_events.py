@@ -49,6 +49,10 @@ class TierEvents:
     def forget(self, tier: PrefixTier, handle: Handle) -> None:
         self.dev_hash.pop((tier, handle), None)
 
+    def forget_tier(self, tier: PrefixTier) -> None:
+        for k in [k for k in self.dev_hash if k[0] is tier]:
+            del self.dev_hash[k]
+
     def device_hash(self, tier: PrefixTier, handle: Handle) -> int | None:
         """This process's device hash of a tier block, from its copy source or its chain
         (None: the tier cannot name its chain, e.g. a remote block another host wrote)."""

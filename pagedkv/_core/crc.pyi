@@ -1,0 +1,3 @@
+HARDWARE: bool
+
+def crc32c(data: object, crc: int = 0, *, portable: bool = False) -> int: ...
