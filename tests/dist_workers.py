@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from dist_state_workers import STATE_SCENARIOS  # noqa: E402
 from tier_helpers import assert_clean, assert_kv, expected_kv, fill, make  # noqa: E402
 
 import pagedkv.transfer.distributed as pd  # noqa: E402
@@ -849,7 +850,7 @@ def mla(rank, out):
         cache.close()
 
 
-SCENARIOS = {"mla": mla, "hybrid_generate": hybrid_generate, "hybrid": hybrid, "hybrid_prefix": hybrid_prefix, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
+SCENARIOS = {**STATE_SCENARIOS, "mla": mla, "hybrid_generate": hybrid_generate, "hybrid": hybrid, "hybrid_prefix": hybrid_prefix, "formats": formats, "hostile": hostile, "handoff": handoff, "killed": killed, "receiver_killed": receiver_killed, "timeout": timeout, "tp": tp, "smollm2": smollm2}
 
 
 _TRACE = None

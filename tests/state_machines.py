@@ -189,3 +189,59 @@ class StateCacheMachine(RuleBasedStateMachine):
         assert st_.free_slots + np.count_nonzero(kv._groups.slots.ref) == st_.total_slots
         for sid in self.oracle.seqs:
             self._check_state(sid)
+
+
+class TieredStateMachine(StateCacheMachine):
+    """The same with a host prefix tier and a host swap pool: prefixes leave the device
+    (blocks to the host tier, snapshots dropped from the pool: only the tier's copies
+    remain) and sequences are swapped out and back. Every state must still read back as
+    the state of exactly its tokens, and every hit must end where a snapshot was taken."""
+
+    @initialize(policy=st.sampled_from(["lru", "priority", "frequency"]), slots=st.integers(3, 10))
+    def setup(self, policy, slots):
+        cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_blocks=48, dtype="float32",
+                          eviction=policy, layer_kinds=("state", "attention", "state"),
+                          state_tensors=[("conv", (2, 3)), ("ssm", (2, 2))], state_slots=slots,
+                          state_checkpoint_every=EVERY, prefix_host_blocks=64, host_num_blocks=48)
+        self.kv = PagedKVCache(cfg)
+        self.spec = cfg.state_spec
+        self.oracle = StateOracle(BS, EVERY)
+        self.next_id = 0
+        self.prompts = []
+        self.pins = []
+
+    @rule()
+    def flush(self):
+        """Every unheld prefix block goes down to the host tier; the pool's snapshots are
+        dropped (those no sequence shares free their slots)."""
+        kv = self.kv
+        kv.add_sequence("flush")
+        try:
+            while True:
+                kv.reserve("flush", BS)
+        except OutOfBlocksError:
+            pass
+        kv.free("flush")
+        snaps = kv._groups.snapshots
+        for s in snaps.snapshots():
+            if not s.pins:
+                snaps.remove(s)
+
+    @precondition(lambda self: self.oracle.seqs)
+    @rule(data=st.data())
+    def swap(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.oracle.seqs)))
+        try:
+            self.kv.swap_out(sid)
+        except OutOfBlocksError:
+            return
+        try:
+            self.kv.swap_in(sid)
+        except OutOfBlocksError:
+            # its state slot was shared (a fork, a hit): back alone it needs one, and every
+            # slot is held; it stays swapped out, and freeing it drops its host copy
+            assert self.kv.stats().states.free_slots == 0
+            self.kv.free(sid)
+            self.oracle.free(sid)
+            return
+        self._check_state(sid)

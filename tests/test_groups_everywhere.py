@@ -267,7 +267,8 @@ def r_mla_attention(kv):
 
 _STATE_CALLS = {"next_checkpoint": ("a",), "read_state": (["a"], 0), "state_arena": ("conv",),
                 "state_positions": (["a"],), "state_slots": (["a"],), "take_state_copies": (),
-                "write_state": (["a"], 0, {})}
+                "write_state": (["a"], 0, {}), "export_state": ("a",), "import_state": ("a", b""),
+                "state_nbytes": ()}
 
 
 def r_no_states(name):

@@ -9,8 +9,8 @@ import pytest
 
 from pagedkv.cli import SUBCOMMANDS, main
 from pagedkv.config.options import CacheConfig
-from pagedkv.errors import InvalidArgumentError
 from pagedkv.config.planner import PlanResult, plan, plan_config
+from pagedkv.errors import InvalidArgumentError
 
 # Qwen/Qwen3-0.6B: 28 layers, 16 query heads, 8 KV heads, head_dim 128 (not hidden/heads).
 QWEN3_06B = {
@@ -166,6 +166,56 @@ def test_console_script(tmp_path):
     out = subprocess.run(["pagedkv", "plan", "--model-config", str(p), "--budget", "1GiB", "--json"],
                          capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["bytes_per_token"] == kv_bytes(1, 2)
+
+
+# ---- recurrent-state layers ------------------------------------------------------------------
+def _state_config(family):
+    from pagedkv.testing.state_models import state_config
+
+    return state_config(family).to_dict()
+
+
+def test_plan_counts_state_bytes_per_request_for_a_hybrid_model():
+    """A Qwen3-Next-like config (Gated DeltaNet, attention, Gated DeltaNet): each
+    sequence holds one state (conv [2*2*8 + 4*8, 4] and recurrent [4, 8, 8], float32, in
+    both linear layers) at any length, and as much per periodic snapshot; the budget is
+    split so that every full-length sequence gets its blocks and its states."""
+    c = _state_config("qwen3_next")
+    r = plan(c, "64MiB", 1024)
+    one = 2 * (64 * 4 + 4 * 8 * 8) * 4
+    assert (r.state_layers, r.state_bytes_per_sequence, r.snapshots_per_sequence) == (2, one, 4)
+    per_seq = 64 * r.bytes_per_block + 5 * one          # 1024 tokens of blocks, a live state and 4 snapshots
+    n = (64 << 20) // per_seq
+    assert (r.num_sequences, r.state_slots, r.state_pool_bytes) == (n, 5 * n, 5 * n * one)
+    assert r.arena_bytes + r.state_pool_bytes <= 64 << 20
+    assert r.num_blocks >= n * 64
+    assert "state/sequence  4,096 B" in r.format()
+    # a state pool of its own: the KV gets the whole budget, the states what state_budget holds
+    r = plan(c, "64MiB", 1024, state_budget="1MiB")
+    assert r.state_slots == (1 << 20) // one and r.num_sequences == r.state_slots // 5
+    assert r.arena_bytes == r.num_blocks * r.bytes_per_block and r.arena_bytes > (63 << 20)
+    assert plan(c, "64MiB", 1024, state_slots=10, state_checkpoint_every=64).num_sequences == 5   # 1 snapshot each
+    with pytest.raises(InvalidArgumentError, match="state_budget: expected state_budget or state_slots"):
+        plan(c, "64MiB")
+
+
+def test_plan_a_pure_mamba2_model():
+    r = plan(_state_config("mamba2"), "8MiB", 512)
+    one = 3 * ((64 + 2 * 8) * 4 + 4 * 16 * 8) * 4       # three Mamba2 layers: conv and SSM states
+    assert (r.num_layers, r.attention, r.bytes_per_block, r.state_bytes_per_sequence) == (0, "none", 0, one)
+    assert r.num_sequences == (8 << 20) // (3 * one) and r.state_slots == 3 * r.num_sequences
+
+
+def test_cli_plans_a_hybrid_model(tmp_path, capsys):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(_state_config("bamba")))
+    assert main(["plan", "--model-config", str(p), "--budget", "64MiB", "--max-seq-len", "1024",
+                 "--state-budget", "2MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == plan(_state_config("bamba"), "64MiB", 1024, state_budget="2MiB").to_dict()
+    assert out["state_bytes_per_sequence"] > 0 and out["state_layers"] == 2
+    assert main(["plan", "--model-config", str(p), "--budget", "64MiB"]) == 2
+    assert "expected state_budget or state_slots" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("group", [64, 128])

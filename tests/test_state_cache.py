@@ -363,3 +363,32 @@ def test_stats_describe_the_state_pool():
     s = kv.stats()
     assert s.states.snapshots == 1 and s.states.slot_bytes == 160 and s.states.bytes_in_use == 160
     assert "State pool: 1/16 slots in use (0 held by sequences, 1 snapshots, 0 pinned)" in s.describe()
+
+
+def test_a_superseded_snapshot_is_evicted_before_the_chains_newest():
+    """A chat's earlier checkpoints go before its newest snapshot (and before another
+    chain's), whatever their recency: a request extending the chain resumes from the
+    deepest one."""
+    kv = PagedKVCache(config(state_slots=4, state_checkpoint_every=1))
+    a, b = list(range(1, 14)), list(range(50, 55))
+    kv.add_sequence("a", a)
+    for n in (4, 4, 4, 1):                        # snapshots at 4, 8, 12: 4 and 8 superseded by 12
+        step(kv, "a", a, n)
+    kv.free("a")
+    kv.add_sequence("b", b)
+    step(kv, "b", b, 4)                           # another chain's, the most recent
+    kv.free("b")
+    assert kv.add_sequence("h", a[:5]) == 4       # a hit makes the 4-token one the most recent
+    kv.free("h")
+    snaps = kv._groups.snapshots
+    assert sorted((len(s.tokens), s.superseded) for s in snaps.snapshots()) == [(4, 0), (4, 2), (8, 1), (12, 0)]
+    kv.add_sequence("x", [9] * 5)
+    kv.reserve("x", 5)                            # one slot: the LRU superseded one (8) goes, not b's
+    assert sorted((int(s.tokens[0]), len(s.tokens)) for s in snaps.snapshots()) == [(1, 4), (1, 12), (50, 4)]
+    kv.free("x")
+    assert kv.add_sequence("c", a + [3]) == 12
+    assert_state(kv, "c", a[:12])
+    kv.free("c")
+    snaps.remove(next(s for s in snaps.snapshots() if len(s.tokens) == 12))
+    assert [s.superseded for s in snaps.snapshots() if s.tokens[0] == 1] == [0]   # the count follows removals
+    kv.check_invariants()

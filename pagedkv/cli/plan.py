@@ -6,7 +6,7 @@ import json
 import sys
 
 from pagedkv.config.options import CacheConfig
-from pagedkv.config.planner import plan_config
+from pagedkv.config.planner import plan_cache_config, plan_config
 from pagedkv.errors import InvalidArgumentError, PagedKVError, expected
 
 HELP = "size a KV cache: blocks, tokens and full-length sequences that fit a memory budget"
@@ -43,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default="NHD", choices=("NHD", "HND"))
     parser.add_argument("--attention-sinks", type=int, default=0, metavar="TOKENS",
                         help="leading tokens every sliding-window layer keeps (StreamingLLM sinks)")
+    states = parser.add_argument_group("recurrent-state layers (Mamba2, Gated DeltaNet, ...: a hybrid --model-config)")
+    states.add_argument("--state-budget", default=None,
+                        help="the state pool's bytes, beside --budget (default: --budget is split so each "
+                             "--max-seq-len sequence gets its blocks, its state and its periodic snapshots)")
+    states.add_argument("--state-slots", type=int, default=None, metavar="N",
+                        help="the state pool's slots (live states and snapshots), instead of --state-budget")
+    states.add_argument("--state-checkpoint-every", type=int, default=None, metavar="BLOCKS",
+                        help="blocks between periodic state snapshots (default 16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -61,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
                 raise InvalidArgumentError(
                     expected("--model-config", "no --num-layers/--num-kv-heads/--head-dim beside it", "both")
                 )
-            cfg = CacheConfig.from_hf_config(args.model_config, **opts)
+            del opts["memory_budget"]
+            cfg = plan_cache_config(args.model_config, args.budget, args.max_seq_len, state_budget=args.state_budget,
+                                    state_slots=args.state_slots,
+                                    state_checkpoint_every=args.state_checkpoint_every, **opts)
         elif all(v is not None for v in explicit):
             mla = dict(kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.qk_rope_head_dim)
             cfg = CacheConfig(num_layers=explicit[0], num_kv_heads=explicit[1], head_dim=explicit[2],

@@ -14,16 +14,25 @@ group's layer slots, and a sequence holds blocks in every group. A full-attentio
 grows with the context; a sliding one stops at its window (plus sinks). So a sequence
 of L tokens costs ``context_bytes_per_token * L`` (full groups) plus at most
 ``constant_bytes_per_sequence`` (sliding groups), block-rounded.
+
+Recurrent-state layers (Mamba2, Gated DeltaNet, ...; see :mod:`pagedkv.state`): a
+sequence also holds one state slot (``state_bytes_per_sequence``: every state tensor
+of every state layer, at the state dtype), whatever its length, and prefix caching
+keeps snapshots of the same size (a periodic one every ``state_checkpoint_every``
+blocks: ``snapshots_per_sequence`` over ``max_seq_len``). The state pool is a budget
+of its own: ``state_budget`` (or ``state_slots``); without either, :func:`plan`
+splits ``budget`` so that each full-length sequence gets its blocks, its live state
+and its periodic snapshots.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pagedkv.config.options import CacheConfig, format_bytes, show
+from pagedkv.config.options import CacheConfig, format_bytes, parse_bytes, show
 from pagedkv.errors import InvalidArgumentError, expected
 
-__all__ = ["PlanResult", "plan", "plan_config"]
+__all__ = ["PlanResult", "plan", "plan_config", "plan_cache_config"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,12 @@ class PlanResult:
     note: str | None = None  # set when the window arena costs more than quantization saves
     attention: str = "full"  # the layer group's spec ("full", "mla(kv_lora_rank=..., rope_dim=...)"), or "hybrid"
     layer_bytes_per_token: int = 0  # one token in one layer of kv_dtype: its rows, scales included
+    state: str | None = None  # recurrent-state layers: their spec ("state(conv [...] float32, ...)"), else None
+    state_layers: int = 0  # layers that keep a recurrent state
+    state_bytes_per_sequence: int = 0  # one sequence's state in every state layer (also one snapshot's size)
+    state_slots: int = 0  # live states and snapshots the state pool holds
+    state_pool_bytes: int = 0  # state_slots * state_bytes_per_sequence (beside arena_bytes)
+    snapshots_per_sequence: int | None = None  # periodic snapshots of a max_seq_len sequence
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_groups", tuple(self.layer_groups))   # to_dict() gives a list
@@ -92,6 +107,12 @@ class PlanResult:
                          f"blocks' bytes above; quantization saves {format_bytes(self.quantization_saving_bytes)}")
         if self.note:
             lines.append(f"warning         {self.note}")
+        if self.state is not None:
+            lines += [f"state layers    {self.state_layers} x {self.state}",
+                      f"state/sequence  {self.state_bytes_per_sequence:,} B "
+                      f"({format_bytes(self.state_bytes_per_sequence)}) at any length, and as much per snapshot",
+                      f"state pool      {self.state_slots:,} slots = {self.state_pool_bytes:,} B "
+                      f"({format_bytes(self.state_pool_bytes)}), beside the blocks"]
         if self.max_seq_len is not None:
             lines += [
                 f"one sequence    {self.max_seq_len:,} tokens = {self.blocks_per_sequence:,} blocks = "
@@ -122,7 +143,19 @@ def plan_config(config: CacheConfig, max_seq_len: int | None = None) -> PlanResu
         blocks = sum(s.blocks_held(max_seq_len) for s in specs)
         exact = sum(s.kept_tokens(max_seq_len) for s in specs) * bpt
         per_seq = blocks * bpb
-        fits = nb // blocks
+        fits = nb // blocks if blocks else None
+    spec = config.state_spec
+    state: dict[str, Any] = {}
+    if spec is not None:
+        one = spec.slot_bytes()
+        slots = config.resolved_state_slots
+        snaps = None
+        if max_seq_len is not None:
+            snaps = max_seq_len // (config.state_checkpoint_every * config.block_size)
+            by_state = slots // (1 + snaps)       # a live state and its periodic snapshots each
+            fits = by_state if fits is None else min(fits, by_state)
+        state = dict(state=spec.kind, state_layers=len(spec.layers), state_bytes_per_sequence=one,
+                     state_slots=slots, state_pool_bytes=slots * one, snapshots_per_sequence=snaps)
     return PlanResult(
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
@@ -149,8 +182,9 @@ def plan_config(config: CacheConfig, max_seq_len: int | None = None) -> PlanResu
         layer_groups=described,
         context_bytes_per_token=per_token,
         constant_bytes_per_sequence=constant,
-        attention=specs[0].kind if len(specs) == 1 else "hybrid",
-        layer_bytes_per_token=specs[0].token_bytes(),
+        attention=("none" if not config.num_layers else specs[0].kind if len(specs) == 1 else "hybrid"),
+        layer_bytes_per_token=specs[0].token_bytes() if specs else 0,
+        **state,
     )
 
 
@@ -166,6 +200,9 @@ def plan(
     attention_sinks: int = 0,
     kv_key_quant: Any = None,
     kv_sink_tokens: Any = None,
+    state_budget: int | str | None = None,
+    state_slots: int | None = None,
+    state_checkpoint_every: int | None = None,
 ) -> PlanResult:
     """Plan a cache for a model.
 
@@ -177,9 +214,64 @@ def plan(
         kv_key_quant: int4 only: ``"block"`` for per-channel keys (see :class:`CacheConfig`).
         kv_sink_tokens: leading tokens per sequence kept in model precision (quantized
             caches; default 4 for int4/int3). Their pinned blocks count in the arena bytes.
+        state_budget: recurrent-state layers: the state pool's bytes, beside ``budget``.
+        state_slots: recurrent-state layers: the state pool's slots (instead of ``state_budget``).
+        state_checkpoint_every: recurrent-state layers: blocks between periodic snapshots.
     """
-    cfg = CacheConfig.from_hf_config(
-        model_config, memory_budget=budget, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, layout=layout,
+    return plan_config(plan_cache_config(
+        model_config, budget, max_seq_len, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, layout=layout,
         attention_sinks=attention_sinks, kv_key_quant=kv_key_quant, kv_sink_tokens=kv_sink_tokens,
-    )
-    return plan_config(cfg, max_seq_len)
+        state_budget=state_budget, state_slots=state_slots, state_checkpoint_every=state_checkpoint_every),
+        max_seq_len)
+
+
+def plan_cache_config(model_config: Any, budget: int | str, max_seq_len: int | None = None, *,
+                      state_budget: int | str | None = None, state_slots: int | None = None,
+                      state_checkpoint_every: int | None = None, **opts: Any) -> CacheConfig:
+    """The config :func:`plan` plans (``opts``: :meth:`CacheConfig.from_hf_config`
+    overrides). A model with recurrent-state layers and neither ``state_budget`` nor
+    ``state_slots`` gets ``budget`` split: each full-length sequence its blocks, its
+    live state and its periodic snapshots (``max_seq_len`` is then required).
+
+    Args:
+        model_config: anything :meth:`CacheConfig.from_hf_config` reads.
+        budget: bytes, or a string like ``"4GiB"``.
+        max_seq_len: the full sequence length to plan for.
+        state_budget: the state pool's bytes, beside ``budget``.
+        state_slots: the state pool's slots (instead of ``state_budget``).
+        state_checkpoint_every: blocks between periodic snapshots.
+        opts: further :class:`CacheConfig` fields.
+    """
+    if state_checkpoint_every is not None:
+        opts["state_checkpoint_every"] = state_checkpoint_every
+    if state_budget is not None or state_slots is not None:
+        state = dict(state_memory_budget=state_budget) if state_slots is None else dict(state_slots=state_slots)
+        probe = CacheConfig.from_hf_config(model_config, num_blocks=1, **state, **opts)
+        if probe.num_layers:
+            return CacheConfig.from_hf_config(model_config, memory_budget=budget, **state, **opts)
+        # a model without attention layers: its blocks only count tokens, a max_seq_len per state
+        per = -(-max_seq_len // probe.block_size) if max_seq_len is not None else 1
+        return CacheConfig.from_hf_config(model_config, num_blocks=max(1, probe.resolved_state_slots * per),
+                                          **state, **opts)
+    try:
+        return CacheConfig.from_hf_config(model_config, memory_budget=budget, **opts)
+    except InvalidArgumentError as e:
+        if "state_slots" not in str(e):
+            raise
+    # a model with recurrent-state layers: its shape, then the split
+    probe = CacheConfig.from_hf_config(model_config, num_blocks=1, state_slots=1, **opts)
+    if max_seq_len is None:
+        raise InvalidArgumentError(expected("state_budget", "state_budget or state_slots (or max_seq_len, to split "
+                                            "the budget) for a model with recurrent-state layers", None))
+    total = parse_bytes(budget, "memory_budget")
+    blocks = sum(s.blocks_held(max_seq_len) for s in probe.kv_specs)
+    slots = 1 + max_seq_len // (probe.state_checkpoint_every * probe.block_size)
+    one = probe.state_spec.slot_bytes()     # type: ignore[union-attr]
+    per_seq = blocks * probe.bytes_per_block + slots * one
+    n = total // per_seq
+    if n < 1:
+        raise InvalidArgumentError(expected("budget", f"at least one {max_seq_len}-token sequence "
+                                            f"({per_seq:,} B with its states)", f"{total:,} bytes"))
+    kv = dict(memory_budget=total - n * slots * one) if probe.num_layers else \
+        dict(num_blocks=max(1, n * blocks))     # a model without attention layers: its blocks only count tokens
+    return CacheConfig.from_hf_config(model_config, state_slots=n * slots, **kv, **opts)

@@ -144,6 +144,14 @@ class PagedKVCache(PrefixCalls, KVDataCalls, StateCalls):
             from pagedkv.tiers import PrefixTiers
 
             self._tiers = PrefixTiers(config, self.index, store, self._pool, names, self._groups)
+            if self.state_store is not None and self.index is not None:
+                from pagedkv.tiers.state_shelf import build_shelves
+
+                try:
+                    self._groups.attach_tiers(build_shelves(config, store), self._namespaces.key_of)
+                except BaseException:
+                    self._tiers.close()         # the disk tier's lock goes with the failed cache
+                    raise
         self._host: HostSwap | NoHost = NoHost()
         if config.host_num_blocks:
             from pagedkv.tiers.swap import HostSwap

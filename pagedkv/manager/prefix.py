@@ -50,8 +50,12 @@ class Prefixes:
         with self.lock:
             found = self.match_prefix_groups(tokens, cache_salt, adapter_id)["tokens"]
             ns = self.namespaces.find(cache_salt, adapter_id)
-            return max(found, self.tiers.match(tokens, namespace_key(cache_salt, adapter_id),
-                                               None if ns is None else ns[0]))
+            nkey = namespace_key(cache_salt, adapter_id)
+            tiered = self.tiers.match(tokens, nkey, None if ns is None else ns[0])
+            cap = getattr(self.groups, "cap_match", None)      # recurrent states: where a snapshot is
+            if cap is not None and tiered > found:
+                tiered = cap(tokens, nkey, ns, tiered)
+            return max(found, tiered)
 
     def prefetch_prefix(self, token_ids, cache_salt, adapter_id) -> None:
         tokens = as_token_ids(token_ids)

@@ -109,3 +109,35 @@ class StateCalls:
         with self._lock:
             self._states()
             return self._groups.take_state_copies()
+
+    def state_nbytes(self) -> int:
+        """Bytes of one sequence's state in every state layer (:meth:`export_state`'s size)."""
+        return self._state_store().slot_nbytes()
+
+    def export_state(self, seq_id) -> bytes:
+        """The sequence's state in every state layer as bytes (zeros for the initial
+        state), covering exactly its committed tokens: what a transfer or a swap carries.
+        A state written by a step not yet committed is refused (commit or unreserve first)."""
+        self._state_store()
+        with self._lock:
+            return self._groups.export_state_of(self._state_keys(seq_id)[0])
+
+    def import_state(self, seq_id, data: bytes) -> None:
+        """Set the sequence's state to ``data`` (:meth:`export_state`'s bytes of the same
+        format), as :meth:`write_state` does for every state layer: after :meth:`reserve`,
+        before the :meth:`commit` it is the state of."""
+        store = self._state_store()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(expected("data", "bytes (export_state's)", type(data).__name__))
+        data = bytes(data)
+        if len(data) != store.slot_nbytes():
+            raise InvalidArgumentError(expected("data", f"{store.slot_nbytes()} bytes (one state)", len(data)))
+        with self._lock:
+            st = self._states()
+            key = self._state_keys(seq_id)[0]
+            s = st.seqs[key]
+            if s.slot < 0 or st.slots.ref[s.slot] != 1:
+                raise InvalidArgumentError(expected(
+                    "seq_id", "a sequence reserved this step (holding its state slot alone)",
+                    f"{self._ids.name(key)!r} with {'no state slot' if s.slot < 0 else 'a shared state'}"))
+            self._groups.import_state_of(key, data)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv._core.prefix import hash_bytes
-from pagedkv.errors import InternalError
+from pagedkv.errors import InternalError, InvalidArgumentError, expected
 from pagedkv.state.slots import StateSlots
 from pagedkv.state.snapshots import Lookup, SnapshotIndex
 from pagedkv.state.tables import StateTables
@@ -48,6 +48,7 @@ class StateStats:
     recomputed_tokens: int         # tokens rollbacks sent back to be computed again
     slot_bytes: int                # one slot: one sequence's state in every state layer
     bytes_in_use: int              # slots held, live or snapshot
+    tiers: tuple = ()              # per prefix tier keeping snapshots: its shelf's figures (a dict)
 
     def describe(self) -> str:
         return (f"State pool: {self.total_slots - self.free_slots}/{self.total_slots} slots in use "
@@ -94,6 +95,76 @@ class StateGroups:
         self.limited_by = inner.limited_by
         self.state_limited = 0          # admissions whose hit the state group lowered
         self._owed: tuple[list, list] = ([], [])
+        self.tier_states = None         # snapshots on the prefix tiers (pagedkv.manager.state_tiers)
+
+    def attach_tiers(self, shelves: list, key_of) -> None:
+        """Keep snapshots on the prefix tiers' ``shelves`` too (``key_of``: the cache
+        namespace registry's)."""
+        from pagedkv.manager.state_tiers import StateTiers
+
+        if shelves and self.snapshots is not None and self.store is not None:
+            self.tier_states = StateTiers(shelves, self.states, self.store, key_of)
+
+    # ---- a state that moves whole (swap, transfer) -----------------------------------------
+    def export_state_of(self, key: int) -> bytes | None:
+        """``key``'s state as bytes (zeros for the initial state; None without a store),
+        covering exactly its committed tokens: one written past them is refused."""
+        s = self.states.seqs[key]
+        if s.written:
+            raise InvalidArgumentError(expected(
+                "seq_id", "a sequence whose state covers its committed tokens (commit or unreserve the step)",
+                f"{self.inner.tables[0].namer(key)!r} with a state written past them"))
+        if self.store is None:
+            return None
+        return bytes(self.store.slot_nbytes()) if s.slot < 0 else self.store.export_slot(s.slot)
+
+    def import_state_of(self, key: int, data: bytes | None) -> None:
+        """Write ``data`` (:meth:`export_state_of`'s) into ``key``'s own slot (after a
+        reserve); the next commit files it where a snapshot is due."""
+        if data is None or self.store is None:
+            return
+        s = self.states.seqs[key]
+        if s.slot < 0 or self.slots.ref[s.slot] != 1:
+            raise InternalError(f"a state imported into sequence {key} without a slot of its own (a bug)")
+        self.store.import_slot(s.slot, data)
+        s.written = True
+
+    # ---- a promotion from the prefix tiers (PrefixTiers.promote) ------------------------------
+    @property
+    def attention(self):
+        """The attention groups' coordinator: a promotion reserves and commits their
+        blocks there; the state resumes from a snapshot (:meth:`resume_promoted`)."""
+        return self.inner
+
+    def cap_promotion(self, key: int, tokens: np.ndarray, have: int, n: int) -> int:
+        """The most of ``n`` promoted blocks past ``have`` that end where a verified
+        snapshot exists (device or tier): a KV-only promotion never advances a request."""
+        if self.tier_states is not None:
+            return self.tier_states.cap(key, tokens, have, n)
+        s = self.states.seqs[key]
+        for m in range(n, 0, -1):
+            if self.snapshots is not None and self.snapshots.find(
+                    tokens[:(have + m) * self.block_size], s.ns_id, s.ns_hash) is not None:
+                return m
+        return 0
+
+    def cap_match(self, tokens: np.ndarray, ns_key: bytes, ns: tuple[int, int] | None, upto: int) -> int:
+        """Tokens of a tier match (``upto``) that end where a snapshot exists."""
+        dev = None if ns is None else self.state_namespace(*ns)
+        if self.tier_states is not None:
+            return self.tier_states.held(tokens, ns_key, dev, upto)
+        for k in range(upto // self.block_size, 0, -1):
+            if dev is not None and self.snapshots is not None and self.snapshots.find(
+                    tokens[:k * self.block_size], *dev) is not None:
+                return k * self.block_size
+        return 0
+
+    def resume_promoted(self, key: int, tokens: np.ndarray, blocks: int) -> None:
+        s = self.states.seqs[key]
+        snap = self.snapshots.find(tokens[:blocks * self.block_size], s.ns_id, s.ns_hash)  # type: ignore[union-attr]
+        if snap is None:
+            raise InternalError(f"the state snapshot at {blocks} blocks vanished during a promotion (a bug)")
+        self.states.resume(key, snap)
 
     def __getattr__(self, name: str) -> Any:
         # what the state group does not change (queries, exports, relocation) is the inner coordinator's
@@ -295,6 +366,8 @@ class StateGroups:
     def clear_states(self) -> None:
         if self.snapshots is not None:
             self.snapshots.clear()
+        if self.tier_states is not None:
+            self.tier_states.clear()
 
     def state_stats(self) -> StateStats:
         snaps = self.snapshots
@@ -308,7 +381,8 @@ class StateGroups:
             snapshots_evicted=snaps.num_evicted if snaps else 0,
             verify_failures=snaps.num_verify_failures if snaps else 0,
             state_copies=self.states.num_copies, recomputed_tokens=self.states.num_recomputed,
-            slot_bytes=self.spec.slot_bytes(), bytes_in_use=used * self.spec.slot_bytes())
+            slot_bytes=self.spec.slot_bytes(), bytes_in_use=used * self.spec.slot_bytes(),
+            tiers=self.tier_states.stats() if self.tier_states is not None else ())
 
     def stats(self, pool, config, host, tiers):
         base = self.inner.stats(pool, config, host, tiers)

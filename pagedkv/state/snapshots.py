@@ -15,10 +15,17 @@ shares, never a pinned one, in the cache's policy order:
   the middle class), least recently used first within a class;
 - ``"frequency"`` and ``"adaptive"``: the fewest hits first, least recently used first
   among equals.
+
+Within that order a *superseded* snapshot goes first: one whose chain a deeper
+snapshot extends (a request that extends the chain resumes from the deeper one). So a
+multi-turn chat keeps each conversation's newest snapshot rather than the intermediate
+checkpoints of its earlier turns (``benchmarks/recurrent.py``: at vLLM ``align``'s
+state memory this is what keeps the hit rate).
 """
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +47,8 @@ class Snapshot:
     priority: int
     pins: int = 0
     hits: int = 0
+    superseded: int = 0         # deeper snapshots filed whose chains extend this one
+    extends: tuple = ()         # the shallower snapshots this one supersedes (counted there)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -79,6 +88,7 @@ class SnapshotIndex:
         self.num_evicted = 0           # dropped to free a slot
         self.num_verify_failures = 0   # a digest matched, the tokens or namespace did not
         self.num_hits = 0              # lookups that resumed from a snapshot
+        self.on_store: Callable[[Snapshot], None] | None = None   # each new snapshot (the tiers write it down)
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -126,7 +136,8 @@ class SnapshotIndex:
         """File the state in ``slot`` (the caller's: it is shared here, not copied) as the
         snapshot after ``tokens``. None when one is filed there already (it is touched)."""
         k = len(tokens) // self.block_size
-        digest = int(self.hash_tokens(tokens, ns_hash)[k - 1])
+        digests = self.hash_tokens(tokens, ns_hash)
+        digest = int(digests[k - 1])
         key = (ns_id, len(tokens), digest)
         old = self._by_key.get(key)
         if old is not None:
@@ -137,14 +148,26 @@ class SnapshotIndex:
             return None
         snap = Snapshot(ns_id, digest, np.array(tokens, dtype=np.int32, copy=True), slot,
                         self.default_priority if priority < 0 else priority)
+        below = []
+        for j in range(k - 1):          # the snapshots of this chain's shorter prefixes: superseded now
+            a = self._by_key.get((ns_id, (j + 1) * self.block_size, int(digests[j])))
+            if a is not None and np.array_equal(a.tokens, snap.tokens[:len(a.tokens)]):
+                a.superseded += 1
+                below.append(a)
+        snap.extends = tuple(below)
         self.slots.incref(slot)
         self._by_key[key] = snap
         self.num_stored += 1
+        if self.on_store is not None:
+            self.on_store(snap)
         return snap
 
     def remove(self, snap: Snapshot) -> None:
         del self._by_key[snap.key]
         self.slots.decref(snap.slot)
+        for a in snap.extends:
+            a.superseded -= 1
+        snap.extends = ()
 
     def num_evictable(self) -> int:
         """Snapshots whose slot frees when they go: unpinned, shared by no sequence."""
@@ -170,9 +193,13 @@ class SnapshotIndex:
         for age, s in enumerate(self._by_key.values()):     # least recently used first
             if s.pins or ref[s.slot] != 1:
                 continue
+            kept = not s.superseded
             if self.eviction == "lru":
-                return s
-            rank = (s.priority, age) if self.eviction == "priority" else (s.hits, age)
+                if not kept:
+                    return s
+                rank: tuple = (kept, age)
+            else:
+                rank = (s.priority, kept, age) if self.eviction == "priority" else (s.hits, kept, age)
             if best is None or rank < best_rank:
                 best, best_rank = s, rank
         return best

@@ -92,3 +92,25 @@ class StateStore:
         idx = self._index(slots)
         for name, t in tensors.items():
             self.arenas[name][li].index_copy_(0, idx, t.to(self.arenas[name].dtype))
+
+    def slot_nbytes(self) -> int:
+        """Bytes of one slot in every arena (a snapshot at rest)."""
+        return sum(a[:, 0].numel() * a.element_size() for a in self.arenas.values())
+
+    def export_slot(self, slot: int) -> bytes:
+        """Slot ``slot``'s state in every arena, as bytes (arenas in the spec's order, each
+        ``[state_layers, *shape]``)."""
+        return b"".join(a[:, slot].contiguous().cpu().view(torch.uint8).numpy().tobytes()
+                        for a in self.arenas.values())
+
+    def import_slot(self, slot: int, data: bytes) -> None:
+        """The inverse of :meth:`export_slot` (``data`` must be :meth:`slot_nbytes` long)."""
+        if len(data) != self.slot_nbytes():
+            raise InvalidArgumentError(expected("data", f"{self.slot_nbytes()} bytes (one state slot)", len(data)))
+        at = 0
+        for a in self.arenas.values():
+            part = a[:, slot]
+            n = part.numel() * a.element_size()
+            src = torch.frombuffer(bytearray(data[at:at + n]), dtype=torch.uint8).view(a.dtype).view(part.shape)
+            part.copy_(src.to(self.device))
+            at += n

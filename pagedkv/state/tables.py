@@ -30,7 +30,7 @@ import numpy as np
 from pagedkv.errors import InternalError, OutOfBlocksError
 from pagedkv.groups.spec import RecurrentStateSpec
 from pagedkv.state.slots import StateSlots
-from pagedkv.state.snapshots import Lookup, SnapshotIndex
+from pagedkv.state.snapshots import Lookup, Snapshot, SnapshotIndex
 
 __all__ = ["StateTables", "OutOfStateSlotsError"]
 
@@ -219,6 +219,17 @@ class StateTables:
         if s.junction > s.pos:
             nxt = min(nxt, s.junction)
         return nxt
+
+    def resume(self, key: int, snap: Snapshot) -> None:
+        """``key``'s state becomes ``snap`` (its tables now cover the snapshot's tokens:
+        a prefix promoted from a tier)."""
+        s = self.seqs[key]
+        self.slots.incref(snap.slot)
+        if s.slot >= 0:
+            self.slots.decref(s.slot)
+        s.slot, s.pos, s.written = snap.slot, len(snap.tokens), False
+        if self.snapshots is not None:
+            self.snapshots.touch(snap)
 
     # ---- rollback ----------------------------------------------------------------------------------
     def resume_point(self, key: int, target: int) -> int:

@@ -366,6 +366,10 @@ class PrefixTiers:
                 if tier is None or t is tier:
                     t.release(leases.pop(t))
         reserved = False
+        # with recurrent-state layers the attention groups take the blocks, and the state
+        # resumes from the snapshot where the promotion ends (never a KV-only advance)
+        cap_states = getattr(self.tables, "cap_promotion", None)
+        tables = self.tables if cap_states is None else self.tables.attention
         try:
             for src in sources:
                 for j, (t, s) in enumerate(src[:n]):
@@ -374,10 +378,12 @@ class PrefixTiers:
                         release(t)        # a leased block cannot leave its tier
                         self._drop_corrupt(t, s)
                         break
+            if n and cap_states is not None:     # recurrent states: only to a boundary with a snapshot
+                n = cap_states(key, tokens, have, n)
             if n == 0:
                 return hit
             sources = [src[:n] for src in sources]
-            self.tables.reserve(key, n * bs, internal=True)
+            tables.reserve(key, n * bs, internal=True)
             reserved = True
             self.sync()                   # evicted blocks go down before we overwrite them
             blocks = [tb.blocks(key)[have:have + n].tolist() for tb in self.groups]
@@ -394,11 +400,13 @@ class PrefixTiers:
                     t.load([p[0] for p in pairs], self.device, [p[1] for p in pairs])
             if on_device:                 # KV, scales and window rows, as copy-on-write copies
                 self.store.copy_blocks(torch.as_tensor(on_device, dtype=torch.int64))
-            self.tables.commit(key, n * bs, internal=True)
+            tables.commit(key, n * bs, internal=True)
             reserved = False
+            if cap_states is not None:
+                self.tables.resume_promoted(key, tokens, have + n)
         except BaseException:
             if reserved:
-                self.tables.unreserve(key, internal=True)
+                tables.unreserve(key, internal=True)
             raise
         finally:
             release()

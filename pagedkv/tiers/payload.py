@@ -72,7 +72,9 @@ class PayloadLayout:
             sections.append(s)
             offset = _aligned(offset + s.nbytes)
         self.sections: list[Section] = sections
-        self.record_bytes = offset
+        # a model without attention layers (pure Mamba2) still keeps its blocks' tokens on
+        # a tier: their records hold no data, but a file of empty records cannot be mapped
+        self.record_bytes = max(offset, ALIGN)
 
     @classmethod
     def of(cls, store_arenas: list[torch.Tensor], rows=None) -> PayloadLayout:

@@ -30,6 +30,7 @@ class _Swapped:
     ns_id: int
     ns_hash: int
     priority: int
+    state: bytes | None = None   # recurrent-state layers: the state after num_computed tokens
 
 
 def _nothing() -> None:
@@ -111,6 +112,9 @@ class HostSwap:
             parts.append(pos)
             device.append(table[pos])
         device_blocks = np.concatenate(device)
+        # recurrent-state layers: the state goes to the host with the blocks (checked first)
+        export = getattr(self.tables, "export_state_of", None)
+        state = export(key) if export is not None else None
         total = len(device_blocks)
         if total > self.pool.num_free_blocks:
             raise OutOfBlocksError(total, self.pool.num_free_blocks, "swap_out to the host tier")
@@ -122,7 +126,7 @@ class HostSwap:
             self.store.offload(torch.from_numpy(pairs))
         tokens = first.tokens(key)
         self.swapped[key] = _Swapped(host_blocks, parts, tokens, computed, info["namespace"],
-                                     self._namespace_hash(info["namespace"]), info["priority"])
+                                     self._namespace_hash(info["namespace"]), info["priority"], state)
         self.tables.remove(np.array([key], dtype=np.int64), internal=True)
         return released
 
@@ -138,7 +142,8 @@ class HostSwap:
         keys = np.array([key], dtype=np.int64)
         self.tables.add_restored(key, rec.tokens, rec.ns_id, rec.ns_hash, rec.priority)
         try:
-            self.tables.reserve(keys, rec.num_computed, internal=True)
+            if rec.num_computed:        # nothing computed: nothing to reserve (not even a state slot)
+                self.tables.reserve(keys, rec.num_computed, internal=True)
         except BaseException:
             self.tables.remove(keys, internal=True)
             raise
@@ -149,7 +154,10 @@ class HostSwap:
             device = np.concatenate([t.blocks(key)[pos] for t, pos in zip(self.groups, rec.parts)])
             pairs = np.stack([rec.host_blocks, device], axis=1).astype(np.int64)
             self.store.load(torch.from_numpy(pairs))
-        self.tables.commit(keys, rec.num_computed, internal=True)
+        if rec.state is not None and rec.num_computed:   # into the slot the reserve gave it (the commit snapshots it)
+            self.tables.import_state_of(key, rec.state)
+        if rec.num_computed:
+            self.tables.commit(keys, rec.num_computed, internal=True)
         self.sync()
         self.pool.free(rec.host_blocks)
         del self.swapped[key]

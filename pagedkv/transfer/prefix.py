@@ -39,9 +39,11 @@ from pagedkv.transfer.protocol import (
     jsonable,
     recv_header,
     recv_kv,
+    recv_state,
     recv_tokens,
     refuse,
     scratch_id,
+    send_state,
     send_tokens,
 )
 from pagedkv.transfer.schema import check, integer, list_of_digits, optional, scalar, text
@@ -91,6 +93,13 @@ def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None,
         # every group's chain of the hit (a sliding group's whole chain, not only its window)
         chains = hold_chains(cache, full[:held // bs * bs], cache_salt, adapter_id)
         m = len(chains[0])
+        state = b""
+        if cache.state_store is not None:
+            # the prefix travels with the snapshot at its end: the admission resumed from it
+            if m * bs != held:
+                release_chains(cache, chains)
+                chains, m = [np.empty(0, dtype=np.int32) for _ in chains], 0
+            state = cache.export_state(tmp)
         offered = full[:m * bs]
         link.send_hello()
         link.send_json(header(KIND, cache, cache_salt=cache_salt, adapter_id=adapter_id, num_tokens=len(offered),
@@ -101,6 +110,8 @@ def send_prefix(cache, token_ids, dst: int, *, cache_salt=None, adapter_id=None,
         blocks = np.concatenate([c[start:m] for c in chains]).tolist()      # group by group
         link.send_blocks(cache.store.arenas, blocks)
         link.send_window(cache.store.window, blocks)
+        if cache.state_store is not None and start < m:
+            send_state(link, state)
         expect_ok(link, "waiting for the receiver's commit", last=True)
         return len(blocks)
     except TransferError as e:
@@ -159,6 +170,8 @@ def recv_prefix(cache, src: int, *, group=None, timeout: float = 60.0) -> int:
         blocks = np.concatenate([_table(cache, tmp, g)[k:m] for g in range(_num_groups(cache))]).tolist() \
             if k < m else []
         recv_kv(link, cache, blocks, window=True)        # verified before anything is committed
+        if k < m and cache.state_store is not None:      # the state at the prefix's end: snapshotted at the commit
+            cache.import_state(tmp, recv_state(link, cache))
         if blocks:
             _pin_sinks(cache, tmp, k)
             cache.commit(tmp, (m - k) * bs)

@@ -160,3 +160,21 @@ def recv_kv(link: Link, cache, blocks, window: bool) -> None:
             error = e
     if error is not None:
         refuse(link, str(error))
+
+
+def send_state(link: Link, state: bytes) -> None:
+    """A recurrent-state sequence's state (``export_state``'s bytes), after its KV."""
+    link.send_data(torch.frombuffer(bytearray(state), dtype=torch.uint8), "sending the recurrent state")
+
+
+def recv_state(link: Link, cache) -> bytes:
+    """The state :func:`send_state` sent, verified (size and checksum); a bad one is
+    refused (the sender is told why) and raises :class:`TransferError`."""
+    t = torch.empty(cache.state_nbytes(), dtype=torch.uint8, device=link.ctl)
+    try:
+        link.recv_data(t, "receiving the recurrent state")
+    except TransferError as e:
+        if link.broken:
+            raise
+        refuse(link, str(e))
+    return bytes(t.cpu().numpy())

@@ -15,9 +15,11 @@ from pagedkv.transfer.protocol import (
     jsonable,
     recv_header,
     recv_kv,
+    recv_state,
     recv_tokens,
     refuse,
     scratch_id,
+    send_state,
     send_tokens,
 )
 from pagedkv.transfer.schema import Invalid, anything, integer, optional, scalar, text
@@ -111,6 +113,12 @@ def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, 
         abort(link, KIND, e)
         raise
     try:
+        state = cache.export_state(tmp) if cache.state_store is not None else b""
+    except PagedKVError as e:
+        cache.free(tmp)
+        abort(link, KIND, e)
+        raise
+    try:
         tokens = cache.token_ids(seq_id)
         computed = cache.num_tokens(tmp)
         bs = cache.config.block_size
@@ -134,6 +142,8 @@ def send_sequence(cache, seq_id, dst: int, *, metadata: Any = None, group=None, 
             blocks = cache.block_table(tmp)[start:nb].tolist() if start * bs < computed else []
         link.send_blocks(cache.store.arenas, blocks)
         link.send_window(cache.store.window, blocks)
+        if cache.state_store is not None and start * bs < computed:
+            send_state(link, state)         # the state after every committed token
         expect_ok(link, "waiting for the receiver's commit", last=True)
         return len(blocks)
     except TransferError as e:
@@ -203,6 +213,8 @@ def recv_sequence(cache, src: int, *, seq_id: Any = None, group=None, timeout: f
         else:
             blocks = cache.block_table(sid)[start:].tolist() if need else []
         recv_kv(link, cache, blocks, window=True)        # verified before anything is committed
+        if need and cache.state_store is not None:
+            cache.import_state(sid, recv_state(link, cache))   # the commit snapshots it where due
         if need:
             cache.commit(sid, need)
         link.send_json({"ok": True}, "confirming the commit")
