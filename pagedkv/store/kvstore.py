@@ -490,6 +490,8 @@ class KVStore:
         """Copy block ``src`` to ``dst`` for each ``[P, 2]`` row, all layers (copy-on-write):
         codes, scales, model-precision layers and window copies."""
         groups = self._groups()
+        if not groups:   # no K/V layers (a pure Mamba model): its blocks hold no bytes to copy
+            return
         op_checks.validate_copy_blocks(groups[0], pairs)  # all checks before any copy
         for g in groups:
             ops.copy_blocks(g, pairs)
