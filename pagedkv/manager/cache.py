@@ -441,6 +441,9 @@ class PagedKVCache(PrefixCalls, KVDataCalls, StateCalls):
         cache must not be used afterwards."""
         with self._lock:
             self._tiers.close()
+            close_states = getattr(self._groups, "close_tiers", None)   # recurrent states: their shelves
+            if close_states is not None:
+                close_states()
             # closed: the cache answers as one without tiers (its final stats, its audit)
             absent = NoTiers(self.index, self._groups.names(self._namespaces), self.config.block_size)
             self._tiers = self._life.tiers = self._prefix.tiers = self._queries.tiers = absent

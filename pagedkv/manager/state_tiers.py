@@ -73,6 +73,8 @@ class StateTiers:
         s = self.states.seqs[key]
         nskey = self._ns_key(s.ns_id)
         keys = shelf_keys(nskey, tokens, self.bs, have + n)
+        for shelf in self.shelves:
+            shelf.prefetch(keys[have:have + n])
         for m in range(n, 0, -1):
             end = (have + m) * self.bs
             if self.snapshots.find(tokens[:end], s.ns_id, s.ns_hash) is not None:
@@ -121,6 +123,8 @@ class StateTiers:
         if n < 1:
             return 0
         keys = shelf_keys(ns_key + _STATE_NS, tokens, self.bs, n)
+        for shelf in self.shelves:
+            shelf.prefetch(keys)
         for k in range(n, 0, -1):
             if device_ns is not None and self.snapshots is not None and self.snapshots.find(
                     tokens[:k * self.bs], *device_ns) is not None:
@@ -132,6 +136,10 @@ class StateTiers:
     def clear(self) -> None:
         for shelf in self.shelves:
             shelf.clear()
+
+    def close(self) -> None:
+        for shelf in self.shelves:
+            shelf.close()
 
     def stats(self) -> tuple[dict, ...]:
         return tuple(shelf.stats() for shelf in self.shelves)

@@ -97,6 +97,11 @@ class StateGroups:
         self._owed: tuple[list, list] = ([], [])
         self.tier_states = None         # snapshots on the prefix tiers (pagedkv.manager.state_tiers)
 
+    def close_tiers(self) -> None:
+        """Close the tiers' shelves (a remote shelf's connections)."""
+        if self.tier_states is not None:
+            self.tier_states.close()
+
     def attach_tiers(self, shelves: list, key_of) -> None:
         """Keep snapshots on the prefix tiers' ``shelves`` too (``key_of``: the cache
         namespace registry's)."""

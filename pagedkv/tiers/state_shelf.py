@@ -1,4 +1,4 @@
-"""Recurrent-state snapshots on the host and disk tiers: a shelf per tier.
+"""Recurrent-state snapshots on the host, disk and remote tiers: a shelf per tier.
 
 A snapshot is one sequence's state in every state layer right after a whole number of
 blocks. On a tier it is one self-describing record, verified on every read like a
@@ -33,7 +33,7 @@ import numpy as np
 
 from pagedkv.errors import TierFileError, expected
 
-__all__ = ["StateShelf", "HostStateShelf", "DiskStateShelf", "shelf_keys"]
+__all__ = ["StateShelf", "HostStateShelf", "DiskStateShelf", "RemoteStateShelf", "shelf_keys"]
 
 MAGIC = b"PKVSNAP1"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -128,9 +128,13 @@ class StateShelf:
             self._delete(old)
             self.num_evicted += 1
 
+    def prefetch(self, keys: list[str]) -> None:
+        """Learn which of ``keys`` the medium holds before ``in`` asks of each (a remote
+        server: one round trip for a whole prompt); a local shelf knows already."""
+
     def get(self, key: str, ns_key: bytes, tokens: np.ndarray) -> bytes | None:
         """The verified state after ``tokens``, or None (a record that fails is dropped)."""
-        if key not in self._lru:
+        if key not in self:
             return None
         record = self._read(key)
         payload = None if record is None else decode(record, self.fmt, ns_key, tokens)
@@ -138,12 +142,13 @@ class StateShelf:
             self.num_verify_failures += 1
             self.drop(key)
             return None
-        self._lru.move_to_end(key)
+        if key in self._lru:
+            self._lru.move_to_end(key)
         self.num_hits += 1
         return payload
 
     def drop(self, key: str) -> None:
-        if self._lru.pop(key, None) is not None:
+        if self._lru.pop(key, None) is not None or key in self:
             self._delete(key)
 
     def clear(self) -> None:
@@ -271,10 +276,104 @@ class DiskStateShelf(StateShelf):
             pass
 
 
+class RemoteStateShelf(StateShelf):
+    """Snapshots on the remote tier's server (Redis, Valkey or a Redis Cluster), one
+    value per record under ``<key_prefix>:<format>:state:<key>``, shared by every host
+    that points at the server: another host's snapshot is found by :meth:`prefetch` (one
+    pipelined ``EXISTS`` per prompt) and verified on read like a local one. The server's
+    TTL and memory policy decide what it keeps, not ``capacity`` (which bounds only this
+    process's index of the records it wrote). A server that is down, slow or refuses
+    costs a miss within ``timeout_s``, never an error or a hang.
+
+    Args:
+        remote: the remote tier's :class:`~pagedkv.config.remote.RemoteTierConfig`.
+        capacity: records this process remembers writing.
+        fmt: the digest of the cache's format fingerprint.
+    """
+
+    medium = "remote"
+
+    def __init__(self, remote, capacity: int, fmt: str):
+        from pagedkv.tiers.remote_client import RemoteClient
+
+        super().__init__(capacity, fmt)
+        self.client = RemoteClient(remote, readers=2)
+        self.prefix = f"{remote.key_prefix}:{fmt[:32]}:state:"
+        self.ttl_ms = None if remote.ttl_s is None else max(1, int(remote.ttl_s * 1000))
+        self._seen: set[str] = set()       # keys the last prefetch found on the server
+        self.num_errors = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._lru or key in self._seen
+
+    def prefetch(self, keys: list[str]) -> None:
+        from pagedkv.tiers.remote_client import Unavailable
+
+        ask = [k for k in keys if k not in self._lru]
+        self._seen = set()
+        if not ask:
+            return
+        names = [self.prefix + k for k in ask]
+
+        def exists(client, names):
+            pipe = client.pipeline(transaction=False)
+            for n in names:
+                pipe.exists(n)
+            return pipe.execute()
+
+        try:
+            found = self.client.call(exists, names)
+        except Unavailable:
+            self.num_errors += 1
+            return
+        self._seen = {k for k, f in zip(ask, found) if f}
+
+    def put(self, key: str, ns_key: bytes, tokens: np.ndarray, payload: bytes) -> None:
+        record = encode(self.fmt, ns_key, tokens, payload)
+        if not self._write(key, record):
+            return
+        self._lru[key] = len(record)
+        self._lru.move_to_end(key)
+        self.num_stored += 1
+        while len(self._lru) > self.capacity:     # forget, never delete: other hosts may read it
+            self._lru.popitem(last=False)
+
+    def clear(self) -> None:
+        super().clear()
+        self._seen = set()
+
+    def stats(self) -> dict:
+        return dict(super().stats(), errors=self.num_errors)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _call(self, fn, *args):
+        from pagedkv.tiers.remote_client import Unavailable
+
+        try:
+            return True, self.client.call(fn, *args)
+        except Unavailable:
+            self.num_errors += 1
+            return False, None
+
+    def _write(self, key: str, record: bytes) -> bool:   # type: ignore[override]
+        ok, _ = self._call(lambda c, n, v, px: c.set(n, v, px=px), self.prefix + key, record, self.ttl_ms)
+        return ok
+
+    def _read(self, key: str) -> bytes | None:
+        ok, value = self._call(lambda c, n: c.get(n), self.prefix + key)
+        return value if ok and isinstance(value, bytes) else None
+
+    def _delete(self, key: str) -> None:
+        self._seen.discard(key)
+        self._call(lambda c, n: c.delete(n), self.prefix + key)
+
+
 def build_shelves(cfg, store) -> list[StateShelf]:
-    """The shelves of ``cfg``'s host and disk tiers (a remote tier keeps no states: a
-    promotion through it stops at the last snapshot the device or a shelf holds). Each
-    keeps as many snapshots as the device state pool has slots."""
+    """The shelves of ``cfg``'s host, disk and remote tiers, top tier first. The host and
+    disk shelves keep as many snapshots as the device state pool has slots; the remote
+    one what its server keeps."""
     from pagedkv.format.fingerprint import kv_format
 
     fmt = hashlib.sha256(json.dumps(kv_format(store, cfg.prefix_disk_tag), sort_keys=True).encode()).hexdigest()
@@ -284,4 +383,6 @@ def build_shelves(cfg, store) -> list[StateShelf]:
         shelves.append(HostStateShelf(cap, fmt))
     if cfg.prefix_disk_blocks:
         shelves.append(DiskStateShelf(os.path.join(cfg.prefix_disk_dir, "states"), cap, fmt))
+    if cfg.prefix_remote is not None:
+        shelves.append(RemoteStateShelf(cfg.prefix_remote, cap, fmt))
     return shelves
