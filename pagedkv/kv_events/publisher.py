@@ -22,7 +22,7 @@ from collections import deque
 
 from pagedkv.errors import InvalidArgumentError, expected
 from pagedkv.events import AllBlocksCleared
-from pagedkv.kv_events.wire import MEDIA, WIRE_FORMATS, batch, group_spec
+from pagedkv.kv_events.wire import MEDIA, MLA_GROUP, STATE_GROUP, WIRE_FORMATS, batch, group_spec
 
 __all__ = ["KVEventPublisher", "END_SEQ"]
 
@@ -76,6 +76,10 @@ class KVEventPublisher:
         self.wire_format = wire_format
         plan = cache.config.layer_groups
         self.groups = [group_spec(g.window) for g in plan.groups] if plan is not None else [group_spec(0)]
+        if getattr(cache.config, "kv_lora_rank", None) is not None:   # every layer stores a latent row
+            self.groups = [MLA_GROUP]
+        if getattr(cache.config, "state_spec", None) is not None:   # the snapshots' group, after the attention's
+            self.groups.append(STATE_GROUP)
         self._encode = msgspec.msgpack.Encoder().encode
         self._queue: queue.Queue[bytes | threading.Event | None] = queue.Queue(maxsize=max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)

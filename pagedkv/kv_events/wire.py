@@ -35,7 +35,7 @@ from typing import Any
 
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventsLost
 
-__all__ = ["MEDIA", "WIRE_FORMATS", "GroupSpec", "batch", "group_spec", "int64", "to_wire"]
+__all__ = ["MEDIA", "MLA_GROUP", "STATE_GROUP", "WIRE_FORMATS", "GroupSpec", "batch", "group_spec", "int64", "to_wire"]
 
 #: pagedkv medium -> the wire's medium
 MEDIA = {"device": "GPU", "host": "CPU", "disk": "STORAGE", "remote": "REMOTE"}
@@ -48,6 +48,11 @@ _REMOVED_REQUIRED = 2
 
 
 GroupSpec = tuple[str, "int | None"]
+
+
+#: the recurrent-state snapshots' group, and an MLA model's one group (vLLM's words)
+STATE_GROUP: GroupSpec = ("mamba", None)
+MLA_GROUP: GroupSpec = ("mla_attention", None)
 
 
 def group_spec(window: int) -> GroupSpec:

@@ -138,4 +138,6 @@ class Prefixes:
         if self.index is None or not self.index.events_enabled:
             raise InvalidArgumentError(expected("config.enable_kv_events", "True to drain events", False))
         with self.lock:
-            return self.tiers.drain_events()
+            events = self.tiers.drain_events()
+            state_events = getattr(self.groups, "drain_state_events", None)   # recurrent states' snapshots
+            return events + state_events() if state_events is not None else events

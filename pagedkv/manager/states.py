@@ -96,6 +96,34 @@ class StateGroups:
         self.state_limited = 0          # admissions whose hit the state group lowered
         self._owed: tuple[list, list] = ([], [])
         self.tier_states = None         # snapshots on the prefix tiers (pagedkv.manager.state_tiers)
+        # KV events of the snapshots (the state group's, after the attention groups)
+        self.state_group = len(inner.tables)
+        self._events: list = []
+        self._names = None
+        if self.snapshots is not None and getattr(index, "events_enabled", False):
+            self.snapshots.on_event = self._snapshot_event
+
+    def names(self, registry):
+        self._names = registry
+        return self.inner.names(registry)
+
+    def _snapshot_event(self, snap, stored: bool) -> None:
+        from pagedkv.events import BlockRemoved, BlockStored
+
+        if not stored:
+            self._events.append(BlockRemoved([snap.digest], [snap.slot], group=self.state_group))
+            return
+        ns = None if snap.ns_id == 0 or self._names is None else self._names.name(snap.ns_id)
+        self._events.append(BlockStored([snap.digest], snap.parent, self.block_size, ns, [snap.slot],
+                                        token_ids=snap.tokens[-self.block_size:].tolist(), group=self.state_group))
+
+    def drain_state_events(self) -> list:
+        """The snapshots' events since the last drain: a :class:`~pagedkv.events.BlockStored`
+        of the block a snapshot ends (hashed in the state group's namespace, its parent the
+        block before) when one is taken or loaded, a :class:`~pagedkv.events.BlockRemoved`
+        when it is dropped; ``group`` is the state group's index."""
+        out, self._events = self._events, []
+        return out
 
     def close_tiers(self) -> None:
         """Close the tiers' shelves (a remote shelf's connections)."""

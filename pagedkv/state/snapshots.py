@@ -49,6 +49,7 @@ class Snapshot:
     hits: int = 0
     superseded: int = 0         # deeper snapshots filed whose chains extend this one
     extends: tuple = ()         # the shallower snapshots this one supersedes (counted there)
+    parent: int | None = None   # the chained hash of the block before the last (None: one block)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -89,6 +90,7 @@ class SnapshotIndex:
         self.num_verify_failures = 0   # a digest matched, the tokens or namespace did not
         self.num_hits = 0              # lookups that resumed from a snapshot
         self.on_store: Callable[[Snapshot], None] | None = None   # each new snapshot (the tiers write it down)
+        self.on_event: Callable[[Snapshot, bool], None] | None = None   # stored (True) or removed: KV events
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -155,11 +157,14 @@ class SnapshotIndex:
                 a.superseded += 1
                 below.append(a)
         snap.extends = tuple(below)
+        snap.parent = int(digests[k - 2]) if k > 1 else None
         self.slots.incref(slot)
         self._by_key[key] = snap
         self.num_stored += 1
         if self.on_store is not None:
             self.on_store(snap)
+        if self.on_event is not None:
+            self.on_event(snap, True)
         return snap
 
     def remove(self, snap: Snapshot) -> None:
@@ -168,6 +173,8 @@ class SnapshotIndex:
         for a in snap.extends:
             a.superseded -= 1
         snap.extends = ()
+        if self.on_event is not None:
+            self.on_event(snap, False)
 
     def num_evictable(self) -> int:
         """Snapshots whose slot frees when they go: unpinned, shared by no sequence."""
